@@ -1,0 +1,7 @@
+"""specdec: lossless speculative decoding for local LLM inference."""
+from specdec.api import LLM, Result
+from specdec.errors import SpecdecError
+from specdec.sampling import SamplingParams
+
+__all__ = ["LLM", "Result", "SamplingParams", "SpecdecError"]
+__version__ = "0.1.0"

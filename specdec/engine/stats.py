@@ -1,0 +1,56 @@
+"""Per-call speculative decoding statistics."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Stats:
+    new_tokens: int = 0
+    target_forwards: int = 0  # prefill counts as one
+    drafted: int = 0
+    accepted: int = 0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+    drafted_at: list[int] = field(default_factory=list)   # per draft position: times drafted
+    accepted_at: list[int] = field(default_factory=list)  # per draft position: times accepted
+
+    def record_step(self, drafted: int, accepted: int) -> None:
+        self.target_forwards += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        grow = drafted - len(self.drafted_at)
+        if grow > 0:
+            self.drafted_at += [0] * grow
+            self.accepted_at += [0] * grow
+        for i in range(drafted):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += i < accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accept_len(self) -> float:
+        """Tokens per target forward, bonus token included."""
+        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    def to_dict(self) -> dict:
+        r = lambda x: round(x, 4)  # noqa: E731
+        return {"new_tokens": self.new_tokens, "target_forwards": self.target_forwards, "drafted": self.drafted,
+                "accepted": self.accepted, "acceptance_rate": r(self.acceptance_rate),
+                "mean_accept_len": r(self.mean_accept_len), "tokens_per_s": r(self.tokens_per_s),
+                "per_position_acceptance": [r(x) for x in self.per_position_acceptance],
+                "prefill_s": r(self.prefill_s), "draft_s": r(self.draft_s), "verify_s": r(self.verify_s),
+                "total_s": r(self.total_s)}

@@ -1,0 +1,88 @@
+"""Resolve a model name or path to a checkpoint directory and load it."""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from specdec.errors import SpecdecError
+from specdec.models.config import ModelConfig
+from specdec.models.tokenizer import Tokenizer
+from specdec.models.transformer import Transformer
+from specdec.paths import home
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") or cpu_has_bf16() else torch.float32
+    if name not in DTYPES:
+        raise SpecdecError(f"unknown dtype {name!r} (choose auto, bf16, fp16 or fp32)")
+    return DTYPES[name]
+
+
+def resolve_model(name_or_path: str, progress: bool = True) -> Path:
+    """A pack name, a GGUF file or a checkpoint directory -> checkpoint directory."""
+    from specdec.models import packs
+
+    if name_or_path in packs.PACKS:
+        return packs.pull(name_or_path, progress=progress)
+    p = Path(name_or_path).expanduser()
+    if not p.exists():
+        raise SpecdecError(f"model not found: {name_or_path} (not a file, a directory or a model pack: "
+                           f"{', '.join(packs.PACKS)})")
+    if p.is_dir():
+        if not (p / "config.json").exists() or not list(p.glob("*.safetensors")):
+            raise SpecdecError(f"{p}: not a checkpoint directory (needs config.json and *.safetensors)")
+        return p
+    return converted_gguf(p, progress)
+
+
+def converted_gguf(path: Path, progress: bool = True) -> Path:
+    """Convert a GGUF file once; later calls reuse the cached conversion."""
+    from specdec.models.gguf_convert import convert_gguf
+
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = home() / "converted" / f"{path.stem}-{key}"
+    if (out / "config.json").exists():
+        return out
+    return convert_gguf(path, out, progress=progress)
+
+
+def load_checkpoint(directory: Path, dtype: torch.dtype, device: str = "cpu") -> tuple[Transformer, Tokenizer]:
+    from safetensors import safe_open
+
+    cfg = ModelConfig.from_file(directory / "config.json")
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    state = {}
+    try:
+        for f in sorted(directory.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as sf:
+                for name in sf.keys():
+                    state[name] = sf.get_tensor(name).to(device=device, dtype=dtype)
+    except Exception as e:
+        raise SpecdecError(f"{directory}: cannot read weights ({type(e).__name__}: {e})") from None
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
+    unexpected = [u for u in unexpected if "rotary_emb" not in u]
+    if missing or unexpected:
+        raise SpecdecError(f"{directory}: weights do not match the config (missing {missing[:3]}, "
+                           f"unexpected {unexpected[:3]})")
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.eval()
+    return model, Tokenizer(directory)

@@ -1,0 +1,95 @@
+"""Rotary position embeddings with the scaling variants HF configs use (linear, llama3, yarn)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from specdec.errors import SpecdecError
+
+
+def _llama3(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
+    factor, lo, hi = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / hi) & ~(wavelen > old_len / lo)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn(base: float, dim: int, p: dict, max_pos: int) -> tuple[torch.Tensor, float]:
+    factor = p.get("factor") or max_pos / p["original_max_position_embeddings"]
+    orig = p["original_max_position_embeddings"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn = p.get("attention_factor")
+    if attn is None:
+        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
+        attn = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def corr_dim(rot: float) -> float:
+        return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extra = 1 - ramp
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
+    return inv, float(attn)
+
+
+def inv_freq_and_scale(head_dim: int, theta: float, scaling: dict | None, max_pos: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim/2] and the attention scale applied to cos/sin."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if not scaling:
+        return inv, 1.0
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv / scaling["factor"], 1.0
+    if kind == "llama3":
+        return _llama3(inv, scaling), 1.0
+    if kind == "yarn":
+        return _yarn(theta, head_dim, scaling, max_pos)
+    raise SpecdecError(f"unsupported rope scaling {kind!r} (supported: linear, llama3, yarn)")
+
+
+class Rotary:
+    """cos/sin tables, grown on demand, indexed by absolute position."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_pos: int):
+        self.inv_freq, self.scale = inv_freq_and_scale(head_dim, theta, scaling, max_pos)
+        self.cos = self.sin = torch.empty(0, head_dim)
+
+    def _grow(self, n: int, device: torch.device) -> None:
+        t = torch.arange(n, dtype=torch.float32)
+        freqs = torch.outer(t, self.inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)  # [n, head_dim]
+        self.cos = (emb.cos() * self.scale).to(device)
+        self.sin = (emb.sin() * self.scale).to(device)
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] -> cos, sin [B, 1, T, head_dim] in `dtype`."""
+        need = int(positions.max()) + 1
+        if need > self.cos.shape[0]:
+            self._grow(max(need, 2 * self.cos.shape[0], 256), positions.device)
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D], cos/sin [B, 1, T, D]."""
+    return x * cos + rotate_half(x) * sin

@@ -1,0 +1,149 @@
+"""Decoder-only transformer for the Llama / Mistral / Qwen2 / Qwen3 families.
+
+Parameter names mirror Hugging Face checkpoints so a safetensors state dict loads as is.
+Every forward takes a chunk of tokens per sequence, writes their K/V into a static cache at
+the given positions and returns logits for the positions asked for.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.models.config import ModelConfig
+from specdec.models.rope import Rotary, apply_rotary
+from specdec.runtime.kv_cache import KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer, self.cfg = layer, cfg
+        hd, bias = cfg.head_dim, cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * hd, cfg.hidden_size, bias=cfg.attention_bias and cfg.family != "qwen2")
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, batch: "Batch", cache: KVCache) -> torch.Tensor:
+        B, T, _ = x.shape
+        c, hd = self.cfg, self.cfg.head_dim
+        q = self.q_proj(x).view(B, T, c.num_heads, hd)
+        k = self.k_proj(x).view(B, T, c.num_kv_heads, hd)
+        v = self.v_proj(x).view(B, T, c.num_kv_heads, hd)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
+        q = apply_rotary(q, batch.cos, batch.sin)
+        k = apply_rotary(k, batch.cos, batch.sin)
+        cache.write(self.layer, batch.slots, batch.cache_index, k, v)
+        keys, values = cache.read(self.layer, batch.slots, batch.kv_len)  # [B, kv_heads, S, hd]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask,
+                                             enable_gqa=c.num_heads != c.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, c.num_heads * hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        b = cfg.mlp_bias
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=b)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=b)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, batch: "Batch", cache: KVCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+@dataclass
+class Batch:
+    """Per-forward inputs shared by every layer."""
+    slots: torch.Tensor        # [B] cache row of each sequence
+    cache_index: torch.Tensor  # [B, T] where each token's K/V is written
+    cos: torch.Tensor          # [B, 1, T, hd]
+    sin: torch.Tensor          # [B, 1, T, hd]
+    mask: torch.Tensor | None  # [B, 1, T, kv_len] bool (True = attend), None = attend to all
+    kv_len: int                # keys read per sequence
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        with torch.device("cpu"):  # tables are built on the host even when the model is created on meta
+            self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache,
+                cache_index: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                logits_index: torch.Tensor | None = None,
+                hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Run a chunk of tokens through the model.
+
+        tokens, positions: [B, T]; slots: [B]; cache_index: [B, T] (defaults to positions);
+        mask: [B, 1, T, S] bool, default causal over cache positions; logits_index: [B, T'] which
+        of the T positions to project to logits (default all).
+        Returns logits [B, T', V] in float32 and {layer: hidden [B, T, H]} for `hidden_layers`
+        (layer i = output of decoder layer i; -1 = after the final norm).
+        """
+        cache_index = positions if cache_index is None else cache_index
+        kv_len = int(cache_index.max()) + 1
+        if mask is None and tokens.numel() > 1:
+            key_pos = torch.arange(kv_len, device=tokens.device)
+            mask = (key_pos[None, None, :] <= cache_index[:, :, None]).unsqueeze(1)
+        x = self.model.embed_tokens(tokens)
+        cos, sin = self.rotary.tables(positions, x.dtype)
+        batch = Batch(slots, cache_index, cos, sin, mask, kv_len)
+        hidden: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, batch, cache)
+            if i in hidden_layers:
+                hidden[i] = x
+        x = self.model.norm(x)
+        if -1 in hidden_layers:
+            hidden[-1] = x
+        if logits_index is not None:
+            x = torch.gather(x, 1, logits_index[:, :, None].expand(-1, -1, x.shape[-1]))
+        return self.lm_head(x).float(), hidden

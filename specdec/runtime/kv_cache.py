@@ -1,0 +1,57 @@
+"""A static, position-indexed KV cache with one row ("slot") per sequence.
+
+Nothing here tracks lengths: a sequence's valid length lives in its `Sequence` and rejecting
+drafts is just moving that pointer back. Entries past it are stale and get overwritten.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class KVCache:
+    k: list[torch.Tensor]  # per layer [slots, kv_heads, max_len, head_dim]
+    v: list[torch.Tensor]  # per layer [slots, kv_heads, max_len, head_dim]
+
+    @classmethod
+    def allocate(cls, num_layers: int, num_slots: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> "KVCache":
+        shape = (num_slots, kv_heads, max_len, head_dim)
+        return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
+                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)])
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[2]
+
+    @property
+    def num_slots(self) -> int:
+        return self.k[0].shape[0]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def write(self, layer: int, slots: torch.Tensor, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """slots [B], index [B, T] cache positions, k/v [B, kv_heads, T, head_dim]."""
+        if slots.shape[0] == 1 and _is_contiguous_run(index):
+            s, start, end = int(slots[0]), int(index[0, 0]), int(index[0, -1]) + 1
+            self.k[layer][s, :, start:end] = k[0]
+            self.v[layer][s, :, start:end] = v[0]
+            return
+        rows = slots[:, None].expand_as(index)
+        self.k[layer][rows, :, index] = k.transpose(1, 2)
+        self.v[layer][rows, :, index] = v.transpose(1, 2)
+
+    def read(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """First `length` positions of each slot: k, v [B, kv_heads, length, head_dim]."""
+        if slots.shape[0] == 1:
+            s = int(slots[0])
+            return self.k[layer][s:s + 1, :, :length], self.v[layer][s:s + 1, :, :length]
+        return self.k[layer][slots, :, :length], self.v[layer][slots, :, :length]
+
+
+def _is_contiguous_run(index: torch.Tensor) -> bool:
+    n = index.shape[1]
+    return n == 1 or int(index[0, -1] - index[0, 0]) == n - 1 and bool((index[0, 1:] - index[0, :-1] == 1).all())

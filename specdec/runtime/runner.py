@@ -1,0 +1,54 @@
+"""ModelRunner: a model plus its KV cache, driven by (slot, start, tokens) chunks."""
+from __future__ import annotations
+
+import torch
+
+from specdec.errors import SpecdecError
+from specdec.models.transformer import Transformer
+from specdec.runtime.kv_cache import KVCache
+
+PREFILL_CHUNK = 512
+HEADROOM = 64  # spare cache rows so padded positions of ragged batches never hit real ones
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, num_slots: int, context: int):
+        cfg = model.config
+        self.model, self.context = model, context
+        dtype, device = model.lm_head.weight.dtype, model.lm_head.weight.device
+        self.cache = KVCache.allocate(cfg.num_layers, num_slots, cfg.num_kv_heads, context + HEADROOM,
+                                      cfg.head_dim, dtype, device)
+        self.device = device
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    def forward(self, chunks: list[list[int]], starts: list[int], slots: list[int],
+                last_only: bool = False) -> list[torch.Tensor]:
+        """Feed chunk i of tokens at positions starts[i].. into slot slots[i].
+
+        Returns per sequence logits [T_i, V] (or [1, V] with last_only), float32.
+        """
+        lens = [len(c) for c in chunks]
+        if any(s + n > self.context for s, n in zip(starts, lens)):
+            raise SpecdecError(f"sequence exceeds the context of {self.context} tokens")
+        T = max(lens)
+        tokens = torch.zeros(len(chunks), T, dtype=torch.long)
+        for i, c in enumerate(chunks):
+            tokens[i, :len(c)] = torch.tensor(c)
+        positions = torch.tensor(starts)[:, None] + torch.arange(T)[None, :]  # [B, T]
+        logits_index = torch.tensor([[n - 1] for n in lens]) if last_only else None
+        logits, _ = self.model(tokens.to(self.device), positions.to(self.device), torch.tensor(slots).to(self.device),
+                               self.cache, logits_index=None if logits_index is None else logits_index.to(self.device))
+        if last_only:
+            return [logits[i] for i in range(len(chunks))]
+        return [logits[i, :n] for i, n in enumerate(lens)]
+
+    def prefill(self, tokens: list[int], slot: int, start: int = 0) -> torch.Tensor:
+        """Feed a long run of tokens in chunks; return the last position's logits [V]."""
+        logits = None
+        for off in range(0, len(tokens), PREFILL_CHUNK):
+            chunk = tokens[off:off + PREFILL_CHUNK]
+            logits = self.forward([chunk], [start + off], [slot], last_only=True)[0]
+        return logits[-1]
