@@ -34,9 +34,7 @@ class LLM:
                  context: int = 4096, dtype: str = "auto", threads: int | None = None, draft_max: int = 16,
                  draft_min: int = 0, draft_p_min: float = 0.0, ngram_n: int = 3, ngram_m: int = 16,
                  progress: bool = True):
-        spec_type = spec_type or ("draft" if draft else "none")
-        if spec_type not in SPEC_TYPES:
-            raise SpecdecError(f"unknown spec type {spec_type!r} (choose {', '.join(SPEC_TYPES)})")
+        spec_type = spec_type or ("draft" if draft or model is None else "none")
         _check_positive(context=context, draft_max=draft_max, ngram_n=ngram_n, ngram_m=ngram_m)
         if draft_min < 0 or draft_min > draft_max:
             raise SpecdecError("draft_min must be between 0 and draft_max")
@@ -49,28 +47,38 @@ class LLM:
             model = packs.DEFAULT_TARGET
             if spec_type == "draft" and draft is None:
                 draft = packs.DEFAULT_DRAFT
-        if spec_type == "draft" and draft is None:
-            raise SpecdecError("spec type 'draft' needs a draft model (-md)")
         self.dtype = resolve_dtype(dtype)
         target, self.tokenizer = load_checkpoint(resolve_model(model, progress), self.dtype)
         context = min(context, target.config.max_position_embeddings)
         self.runner = ModelRunner(target, num_slots=1, context=context)
         self.spec_type = spec_type
-        drafter = self._make_drafter(spec_type, draft, context, draft_p_min, ngram_n, ngram_m, progress)
-        self.engine = Engine(self.runner, self.tokenizer, drafter, SpecConfig(draft_max, draft_min))
+        self._draft_name, self._p_min, self._ngram = draft, draft_p_min, (ngram_n, ngram_m)
+        self._spec = SpecConfig(draft_max, draft_min)
+        self._progress = progress
+        self._engines: dict[str, Engine] = {}
+        self.engine = self.engine_for(spec_type)
 
-    def _make_drafter(self, spec_type: str, draft: str | None, context: int, p_min: float, n: int, m: int,
-                      progress: bool) -> Drafter | None:
+    def engine_for(self, spec_type: str) -> Engine:
+        """The engine for one spec type; all share the target and its KV cache."""
+        if spec_type not in SPEC_TYPES:
+            raise SpecdecError(f"unknown spec type {spec_type!r} (choose {', '.join(SPEC_TYPES)})")
+        if spec_type not in self._engines:
+            self._engines[spec_type] = Engine(self.runner, self.tokenizer, self._make_drafter(spec_type), self._spec)
+        return self._engines[spec_type]
+
+    def _make_drafter(self, spec_type: str) -> Drafter | None:
         if spec_type == "ngram-simple":
             from specdec.drafters.ngram_simple import NgramSimpleDrafter
-            return NgramSimpleDrafter(n, m)
+            return NgramSimpleDrafter(*self._ngram)
         if spec_type == "draft":
             from specdec.drafters.draft_model import DraftModelDrafter
-            dmodel, dtok = load_checkpoint(resolve_model(draft, progress), self.dtype)
+            if self._draft_name is None:
+                raise SpecdecError("spec type 'draft' needs a draft model (-md)")
+            dmodel, dtok = load_checkpoint(resolve_model(self._draft_name, self._progress), self.dtype)
             if not dtok.same_vocab(self.tokenizer):
-                raise SpecdecError(f"draft model {draft} uses a different tokenizer than the target; "
+                raise SpecdecError(f"draft model {self._draft_name} uses a different tokenizer than the target; "
                                    "a draft model must share the target's vocabulary")
-            return DraftModelDrafter(ModelRunner(dmodel, 1, context), self.runner.vocab_size, p_min)
+            return DraftModelDrafter(ModelRunner(dmodel, 1, self.context), self.runner.vocab_size, self._p_min)
         return None
 
     @property
@@ -85,10 +93,13 @@ class LLM:
 
     def generate(self, prompt: str | list[int], max_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, stop: list[str] | None = None,
-                 chat: bool = False, system: str | None = None, on_text: StreamCallback | None = None) -> Result:
+                 chat: bool = False, system: str | None = None, on_text: StreamCallback | None = None,
+                 spec_type: str | None = None) -> Result:
+        """Generate from a prompt (text, or token ids); `spec_type` overrides the LLM's for this call."""
         ids = prompt if isinstance(prompt, list) else self.encode(prompt, chat, system)
         params = SamplingParams(temperature, top_k, top_p, min_p, seed, max_tokens, list(stop or []))
-        seq = self.engine.generate(ids, params, on_text)
+        engine = self.engine if spec_type is None else self.engine_for(spec_type)
+        seq = engine.generate(ids, params, on_text)
         return Result(seq.text, seq.output_ids, seq.stats, seq.finish_reason or "stop")
 
 

@@ -1,0 +1,97 @@
+"""Fixtures: tiny random checkpoints of every family (in process) and the real SmolLM2-135M pack."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+VOCAB = 96
+
+
+def word_tokenizer(directory: Path, vocab: int = VOCAB, prefix: str = "t") -> None:
+    """A word-level tokenizer over tokens t0..t{vocab-1}; t0 is EOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"{prefix}{i}": i for i in range(vocab)}, unk_token=f"{prefix}1"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": f"{prefix}0"}))
+
+
+FAMILIES = {
+    "llama": dict(model_type="llama", attention_bias=False, tie_word_embeddings=True),
+    "llama3-rope": dict(model_type="llama", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                          "high_freq_factor": 4.0,
+                                                          "original_max_position_embeddings": 64}),
+    "llama-linear-bias": dict(model_type="llama", attention_bias=True, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "mistral": dict(model_type="mistral", sliding_window=None),
+    "qwen2": dict(model_type="qwen2", tie_word_embeddings=True),
+    "qwen2-yarn": dict(model_type="qwen2", rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                         "original_max_position_embeddings": 64}),
+    "qwen3": dict(model_type="qwen3", head_dim=24),
+}
+
+
+def make_tiny(directory: Path, family: str, seed: int = 0, layers: int = 2, vocab: int = VOCAB) -> Path:
+    """Save a random `transformers` model of `family` with our word tokenizer; return the directory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra = dict(FAMILIES[family])
+    model_type = extra.pop("model_type")
+    cfg = AutoConfig.for_model(model_type, vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                               max_position_embeddings=256, eos_token_id=0, bos_token_id=None, **extra)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # peaked logits, so greedy argmax is far from ties
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(directory))
+    word_tokenizer(directory, vocab)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """family -> checkpoint directory (built once per session)."""
+    root = tmp_path_factory.mktemp("tiny")
+    cache: dict[str, Path] = {}
+
+    def get(family: str, seed: int = 0, layers: int = 2) -> Path:
+        key = f"{family}-{seed}-{layers}"
+        if key not in cache:
+            cache[key] = make_tiny(root / key, family, seed, layers)
+        return cache[key]
+    return get
+
+
+@pytest.fixture(scope="session")
+def smollm_dir() -> Path:
+    """The real SmolLM2-135M pack (downloaded and converted once, cached under SPECDEC_HOME)."""
+    from specdec.models.packs import pull
+    return pull("smollm2-135m", progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm_shallow(smollm_dir, tmp_path_factory) -> Path:
+    """SmolLM2-135M cut to its first 8 layers: a real but weaker draft with the same tokenizer."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("smollm-8l")
+    cfg = json.loads((smollm_dir / "config.json").read_text())
+    keep = 8
+    cfg["num_hidden_layers"] = keep
+    state = {k: v for k, v in load_file(str(smollm_dir / "model.safetensors")).items()
+             if not k.startswith("model.layers.") or int(k.split(".")[2]) < keep}
+    save_file(state, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(cfg))
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(smollm_dir / f, out / f)
+    return out
