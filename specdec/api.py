@@ -11,8 +11,12 @@ from specdec.engine.stats import Stats
 from specdec.errors import SpecdecError
 from specdec.models import packs
 from specdec.models.loader import load_checkpoint, resolve_dtype, resolve_model
+from specdec.runtime.quant import quantize_int8_
 from specdec.runtime.runner import ModelRunner
 from specdec.sampling import SamplingParams
+
+
+DRAFT_QUANT = ("int8", "none")
 
 
 @dataclass
@@ -21,6 +25,7 @@ class Result:
     token_ids: list[int]
     stats: Stats
     finish_reason: str
+    top2_gaps: list[float]  # per output token: the target's top-1 minus top-2 logit
 
     def to_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
@@ -33,13 +38,15 @@ class LLM:
     def __init__(self, model: str | None = None, draft: str | None = None, spec_type: str | None = None,
                  context: int = 4096, dtype: str = "auto", threads: int | None = None, draft_max: int = 16,
                  draft_min: int = 0, draft_p_min: float = 0.0, ngram_n: int = 3, ngram_m: int = 16,
-                 progress: bool = True):
+                 draft_quant: str = "int8", progress: bool = True):
         spec_type = spec_type or ("draft" if draft or model is None else "none")
         _check_positive(context=context, draft_max=draft_max, ngram_n=ngram_n, ngram_m=ngram_m)
         if draft_min < 0 or draft_min > draft_max:
             raise SpecdecError("draft_min must be between 0 and draft_max")
         if not 0 <= draft_p_min <= 1:
             raise SpecdecError("draft_p_min must be in [0, 1]")
+        if draft_quant not in DRAFT_QUANT:
+            raise SpecdecError(f"unknown draft quantization {draft_quant!r} (choose {', '.join(DRAFT_QUANT)})")
         if threads is not None:
             _check_positive(threads=threads)
             torch.set_num_threads(threads)
@@ -53,6 +60,7 @@ class LLM:
         self.runner = ModelRunner(target, num_slots=1, context=context)
         self.spec_type = spec_type
         self._draft_name, self._p_min, self._ngram = draft, draft_p_min, (ngram_n, ngram_m)
+        self._draft_quant = draft_quant
         self._spec = SpecConfig(draft_max, draft_min)
         self._progress = progress
         self._engines: dict[str, Engine] = {}
@@ -78,6 +86,8 @@ class LLM:
             if not dtok.same_vocab(self.tokenizer):
                 raise SpecdecError(f"draft model {self._draft_name} uses a different tokenizer than the target; "
                                    "a draft model must share the target's vocabulary")
+            if self._draft_quant == "int8":
+                quantize_int8_(dmodel)
             return DraftModelDrafter(ModelRunner(dmodel, 1, self.context), self.runner.vocab_size, self._p_min)
         return None
 
@@ -100,7 +110,7 @@ class LLM:
         params = SamplingParams(temperature, top_k, top_p, min_p, seed, max_tokens, list(stop or []))
         engine = self.engine if spec_type is None else self.engine_for(spec_type)
         seq = engine.generate(ids, params, on_text)
-        return Result(seq.text, seq.output_ids, seq.stats, seq.finish_reason or "stop")
+        return Result(seq.text, seq.output_ids, seq.stats, seq.finish_reason or "stop", seq.top2_gaps)
 
 
 def _check_positive(**values: int) -> None:

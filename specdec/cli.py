@@ -47,6 +47,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--draft-min", type=int, default=0, help="skip drafts shorter than this (default 0)")
     s.add_argument("--draft-p-min", type=_unit_float, default=0.0,
                    help="stop drafting when the draft's token probability falls below this (default 0)")
+    s.add_argument("--draft-quant", choices=["int8", "none"], default="int8",
+                   help="weights of the draft model: int8 (weight-only, faster on CPU; the output stays the "
+                   "target's) or none (default int8)")
     s.add_argument("--spec-ngram-size-n", dest="ngram_n", type=_positive_int, default=3,
                    help="ngram-simple: tokens to match (default 3)")
     s.add_argument("--spec-ngram-size-m", dest="ngram_m", type=_positive_int, default=16,
@@ -69,7 +72,7 @@ def build_llm(a: argparse.Namespace, progress: bool = True):
 
     return LLM(a.model, draft=a.draft, spec_type=a.spec_type, context=a.context, dtype=a.dtype, threads=a.threads,
                draft_max=a.draft_max, draft_min=a.draft_min, draft_p_min=a.draft_p_min, ngram_n=a.ngram_n,
-               ngram_m=a.ngram_m, progress=progress)
+               ngram_m=a.ngram_m, draft_quant=a.draft_quant, progress=progress)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

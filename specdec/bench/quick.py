@@ -5,59 +5,13 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 from specdec.errors import SpecdecError
 
-_CODE = '''import json
-from pathlib import Path
-
-
-def load_users(path):
-    data = json.loads(Path(path).read_text())
-    users = []
-    for item in data:
-        if item.get("active"):
-            users.append({"name": item["name"], "email": item["email"], "age": item.get("age", 0)})
-    return users
-
-
-def average_age(users):
-    if not users:
-        return 0
-    total = 0
-    for u in users:
-        total += u["age"]
-    return total / len(users)
-
-
-def main():
-    users = load_users("users.json")
-    print("active users:", len(users))
-    print("average age:", average_age(users))
-
-
-if __name__ == "__main__":
-    main()
-'''
-
-_ARTICLE = (
-    "The city council voted on Tuesday to expand the bike lane network by 40 kilometres over the next three "
-    "years. Supporters said the plan would cut traffic, reduce emissions and make streets safer for children "
-    "walking to school. Opponents, including several shop owners on Main Street, argued that removing parking "
-    "spaces would hurt small businesses that depend on customers arriving by car. The council's transport "
-    "committee estimated the cost at 12 million dollars, most of it covered by a regional climate grant. "
-    "Construction of the first 10 kilometres is scheduled to start in the spring, beginning with the route "
-    "between the central station and the university campus. The mayor said the city would publish monthly "
-    "progress reports and hold public meetings before each new section is built."
-)
-
-QUICK_PROMPTS = [
-    ("code-question", "Write a Python function that returns the n-th Fibonacci number using memoization. "
-                      "Include type hints and a short docstring."),
-    ("code-edit", "Rewrite the following Python code so that every function has type hints. Keep everything "
-                  "else exactly the same and output the whole file.\n\n```python\n" + _CODE + "```"),
-    ("summary", "Summarize the following article in three sentences.\n\n" + _ARTICLE),
-]
+PROMPT_DIR = Path(__file__).parent / "prompts"
+QUICK_NAMES = ("code-question", "code-edit", "summary")  # a code question, an edit that mostly copies, a summary
+QUICK_PROMPTS = [(n, (PROMPT_DIR / f"{n}.txt").read_text()) for n in QUICK_NAMES]
 OURS = ("none", "draft", "ngram-simple")
 PEERS = ("hf-plain",)
 

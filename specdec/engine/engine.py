@@ -49,7 +49,7 @@ class Engine:
         logits = self.target.prefill(seq.tokens, seq.slot)  # [V]
         seq.stats.prefill_s = time.perf_counter() - start
         seq.stats.target_forwards = 1
-        self._commit(seq, [self._sample(logits[None], seq)], detok, on_text)
+        self._commit(seq, [self._sample(logits[None], seq)], logits[None], detok, on_text)
         while seq.finish_reason is None:
             self._step(seq, detok, on_text)
         if self.drafter:
@@ -84,17 +84,24 @@ class Engine:
         seq.stats.draft_s += t1 - t0
         seq.stats.verify_s += time.perf_counter() - t1
         seq.stats.record_step(len(draft.tokens), len(new) - 1)
-        self._commit(seq, new, detok, on_text)
+        self._commit(seq, new, logits, detok, on_text)
         if self.drafter:
             self.drafter.update(seq, len(draft.tokens), len(new) - 1)
 
-    def _commit(self, seq: Sequence, new: list[int], detok: Detokenizer, on_text: StreamCallback | None) -> None:
-        """Append verified tokens one by one, stopping at EOS, stop strings, max tokens or the context."""
-        for tok in new:
+    def _commit(self, seq: Sequence, new: list[int], logits: torch.Tensor, detok: Detokenizer,
+                on_text: StreamCallback | None) -> None:
+        """Append verified tokens one by one, stopping at EOS, stop strings, max tokens or the context.
+
+        logits [>= len(new), V]: row i is the target distribution token i was chosen from.
+        """
+        top2 = logits[:len(new)].topk(2, dim=-1).values  # [n, 2]
+        gaps = (top2[:, 0] - top2[:, 1]).tolist()
+        for tok, gap in zip(new, gaps):
             if tok in self.stop_ids:
                 seq.finish_reason = "stop"
                 break
             seq.tokens.append(tok)
+            seq.top2_gaps.append(gap)
             seq.stats.new_tokens += 1
             delta = detok.push([tok])
             text = seq.text + delta

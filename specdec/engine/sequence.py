@@ -19,6 +19,7 @@ class Sequence:
     stats: Stats = field(default_factory=Stats)
     finish_reason: str | None = None  # "stop" | "length"
     text: str = ""                    # decoded output (stop strings cut off)
+    top2_gaps: list[float] = field(default_factory=list)  # per output token: target's top-1 minus top-2 logit
 
     @property
     def output_ids(self) -> list[int]:

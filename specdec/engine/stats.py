@@ -54,3 +54,17 @@ class Stats:
                 "per_position_acceptance": [r(x) for x in self.per_position_acceptance],
                 "prefill_s": r(self.prefill_s), "draft_s": r(self.draft_s), "verify_s": r(self.verify_s),
                 "total_s": r(self.total_s)}
+
+
+def first_divergence(base: list[int], base_gaps: list[float], other: list[int]) -> dict | None:
+    """Where `other` first differs from the plain run `base`, with the plain run's top-2 logit gap there.
+
+    In bf16 a divergence at a near-tie (small gap) is rounding; anywhere else it is a bug.
+    """
+    for i, (a, b) in enumerate(zip(base, other)):
+        if a != b:
+            return {"index": i, "top2_gap": round(base_gaps[i], 4)}
+    if len(base) != len(other):
+        i = min(len(base), len(other))
+        return {"index": i, "top2_gap": round(base_gaps[i], 4) if i < len(base_gaps) else None}
+    return None

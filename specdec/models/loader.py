@@ -9,7 +9,7 @@ import torch
 from specdec.errors import SpecdecError
 from specdec.models.config import ModelConfig
 from specdec.models.tokenizer import Tokenizer
-from specdec.models.transformer import Transformer
+from specdec.models.transformer import Transformer, fuse_projections
 from specdec.paths import home
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -76,6 +76,7 @@ def load_checkpoint(directory: Path, dtype: torch.dtype, device: str = "cpu") ->
         raise SpecdecError(f"{directory}: cannot read weights ({type(e).__name__}: {e})") from None
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    fuse_projections(state, cfg.num_layers)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
     unexpected = [u for u in unexpected if "rotary_emb" not in u]

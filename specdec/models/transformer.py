@@ -1,6 +1,7 @@
 """Decoder-only transformer for the Llama / Mistral / Qwen2 / Qwen3 families.
 
-Parameter names mirror Hugging Face checkpoints so a safetensors state dict loads as is.
+Parameter names mirror Hugging Face checkpoints, except that q/k/v and gate/up are fused into
+`qkv_proj` and `gate_up_proj` (see `fuse_projections`): fewer, larger matmuls.
 Every forward takes a chunk of tokens per sequence, writes their K/V into a static cache at
 the given positions and returns logits for the positions asked for.
 """
@@ -34,9 +35,8 @@ class Attention(nn.Module):
         super().__init__()
         self.layer, self.cfg = layer, cfg
         hd, bias = cfg.head_dim, cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * hd, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=bias)
+        self.q_size, self.kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)  # q, k, v fused
         self.o_proj = nn.Linear(cfg.num_heads * hd, cfg.hidden_size, bias=cfg.attention_bias and cfg.family != "qwen2")
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
@@ -45,9 +45,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: "Batch", cache: KVCache) -> torch.Tensor:
         B, T, _ = x.shape
         c, hd = self.cfg, self.cfg.head_dim
-        q = self.q_proj(x).view(B, T, c.num_heads, hd)
-        k = self.k_proj(x).view(B, T, c.num_kv_heads, hd)
-        v = self.v_proj(x).view(B, T, c.num_kv_heads, hd)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(B, T, c.num_heads, hd)
+        k = k.reshape(B, T, c.num_kv_heads, hd)
+        v = v.reshape(B, T, c.num_kv_heads, hd)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
@@ -64,12 +65,12 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         b = cfg.mlp_bias
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=b)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=b)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=b)  # gate, up fused
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -102,6 +103,21 @@ class Batch:
     sin: torch.Tensor          # [B, 1, T, hd]
     mask: torch.Tensor | None  # [B, 1, T, kv_len] bool (True = attend), None = attend to all
     kv_len: int                # keys read per sequence
+
+
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def fuse_projections(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """Rewrite a Hugging Face state dict in place to the fused names this module uses."""
+    for i in range(num_layers):
+        for fused, parts in FUSED.items():
+            for kind in ("weight", "bias"):
+                names = [f"model.layers.{i}.{p}.{kind}" for p in parts]
+                if all(n in state for n in names):
+                    state[f"model.layers.{i}.{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
+    return state
 
 
 class Transformer(nn.Module):

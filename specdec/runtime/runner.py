@@ -15,7 +15,7 @@ class ModelRunner:
     def __init__(self, model: Transformer, num_slots: int, context: int):
         cfg = model.config
         self.model, self.context = model, context
-        dtype, device = model.lm_head.weight.dtype, model.lm_head.weight.device
+        dtype, device = model.model.embed_tokens.weight.dtype, model.model.embed_tokens.weight.device
         self.cache = KVCache.allocate(cfg.num_layers, num_slots, cfg.num_kv_heads, context + HEADROOM,
                                       cfg.head_dim, dtype, device)
         self.device = device
