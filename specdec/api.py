@@ -5,7 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.drafters import SPEC_TYPES, Drafter
+from specdec.drafters import Drafter, parse_spec_type
+from specdec.drafters.chain import ChainDrafter
 from specdec.engine.engine import Engine, SpecConfig, StreamCallback
 from specdec.engine.stats import Stats
 from specdec.errors import SpecdecError
@@ -26,10 +27,11 @@ class Result:
     stats: Stats
     finish_reason: str
     top2_gaps: list[float]  # per output token: the target's top-1 minus top-2 logit
+    synthetic: bool = False  # a synthetic drafter forced acceptances: NOT the target's output
 
     def to_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-                "stats": self.stats.to_dict()}
+                "synthetic": self.synthetic, "stats": self.stats.to_dict()}
 
 
 class LLM:
@@ -38,46 +40,96 @@ class LLM:
     def __init__(self, model: str | None = None, draft: str | None = None, spec_type: str | None = None,
                  context: int = 4096, dtype: str = "auto", threads: int | None = None, draft_max: int = 16,
                  draft_min: int = 0, draft_p_min: float = 0.0, ngram_n: int = 3, ngram_m: int = 16,
-                 draft_quant: str = "int8", progress: bool = True):
+                 draft_quant: str = "int8", progress: bool = True, adaptive: bool = True,
+                 draft_branch_p: float = 0.0, ngram_min_hits: int = 1,
+                 ngram_mod_pool_mb: float = 16.0, suffix_max_requests: int = 64, suffix_factor: float = 1.0,
+                 suffix_min_prob: float = 0.1, synth_rates: list[float] | None = None, synth_len: int = 8):
         spec_type = spec_type or ("draft" if draft or model is None else "none")
-        _check_positive(context=context, draft_max=draft_max, ngram_n=ngram_n, ngram_m=ngram_m)
+        self.spec_type = ",".join(parse_spec_type(spec_type))
+        _check_positive(context=context, draft_max=draft_max, ngram_n=ngram_n, ngram_m=ngram_m,
+                        ngram_min_hits=ngram_min_hits)
         if draft_min < 0 or draft_min > draft_max:
             raise SpecdecError("draft_min must be between 0 and draft_max")
         if not 0 <= draft_p_min <= 1:
             raise SpecdecError("draft_p_min must be in [0, 1]")
+        if not 0 <= draft_branch_p <= 1:
+            raise SpecdecError("draft_branch_p must be in [0, 1]")
         if draft_quant not in DRAFT_QUANT:
             raise SpecdecError(f"unknown draft quantization {draft_quant!r} (choose {', '.join(DRAFT_QUANT)})")
+        if not 0 < ngram_mod_pool_mb <= 65536:
+            raise SpecdecError(f"ngram_mod_pool_mb must be in (0, 65536] (got {ngram_mod_pool_mb})")
+        pool_size = max(1, int(ngram_mod_pool_mb * 2**20) // 4)  # int32 entries
+        if suffix_max_requests < 0:
+            raise SpecdecError(f"suffix_max_requests must be >= 0 (got {suffix_max_requests})")
+        if not 0 < suffix_factor < float("inf"):
+            raise SpecdecError(f"suffix_factor must be > 0 and finite (got {suffix_factor})")
+        if not 0 <= suffix_min_prob <= 1:
+            raise SpecdecError("suffix_min_prob must be in [0, 1]")
+        self._synth = (list(synth_rates or [0.8]), synth_len)
+        if not self._synth[0] or not all(0 <= r <= 1 for r in self._synth[0]):
+            raise SpecdecError("synthetic acceptance rates must be in [0, 1]")
+        _check_positive(synth_len=synth_len)
         if threads is not None:
             _check_positive(threads=threads)
             torch.set_num_threads(threads)
         if model is None:
             model = packs.DEFAULT_TARGET
-            if spec_type == "draft" and draft is None:
+            if "draft" in self.spec_type.split(",") and draft is None:
                 draft = packs.DEFAULT_DRAFT
         self.dtype = resolve_dtype(dtype)
         target, self.tokenizer = load_checkpoint(resolve_model(model, progress), self.dtype)
         context = min(context, target.config.max_position_embeddings)
         self.runner = ModelRunner(target, num_slots=1, context=context)
-        self.spec_type = spec_type
-        self._draft_name, self._p_min, self._ngram = draft, draft_p_min, (ngram_n, ngram_m)
+        self._draft_name, self._p_min, self._branch_p = draft, draft_p_min, draft_branch_p
+        self._ngram = dict(n=ngram_n, m=ngram_m)
+        self._ngram_min_hits, self._pool_size = ngram_min_hits, pool_size
+        self._suffix = dict(factor=suffix_factor, min_prob=suffix_min_prob, max_requests=suffix_max_requests)
         self._draft_quant = draft_quant
-        self._spec = SpecConfig(draft_max, draft_min)
+        self._spec = SpecConfig(draft_max, draft_min, adaptive)
         self._progress = progress
         self._engines: dict[str, Engine] = {}
+        self._drafters: dict[str, Drafter | None] = {}  # by single spec type; chains reuse these
         self.engine = self.engine_for(spec_type)
 
     def engine_for(self, spec_type: str) -> Engine:
-        """The engine for one spec type; all share the target and its KV cache."""
-        if spec_type not in SPEC_TYPES:
-            raise SpecdecError(f"unknown spec type {spec_type!r} (choose {', '.join(SPEC_TYPES)})")
-        if spec_type not in self._engines:
-            self._engines[spec_type] = Engine(self.runner, self.tokenizer, self._make_drafter(spec_type), self._spec)
-        return self._engines[spec_type]
+        """The engine for one spec type or chain; all share the target and its KV cache, and drafters of the
+        same type are shared too (one ngram-mod pool, one suffix memory, one draft model per LLM)."""
+        parts = parse_spec_type(spec_type)
+        key = ",".join(parts)
+        if key not in self._engines:
+            members = [self._drafter(p) for p in parts]
+            drafter = members[0] if len(members) == 1 else ChainDrafter(members)
+            self._engines[key] = Engine(self.runner, self.tokenizer, drafter, self._spec)
+        return self._engines[key]
+
+    def reset_drafters(self) -> None:
+        """Forget what drafters learned across requests (ngram-mod pool, suffix memory), e.g. between repeats."""
+        for d in self._drafters.values():
+            if hasattr(d, "reset"):
+                d.reset()
+
+    def _drafter(self, spec_type: str) -> Drafter | None:
+        if spec_type not in self._drafters:
+            self._drafters[spec_type] = self._make_drafter(spec_type)
+        return self._drafters[spec_type]
 
     def _make_drafter(self, spec_type: str) -> Drafter | None:
         if spec_type == "ngram-simple":
             from specdec.drafters.ngram_simple import NgramSimpleDrafter
-            return NgramSimpleDrafter(*self._ngram)
+            return NgramSimpleDrafter(**self._ngram)
+        if spec_type in ("ngram-map-k", "ngram-map-k4v"):
+            from specdec.drafters.ngram_map_k import NgramMapK4VDrafter, NgramMapKDrafter
+            cls = NgramMapKDrafter if spec_type == "ngram-map-k" else NgramMapK4VDrafter
+            return cls(**self._ngram, min_hits=self._ngram_min_hits)
+        if spec_type == "ngram-mod":
+            from specdec.drafters.ngram_mod import NgramModDrafter
+            return NgramModDrafter(**self._ngram, pool_size=self._pool_size)
+        if spec_type == "suffix":
+            from specdec.drafters.suffix import SuffixDrafter
+            return SuffixDrafter(**self._suffix)
+        if spec_type == "synthetic":
+            from specdec.drafters.synthetic import SyntheticDrafter
+            return SyntheticDrafter(*self._synth)
         if spec_type == "draft":
             from specdec.drafters.draft_model import DraftModelDrafter
             if self._draft_name is None:
@@ -88,7 +140,8 @@ class LLM:
                                    "a draft model must share the target's vocabulary")
             if self._draft_quant == "int8":
                 quantize_int8_(dmodel)
-            return DraftModelDrafter(ModelRunner(dmodel, 1, self.context), self.runner.vocab_size, self._p_min)
+            return DraftModelDrafter(ModelRunner(dmodel, 1, self.context), self.runner.vocab_size, self._p_min,
+                                     self._branch_p)
         return None
 
     @property
@@ -99,6 +152,10 @@ class LLM:
         if not chat:
             return self.tokenizer.encode(prompt)
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        return self.encode_chat(messages)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """A conversation (`[{"role", "content"}, ...]`) in the chat template, ready for the assistant's turn."""
         return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages), add_special_tokens=False)
 
     def generate(self, prompt: str | list[int], max_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
@@ -110,7 +167,7 @@ class LLM:
         params = SamplingParams(temperature, top_k, top_p, min_p, seed, max_tokens, list(stop or []))
         engine = self.engine if spec_type is None else self.engine_for(spec_type)
         seq = engine.generate(ids, params, on_text)
-        return Result(seq.text, seq.output_ids, seq.stats, seq.finish_reason or "stop", seq.top2_gaps)
+        return Result(seq.text, seq.output_ids, seq.stats, seq.finish_reason or "stop", seq.top2_gaps, seq.synthetic)
 
 
 def _check_positive(**values: int) -> None:

@@ -29,6 +29,26 @@ def _unit_float(s: str) -> float:
     return v
 
 
+def _spec_type(s: str) -> str:
+    """A spec type or a comma-separated chain of them, normalized ('ngram-mod, draft' -> 'ngram-mod,draft')."""
+    from specdec.drafters import parse_spec_type
+
+    try:
+        return ",".join(parse_spec_type(s))
+    except SpecdecError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _rates(s: str) -> list[float]:
+    try:
+        rates = [float(x) for x in s.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from None
+    if not all(0 <= r <= 1 for r in rates):
+        raise argparse.ArgumentTypeError(f"rates must be in [0, 1], got {s}")
+    return rates
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that loads models."""
     from specdec.drafters import SPEC_TYPES
@@ -42,18 +62,41 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="compute dtype; auto = bf16 on CPUs with native bf16, else fp32")
     g.add_argument("-t", "--threads", type=_positive_int, help="CPU threads (default: torch's choice)")
     s = p.add_argument_group("speculative decoding")
-    s.add_argument("--spec-type", choices=SPEC_TYPES, help="drafter (default: draft with -md or no -m, else none)")
+    s.add_argument("--spec-type", type=_spec_type, metavar="TYPE[,TYPE...]",
+                   help=f"drafter: {' | '.join(SPEC_TYPES)}; a comma list is a chain, the first that drafts wins "
+                   "(default: draft with -md or no -m, else none)")
     s.add_argument("--draft-max", type=_positive_int, default=16, help="max drafted tokens per step (default 16)")
     s.add_argument("--draft-min", type=int, default=0, help="skip drafts shorter than this (default 0)")
+    s.add_argument("--draft-branch-p", type=_unit_float, default=0.0,
+                   help="draft model: where its token's probability is below this, also propose its second "
+                   "choice as a sibling (a token tree verified in one forward); 0 = chains only (default 0)")
+    s.add_argument("--spec-adaptive", choices=["on", "off"], default="on",
+                   help="choose each step's draft length (<= --draft-max) by measured costs and acceptance "
+                   "(default on); off = always --draft-max")
     s.add_argument("--draft-p-min", type=_unit_float, default=0.0,
                    help="stop drafting when the draft's token probability falls below this (default 0)")
     s.add_argument("--draft-quant", choices=["int8", "none"], default="int8",
                    help="weights of the draft model: int8 (weight-only, faster on CPU; the output stays the "
                    "target's) or none (default int8)")
     s.add_argument("--spec-ngram-size-n", dest="ngram_n", type=_positive_int, default=3,
-                   help="ngram-simple: tokens to match (default 3)")
+                   help="ngram-*: tokens to match (default 3)")
     s.add_argument("--spec-ngram-size-m", dest="ngram_m", type=_positive_int, default=16,
-                   help="ngram-simple: tokens to propose after a match (default 16)")
+                   help="ngram-*: max tokens to propose after a match (default 16)")
+    s.add_argument("--spec-ngram-min-hits", dest="ngram_min_hits", type=_positive_int, default=1,
+                   help="ngram-map-k/k4v: hits a continuation needs before it is drafted (default 1)")
+    s.add_argument("--spec-ngram-mod-pool-mb", dest="ngram_mod_pool_mb", type=float, default=16.0,
+                   help="ngram-mod: size of the hash pool shared by all sequences, in MB (default 16)")
+    s.add_argument("--spec-suffix-max-requests", dest="suffix_max_requests", type=int, default=64,
+                   help="suffix: past requests whose outputs are remembered, oldest evicted; 0 = none (default 64)")
+    s.add_argument("--spec-suffix-factor", dest="suffix_factor", type=float, default=1.0,
+                   help="suffix: draft at most factor x match length tokens (default 1.0)")
+    s.add_argument("--spec-suffix-min-prob", dest="suffix_min_prob", type=_unit_float, default=0.1,
+                   help="suffix: stop drafting below this empirical continuation probability (default 0.1)")
+    s.add_argument("--spec-synth-rates", dest="synth_rates", type=_rates, default=[0.8],
+                   help="synthetic: acceptance probability per draft position, e.g. 0.9,0.8,0.6 (the last one "
+                   "repeats); output is NOT valid text (default 0.8)")
+    s.add_argument("--spec-synth-len", dest="synth_len", type=_positive_int, default=8,
+                   help="synthetic: tokens per fake draft (default 8)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -72,7 +115,11 @@ def build_llm(a: argparse.Namespace, progress: bool = True):
 
     return LLM(a.model, draft=a.draft, spec_type=a.spec_type, context=a.context, dtype=a.dtype, threads=a.threads,
                draft_max=a.draft_max, draft_min=a.draft_min, draft_p_min=a.draft_p_min, ngram_n=a.ngram_n,
-               ngram_m=a.ngram_m, draft_quant=a.draft_quant, progress=progress)
+               ngram_m=a.ngram_m, draft_quant=a.draft_quant, adaptive=a.spec_adaptive == "on",
+               draft_branch_p=a.draft_branch_p, progress=progress, ngram_min_hits=a.ngram_min_hits,
+               ngram_mod_pool_mb=a.ngram_mod_pool_mb, suffix_max_requests=a.suffix_max_requests,
+               suffix_factor=a.suffix_factor, suffix_min_prob=a.suffix_min_prob, synth_rates=a.synth_rates,
+               synth_len=a.synth_len)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -96,12 +143,13 @@ def cmd_generate(a: argparse.Namespace) -> int:
         print(json.dumps({"text": r.text, "token_ids": r.token_ids, "stats": {k: d[k] for k in keys},
                           "timings": {k: d[k] for k in ("prefill_s", "draft_s", "verify_s", "total_s")},
                           "per_position_acceptance": d["per_position_acceptance"], "spec_type": llm.spec_type,
-                          "finish_reason": r.finish_reason}))
+                          "finish_reason": r.finish_reason, "synthetic": r.synthetic}))
     else:
         s = r.stats
         print(f"\n\n[{llm.spec_type}] {s.new_tokens} tokens in {s.total_s:.2f} s = {s.tokens_per_s:.2f} tok/s | "
               f"target forwards {s.target_forwards} | drafted {s.drafted} accepted {s.accepted} "
-              f"({s.acceptance_rate:.0%}) | mean accept len {s.mean_accept_len:.2f}", file=sys.stderr)
+              f"({s.acceptance_rate:.0%}) | mean accept len {s.mean_accept_len:.2f}"
+              + (" | SYNTHETIC drafts: not the target's text" if r.synthetic else ""), file=sys.stderr)
     return 0
 
 
@@ -121,15 +169,16 @@ def cmd_models(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from specdec.bench.quick import run_quick
+    from specdec.bench.runner import run_bench
 
-    if not a.quick:
-        raise SpecdecError("only `specdec bench --quick` is available in this version")
-    run_quick(a)
+    run_bench(a)
     return 0
 
 
 def make_parser() -> argparse.ArgumentParser:
+    from specdec.bench.runner import all_methods
+    from specdec.drafters import LOSSLESS_TYPES
+
     p = _Parser(prog="specdec", description="Lossless speculative decoding for local LLMs.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -148,13 +197,26 @@ def make_parser() -> argparse.ArgumentParser:
     m.add_argument("names", nargs="*", help="pack names for pull")
     m.set_defaults(func=cmd_models)
 
-    b = sub.add_parser("bench", help="measure tokens/s of speculative methods")
-    b.add_argument("--quick", action="store_true", help="three built-in prompts on the default pair")
-    b.add_argument("--methods", default="none,draft,ngram-simple,hf-plain",
-                   help="comma-separated: none, draft, ngram-simple, hf-plain (default: all)")
-    b.add_argument("--repeat", type=_positive_int, default=1, help="runs per prompt and method (median reported)")
+    b = sub.add_parser("bench", help="measure speculative methods against plain decoding and the peers")
+    w = b.add_argument_group("workload")
+    w.add_argument("--workload", default="quick",
+                   help="quick (3 built-in prompts), spec_bench (the Spec-Bench questions) or a JSONL file of "
+                   '{"id", "category", "prompt" | "turns", "max_tokens"} lines (default quick)')
+    w.add_argument("--quick", dest="workload", action="store_const", const="quick", help="same as --workload quick")
+    w.add_argument("--workload-dir", help="folder with Spec-Bench's question.jsonl "
+                   "(default ../shared/workloads/spec_bench beside the repo)")
+    w.add_argument("--per-category", type=_positive_int, help="sample N prompts per category (fixed --seed)")
+    w.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=_positive_int,
+                   help="cap on new tokens per turn (default: the prompt's max_tokens, else 128)")
+    w.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy, outputs checked (default 0)")
+    w.add_argument("--seed", type=int, default=0, help="seed for --per-category sampling and sampled runs (0)")
+    r = b.add_argument_group("methods and measurement")
+    r.add_argument("--methods", default=",".join((*LOSSLESS_TYPES, "hf-plain")),
+                   help=f"comma-separated, or all: {', '.join(all_methods())} (default: ours and hf-plain)")
+    r.add_argument("--repeat", type=_positive_int, default=1, help="runs per prompt and method (median reported)")
+    r.add_argument("--llama-server", metavar="PATH", help="llama-server binary for the llama-* methods")
+    r.add_argument("--out", help="output folder (default bench-out/DATE-TIME)")
     add_model_args(b)
-    b.add_argument("-n", "--n-predict", dest="max_tokens", type=_positive_int, default=128)
     b.set_defaults(func=cmd_bench)
     return p
 

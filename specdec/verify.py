@@ -1,8 +1,10 @@
-"""Lossless verification of a drafted chain against the target's logits.
+"""Lossless verification of a drafted chain or tree against the target's logits.
 
-Greedy: keep the longest prefix equal to the target's argmax, then the target's own token.
-Sampling: rejection sampling (Leviathan et al. 2023, Chen et al. 2023); a drafter without
-probabilities counts as one-hot. Either way the result is k' accepted drafts + one token.
+Greedy: follow the target's argmax through the tree as long as a child matches, then the
+target's own token. Sampling: rejection sampling (Leviathan et al. 2023, Chen et al. 2023),
+multi-candidate at tree nodes (SpecInfer); a drafter without probabilities counts as one-hot.
+Either way the result is the accepted drafts along one path + one token from the target.
+A chain is the tree whose node i continues node i-1.
 """
 from __future__ import annotations
 
@@ -11,35 +13,76 @@ import torch
 from specdec.sampling import SamplingParams, probs_from_logits, sample
 
 
-def verify_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> list[int]:
-    """draft [k], target_logits [k+1, V] -> accepted drafts followed by the bonus token."""
-    target = target_logits.argmax(-1)  # [k+1]
-    k = draft.shape[0]
-    mismatch = (draft != target[:k]).nonzero()
-    m = int(mismatch[0]) if mismatch.numel() else k
-    return target[:m + 1].tolist()
+def chain(k: int) -> list[int]:
+    """Parents of a k-token chain: node i continues node i-1."""
+    return list(range(-1, k - 1))
 
 
-def verify_sampling(draft: torch.Tensor, draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
+def verify_greedy(draft: list[int], target_logits: torch.Tensor) -> list[int]:
+    """Chain: draft [k], target_logits [k+1, V] -> accepted drafts followed by the bonus token."""
+    return verify_tree_greedy(draft, chain(len(draft)), target_logits)[0]
+
+
+def verify_sampling(draft: list[int], draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
                     params: SamplingParams, generator: torch.Generator | None) -> list[int]:
-    """Rejection sampling.
+    """Chain rejection sampling: draft [k], draft_probs [k, V] or None (one-hot), target_logits [k+1, V]."""
+    return verify_tree_sampling(draft, chain(len(draft)), draft_probs, target_logits, params, generator)[0]
 
-    draft [k]; draft_probs [k, V] (the distributions the drafts were sampled from) or None for a
-    deterministic drafter; target_logits [k+1, V]. Returns accepted drafts + one sampled token.
+
+def _children(parents: list[int]) -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        kids.setdefault(p, []).append(i)
+    return kids
+
+
+def verify_tree_greedy(tokens: list[int], parents: list[int], target_logits: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Greedy over a token tree.
+
+    tokens, parents [N]; target_logits [N+1, V] (row 0: the last committed token, row i+1: node i).
+    Returns (accepted tokens + bonus, accepted node indices along the path).
     """
-    k = draft.shape[0]
-    p = probs_from_logits(target_logits, params)  # [k+1, V]
-    rows = torch.arange(k)
-    p_tok = p[rows, draft]  # [k]
-    q_tok = draft_probs[rows, draft] if draft_probs is not None else torch.ones(k)  # [k]
-    u = torch.rand(k, generator=generator)  # [k]
-    rejected = (u * q_tok >= p_tok).nonzero()  # accept iff u < p/q
-    m = int(rejected[0]) if rejected.numel() else k
-    if m == k:
-        bonus = sample(p[k:k + 1], generator)
-    else:
-        q = draft_probs[m] if draft_probs is not None else torch.nn.functional.one_hot(draft[m], p.shape[-1]).float()
-        residual = (p[m] - q).clamp_min(0)  # [V]
-        residual = residual if residual.sum() > 0 else p[m]
-        bonus = sample((residual / residual.sum())[None], generator)
-    return draft[:m].tolist() + bonus.tolist()
+    pred = target_logits.argmax(-1).tolist()  # [N+1]
+    kids = _children(parents)
+    out, path, cur = [], [], -1
+    while True:
+        want = pred[cur + 1]
+        out.append(want)
+        nxt = next((i for i in kids.get(cur, []) if tokens[i] == want), None)
+        if nxt is None:
+            return out, path
+        path.append(nxt)
+        cur = nxt
+
+
+def verify_tree_sampling(tokens: list[int], parents: list[int], draft_probs: torch.Tensor | None,
+                         target_logits: torch.Tensor, params: SamplingParams,
+                         generator: torch.Generator | None) -> tuple[list[int], list[int]]:
+    """Multi-candidate rejection sampling over a tree (SpecInfer / EAGLE-2 style).
+
+    At each node the children are tried in order: child x (drawn from q) is accepted with
+    probability min(1, p(x)/q(x)); on rejection p <- norm(max(p - q, 0)). If no child is accepted
+    the bonus token is sampled from what is left of p. q is one-hot for deterministic drafters.
+    draft_probs [N, V] or None; target_logits [N+1, V]. Returns (tokens, accepted node path).
+    """
+    p_all = probs_from_logits(target_logits, params)  # [N+1, V]
+    V = p_all.shape[-1]
+    kids = _children(parents)
+    out, path, cur = [], [], -1
+    while True:
+        p = p_all[cur + 1]  # [V]
+        accepted = None
+        for x in kids.get(cur, []):
+            q = draft_probs[x] if draft_probs is not None else torch.nn.functional.one_hot(
+                torch.tensor(tokens[x]), V).float()  # [V]
+            if float(torch.rand(1, generator=generator)) * float(q[tokens[x]]) < float(p[tokens[x]]):
+                accepted = x
+                break
+            residual = (p - q).clamp_min(0)
+            p = residual / residual.sum() if residual.sum() > 0 else p
+        if accepted is None:
+            out += sample(p[None], generator).tolist()
+            return out, path
+        out.append(tokens[accepted])
+        path.append(accepted)
+        cur = accepted

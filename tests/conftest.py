@@ -75,23 +75,3 @@ def smollm_dir() -> Path:
     """The real SmolLM2-135M pack (downloaded and converted once, cached under SPECDEC_HOME)."""
     from specdec.models.packs import pull
     return pull("smollm2-135m", progress=False)
-
-
-@pytest.fixture(scope="session")
-def smollm_shallow(smollm_dir, tmp_path_factory) -> Path:
-    """SmolLM2-135M cut to its first 8 layers: a real but weaker draft with the same tokenizer."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    out = tmp_path_factory.mktemp("smollm-8l")
-    cfg = json.loads((smollm_dir / "config.json").read_text())
-    keep = 8
-    cfg["num_hidden_layers"] = keep
-    state = {k: v for k, v in load_file(str(smollm_dir / "model.safetensors")).items()
-             if not k.startswith("model.layers.") or int(k.split(".")[2]) < keep}
-    save_file(state, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps(cfg))
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(smollm_dir / f, out / f)
-    return out

@@ -4,33 +4,74 @@ import pytest
 import specdec
 
 PROMPTS_TINY = ["t5 t9 t12 t5 t9 t12 t5 t9", "t33 t2 t71", "t8 " * 20 + "t4", "t60"]
+MODEL_FREE = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "suffix")
+CHAIN = "ngram-mod,draft"
+SPECS = ("draft", *MODEL_FREE, CHAIN)
 
 
-def _tiny_llm(tiny_dir, family, draft_seed):
+def _tiny_llm(tiny_dir, family, draft_seed, **kw):
     target = tiny_dir(family)
     draft = target if draft_seed is None else tiny_dir(family, seed=draft_seed, layers=1)
-    return specdec.LLM(str(target), draft=str(draft), spec_type="none", dtype="fp32", context=64, progress=False)
+    return specdec.LLM(str(target), draft=str(draft), spec_type="none", dtype="fp32", context=64, progress=False,
+                       **kw)
 
 
 def _set_stop(llm, ids):
-    for t in ("none", "draft", "ngram-simple"):
+    for t in ("none", *SPECS):
         llm.engine_for(t).stop_ids = set(ids)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family,adaptive", [("llama", True), ("qwen2", True), ("qwen3", True), ("llama", False)])
 @pytest.mark.parametrize("draft_seed", [None, 1])  # the target itself as draft (all accepted), a weak random draft
-def test_tiny_greedy_equality(tiny_dir, family, draft_seed):
+def test_tiny_greedy_equality(tiny_dir, family, adaptive, draft_seed):
     llm = _tiny_llm(tiny_dir, family, draft_seed)
+    llm._spec.adaptive = adaptive
     _set_stop(llm, [])
     for prompt in PROMPTS_TINY:
         for max_tokens in (1, 7, 40):
             base = llm.generate(prompt, max_tokens=max_tokens, spec_type="none")
-            for spec in ("draft", "ngram-simple"):
-                for k in (1, 3, 8):
+            # model-free drafters do not depend on the draft model: once per family is enough; with adaptive
+            # length draft_max is only a cap, so the newer drafters sweep it only without
+            for spec in ("draft", CHAIN) + (MODEL_FREE if draft_seed is None else ()):
+                for k in (1, 3, 8) if spec == "draft" or not adaptive else (8,):
                     llm._spec.draft_max = k
                     r = llm.generate(prompt, max_tokens=max_tokens, spec_type=spec)
                     assert r.token_ids == base.token_ids, (family, prompt, max_tokens, spec, k)
                     assert r.finish_reason == base.finish_reason
+
+
+def test_tiny_model_free_with_misses(tiny_dir):
+    """n = 1 and no probability cut: model-free drafters draft on most steps and are often wrong."""
+    llm = _tiny_llm(tiny_dir, "llama", None, ngram_n=1, suffix_min_prob=0.0, suffix_factor=4.0)
+    llm._spec.adaptive, llm._spec.draft_max = False, 6
+    _set_stop(llm, [])
+    bases = {p: llm.generate(p, max_tokens=40, spec_type="none").token_ids for p in PROMPTS_TINY}
+    for spec in (*MODEL_FREE, "suffix,ngram-map-k"):
+        llm.engine_for(spec).stop_ids = set()
+        drafted = accepted = 0
+        for prompt in PROMPTS_TINY:
+            r = llm.generate(prompt, max_tokens=40, spec_type=spec)
+            assert r.token_ids == bases[prompt], (spec, prompt)
+            drafted, accepted = drafted + r.stats.drafted, accepted + r.stats.accepted
+        assert 0 < accepted < drafted, spec
+
+
+def test_drafters_shared_within_an_llm(tiny_dir):
+    llm = _tiny_llm(tiny_dir, "qwen2", None)
+    llm._spec.adaptive = False
+    _set_stop(llm, [])
+    mod = llm.engine_for("ngram-mod").drafter
+    assert llm.engine_for("ngram-mod, draft") is llm.engine_for(CHAIN)
+    assert llm.engine_for(CHAIN).drafter.members[0] is mod  # one pool per LLM
+    base = llm.generate(PROMPTS_TINY[1], max_tokens=20, spec_type="ngram-mod")
+    assert mod.used > 0
+    r = llm.generate(PROMPTS_TINY[1], max_tokens=20, spec_type=CHAIN)  # its ngram-mod remembers the first run
+    assert r.token_ids == base.token_ids and r.stats.accepted >= 10
+    llm.reset_drafters()
+    assert mod.used == 0
+    llm.engine_for("suffix,ngram-map-k").stop_ids = set()
+    r = llm.generate(PROMPTS_TINY[1], max_tokens=20, temperature=0.8, seed=1, spec_type="suffix,ngram-map-k")
+    assert len(r.token_ids) == 20  # sampling with model-free (one-hot) drafts runs
 
 
 def test_tiny_runs_into_eos_and_context(tiny_dir):
@@ -43,12 +84,12 @@ def test_tiny_runs_into_eos_and_context(tiny_dir):
     _set_stop(llm, [eos])
     base = llm.generate(prompt, max_tokens=200, spec_type="none")
     assert base.finish_reason == "stop" and eos not in base.token_ids
-    for spec in ("draft", "ngram-simple"):
+    for spec in SPECS:
         llm._spec.draft_max = 8
         r = llm.generate(prompt, max_tokens=200, spec_type=spec)
         assert r.token_ids == base.token_ids and r.finish_reason == "stop"
     _set_stop(llm, [])
-    for spec in ("draft", "ngram-simple"):
+    for spec in SPECS:
         r = llm.generate(prompt, max_tokens=200, spec_type=spec)
         assert r.token_ids == free.token_ids and r.finish_reason == "length"
 
@@ -60,7 +101,7 @@ def test_stop_strings_identical(tiny_dir):
     stop = free.text.split()[10]
     base = llm.generate("t5 t9", max_tokens=30, stop=[stop], spec_type="none")
     assert stop not in base.text and base.finish_reason == "stop"
-    for spec in ("draft", "ngram-simple"):
+    for spec in SPECS:
         r = llm.generate("t5 t9", max_tokens=30, stop=[stop], spec_type=spec)
         assert (r.text, r.token_ids) == (base.text, base.token_ids)
 
@@ -73,15 +114,22 @@ REAL_PROMPTS = [
 
 
 @pytest.mark.real
-def test_smollm_greedy_equality(smollm_dir, smollm_shallow):
-    llm = specdec.LLM(str(smollm_dir), draft=str(smollm_shallow), spec_type="none", dtype="fp32",
-                      context=256, progress=False)
-    accepted = 0
+def test_smollm_greedy_equality(smollm_dir):
+    # The draft is SmolLM2-135M with int8 weights (the default --draft-quant): real, and wrong now and then.
+    # Adaptive length is off: a same-size draft never pays, so adaptive would (rightly) stop drafting.
+    llm = specdec.LLM(str(smollm_dir), draft=str(smollm_dir), spec_type="none", dtype="fp32",
+                      context=256, adaptive=False, progress=False)
+    drafter = llm.engine_for("draft").drafter
+    accepted = branched = 0
     for prompt in REAL_PROMPTS:
         base = llm.generate(prompt, max_tokens=48, chat=True, spec_type="none")
-        for spec, k in (("draft", 4), ("draft", 10), ("ngram-simple", 6)):
-            llm._spec.draft_max = k
+        for spec, k, branch_p in (("draft", 4, 0.0), ("draft", 10, 0.0), ("draft", 10, 0.6), ("ngram-simple", 6, 0.0),
+                                  ("ngram-map-k", 6, 0.0), ("ngram-map-k4v", 6, 0.0), ("ngram-mod", 6, 0.0),
+                                  ("suffix", 16, 0.0), (CHAIN, 6, 0.0)):
+            llm._spec.draft_max, drafter.branch_p = k, branch_p
             r = llm.generate(prompt, max_tokens=48, chat=True, spec_type=spec)
-            assert r.token_ids == base.token_ids, (prompt, spec, k)
+            assert r.token_ids == base.token_ids, (prompt, spec, k, branch_p)
             accepted += r.stats.accepted
+            branched += r.stats.drafted - sum(r.stats.drafted_at)  # tree nodes beyond one per depth
     assert accepted > 0  # the shallow draft and the n-gram lookup do get tokens accepted
+    assert branched > 0  # draft trees (branch_p 0.6) were built and verified

@@ -10,10 +10,10 @@ def test_greedy_accepts_longest_matching_prefix():
     logits = torch.full((4, 10), -5.0)
     for i, t in enumerate([3, 7, 1, 9]):
         logits[i, t] = 5.0
-    assert verify_greedy(torch.tensor([3, 7, 1]), logits) == [3, 7, 1, 9]   # all accepted + bonus
-    assert verify_greedy(torch.tensor([3, 2, 1]), logits) == [3, 7]         # first mismatch replaced
-    assert verify_greedy(torch.tensor([0, 7, 1]), logits) == [3]
-    assert verify_greedy(torch.tensor([], dtype=torch.long), logits[:1]) == [3]
+    assert verify_greedy([3, 7, 1], logits) == [3, 7, 1, 9]   # all accepted + bonus
+    assert verify_greedy([3, 2, 1], logits) == [3, 7]         # first mismatch replaced
+    assert verify_greedy([0, 7, 1], logits) == [3]
+    assert verify_greedy([], logits[:1]) == [3]
 
 
 V, L = 5, 2  # vocab, tokens per sampled sequence
@@ -26,10 +26,10 @@ def _spec_sample(target_logits, draft_probs, params, gen, k, one_hot):
         n = len(out)
         rows = list(range(n, min(n + k, L)))
         if one_hot:  # deterministic drafter: always proposes token (position) % V
-            draft, q = torch.tensor([(r * 2) % V for r in rows], dtype=torch.long), None
+            draft, q = [(r * 2) % V for r in rows], None
         else:
             q = draft_probs[rows]
-            draft = sample(q, gen)
+            draft = sample(q, gen).tolist()
         out += verify_sampling(draft, q, target_logits[n:n + len(rows) + 1], params, gen)
     return tuple(out[:L])
 
@@ -61,6 +61,6 @@ def test_rejection_sampling_converges_to_target(params, one_hot):
 def test_seeded_sampling_is_reproducible():
     logits = torch.randn(3, 20)
     p = SamplingParams(temperature=1.0, seed=7)
-    a = verify_sampling(torch.tensor([1, 2]), None, logits, p, p.generator())
-    b = verify_sampling(torch.tensor([1, 2]), None, logits, p, p.generator())
+    a = verify_sampling([1, 2], None, logits, p, p.generator())
+    b = verify_sampling([1, 2], None, logits, p, p.generator())
     assert a == b

@@ -1,4 +1,4 @@
-"""The drafter interface: `propose` a chain of tokens, then hear back how many were accepted."""
+"""The drafter interface: `propose` a chain (or tree) of tokens, then hear back how many were accepted."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -11,8 +11,13 @@ from specdec.engine.sequence import Sequence
 
 @dataclass
 class Draft:
+    """k draft tokens. A chain by default; with `parents`, a tree: node i continues node parents[i]
+    (-1 = the last committed token), parents come before children, siblings are distinct tokens
+    or independent samples from the same distribution."""
     tokens: list[int]                  # [k]
     probs: torch.Tensor | None = None  # [k, V] distributions the tokens were sampled from; None = one-hot
+    parents: list[int] | None = None   # [k] tree structure; None = chain (parents[i] = i - 1)
+    forced: int | None = None          # synthetic drafts only: accept this many regardless (lossy)
 
 
 class Drafter(ABC):

@@ -1,4 +1,9 @@
-"""`draft`: a smaller model with the same tokenizer proposes tokens one forward at a time."""
+"""`draft`: a smaller model with the same tokenizer proposes tokens one forward at a time.
+
+With `branch_p` > 0 the proposal is a small tree: wherever the draft's own probability of its
+token is below `branch_p`, its second choice (greedy) or a second independent sample (sampling)
+is added as a sibling leaf, which costs no extra draft forward.
+"""
 from __future__ import annotations
 
 import torch
@@ -12,9 +17,10 @@ from specdec.sampling import probs_from_logits, sample
 class DraftModelDrafter(Drafter):
     name = "draft"
 
-    def __init__(self, runner: ModelRunner, target_vocab: int, p_min: float = 0.0):
-        self.runner, self.target_vocab, self.p_min = runner, target_vocab, p_min
-        self.cached: dict[int, int] = {}  # slot -> draft KV entries valid for seq.tokens[:n]
+    def __init__(self, runner: ModelRunner, target_vocab: int, p_min: float = 0.0, branch_p: float = 0.0):
+        self.runner, self.target_vocab = runner, target_vocab
+        self.p_min, self.branch_p = p_min, branch_p
+        self.fed: dict[int, list[int]] = {}  # slot -> tokens whose K/V the draft cache holds, in order
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """[..., V_draft] -> [..., V_target]: drop or pad (with -inf) the padding rows."""
@@ -24,36 +30,62 @@ class DraftModelDrafter(Drafter):
         pad = logits.new_full((*logits.shape[:-1], self.target_vocab - v), float("-inf"))
         return torch.cat([logits, pad], dim=-1)
 
+    def _pick(self, logits: torch.Tensor, seq: Sequence) -> tuple[int, float, torch.Tensor | None, int | None]:
+        """logits [V] -> (token, its probability, sampling distribution [V] or None, sibling or None)."""
+        if seq.params.greedy:
+            probs = logits.softmax(-1) if self.p_min > 0 or self.branch_p > 0 else None
+            if probs is None:
+                return int(logits.argmax()), 1.0, None, None
+            top = probs.topk(2)
+            tok, conf = int(top.indices[0]), float(top.values[0])
+            sibling = int(top.indices[1]) if conf < self.branch_p else None
+            return tok, conf, None, sibling
+        p = probs_from_logits(logits[None], seq.params)[0]
+        tok = int(sample(p[None], seq.generator))
+        conf = float(p[tok])
+        sibling = int(sample(p[None], seq.generator)) if conf < self.branch_p else None
+        return tok, conf, p, sibling
+
     def propose(self, seq: Sequence, max_tokens: int) -> Draft:
-        n = self.cached.get(seq.slot, 0)
+        fed = self.fed.setdefault(seq.slot, [])
+        n = len(fed)
         # Catch up on tokens the draft has not seen yet (prompt, accepted drafts, bonus token).
         logits = self.runner.prefill(seq.tokens[n:], seq.slot, start=n)
-        pos = len(seq.tokens)
-        tokens, probs = [], []
-        while True:
-            logits = self._fit_vocab(logits)
-            if seq.params.greedy:
-                tok = int(logits.argmax())
-                conf = float(logits.softmax(-1)[tok]) if self.p_min > 0 else 1.0
-            else:
-                p = probs_from_logits(logits[None], seq.params)[0]
-                tok = int(sample(p[None], seq.generator))
-                conf = float(p[tok])
+        fed[n:] = seq.tokens[n:]
+        tokens: list[int] = []
+        parents: list[int] = []
+        probs: list[torch.Tensor] = []
+        last = -1  # node index of the newest main-chain token
+        while len(tokens) < max_tokens:
+            tok, conf, p, sibling = self._pick(self._fit_vocab(logits), seq)
             if conf < self.p_min:
                 break
             tokens.append(tok)
-            if not seq.params.greedy:
+            parents.append(last)
+            if p is not None:
                 probs.append(p)
-            if len(tokens) == max_tokens:
+            parent, last = last, len(tokens) - 1
+            if sibling is not None and len(tokens) < max_tokens:
+                tokens.append(sibling)
+                parents.append(parent)
+                if p is not None:
+                    probs.append(p)
+            if len(tokens) >= max_tokens:
                 break
-            logits = self.runner.forward([[tok]], [pos + len(tokens) - 1], [seq.slot])[0][-1]
-        # Fed so far: every committed token, and each draft that was followed by another forward.
-        self.cached[seq.slot] = pos + (len(tokens) - (len(tokens) == max_tokens))
-        return Draft(tokens, torch.stack(probs) if probs else None)
+            logits = self.runner.forward([[tok]], [len(fed)], [seq.slot])[0][-1]
+            fed.append(tok)
+        is_tree = any(p != i - 1 for i, p in enumerate(parents))
+        return Draft(tokens, torch.stack(probs) if probs else None, parents if is_tree else None)
 
     def update(self, seq: Sequence, drafted: int, accepted: int) -> None:
-        # Entries past the last committed-and-fed token are stale: move the pointer back.
-        self.cached[seq.slot] = min(self.cached.get(seq.slot, 0), len(seq.tokens) - 1)
+        # Keep the cache entries whose tokens were committed; the rest is stale (length pointer back).
+        fed = self.fed.get(seq.slot, [])
+        keep = min(len(fed), len(seq.tokens) - 1)
+        for i in range(keep - drafted - 1, keep):  # only this step's tokens can differ
+            if i >= 0 and fed[i] != seq.tokens[i]:
+                keep = i
+                break
+        del fed[keep:]
 
     def release(self, seq: Sequence) -> None:
-        self.cached.pop(seq.slot, None)
+        self.fed.pop(seq.slot, None)

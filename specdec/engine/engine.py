@@ -8,12 +8,13 @@ from typing import Callable
 import torch
 
 from specdec.drafters.base import Draft, Drafter
+from specdec.engine.adaptive import CostModel, choose_draft_len
 from specdec.engine.sequence import Sequence
 from specdec.errors import SpecdecError
 from specdec.models.tokenizer import Detokenizer, Tokenizer
 from specdec.runtime.runner import ModelRunner
 from specdec.sampling import SamplingParams, probs_from_logits, sample
-from specdec.verify import verify_greedy, verify_sampling
+from specdec.verify import chain, verify_tree_greedy, verify_tree_sampling
 
 StreamCallback = Callable[[str], None]
 
@@ -22,6 +23,7 @@ StreamCallback = Callable[[str], None]
 class SpecConfig:
     draft_max: int = 16
     draft_min: int = 0
+    adaptive: bool = True  # choose each step's draft length by expected tokens/s (engine/adaptive.py)
 
 
 class Engine:
@@ -31,6 +33,7 @@ class Engine:
                  spec: SpecConfig | None = None):
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         self.spec = spec or SpecConfig()
+        self.cost = CostModel()  # measured target/draft costs, shared by every sequence
         self.stop_ids = tokenizer.stop_ids(target.model.config.eos_token_ids)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams,
@@ -65,7 +68,13 @@ class Engine:
     def _draft_len(self, seq: Sequence) -> int:
         """Drafts that can still matter: room in the context and in max_tokens, less the bonus token."""
         room = min(self.target.context - len(seq.tokens), seq.params.max_tokens - len(seq.output_ids)) - 1
-        return max(0, min(self.spec.draft_max, room))
+        k_max = max(0, min(self.spec.draft_max, room))
+        if not self.spec.adaptive or k_max == 0:
+            return k_max
+        k = choose_draft_len(self.cost, seq.acceptance, min(self.spec.draft_min, k_max), k_max)
+        if k == 0:
+            seq.acceptance.relax()
+        return k
 
     def _step(self, seq: Sequence, detok: Detokenizer, on_text: StreamCallback | None) -> None:
         t0 = time.perf_counter()
@@ -75,18 +84,35 @@ class Engine:
             draft = Draft([])
         t1 = time.perf_counter()
         inp = [seq.tokens[-1]] + draft.tokens
-        logits = self.target.forward([inp], [seq.last_position], [seq.slot])[0]  # [k+1, V]
-        drafted = torch.tensor(draft.tokens, dtype=torch.long)
-        if seq.params.greedy:
-            new = verify_greedy(drafted, logits)
+        parents = chain(len(draft.tokens)) if draft.parents is None else draft.parents
+        if draft.parents is None:
+            logits = self.target.forward([inp], [seq.last_position], [seq.slot])[0]  # [k+1, V]
         else:
-            new = verify_sampling(drafted, draft.probs, logits, seq.params, seq.generator)
+            logits = self.target.verify_tree(seq.slot, seq.last_position, inp, parents)  # [N+1, V]
+        if draft.forced is not None:  # synthetic drafter: acceptance decided by its rates (output not valid)
+            seq.synthetic = True
+            path = list(range(draft.forced))
+            new = draft.tokens[:draft.forced] + [int(logits[draft.forced].argmax())]
+        elif seq.params.greedy:
+            new, path = verify_tree_greedy(draft.tokens, parents, logits)
+        else:
+            new, path = verify_tree_sampling(draft.tokens, parents, draft.probs, logits, seq.params, seq.generator)
+        if draft.parents is not None:
+            self.target.keep_path(seq.slot, seq.last_position, path)
+            logits = logits[[0] + [i + 1 for i in path]]  # rows the committed tokens were chosen from
+        t2 = time.perf_counter()
         seq.stats.draft_s += t1 - t0
-        seq.stats.verify_s += time.perf_counter() - t1
-        seq.stats.record_step(len(draft.tokens), len(new) - 1)
+        seq.stats.verify_s += t2 - t1
+        depth = _depth(parents)
+        seq.stats.record_step(k, len(draft.tokens), len(path), depth)
+        self.cost.observe_verify(len(inp), t2 - t1)
+        if draft.tokens:
+            if seq.stats.target_forwards > 2:  # the first draft of a sequence includes the drafter's prefill
+                self.cost.observe_draft(len(draft.tokens), t1 - t0)
+            seq.acceptance.observe(depth, len(path))
         self._commit(seq, new, logits, detok, on_text)
         if self.drafter:
-            self.drafter.update(seq, len(draft.tokens), len(new) - 1)
+            self.drafter.update(seq, len(draft.tokens), len(path))
 
     def _commit(self, seq: Sequence, new: list[int], logits: torch.Tensor, detok: Detokenizer,
                 on_text: StreamCallback | None) -> None:
@@ -117,6 +143,14 @@ class Engine:
             if len(seq.output_ids) >= seq.params.max_tokens or len(seq.tokens) >= self.target.context:
                 seq.finish_reason = "length"
                 break
+
+
+def _depth(parents: list[int]) -> int:
+    """Depth of the deepest node of a tree given by parent indices (0 for no nodes)."""
+    depth: list[int] = []
+    for p in parents:
+        depth.append(1 + (depth[p] if p >= 0 else 0))
+    return max(depth, default=0)
 
 
 def _find_stop(text: str, stops: list[str], old_len: int) -> int | None:

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.engine.adaptive import AcceptanceEstimate
 from specdec.engine.stats import Stats
 from specdec.sampling import SamplingParams
 
@@ -19,6 +20,8 @@ class Sequence:
     stats: Stats = field(default_factory=Stats)
     finish_reason: str | None = None  # "stop" | "length"
     text: str = ""                    # decoded output (stop strings cut off)
+    synthetic: bool = False           # a synthetic drafter forced acceptances: not the target's text
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     top2_gaps: list[float] = field(default_factory=list)  # per output token: target's top-1 minus top-2 logit
 
     @property

@@ -14,18 +14,21 @@ class Stats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     total_s: float = 0.0
-    drafted_at: list[int] = field(default_factory=list)   # per draft position: times drafted
-    accepted_at: list[int] = field(default_factory=list)  # per draft position: times accepted
+    drafted_at: list[int] = field(default_factory=list)   # per draft depth: times drafted
+    accepted_at: list[int] = field(default_factory=list)  # per draft depth: times accepted
+    chosen_lens: dict[int, int] = field(default_factory=dict)  # draft length asked for -> steps
 
-    def record_step(self, drafted: int, accepted: int) -> None:
+    def record_step(self, chosen: int, drafted: int, accepted: int, depth: int) -> None:
+        """One verify: `drafted` nodes (a chain or tree `depth` deep), `accepted` of them kept."""
         self.target_forwards += 1
+        self.chosen_lens[chosen] = self.chosen_lens.get(chosen, 0) + 1
         self.drafted += drafted
         self.accepted += accepted
-        grow = drafted - len(self.drafted_at)
+        grow = depth - len(self.drafted_at)
         if grow > 0:
             self.drafted_at += [0] * grow
             self.accepted_at += [0] * grow
-        for i in range(drafted):
+        for i in range(depth):
             self.drafted_at[i] += 1
             self.accepted_at[i] += i < accepted
 
@@ -52,6 +55,7 @@ class Stats:
                 "accepted": self.accepted, "acceptance_rate": r(self.acceptance_rate),
                 "mean_accept_len": r(self.mean_accept_len), "tokens_per_s": r(self.tokens_per_s),
                 "per_position_acceptance": [r(x) for x in self.per_position_acceptance],
+                "chosen_draft_lens": dict(sorted(self.chosen_lens.items())),
                 "prefill_s": r(self.prefill_s), "draft_s": r(self.draft_s), "verify_s": r(self.verify_s),
                 "total_s": r(self.total_s)}
 

@@ -51,6 +51,12 @@ class KVCache:
             return self.k[layer][s:s + 1, :, :length], self.v[layer][s:s + 1, :, :length]
         return self.k[layer][slots, :, :length], self.v[layer][slots, :, :length]
 
+    def move(self, slot: int, src: list[int], dst: list[int]) -> None:
+        """Copy entries at positions src -> dst in every layer (KV compaction after a tree verify)."""
+        s, d = torch.tensor(src), torch.tensor(dst)
+        for t in self.k + self.v:
+            t[slot, :, d] = t[slot, :, s]
+
 
 def _is_contiguous_run(index: torch.Tensor) -> bool:
     n = index.shape[1]

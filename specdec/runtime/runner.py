@@ -52,3 +52,35 @@ class ModelRunner:
             chunk = tokens[off:off + PREFILL_CHUNK]
             logits = self.forward([chunk], [start + off], [slot], last_only=True)[0]
         return logits[-1]
+
+    def verify_tree(self, slot: int, start: int, tokens: list[int], parents: list[int]) -> torch.Tensor:
+        """One forward over [last committed token] + a draft tree.
+
+        tokens [N+1] (tokens[0] committed, at position `start`), parents [N] for nodes 1..N (-1 = the
+        committed token). Nodes are written to cache rows start..start+N, get RoPE position
+        start + depth, and attend to the prefix plus their own ancestors. Returns logits [N+1, V].
+        """
+        n = len(tokens)
+        depth, anc = [0] * n, torch.eye(n, dtype=torch.bool)  # anc[i, j]: j is i or an ancestor of i
+        for i, p in enumerate(parents, start=1):
+            depth[i] = depth[p + 1] + 1
+            anc[i] |= anc[p + 1]
+        cache_index = torch.arange(start, start + n)[None]  # [1, N+1]
+        if start + n > self.context:
+            raise SpecdecError(f"sequence exceeds the context of {self.context} tokens")
+        mask = torch.ones(1, 1, n, start + n, dtype=torch.bool)  # [1, 1, N+1, S]
+        mask[0, 0, :, start:] = anc
+        positions = torch.tensor([start + d for d in depth])[None]  # [1, N+1]
+        logits, _ = self.model(torch.tensor([tokens], device=self.device), positions.to(self.device),
+                               torch.tensor([slot], device=self.device), self.cache,
+                               cache_index=cache_index.to(self.device), mask=mask.to(self.device))
+        return logits[0]
+
+    def keep_path(self, slot: int, start: int, path: list[int]) -> None:
+        """After a tree verify at `start`, move the accepted nodes' K/V (node indices `path`, in
+        depth order) to rows start+1.. so the cache again holds one contiguous sequence."""
+        src = [start + 1 + node for node in path]
+        dst = list(range(start + 1, start + 1 + len(path)))
+        moves = [(s, d) for s, d in zip(src, dst) if s != d]
+        if moves:
+            self.cache.move(slot, [s for s, _ in moves], [d for _, d in moves])

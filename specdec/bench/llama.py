@@ -1,0 +1,226 @@
+"""llama.cpp as a bench peer: a `llama-server` binary on loopback, timed through its `/completion` API."""
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdec.bench.methods import Method, Output, strip_stop
+from specdec.errors import SpecdecError
+
+# bench method -> llama.cpp `--spec-type` (None: plain decoding)
+LLAMA_METHODS = {"llama-none": None, "llama-draft": "draft-simple", "llama-ngram-simple": "ngram-simple",
+                 "llama-ngram-mod": "ngram-mod", "llama-ngram-map-k": "ngram-map-k"}
+# n-gram pools kept across requests in the server; a repeat of a prompt is not first-seen there
+STATEFUL = ("llama-ngram-mod", "llama-ngram-map-k")
+STARTUP_S = 600
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    binary: str
+    gguf: Path
+    draft_gguf: Path | None
+    threads: int
+    context: int
+    temperature: float
+    draft_max: int
+    draft_min: int
+    draft_p_min: float
+    ngram_n: int
+    ngram_m: int
+
+
+def _lists(help_text: str, word: str) -> bool:
+    """Whether `word` (a flag or a value) appears as a whole word in the `--help` text."""
+    return re.search(rf"(?<![\w-]){re.escape(word)}(?![\w-])", help_text) is not None
+
+
+def _first_flag(help_text: str, *names: str) -> str | None:
+    return next((n for n in names if _lists(help_text, n)), None)
+
+
+def server_command(method: str, cfg: ServerConfig, help_text: str, port: int) -> list[str]:
+    """The `llama-server` command line for `method`, with the flag names this binary's `--help` lists."""
+    cmd = [cfg.binary, "-m", str(cfg.gguf), "--host", "127.0.0.1", "--port", str(port), "-c", str(cfg.context),
+           "-np", "1", "-t", str(cfg.threads), "-tb", str(cfg.threads), "--temp", str(cfg.temperature)]
+    spec = LLAMA_METHODS[method]
+    if spec is None:
+        return cmd
+    if spec == "draft-simple":
+        if cfg.draft_gguf is None:
+            raise SpecdecError(f"{method} needs the draft model as a GGUF (-md pack name or .gguf)")
+        cmd += ["-md", str(cfg.draft_gguf)]
+        if _lists(help_text, "draft-simple"):  # newer servers name the draft-model drafter explicitly
+            cmd += ["--spec-type", "draft-simple"]
+    elif _lists(help_text, "--spec-type") and _lists(help_text, spec):
+        cmd += ["--spec-type", spec]
+    else:
+        raise SpecdecError(f"this llama-server has no --spec-type {spec}")
+    for value, names in ((cfg.draft_max, ("--spec-draft-n-max", "--draft-max", "--draft-n")),
+                         (cfg.draft_min, ("--spec-draft-n-min", "--draft-min")),
+                         (cfg.draft_p_min, ("--spec-draft-p-min", "--draft-p-min"))):
+        flag = _first_flag(help_text, *names)
+        if flag:
+            cmd += [flag, str(value)]
+    if spec == "ngram-simple":
+        for n_flag, m_flag in (("--spec-ngram-simple-size-n", "--spec-ngram-simple-size-m"),
+                               ("--spec-ngram-size-n", "--spec-ngram-size-m")):
+            if _lists(help_text, n_flag) and _lists(help_text, m_flag):
+                cmd += [n_flag, str(cfg.ngram_n), m_flag, str(cfg.ngram_m)]
+                break
+    return cmd
+
+
+def server_help(binary: str) -> str:
+    """`binary --help` (stdout and stderr), to pick the flag names this build has."""
+    try:
+        res = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise SpecdecError(f"cannot run {binary} --help: {e}") from None
+    return res.stdout + res.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """One `llama-server` process on 127.0.0.1; its output goes to `log`."""
+
+    def __init__(self, method: str, cfg: ServerConfig, help_text: str, log: Path):
+        port = _free_port()
+        self.cmd = server_command(method, cfg, help_text, port)
+        self.url, self.log = f"http://127.0.0.1:{port}", log
+        with open(log, "wb") as f:
+            self.proc = subprocess.Popen(self.cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = self.log.read_text(errors="replace").strip().splitlines()[-1:]
+                raise SpecdecError(f"llama-server exited with code {self.proc.returncode} "
+                                   f"({tail[0] if tail else 'no output'}; log: {self.log})")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        self.close()
+        raise SpecdecError(f"llama-server did not become ready in {STARTUP_S} s (log: {self.log})")
+
+    def complete(self, body: dict) -> dict:
+        req = urllib.request.Request(self.url + "/completion", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=3600) as r:
+                return json.loads(r.read())
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            raise SpecdecError(f"llama-server request failed: {e} (log: {self.log})") from None
+
+    def peak_rss_mb(self) -> float | None:
+        try:
+            status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        except OSError:
+            return None
+        m = re.search(r"VmHWM:\s+(\d+) kB", status)
+        return int(m.group(1)) / 1024 if m else None
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class Llama(Method):
+    """A llama.cpp speculative setup; the same token ids go in as a token list, no prompt cache."""
+
+    def __init__(self, name: str, server: LlamaServer, stop_ids: set[int]):
+        self.name, self.baseline, self.server, self.stop_ids = name, "llama-none", server, stop_ids
+        self.fresh_repeats = name not in STATEFUL
+
+    def generate(self, ids: list[int], max_tokens: int, temperature: float, seed: int | None) -> Output:
+        body = {"prompt": ids, "n_predict": max_tokens, "cache_prompt": False, "temperature": temperature,
+                "return_tokens": True, "stream": False}
+        if seed is not None:
+            body["seed"] = seed
+        t0 = time.perf_counter()
+        resp = self.server.complete(body)
+        wall = time.perf_counter() - t0
+        if "tokens" not in resp:
+            raise SpecdecError("llama-server returned no token ids (needs `return_tokens` support)")
+        timings = resp.get("timings") or {}
+        ms = lambda k: timings[k] / 1000 if isinstance(timings.get(k), (int, float)) else None  # noqa: E731
+        prompt_s, predicted_s = ms("prompt_ms"), ms("predicted_ms")
+        return Output(strip_stop(resp["tokens"], self.stop_ids), wall, drafted=timings.get("draft_n"),
+                      accepted=timings.get("draft_n_accepted"), prefill_s=prompt_s,
+                      server_s=prompt_s + predicted_s if prompt_s is not None and predicted_s is not None else None,
+                      peak_rss_mb=self.server.peak_rss_mb())
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def gguf_file(model: str | None) -> Path | None:
+    """The GGUF behind a model argument: a pack's downloaded file or a GGUF path; None for a checkpoint dir."""
+    from specdec.models import packs
+
+    if model is None:
+        return None
+    path = packs.gguf_path(model) if model in packs.PACKS else Path(model).expanduser()
+    return path if path.is_file() else None
+
+
+def llama_methods(names: list[str], a, context: int, stop_ids: set[int], log_dir: Path,
+                  notes: list[str], meta: dict) -> list[Llama]:
+    """Start one server per requested `llama-*` method; skip them with a note when that cannot be done."""
+    if not names:
+        return []
+    if not a.llama_server:
+        notes.append(f"skipped {', '.join(names)}: no --llama-server PATH given")
+        return []
+    if not Path(a.llama_server).is_file():
+        raise SpecdecError(f"llama-server binary not found: {a.llama_server}")
+    target = gguf_file(a.model)
+    if target is None:
+        notes.append(f"skipped {', '.join(names)}: llama.cpp needs the target as a GGUF (-m pack name or .gguf)")
+        return []
+    cfg = ServerConfig(a.llama_server, target, gguf_file(a.draft), a.threads, context, a.temp, a.draft_max,
+                       a.draft_min, a.draft_p_min, a.ngram_n, a.ngram_m)
+    help_text = server_help(a.llama_server)
+    meta["llama_server"] = {"binary": a.llama_server, "commands": {}}
+    started: list[Llama] = []
+    try:
+        for name in names:
+            try:
+                server_command(name, cfg, help_text, 0)  # flags this binary lacks: skip, don't fail
+            except SpecdecError as e:
+                notes.append(f"skipped {name}: {e}")
+                continue
+            server = LlamaServer(name, cfg, help_text, log_dir / f"{name}.log")
+            meta["llama_server"]["commands"][name] = " ".join(server.cmd)
+            started.append(Llama(name, server, stop_ids))
+            if name in STATEFUL and a.repeat > 1:
+                notes.append(f"{name} keeps n-gram state across requests: only its first run of each prompt "
+                             "counts in the summary")
+    except BaseException:
+        for m in started:
+            m.close()
+        raise
+    return started

@@ -1,0 +1,180 @@
+"""Bench results: the summary (Spec-Bench style speedups), results.json, report.md and the run's metadata."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+from datetime import datetime
+from pathlib import Path
+
+ALL = "all"
+LIKELY_BUG_GAP = 0.5  # a divergence where the plain run's top-2 logit gap is at least this is not rounding
+
+
+def bench_meta(a, llm, prompts) -> dict:
+    """What a reader needs to reproduce the run: command, date, machine, versions, settings."""
+    import torch
+    import transformers
+
+    return {"command": shlex.join(["specdec", *sys.argv[1:]]), "date": datetime.now().isoformat(timespec="seconds"),
+            "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "platform": platform.platform()},
+            "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         "transformers": transformers.__version__},
+            "dtype": str(llm.dtype).removeprefix("torch."), "threads": a.threads,
+            "models": {"target": a.model, "draft": a.draft}, "workload": a.workload, "prompts": len(prompts),
+            "max_tokens": a.max_tokens, "repeat": a.repeat, "temperature": a.temp, "seed": a.seed,
+            "draft_max": a.draft_max, "context": llm.context}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def summarize(records: list[dict], methods: list[str]) -> dict:
+    """{method: {category: stats}} over first-seen runs; categories in workload order, then "all".
+
+    tokens_per_s is the mean over prompts of each prompt's median over repeats (min/max: the means of
+    each prompt's slowest and fastest run); speedup is the ratio of that mean to the one of the same
+    engine's plain decoding (`none`, `hf-plain`, `llama-none`) on the same prompts (Spec-Bench style).
+    """
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for r in records:
+        if r["first_seen"]:
+            runs.setdefault((r["method"], r["id"]), []).append(r)
+    categories = list(dict.fromkeys(r["category"] for r in records))
+    tps = {k: statistics.median(r["tokens_per_s"] for r in rs) for k, rs in runs.items()}
+    out: dict[str, dict] = {}
+    for m in methods:
+        for cat in categories + [ALL]:
+            ids = [pid for (mm, pid), rs in runs.items() if mm == m and cat in (ALL, rs[0]["category"])]
+            if ids:
+                rs = [r for pid in ids for r in runs[(m, pid)]]
+                out.setdefault(m, {})[cat] = _entry(rs, ids, m, rs[0]["baseline"], tps, runs)
+    return out
+
+
+def _entry(rs: list[dict], ids: list[str], m: str, baseline: str, tps: dict, runs: dict) -> dict:
+    def speedup(base: str) -> float | None:
+        common = [pid for pid in ids if (base, pid) in tps]
+        if not common:
+            return None
+        return _mean([tps[(m, pid)] for pid in common]) / _mean([tps[(base, pid)] for pid in common])
+
+    def total(key: str) -> int | None:
+        vals = [r[key] for r in rs]
+        return None if any(v is None for v in vals) else sum(vals)
+
+    drafted, accepted, forwards = total("drafted"), total("accepted"), total("target_forwards")
+    compared = [r["matches_baseline"] for r in rs if r["matches_baseline"] is not None]
+    r4 = lambda x: None if x is None else round(x, 4)  # noqa: E731
+    return {"prompts": len(ids), "runs": len(rs),
+            "tokens_per_s": r4(_mean([tps[(m, pid)] for pid in ids])),
+            "tokens_per_s_min": r4(_mean([min(r["tokens_per_s"] for r in runs[(m, pid)]) for pid in ids])),
+            "tokens_per_s_max": r4(_mean([max(r["tokens_per_s"] for r in runs[(m, pid)]) for pid in ids])),
+            "speedup": r4(speedup(baseline)), "speedup_vs_hf_plain": r4(speedup("hf-plain")),
+            "acceptance_rate": r4(accepted / drafted) if drafted and accepted is not None else None,
+            "mean_accept_len": r4(sum(r["new_tokens"] for r in rs) / forwards) if forwards else None,
+            "per_position_acceptance": _per_position(rs),
+            "matched": sum(compared), "compared": len(compared)}
+
+
+def _per_position(rs: list[dict]) -> list[float] | None:
+    if any(r["drafted_at"] is None for r in rs):
+        return None
+    width = max((len(r["drafted_at"]) for r in rs), default=0)
+    sums = [(sum(r["accepted_at"][i] for r in rs if i < len(r["accepted_at"])),
+             sum(r["drafted_at"][i] for r in rs if i < len(r["drafted_at"]))) for i in range(width)]
+    return [round(a / d, 4) if d else 0.0 for a, d in sums]
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def _fmt(x, spec: str = ".2f", suffix: str = "") -> str:
+    return "-" if x is None else format(x, spec) + suffix
+
+
+def categories(summary: dict) -> list[str]:
+    """The summary's categories in workload order, then "all"."""
+    return list(dict.fromkeys(c for per in summary.values() for c in per if c != ALL)) + [ALL]
+
+
+def _by_category(summary: dict, key: str, spec: str, suffix: str = "") -> list[str]:
+    cats = categories(summary)
+    rows = [f"| method | {' | '.join(cats)} |", "|---" * (len(cats) + 1) + "|"]
+    for m, per in summary.items():
+        rows.append(f"| {m} | " + " | ".join(_fmt(per.get(c, {}).get(key), spec, suffix) for c in cats) + " |")
+    return rows
+
+
+def report_tables(summary: dict, records: list[dict], notes: list[str]) -> str:
+    """The tables of report.md (also printed at the end of a run)."""
+    lines = ["## All prompts", "",
+             "| method | prompts | tok/s (min-max) | speedup | speedup vs hf-plain | acceptance rate "
+             "| mean accept len | identical to baseline |", "|---|---|---|---|---|---|---|---|"]
+    for m, per in summary.items():
+        s = per[ALL]
+        ident = f"{s['matched']}/{s['compared']}" if s["compared"] else "-"
+        lines.append(f"| {m} | {s['prompts']} | {s['tokens_per_s']:.2f} ({s['tokens_per_s_min']:.2f}-"
+                     f"{s['tokens_per_s_max']:.2f}) | {_fmt(s['speedup'], '.2f', 'x')} | "
+                     f"{_fmt(s['speedup_vs_hf_plain'], '.2f', 'x')} | {_fmt(s['acceptance_rate'], '.0%')} | "
+                     f"{_fmt(s['mean_accept_len'])} | {ident} |")
+    for title, key, spec, suffix in (("Speedup by category", "speedup", ".2f", "x"),
+                                     ("Tokens/s by category", "tokens_per_s", ".2f", ""),
+                                     ("Mean acceptance length by category", "mean_accept_len", ".2f", "")):
+        lines += ["", f"## {title}", ""] + _by_category(summary, key, spec, suffix)
+    diffs = [r for r in records if r["matches_baseline"] is False]
+    if diffs:
+        lines += ["", "## Outputs that differ from their baseline", ""]
+        for r in diffs:
+            d = r["first_divergence"]
+            where = "" if d is None else f" at output token {d['index']} (top-2 gap {_fmt(d['top2_gap'])})"
+            bug = d is not None and (d["top2_gap"] is None or d["top2_gap"] >= LIKELY_BUG_GAP)
+            lines.append(f"- {r['method']} on {r['id']} (repeat {r['repeat']}){where}" + (" **LIKELY BUG**" * bug))
+    if notes:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def render_report(summary: dict, records: list[dict], meta: dict, notes: list[str], plots: list[str]) -> str:
+    m = meta
+    head = ["# specdec bench", "", f"`{m['command']}`", "",
+            f"{m['date']} · {m['machine']['cpu']} ({m['machine']['cores']} cores) · torch "
+            f"{m['versions']['torch']} · transformers {m['versions']['transformers']} · {m['dtype']} · "
+            f"{m['threads']} threads", "",
+            f"target {m['models']['target']}, draft {m['models']['draft']} · workload {m['workload']} "
+            f"({m['prompts']} prompts) · max tokens {m['max_tokens'] or 'per prompt'} · repeat {m['repeat']} · "
+            f"temperature {m['temperature']}", "",
+            "tok/s: mean over prompts of each prompt's median run (min-max: means of the slowest and fastest "
+            "runs). speedup: ratio of mean tok/s to that of the same engine's plain decoding (`none`, "
+            "`hf-plain`, `llama-none`) on the same prompts; speedup vs hf-plain: the same against "
+            "`transformers` generate. Greedy outputs are compared with the first run of that plain "
+            "decoding.", "", ""]
+    pics = ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
+    return "\n".join(head) + report_tables(summary, records, notes) + "\n".join(pics) + "\n"
+
+
+def write_outputs(out_dir: Path, records: list[dict], summary: dict, meta: dict, notes: list[str]) -> None:
+    """results.json, report.md and the plots; each file replaced whole, so a killed run leaves valid files."""
+    from specdec.bench.plots import write_plots
+
+    plots = write_plots(out_dir, summary)
+    _write(out_dir / "results.json", json.dumps({"runs": records, "summary": summary,
+                                                 "meta": {**meta, "notes": notes}}, indent=1))
+    _write(out_dir / "report.md", render_report(summary, records, meta, notes, plots))
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

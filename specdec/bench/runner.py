@@ -1,0 +1,167 @@
+"""`specdec bench`: warm up, then run every method on every prompt, interleaved, and record each run."""
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import datetime
+from pathlib import Path
+
+from specdec.bench.llama import LLAMA_METHODS, llama_methods
+from specdec.bench.methods import HF_METHODS, Method, Output, Ours, hf_methods, merge
+from specdec.bench.report import LIKELY_BUG_GAP, bench_meta, report_tables, summarize, write_outputs
+from specdec.bench.workloads import Prompt, load_workload
+from specdec.drafters import LOSSY_TYPES
+from specdec.engine.stats import first_divergence
+from specdec.errors import SpecdecError
+
+WARMUP = Prompt("warmup", "warmup", ("Say hello in one short sentence.",), max_tokens=16)
+NEEDS_DRAFT = ("draft", "hf-assisted", "llama-draft")
+
+
+def all_methods() -> tuple[str, ...]:
+    from specdec.drafters import SPEC_TYPES
+    return tuple(SPEC_TYPES) + HF_METHODS + tuple(LLAMA_METHODS)
+
+
+def parse_methods(spec: str) -> list[str]:
+    """`--methods` (comma list, or `all`) -> method names in the given order; `a+b` is our chain `a,b`."""
+    from specdec.drafters import LOSSY_TYPES, SPEC_TYPES
+
+    known = all_methods()
+    if spec.strip() == "all":  # every lossless method; lossy ones (synthetic) only when named
+        names = [m for m in known if m not in LOSSY_TYPES]
+    else:
+        names = [m.strip() for m in spec.split(",") if m.strip()]
+    bad = [m for m in names if m not in known and not ("+" in m and all(p in SPEC_TYPES for p in m.split("+")))]
+    if bad or not names:
+        raise SpecdecError(f"unknown bench method(s) {', '.join(bad) or '(none given)'} (choose from "
+                           f"{', '.join(known)}, or all; our spec types chain as a+b)")
+    return list(dict.fromkeys(names))
+
+
+def run_bench(a: argparse.Namespace) -> Path:
+    """Run the bench described by the CLI arguments; return the output folder."""
+    import torch
+
+    from specdec.cli import build_llm
+    from specdec.models.loader import resolve_model
+    from specdec.models.packs import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    if a.temp < 0:
+        raise SpecdecError("--temp must be >= 0")
+    if a.spec_type is not None:
+        raise SpecdecError("bench runs the spec types named by --methods; drop --spec-type")
+    prompts = load_workload(a.workload, a.workload_dir, a.per_category, a.seed)
+    names = parse_methods(a.methods)
+    if a.model is None:
+        a.model, a.draft = DEFAULT_TARGET, a.draft or DEFAULT_DRAFT
+    need_draft = [m for m in names if m in NEEDS_DRAFT or "draft" in m.split("+")]
+    if a.draft is None and need_draft:
+        raise SpecdecError(f"methods {', '.join(need_draft)} need a draft model (-md)")
+    a.threads = a.threads or torch.get_num_threads()  # fixed for every method, peers included
+    out_dir = Path(a.out or Path("bench-out") / datetime.now().strftime("%Y%m%d-%H%M%S"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    llm = build_llm(argparse.Namespace(**{**vars(a), "spec_type": "none"}))
+    stop_ids = llm.engine.stop_ids
+    notes: list[str] = []
+    meta = bench_meta(a, llm, prompts)
+    methods: list[Method] = []
+    try:
+        methods += [Ours(llm, m) for m in names if m not in HF_METHODS and m not in LLAMA_METHODS]
+        hf = [m for m in names if m in HF_METHODS]
+        methods += hf_methods(hf, resolve_model(a.model), resolve_model(a.draft) if "hf-assisted" in hf else None,
+                              llm.dtype, stop_ids)
+        methods += llama_methods([m for m in names if m in LLAMA_METHODS], a, llm.context, stop_ids, out_dir,
+                                 notes, meta)
+        methods.sort(key=lambda m: names.index(m.name))
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr)
+        _run_all(llm, methods, prompts, a, out_dir, meta, notes)
+    finally:
+        for m in methods:
+            m.close()
+    return out_dir
+
+
+def _run_all(llm, methods: list[Method], prompts: list[Prompt], a: argparse.Namespace, out_dir: Path,
+             meta: dict, notes: list[str]) -> None:
+    from tqdm import tqdm
+
+    greedy = a.temp == 0
+    print(f"warming up ({', '.join(m.name for m in methods)})...", file=sys.stderr)
+    for m in methods:
+        run_prompt(llm, m, WARMUP, WARMUP.limit(a.max_tokens), a.temp, a.seed)
+    records: list[dict] = []
+    order = [m.name for m in methods]
+    bar = tqdm(total=len(prompts) * a.repeat * len(methods), unit="run", file=sys.stderr, dynamic_ncols=True)
+    for p in prompts:
+        done: list[tuple[Method, dict, Output]] = []
+        for r in range(a.repeat):
+            for m in methods:  # interleaved (A B C A B C) so drift hits every method alike
+                bar.set_postfix_str(f"{p.category}/{p.id} {m.name}")
+                out = run_prompt(llm, m, p, p.limit(a.max_tokens), a.temp, a.seed)
+                done.append((m, record(p, m, r, out), out))
+                bar.update()
+        if greedy:
+            for warning in compare_to_baselines(done):
+                tqdm.write(warning, file=sys.stderr)
+        records += [rec for _, rec, _ in done]
+        write_outputs(out_dir, records, summarize(records, order), meta, notes)
+    bar.close()
+    print(report_tables(summarize(records, order), records, notes))
+    print(f"results: {out_dir}/results.json, {out_dir}/report.md", file=sys.stderr)
+
+
+def run_prompt(llm, method: Method, prompt: Prompt, max_tokens: int, temperature: float,
+               seed: int | None) -> Output:
+    """All turns of a prompt; each later turn follows the method's own answer to the previous one."""
+    messages: list[dict] = []
+    outs = []
+    for turn in prompt.turns:
+        messages.append({"role": "user", "content": turn})
+        outs.append(method.generate(llm.encode_chat(messages), max_tokens, temperature, seed))
+        messages.append({"role": "assistant", "content": llm.tokenizer.decode(outs[-1].tokens)})
+    return merge(outs)
+
+
+def record(p: Prompt, m: Method, repeat: int, out: Output) -> dict:
+    """The per-run record written to results.json."""
+    n = len(out.tokens)
+    r4 = lambda x: None if x is None else round(x, 4)  # noqa: E731
+    ppa = None if out.drafted_at is None else [r4(acc / d if d else 0.0)
+                                               for acc, d in zip(out.accepted_at, out.drafted_at)]
+    return {"id": p.id, "category": p.category, "method": m.name, "baseline": m.baseline, "repeat": repeat,
+            "first_seen": repeat == 0 or m.fresh_repeats, "new_tokens": n, "seconds": r4(out.seconds),
+            "tokens_per_s": r4(n / out.seconds if out.seconds > 0 else 0.0), "target_forwards": out.target_forwards,
+            "drafted": out.drafted, "accepted": out.accepted,
+            "mean_accept_len": r4(n / out.target_forwards) if out.target_forwards else None,
+            "per_position_acceptance": ppa, "drafted_at": out.drafted_at, "accepted_at": out.accepted_at,
+            "prefill_s": r4(out.prefill_s), "draft_s": r4(out.draft_s), "verify_s": r4(out.verify_s),
+            "server_s": r4(out.server_s), "peak_rss_mb": r4(out.peak_rss_mb),
+            "matches_baseline": None, "first_divergence": None}
+
+
+def compare_to_baselines(done: list[tuple[Method, dict, Output]]) -> list[str]:
+    """Fill `matches_baseline` / `first_divergence` against each method's baseline (its first run of the
+    prompt); return loud warnings for divergences that are not near-ties."""
+    first = {}
+    for m, rec, out in done:
+        first.setdefault(m.name, out)
+    warnings = []
+    for m, rec, out in done:
+        base = first.get(m.baseline)
+        if base is None or m.name in LOSSY_TYPES:  # synthetic output is not meant to match
+            continue
+        rec["matches_baseline"] = out.tokens == base.tokens
+        if rec["matches_baseline"] or base.top2_gaps is None:
+            continue
+        div = first_divergence(base.tokens, base.top2_gaps, out.tokens)
+        rec["first_divergence"] = div
+        gap = div["top2_gap"]
+        if gap is None or gap >= LIKELY_BUG_GAP:
+            what = "LIKELY BUG" if gap is not None else "WARNING"
+            warnings.append(f"!!! {what}: {m.name} differs from {m.baseline} on prompt {rec['id']} (repeat "
+                            f"{rec['repeat']}) at output token {div['index']}, where {m.baseline}'s top-2 logit "
+                            f"gap is {gap if gap is not None else 'unknown'} (>= {LIKELY_BUG_GAP} is not rounding)")
+    return warnings

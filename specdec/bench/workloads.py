@@ -1,0 +1,117 @@
+"""Bench workloads: the built-in quick prompts, Spec-Bench questions, or a JSONL file."""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdec.errors import SpecdecError
+
+PROMPT_DIR = Path(__file__).parent / "prompts"
+QUICK_NAMES = ("code-question", "code-edit", "summary")  # a code question, an edit that mostly copies, a summary
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SPEC_BENCH_DIR = REPO_ROOT.parent / "shared" / "workloads" / "spec_bench"
+MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+DEFAULT_MAX_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    category: str
+    turns: tuple[str, ...]          # user turns; turn i+1 is sent after the model's answer to turn i
+    max_tokens: int | None = None   # per turn; None = the bench default
+
+    def limit(self, cap: int | None) -> int:
+        """New tokens per turn: the prompt's own limit capped by `--max-tokens`."""
+        if self.max_tokens is None:
+            return cap or DEFAULT_MAX_TOKENS
+        return min(self.max_tokens, cap) if cap else self.max_tokens
+
+
+def load_workload(name: str, workload_dir: str | None = None, per_category: int | None = None,
+                  seed: int = 0) -> list[Prompt]:
+    """`quick`, `spec_bench` or a JSONL file, optionally `per_category` prompts sampled with `seed`."""
+    if name == "quick":
+        prompts = [Prompt(n, n, ((PROMPT_DIR / f"{n}.txt").read_text(),)) for n in QUICK_NAMES]
+    elif name == "spec_bench":
+        prompts = spec_bench(Path(workload_dir) if workload_dir else SPEC_BENCH_DIR)
+    else:
+        prompts = read_jsonl(Path(name))
+    return sample_per_category(prompts, per_category, seed) if per_category else prompts
+
+
+def spec_bench(directory: Path) -> list[Prompt]:
+    """Spec-Bench's 480 questions; MT-bench's 8 categories become one `multi_turn` subtask."""
+    path = directory / "question.jsonl"
+    if not path.exists():
+        raise SpecdecError(f"Spec-Bench questions not found: {path} (--workload-dir names the folder that holds it)")
+    out = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            q = json.loads(line)
+            cat = "multi_turn" if q["category"] in MT_BENCH else q["category"]
+            out.append(Prompt(str(q["question_id"]), cat, tuple(q["turns"])))
+        except (ValueError, KeyError, TypeError) as e:
+            raise SpecdecError(f"{path}:{i}: not a Spec-Bench question ({e})") from None
+    return out
+
+
+def read_jsonl(path: Path) -> list[Prompt]:
+    """Lines `{"id", "category", "prompt" | "turns", "max_tokens"?}`; a bad line is an error naming it."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise SpecdecError(f"cannot read workload {path}: {e.strerror}") from None
+    out: list[Prompt] = []
+    seen: set[str] = set()
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            p = _parse_line(line)
+        except ValueError as e:
+            raise SpecdecError(f"{path}:{i}: {e}") from None
+        if p.id in seen:
+            raise SpecdecError(f"{path}:{i}: duplicate id {p.id!r}")
+        seen.add(p.id)
+        out.append(p)
+    if not out:
+        raise SpecdecError(f"workload {path} has no prompts")
+    return out
+
+
+def _parse_line(line: str) -> Prompt:
+    try:
+        d = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e.msg})") from None
+    if not isinstance(d, dict):
+        raise ValueError("not a JSON object")
+    if isinstance(d.get("id"), bool) or not isinstance(d.get("id"), (str, int)) or d["id"] == "":
+        raise ValueError("needs 'id' (a string or an integer)")
+    if not isinstance(d.get("category"), str) or not d["category"]:
+        raise ValueError("needs 'category' (a string)")
+    if ("prompt" in d) == ("turns" in d):
+        raise ValueError("needs exactly one of 'prompt' or 'turns'")
+    turns = [d["prompt"]] if "prompt" in d else d["turns"]
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
+        raise ValueError("'prompt' must be a non-empty string and 'turns' a non-empty list of strings")
+    mt = d.get("max_tokens")
+    if mt is not None and (not isinstance(mt, int) or isinstance(mt, bool) or mt < 1):
+        raise ValueError(f"'max_tokens' must be a positive integer (got {mt!r})")
+    return Prompt(str(d["id"]), d["category"], tuple(turns), mt)
+
+
+def sample_per_category(prompts: list[Prompt], n: int, seed: int) -> list[Prompt]:
+    """`n` prompts per category (all if fewer), drawn with a fixed seed; file order kept."""
+    rng = random.Random(seed)
+    by_cat: dict[str, list[Prompt]] = {}
+    for p in prompts:
+        by_cat.setdefault(p.category, []).append(p)
+    keep = {id(p) for group in by_cat.values() for p in rng.sample(group, min(n, len(group)))}
+    return [p for p in prompts if id(p) in keep]
+

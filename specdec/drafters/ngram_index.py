@@ -1,0 +1,152 @@
+"""Shared n-gram machinery: a 64-bit LCG context hash, continuation counts, per-sequence incremental state."""
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from specdec.drafters.base import Drafter
+from specdec.engine.sequence import Sequence
+
+LCG_MUL = 6364136223846793005  # Knuth's MMIX LCG multiplier
+MASK64 = (1 << 64) - 1
+
+
+def hash_step(h, tok):
+    """Extend a context hash by one token on its LEFT: h' = (h + tok + 1) * A mod 2^64.
+
+    Works on Python ints and on uint64 numpy arrays alike, so both paths give the same hashes.
+    """
+    return ((h + tok + 1) * LCG_MUL) & MASK64
+
+
+def suffix_hashes(tokens: list[int], max_len: int) -> list[int]:
+    """Hashes of the last 1, 2, ..., min(max_len, len(tokens)) tokens."""
+    out, h = [], 0
+    for tok in reversed(tokens[-max_len:]):
+        h = hash_step(h, tok)
+        out.append(h)
+    return out
+
+
+def window_hashes(tokens: list[int], start: int, stop: int, max_len: int) -> np.ndarray:
+    """[stop - start, max_len] uint64: row i, column d-1 hashes tokens[p-d:p], the d tokens before p = start + i.
+
+    Entries with d > p are meaningless; callers skip them.
+    """
+    lo = max(0, start - max_len)
+    seg = np.asarray(tokens[lo:stop], dtype=np.uint64)  # [stop - lo]
+    pos = np.arange(start - lo, stop - lo)              # [W] positions within seg
+    out = np.empty((len(pos), max_len), dtype=np.uint64)
+    h = np.zeros(len(pos), dtype=np.uint64)             # [W]
+    for d in range(1, max_len + 1):
+        h = hash_step(h, seg[np.maximum(pos - d, 0)])
+        out[:, d - 1] = h
+    return out
+
+
+def chain_lookups(context: list[int], want: int, step: Callable[[list[int]], int | None]) -> list[int]:
+    """Draft by repeated look-up: append `step(context + drafted)` until it gives None or `want` tokens."""
+    ctx, out = list(context), []
+    while len(out) < want:
+        tok = step(ctx)
+        if tok is None:
+            break
+        out.append(tok)
+        ctx.append(tok)
+    return out
+
+
+def top(counts: dict[int, int]) -> tuple[int, int, int, int]:
+    """(most frequent token, its count, the runner-up's count, total); ties go to the most recently hit."""
+    best, c1, c2, total = -1, 0, 0, 0
+    for tok, c in reversed(counts.items()):  # newest first
+        total += c
+        if c > c1:
+            best, c1, c2 = tok, c, c1
+        elif c > c2:
+            c2 = c
+    return best, c1, c2, total
+
+
+class ContinuationCounts:
+    """Context hash -> {next token: hits}, each map ordered from least to most recently hit.
+
+    A context seen once stores the bare token id (most long contexts are seen once; this saves memory).
+    With `k`, a full map replaces its least frequent (then least recent) token.
+    """
+
+    def __init__(self, k: int | None = None):
+        self.k = k
+        self.table: dict[int, int | dict[int, int]] = {}
+
+    def __contains__(self, h: int) -> bool:
+        return h in self.table
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def get(self, h: int) -> dict[int, int] | None:
+        v = self.table.get(h)
+        return {v: 1} if isinstance(v, int) else v
+
+    def add(self, h: int, tok: int) -> None:
+        v = self.table.get(h)
+        if v is None:
+            self.table[h] = tok
+            return
+        if isinstance(v, int):
+            v = self.table[h] = {v: 1}
+        if tok in v:
+            v[tok] = v.pop(tok) + 1  # re-insert: most recent last
+            return
+        if self.k is not None and len(v) >= self.k:
+            del v[min(v, key=v.get)]  # least frequent; ties: the least recent (first in order)
+        v[tok] = 1
+
+    def remove(self, h: int, tok: int) -> None:
+        """Undo one `add(h, tok)` (exact only without `k`)."""
+        v = self.table.get(h)
+        if isinstance(v, int):
+            if v == tok:
+                del self.table[h]
+        elif v is not None and tok in v:
+            v[tok] -= 1
+            if v[tok] == 0:
+                del v[tok]
+                if not v:
+                    del self.table[h]
+
+
+@dataclass
+class SeqIndex:
+    owner: Sequence   # the sequence this state belongs to (a slot reused without release starts afresh)
+    indexed: int = 0  # owner.tokens[:indexed] have been recorded as continuations
+
+
+class IncrementalDrafter(Drafter):
+    """Keeps per-sequence state by slot; `_index` sees each committed token once (prompt, then output)."""
+
+    def __init__(self):
+        self._seqs: dict[int, SeqIndex] = {}
+
+    def _new_state(self, seq: Sequence) -> SeqIndex:
+        return SeqIndex(seq)
+
+    @abstractmethod
+    def _index(self, state: SeqIndex, tokens: list[int], start: int, stop: int) -> None:
+        """Record tokens[p] as the continuation of its context, for p in [start, stop)."""
+
+    def _catch_up(self, seq: Sequence) -> SeqIndex:
+        st = self._seqs.get(seq.slot)
+        if st is None or st.owner is not seq or st.indexed > len(seq.tokens):
+            st = self._seqs[seq.slot] = self._new_state(seq)
+        if st.indexed < len(seq.tokens):
+            self._index(st, seq.tokens, st.indexed, len(seq.tokens))
+            st.indexed = len(seq.tokens)
+        return st
+
+    def release(self, seq: Sequence) -> None:
+        self._seqs.pop(seq.slot, None)

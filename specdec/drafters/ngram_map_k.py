@@ -1,0 +1,61 @@
+"""`ngram-map-k` / `ngram-map-k4v`: per sequence, the last n tokens -> up to k next tokens with hit counts."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specdec.drafters.base import Draft
+from specdec.drafters.ngram_index import (ContinuationCounts, IncrementalDrafter, SeqIndex, chain_lookups,
+                                          suffix_hashes, top, window_hashes)
+from specdec.engine.sequence import Sequence
+
+
+@dataclass
+class _MapState(SeqIndex):
+    table: ContinuationCounts = field(default_factory=ContinuationCounts)
+
+
+class NgramMapKDrafter(IncrementalDrafter):
+    """Updated incrementally from the prompt and output; drafts by chaining the most frequent continuation
+    (ties: the most recent) while it has at least `min_hits` hits."""
+
+    name = "ngram-map-k"
+
+    def __init__(self, n: int = 3, m: int = 16, k: int = 4, min_hits: int = 1):
+        super().__init__()
+        self.n, self.m, self.k, self.min_hits = n, m, k, min_hits
+
+    def _new_state(self, seq: Sequence) -> _MapState:
+        return _MapState(seq, table=ContinuationCounts(self.k))
+
+    def _index(self, state: _MapState, tokens: list[int], start: int, stop: int) -> None:
+        start = max(start, self.n)
+        if start >= stop:
+            return
+        keys = window_hashes(tokens, start, stop, self.n)[:, -1].tolist()  # [W] hash of tokens[p-n:p]
+        for h, tok in zip(keys, tokens[start:stop]):
+            state.table.add(h, tok)
+
+    def _pick(self, counts: dict[int, int]) -> int | None:
+        tok, hits, _, _ = top(counts)
+        return tok if hits >= self.min_hits else None
+
+    def propose(self, seq: Sequence, max_tokens: int) -> Draft:
+        table = self._catch_up(seq).table
+
+        def step(ctx: list[int]) -> int | None:
+            hs = suffix_hashes(ctx, self.n)
+            counts = table.get(hs[-1]) if len(hs) == self.n else None
+            return self._pick(counts) if counts else None
+        return Draft(chain_lookups(seq.tokens[-self.n:], min(self.m, max_tokens), step))
+
+
+class NgramMapK4VDrafter(NgramMapKDrafter):
+    """Like `ngram-map-k`, but drafts only while the top continuation clearly dominates: at least `min_hits`
+    hits and at least DOMINANCE times the runner-up's."""
+
+    name = "ngram-map-k4v"
+    DOMINANCE = 2
+
+    def _pick(self, counts: dict[int, int]) -> int | None:
+        tok, hits, second, _ = top(counts)
+        return tok if hits >= self.min_hits and hits >= self.DOMINANCE * second else None

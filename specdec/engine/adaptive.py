@@ -1,0 +1,85 @@
+"""Adaptive draft length: pick k to maximise expected tokens per second.
+
+Two measured ingredients:
+- `CostModel` (per engine, i.e. per machine and model pair): seconds for a target forward over
+  t tokens, and seconds per drafted token for the drafter, both running averages.
+- `AcceptanceEstimate` (per sequence): for each draft position i, the probability that the
+  draft token there is accepted given that every earlier one was.
+
+Expected tokens for a draft of k: E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j (the bonus token
+always comes). Expected time: T(k) = k * draft_cost + verify(k + 1). Choose argmax E/T.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+EMA = 0.2         # weight of a new observation
+PRIOR_ACCEPT = 0.7
+RELAX = 0.05      # per undrafted step, estimates drift back toward the prior (so drafting is retried)
+
+
+@dataclass
+class CostModel:
+    verify_s: dict[int, float] = field(default_factory=dict)  # tokens per forward -> seconds
+    draft_s_per_token: float = 0.0
+
+    def observe_verify(self, tokens: int, seconds: float) -> None:
+        old = self.verify_s.get(tokens)
+        self.verify_s[tokens] = seconds if old is None else old + EMA * (seconds - old)
+
+    def observe_draft(self, drafted: int, seconds: float) -> None:
+        if drafted:
+            per = seconds / drafted
+            self.draft_s_per_token = per if self.draft_s_per_token == 0 else (
+                self.draft_s_per_token + EMA * (per - self.draft_s_per_token))
+
+    def verify_cost(self, tokens: int) -> float:
+        """Interpolated forward time for `tokens`; unmeasured sizes are assumed to cost as much
+        as the nearest measured one below (verifying a few more tokens is nearly free on our hardware
+        until it is measured otherwise)."""
+        if not self.verify_s:
+            return 1.0
+        if tokens in self.verify_s:
+            return self.verify_s[tokens]
+        lower = [t for t in self.verify_s if t < tokens]
+        upper = [t for t in self.verify_s if t > tokens]
+        if lower and upper:
+            lo, hi = max(lower), min(upper)
+            w = (tokens - lo) / (hi - lo)
+            return self.verify_s[lo] * (1 - w) + self.verify_s[hi] * w
+        return self.verify_s[max(lower)] if lower else self.verify_s[min(upper)]
+
+
+@dataclass
+class AcceptanceEstimate:
+    rates: list[float] = field(default_factory=list)  # per draft position: P(accept | reached)
+
+    def rate(self, i: int) -> float:
+        return self.rates[i] if i < len(self.rates) else PRIOR_ACCEPT
+
+    def relax(self) -> None:
+        self.rates = [r + RELAX * (PRIOR_ACCEPT - r) for r in self.rates]
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """Positions 0..accepted-1 were accepted, position `accepted` (if drafted) rejected."""
+        reached = min(drafted, accepted + 1)
+        if len(self.rates) < reached:
+            self.rates += [PRIOR_ACCEPT] * (reached - len(self.rates))
+        for i in range(reached):
+            x = 1.0 if i < accepted else 0.0
+            self.rates[i] += EMA * (x - self.rates[i])
+
+
+def choose_draft_len(cost: CostModel, acc: AcceptanceEstimate, k_min: int, k_max: int) -> int:
+    """The k in [k_min, k_max] (or 0) with the most expected tokens per second."""
+    best_k, best_rate = 0, 1.0 / cost.verify_cost(1)
+    expected, survive = 1.0, 1.0
+    for k in range(1, k_max + 1):
+        survive *= acc.rate(k - 1)
+        expected += survive
+        if k < k_min:
+            continue
+        rate = expected / (k * cost.draft_s_per_token + cost.verify_cost(k + 1))
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k
