@@ -22,6 +22,10 @@ class Draft:
 
 class Drafter(ABC):
     name: str = ""
+    # Drafters that know their own confidence stop drafting by themselves once the chance that the
+    # whole draft so far gets accepted falls below `min_path_prob` (set by the adaptive engine).
+    confidence_stop: bool = False
+    min_path_prob: float = 0.0
 
     @abstractmethod
     def propose(self, seq: Sequence, max_tokens: int) -> Draft:

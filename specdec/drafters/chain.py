@@ -17,6 +17,7 @@ class ChainDrafter(Drafter):
 
     def propose(self, seq: Sequence, max_tokens: int) -> Draft:
         for m in self.members:
+            m.min_path_prob = self.min_path_prob
             draft = m.propose(seq, max_tokens)
             if draft.tokens:
                 return draft

@@ -16,6 +16,7 @@ from specdec.sampling import probs_from_logits, sample
 
 class DraftModelDrafter(Drafter):
     name = "draft"
+    confidence_stop = True
 
     def __init__(self, runner: ModelRunner, target_vocab: int, p_min: float = 0.0, branch_p: float = 0.0):
         self.runner, self.target_vocab = runner, target_vocab
@@ -33,7 +34,8 @@ class DraftModelDrafter(Drafter):
     def _pick(self, logits: torch.Tensor, seq: Sequence) -> tuple[int, float, torch.Tensor | None, int | None]:
         """logits [V] -> (token, its probability, sampling distribution [V] or None, sibling or None)."""
         if seq.params.greedy:
-            probs = logits.softmax(-1) if self.p_min > 0 or self.branch_p > 0 else None
+            need = self.p_min > 0 or self.branch_p > 0 or self.min_path_prob > 0
+            probs = logits.softmax(-1) if need else None
             if probs is None:
                 return int(logits.argmax()), 1.0, None, None
             top = probs.topk(2)
@@ -56,9 +58,11 @@ class DraftModelDrafter(Drafter):
         parents: list[int] = []
         probs: list[torch.Tensor] = []
         last = -1  # node index of the newest main-chain token
+        path_prob = 1.0  # the draft's own estimate that the main chain so far is accepted
         while len(tokens) < max_tokens:
             tok, conf, p, sibling = self._pick(self._fit_vocab(logits), seq)
-            if conf < self.p_min:
+            path_prob *= conf
+            if conf < self.p_min or (tokens and path_prob < self.min_path_prob):
                 break
             tokens.append(tok)
             parents.append(last)

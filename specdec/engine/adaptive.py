@@ -8,6 +8,10 @@ Two measured ingredients:
 
 Expected tokens for a draft of k: E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j (the bonus token
 always comes). Expected time: T(k) = k * draft_cost + verify(k + 1). Choose argmax E/T.
+
+Drafters that know their confidence (the draft model) instead get the budget k_max and stop by
+themselves once the product of their token probabilities falls below draft_cost / verify(1):
+past that point another draft token is expected to save less target time than it costs.
 """
 from __future__ import annotations
 
@@ -55,7 +59,10 @@ class AcceptanceEstimate:
     rates: list[float] = field(default_factory=list)  # per draft position: P(accept | reached)
 
     def rate(self, i: int) -> float:
-        return self.rates[i] if i < len(self.rates) else PRIOR_ACCEPT
+        """Unobserved positions are assumed like the deepest observed one, so longer drafts get tried."""
+        if i < len(self.rates):
+            return self.rates[i]
+        return self.rates[-1] if self.rates else PRIOR_ACCEPT
 
     def relax(self) -> None:
         self.rates = [r + RELAX * (PRIOR_ACCEPT - r) for r in self.rates]

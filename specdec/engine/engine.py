@@ -71,6 +71,12 @@ class Engine:
         k_max = max(0, min(self.spec.draft_max, room))
         if not self.spec.adaptive or k_max == 0:
             return k_max
+        if self.drafter.confidence_stop:
+            # Draft one more token while its expected yield (the chance the path so far is accepted,
+            # times the target forward it saves) beats what drafting it costs.
+            known = self.cost.draft_s_per_token > 0 and self.cost.verify_s
+            self.drafter.min_path_prob = self.cost.draft_s_per_token / self.cost.verify_cost(1) if known else 0.0
+            return k_max
         k = choose_draft_len(self.cost, seq.acceptance, min(self.spec.draft_min, k_max), k_max)
         if k == 0:
             seq.acceptance.relax()
