@@ -54,7 +54,7 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
         q = apply_rotary(q, batch.cos, batch.sin)
         k = apply_rotary(k, batch.cos, batch.sin)
-        cache.write(self.layer, batch.slots, batch.cache_index, k, v)
+        cache.write(self.layer, batch.slots, batch.cache_index, k, v, batch.write_span)
         keys, values = cache.read(self.layer, batch.slots, batch.kv_len)  # [B, kv_heads, S, hd]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask,
                                              enable_gqa=c.num_heads != c.num_kv_heads)
@@ -103,6 +103,7 @@ class Batch:
     sin: torch.Tensor          # [B, 1, T, hd]
     mask: torch.Tensor | None  # [B, 1, T, kv_len] bool (True = attend), None = attend to all
     kv_len: int                # keys read per sequence
+    write_span: tuple[int, int, int] | None  # (slot, start, end) for a contiguous single-sequence write
 
 
 FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -151,7 +152,7 @@ class Transformer(nn.Module):
             mask = (key_pos[None, None, :] <= cache_index[:, :, None]).unsqueeze(1)
         x = self.model.embed_tokens(tokens)
         cos, sin = self.rotary.tables(positions, x.dtype)
-        batch = Batch(slots, cache_index, cos, sin, mask, kv_len)
+        batch = Batch(slots, cache_index, cos, sin, mask, kv_len, KVCache.span(slots, cache_index))
         hidden: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             x = layer(x, batch, cache)

@@ -33,10 +33,19 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def write(self, layer: int, slots: torch.Tensor, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """slots [B], index [B, T] cache positions, k/v [B, kv_heads, T, head_dim]."""
+    @staticmethod
+    def span(slots: torch.Tensor, index: torch.Tensor) -> tuple[int, int, int] | None:
+        """(slot, start, end) when one sequence writes a contiguous run (the common case: a plain
+        slice write); None otherwise. Computed once per forward, shared by every layer's `write`."""
         if slots.shape[0] == 1 and _is_contiguous_run(index):
-            s, start, end = int(slots[0]), int(index[0, 0]), int(index[0, -1]) + 1
+            return int(slots[0]), int(index[0, 0]), int(index[0, -1]) + 1
+        return None
+
+    def write(self, layer: int, slots: torch.Tensor, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              span: tuple[int, int, int] | None = None) -> None:
+        """slots [B], index [B, T] cache positions, k/v [B, kv_heads, T, head_dim]; `span` from `KVCache.span`."""
+        if span is not None:
+            s, start, end = span
             self.k[layer][s, :, start:end] = k[0]
             self.v[layer][s, :, start:end] = v[0]
             return
