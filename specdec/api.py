@@ -43,11 +43,12 @@ class LLM:
                  draft_quant: str = "int8", progress: bool = True, adaptive: bool = True,
                  draft_branch_p: float = 0.0, ngram_min_hits: int = 1,
                  ngram_mod_pool_mb: float = 16.0, suffix_max_requests: int = 64, suffix_factor: float = 1.0,
-                 suffix_min_prob: float = 0.1, synth_rates: list[float] | None = None, synth_len: int = 8):
+                 suffix_min_prob: float = 0.1, synth_rates: list[float] | None = None, synth_len: int = 8,
+                 parallel: int = 1):
         spec_type = spec_type or ("draft" if draft or model is None else "none")
         self.spec_type = ",".join(parse_spec_type(spec_type))
         _check_positive(context=context, draft_max=draft_max, ngram_n=ngram_n, ngram_m=ngram_m,
-                        ngram_min_hits=ngram_min_hits)
+                        ngram_min_hits=ngram_min_hits, parallel=parallel)
         if draft_min < 0 or draft_min > draft_max:
             raise SpecdecError("draft_min must be between 0 and draft_max")
         if not 0 <= draft_p_min <= 1:
@@ -79,7 +80,8 @@ class LLM:
         self.dtype = resolve_dtype(dtype)
         target, self.tokenizer = load_checkpoint(resolve_model(model, progress), self.dtype)
         context = min(context, target.config.max_position_embeddings)
-        self.runner = ModelRunner(target, num_slots=1, context=context)
+        self.parallel = parallel  # KV cache slots: sequences that can run at once
+        self.runner = ModelRunner(target, num_slots=parallel, context=context)
         self._draft_name, self._p_min, self._branch_p = draft, draft_p_min, draft_branch_p
         self._ngram = dict(n=ngram_n, m=ngram_m)
         self._ngram_min_hits, self._pool_size = ngram_min_hits, pool_size
@@ -87,31 +89,25 @@ class LLM:
         self._draft_quant = draft_quant
         self._spec = SpecConfig(draft_max, draft_min, adaptive)
         self._progress = progress
-        self._engines: dict[str, Engine] = {}
-        self._drafters: dict[str, Drafter | None] = {}  # by single spec type; chains reuse these
-        self.engine = self.engine_for(spec_type)
+        self._drafters: dict[str, Drafter | None] = {}  # by spec type or chain; chains reuse single ones
+        self.engine = Engine(self.runner, self.tokenizer, self._spec)
+        self.drafter = self.drafter_for(spec_type)
 
-    def engine_for(self, spec_type: str) -> Engine:
-        """The engine for one spec type or chain; all share the target and its KV cache, and drafters of the
-        same type are shared too (one ngram-mod pool, one suffix memory, one draft model per LLM)."""
+    def drafter_for(self, spec_type: str) -> Drafter | None:
+        """The drafter for one spec type or chain (None for 'none'). Drafters are made once per LLM and
+        shared by every sequence (one ngram-mod pool, one suffix memory, one draft model)."""
         parts = parse_spec_type(spec_type)
         key = ",".join(parts)
-        if key not in self._engines:
-            members = [self._drafter(p) for p in parts]
-            drafter = members[0] if len(members) == 1 else ChainDrafter(members)
-            self._engines[key] = Engine(self.runner, self.tokenizer, drafter, self._spec)
-        return self._engines[key]
+        if key not in self._drafters:
+            members = [self.drafter_for(p) for p in parts] if len(parts) > 1 else None
+            self._drafters[key] = ChainDrafter(members) if members else self._make_drafter(key)
+        return self._drafters[key]
 
     def reset_drafters(self) -> None:
         """Forget what drafters learned across requests (ngram-mod pool, suffix memory), e.g. between repeats."""
         for d in self._drafters.values():
             if hasattr(d, "reset"):
                 d.reset()
-
-    def _drafter(self, spec_type: str) -> Drafter | None:
-        if spec_type not in self._drafters:
-            self._drafters[spec_type] = self._make_drafter(spec_type)
-        return self._drafters[spec_type]
 
     def _make_drafter(self, spec_type: str) -> Drafter | None:
         if spec_type == "ngram-simple":
@@ -140,7 +136,7 @@ class LLM:
                                    "a draft model must share the target's vocabulary")
             if self._draft_quant == "int8":
                 quantize_int8_(dmodel)
-            return DraftModelDrafter(ModelRunner(dmodel, 1, self.context), self.runner.vocab_size, self._p_min,
+            return DraftModelDrafter(ModelRunner(dmodel, self.parallel, self.context), self.runner.vocab_size, self._p_min,
                                      self._branch_p)
         return None
 
@@ -165,8 +161,8 @@ class LLM:
         """Generate from a prompt (text, or token ids); `spec_type` overrides the LLM's for this call."""
         ids = prompt if isinstance(prompt, list) else self.encode(prompt, chat, system)
         params = SamplingParams(temperature, top_k, top_p, min_p, seed, max_tokens, list(stop or []))
-        engine = self.engine if spec_type is None else self.engine_for(spec_type)
-        seq = engine.generate(ids, params, on_text)
+        drafter = self.drafter if spec_type is None else self.drafter_for(spec_type)
+        seq = self.engine.generate(ids, params, on_text, drafter)
         return Result(seq.text, seq.output_ids, seq.stats, seq.finish_reason or "stop", seq.top2_gaps, seq.synthetic)
 
 

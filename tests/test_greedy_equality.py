@@ -17,8 +17,7 @@ def _tiny_llm(tiny_dir, family, draft_seed, **kw):
 
 
 def _set_stop(llm, ids):
-    for t in ("none", *SPECS):
-        llm.engine_for(t).stop_ids = set(ids)
+    llm.engine.stop_ids = set(ids)
 
 
 @pytest.mark.parametrize("family,adaptive", [("llama", True), ("qwen2", True), ("qwen3", True), ("llama", False)])
@@ -47,7 +46,7 @@ def test_tiny_model_free_with_misses(tiny_dir):
     _set_stop(llm, [])
     bases = {p: llm.generate(p, max_tokens=40, spec_type="none").token_ids for p in PROMPTS_TINY}
     for spec in (*MODEL_FREE, "suffix,ngram-map-k"):
-        llm.engine_for(spec).stop_ids = set()
+        llm.engine.stop_ids = set()
         drafted = accepted = 0
         for prompt in PROMPTS_TINY:
             r = llm.generate(prompt, max_tokens=40, spec_type=spec)
@@ -60,16 +59,16 @@ def test_drafters_shared_within_an_llm(tiny_dir):
     llm = _tiny_llm(tiny_dir, "qwen2", None)
     llm._spec.adaptive = False
     _set_stop(llm, [])
-    mod = llm.engine_for("ngram-mod").drafter
-    assert llm.engine_for("ngram-mod, draft") is llm.engine_for(CHAIN)
-    assert llm.engine_for(CHAIN).drafter.members[0] is mod  # one pool per LLM
+    mod = llm.drafter_for("ngram-mod")
+    assert llm.drafter_for("ngram-mod, draft") is llm.drafter_for(CHAIN)
+    assert llm.drafter_for(CHAIN).members[0] is mod  # one pool per LLM
     base = llm.generate(PROMPTS_TINY[1], max_tokens=20, spec_type="ngram-mod")
     assert mod.used > 0
     r = llm.generate(PROMPTS_TINY[1], max_tokens=20, spec_type=CHAIN)  # its ngram-mod remembers the first run
     assert r.token_ids == base.token_ids and r.stats.accepted >= 10
     llm.reset_drafters()
     assert mod.used == 0
-    llm.engine_for("suffix,ngram-map-k").stop_ids = set()
+    llm.engine.stop_ids = set()
     r = llm.generate(PROMPTS_TINY[1], max_tokens=20, temperature=0.8, seed=1, spec_type="suffix,ngram-map-k")
     assert len(r.token_ids) == 20  # sampling with model-free (one-hot) drafts runs
 
@@ -119,7 +118,7 @@ def test_smollm_greedy_equality(smollm_dir):
     # Adaptive length is off: a same-size draft never pays, so adaptive would (rightly) stop drafting.
     llm = specdec.LLM(str(smollm_dir), draft=str(smollm_dir), spec_type="none", dtype="fp32",
                       context=256, adaptive=False, progress=False)
-    drafter = llm.engine_for("draft").drafter
+    drafter = llm.drafter_for("draft")
     accepted = branched = 0
     for prompt in REAL_PROMPTS:
         base = llm.generate(prompt, max_tokens=48, chat=True, spec_type="none")

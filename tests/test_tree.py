@@ -61,8 +61,7 @@ def test_tree_greedy_follows_target_argmax():
 def test_tiny_greedy_equality_with_trees(tiny_dir):
     target, draft = tiny_dir("llama"), tiny_dir("llama", seed=1, layers=1)
     llm = specdec.LLM(str(target), draft=str(draft), dtype="fp32", context=64, draft_branch_p=0.9, progress=False)
-    for t in ("none", "draft"):
-        llm.engine_for(t).stop_ids = set()
+    llm.engine.stop_ids = set()
     branched = 0
     for prompt in ("t5 t9 t12 t5 t9", "t33 t2 t71", "t60"):
         base = llm.generate(prompt, max_tokens=40, spec_type="none")

@@ -81,14 +81,10 @@ class Ours(Method):
     def __init__(self, llm, name: str):
         self.name, self.baseline, self.llm = name, "none", llm
         self.spec_type = name.replace("+", ",")
-        self.engine = llm.engine_for(self.spec_type)  # loads a draft model now, not while timing
+        self.drafter = llm.drafter_for(self.spec_type)  # loads a draft model now, not while timing
 
     def generate(self, ids: list[int], max_tokens: int, temperature: float, seed: int | None) -> Output:
-        # no learning from earlier runs of this prompt: reset every drafter the LLM holds (chains share
-        # them), else this engine's
-        reset = getattr(self.llm, "reset_drafters", None) or getattr(self.engine.drafter, "reset", None)
-        if reset:
-            reset()
+        self.llm.reset_drafters()  # no learning from earlier runs of this prompt (chains share drafters)
         r = self.llm.generate(ids, max_tokens=max_tokens, temperature=temperature, seed=seed,
                               spec_type=self.spec_type)
         s = r.stats

@@ -25,17 +25,20 @@ RELAX = 0.05      # per undrafted step, estimates drift back toward the prior (s
 @dataclass
 class CostModel:
     verify_s: dict[int, float] = field(default_factory=dict)  # tokens per forward -> seconds
-    draft_s_per_token: float = 0.0
+    draft_s: dict[str, float] = field(default_factory=dict)   # drafter name -> seconds per drafted token
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         old = self.verify_s.get(tokens)
         self.verify_s[tokens] = seconds if old is None else old + EMA * (seconds - old)
 
-    def observe_draft(self, drafted: int, seconds: float) -> None:
+    def observe_draft(self, drafted: int, seconds: float, drafter: str = "") -> None:
         if drafted:
-            per = seconds / drafted
-            self.draft_s_per_token = per if self.draft_s_per_token == 0 else (
-                self.draft_s_per_token + EMA * (per - self.draft_s_per_token))
+            per, old = seconds / drafted, self.draft_s.get(drafter)
+            self.draft_s[drafter] = per if old is None else old + EMA * (per - old)
+
+    def draft_cost(self, drafter: str = "") -> float:
+        """Seconds per drafted token (0 until measured)."""
+        return self.draft_s.get(drafter, 0.0)
 
     def verify_cost(self, tokens: int) -> float:
         """Interpolated forward time for `tokens`; unmeasured sizes are assumed to cost as much
@@ -77,8 +80,9 @@ class AcceptanceEstimate:
             self.rates[i] += EMA * (x - self.rates[i])
 
 
-def choose_draft_len(cost: CostModel, acc: AcceptanceEstimate, k_min: int, k_max: int) -> int:
-    """The k in [k_min, k_max] (or 0) with the most expected tokens per second."""
+def choose_draft_len(cost: CostModel, acc: AcceptanceEstimate, k_min: int, k_max: int, drafter: str = "") -> int:
+    """The k in [k_min, k_max] (or 0) with the most expected tokens per second for `drafter`."""
+    draft_s = cost.draft_cost(drafter)
     best_k, best_rate = 0, 1.0 / cost.verify_cost(1)
     expected, survive = 1.0, 1.0
     for k in range(1, k_max + 1):
@@ -86,7 +90,7 @@ def choose_draft_len(cost: CostModel, acc: AcceptanceEstimate, k_min: int, k_max
         expected += survive
         if k < k_min:
             continue
-        rate = expected / (k * cost.draft_s_per_token + cost.verify_cost(k + 1))
+        rate = expected / (k * draft_s + cost.verify_cost(k + 1))
         if rate > best_rate:
             best_k, best_rate = k, rate
     return best_k

@@ -1,22 +1,33 @@
-"""The speculative step loop: prefill, then draft -> verify in one target forward -> commit."""
+"""The speculative step loop: prefill, then draft -> verify in one batched target forward -> commit."""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from specdec.drafters.base import Draft, Drafter
 from specdec.engine.adaptive import CostModel, choose_draft_len
-from specdec.engine.sequence import Sequence
+from specdec.engine.sequence import Sequence, StreamCallback
 from specdec.errors import SpecdecError
 from specdec.models.tokenizer import Detokenizer, Tokenizer
 from specdec.runtime.runner import ModelRunner
 from specdec.sampling import SamplingParams, probs_from_logits, sample
 from specdec.verify import chain, verify_tree_greedy, verify_tree_sampling
 
-StreamCallback = Callable[[str], None]
+__all__ = ["Engine", "SpecConfig", "StreamCallback"]
+
+
+@dataclass
+class StepInfo:
+    """What one batched step did and cost (the load controller's measurements)."""
+    batch: int            # sequences stepped
+    committed: int        # tokens added over all sequences
+    drafted: int          # draft tokens over all sequences
+    forward_tokens: int   # tokens the target forward processed
+    forward_s: float
+    draft_s: float
+    seconds: float        # the whole step
 
 
 @dataclass
@@ -27,17 +38,19 @@ class SpecConfig:
 
 
 class Engine:
-    """Generates for one sequence at a time through a target runner and an optional drafter."""
+    """Drives sequences through a target runner: prefill, then steps that draft for every running
+    sequence, verify all of them in one batched target forward, and commit each on its own."""
 
-    def __init__(self, target: ModelRunner, tokenizer: Tokenizer, drafter: Drafter | None = None,
-                 spec: SpecConfig | None = None):
-        self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
+    def __init__(self, target: ModelRunner, tokenizer: Tokenizer, spec: SpecConfig | None = None):
+        self.target, self.tokenizer = target, tokenizer
         self.spec = spec or SpecConfig()
         self.cost = CostModel()  # measured target/draft costs, shared by every sequence
         self.stop_ids = tokenizer.stop_ids(target.model.config.eos_token_ids)
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams,
-                 on_text: StreamCallback | None = None) -> Sequence:
+    def new_sequence(self, prompt_ids: list[int], params: SamplingParams, slot: int = 0,
+                     drafter: Drafter | None = None, draft_max: int | None = None,
+                     on_text: StreamCallback | None = None, logprobs: bool = False) -> Sequence:
+        """A sequence ready to prefill; bad prompts and parameters raise SpecdecError."""
         params.validate()
         context = self.target.context
         if not prompt_ids:
@@ -45,56 +58,120 @@ class Engine:
         if len(prompt_ids) >= context:
             raise SpecdecError(f"prompt has {len(prompt_ids)} tokens but the context is {context} "
                                f"(at least one free position is needed; raise -c)")
-        seq = Sequence(list(prompt_ids), len(prompt_ids), slot=0, params=params,
-                       generator=None if params.greedy else params.generator())
-        detok = Detokenizer(self.tokenizer)
-        start = time.perf_counter()
-        logits = self.target.prefill(seq.tokens, seq.slot)  # [V]
-        seq.stats.prefill_s = time.perf_counter() - start
-        seq.stats.target_forwards = 1
-        self._commit(seq, [self._sample(logits[None], seq)], logits[None], detok, on_text)
+        return Sequence(list(prompt_ids), len(prompt_ids), slot=slot, params=params,
+                        generator=None if params.greedy else params.generator(), drafter=drafter,
+                        draft_max=draft_max, on_text=on_text, detok=Detokenizer(self.tokenizer),
+                        logprobs=[] if logprobs else None, started=time.perf_counter())
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, on_text: StreamCallback | None = None,
+                 drafter: Drafter | None = None) -> Sequence:
+        """One sequence from prompt to finish (slot 0)."""
+        seq = self.new_sequence(prompt_ids, params, drafter=drafter, on_text=on_text)
+        self.prefill(seq)
         while seq.finish_reason is None:
-            self._step(seq, detok, on_text)
-        if self.drafter:
-            self.drafter.release(seq)
-        seq.stats.total_s = time.perf_counter() - start
+            self.step([seq])
+        self.finish(seq)
         return seq
+
+    def prefill(self, seq: Sequence, chunk: int | None = None) -> bool:
+        """Feed the next `chunk` prompt tokens (all with None); after the last, sample the first output
+        token. Returns True once the prompt is in."""
+        t = time.perf_counter()
+        end = len(seq.tokens) if chunk is None else min(len(seq.tokens), seq.prefilled + chunk)
+        logits = self.target.prefill(seq.tokens[seq.prefilled:end], seq.slot, start=seq.prefilled)  # [V]
+        seq.prefilled = end
+        seq.stats.prefill_s += time.perf_counter() - t
+        if end < len(seq.tokens):
+            return False
+        seq.stats.target_forwards = 1
+        self._commit(seq, [self._sample(logits[None], seq)], logits[None])
+        return True
+
+    def step(self, seqs: list[Sequence], draft_cap: int | None = None) -> StepInfo:
+        """One speculative step for every (prefilled, unfinished) sequence: draft up to `draft_cap`
+        tokens each, run one target forward over each sequence's last token plus its draft (ragged
+        chains batched; trees one forward each), then verify, roll back and commit each on its own."""
+        t0 = time.perf_counter()
+        before = sum(len(s.tokens) for s in seqs)
+        drafts = [self._propose(seq, draft_cap) for seq in seqs]
+        t1 = time.perf_counter()
+        logits = self._forward(seqs, drafts)
+        forward_s = time.perf_counter() - t1
+        drafted = sum(len(d.tokens) for d, _ in drafts)
+        if len(seqs) == 1:  # the cost model describes single-sequence steps
+            self.cost.observe_verify(drafted + 1, forward_s)
+        for seq, (draft, k), lg in zip(seqs, drafts, logits):
+            self._accept(seq, draft, k, lg, forward_s)
+        return StepInfo(len(seqs), sum(len(s.tokens) for s in seqs) - before, drafted, drafted + len(seqs),
+                        forward_s, t1 - t0, time.perf_counter() - t0)
+
+    def finish(self, seq: Sequence, reason: str | None = None) -> None:
+        """Close a sequence (finished, or cancelled with `reason`): flush its stream, free drafter state."""
+        if reason:
+            seq.finish_reason = reason
+        self._stream(seq, final=True)
+        if seq.drafter:
+            seq.drafter.release(seq)
+        seq.stats.total_s = time.perf_counter() - seq.started
 
     def _sample(self, logits: torch.Tensor, seq: Sequence) -> int:
         if seq.params.greedy:
             return int(logits[0].argmax())
         return int(sample(probs_from_logits(logits, seq.params), seq.generator)[0])
 
-    def _draft_len(self, seq: Sequence) -> int:
+    def _draft_len(self, seq: Sequence, cap: int | None) -> int:
         """Drafts that can still matter: room in the context and in max_tokens, less the bonus token."""
         room = min(self.target.context - len(seq.tokens), seq.params.max_tokens - len(seq.output_ids)) - 1
-        k_max = max(0, min(self.spec.draft_max, room))
-        if not self.spec.adaptive or k_max == 0:
+        k_max = min(self.spec.draft_max if seq.draft_max is None else seq.draft_max, room)
+        if cap is not None and not seq.pinned:
+            k_max = min(k_max, cap)
+        k_max = max(0, k_max)
+        if not self.spec.adaptive or k_max == 0 or seq.pinned:
             return k_max
-        if self.drafter.confidence_stop:
+        drafter, draft_s = seq.drafter, self.cost.draft_cost(seq.drafter.name)
+        if drafter.confidence_stop:
             # Draft one more token while its expected yield (the chance the path so far is accepted,
             # times the target forward it saves) beats what drafting it costs.
-            known = self.cost.draft_s_per_token > 0 and self.cost.verify_s
-            self.drafter.min_path_prob = self.cost.draft_s_per_token / self.cost.verify_cost(1) if known else 0.0
+            known = draft_s > 0 and self.cost.verify_s
+            drafter.min_path_prob = draft_s / self.cost.verify_cost(1) if known else 0.0
             return k_max
-        k = choose_draft_len(self.cost, seq.acceptance, min(self.spec.draft_min, k_max), k_max)
+        k = choose_draft_len(self.cost, seq.acceptance, min(self.spec.draft_min, k_max), k_max, drafter.name)
         if k == 0:
             seq.acceptance.relax()
         return k
 
-    def _step(self, seq: Sequence, detok: Detokenizer, on_text: StreamCallback | None) -> None:
-        t0 = time.perf_counter()
-        k = self._draft_len(seq) if self.drafter else 0
-        draft = self.drafter.propose(seq, k) if k > 0 else Draft([])
+    def _propose(self, seq: Sequence, cap: int | None) -> tuple[Draft, int]:
+        """(draft, the length asked for); times the drafter."""
+        t = time.perf_counter()
+        k = self._draft_len(seq, cap) if seq.drafter else 0
+        draft = seq.drafter.propose(seq, k) if k > 0 else Draft([])
         if len(draft.tokens) < self.spec.draft_min:
             draft = Draft([])
-        t1 = time.perf_counter()
-        inp = [seq.tokens[-1]] + draft.tokens
+        dt = time.perf_counter() - t
+        seq.stats.draft_s += dt
+        if draft.tokens and seq.stats.target_forwards > 2:  # a first draft includes the drafter's prefill
+            self.cost.observe_draft(len(draft.tokens), dt, seq.drafter.name)
+        return draft, k
+
+    def _forward(self, seqs: list[Sequence], drafts: list[tuple[Draft, int]]) -> list[torch.Tensor]:
+        """Per sequence, target logits [1 + nodes, V] over its last committed token and its draft."""
+        out: list[torch.Tensor | None] = [None] * len(seqs)
+        chains = [i for i, (d, _) in enumerate(drafts) if d.parents is None]
+        if chains:
+            res = self.target.forward([[seqs[i].tokens[-1]] + drafts[i][0].tokens for i in chains],
+                                      [seqs[i].last_position for i in chains], [seqs[i].slot for i in chains])
+            for i, lg in zip(chains, res):
+                out[i] = lg
+        for i, (d, _) in enumerate(drafts):
+            if d.parents is not None:
+                s = seqs[i]
+                out[i] = self.target.verify_tree(s.slot, s.last_position, [s.tokens[-1]] + d.tokens, d.parents)
+        return out
+
+    def _accept(self, seq: Sequence, draft: Draft, k: int, logits: torch.Tensor, forward_s: float) -> None:
+        """Verify one sequence's draft against its target logits [N+1, V], roll back, commit."""
+        t = time.perf_counter()
         parents = chain(len(draft.tokens)) if draft.parents is None else draft.parents
-        if draft.parents is None:
-            logits = self.target.forward([inp], [seq.last_position], [seq.slot])[0]  # [k+1, V]
-        else:
-            logits = self.target.verify_tree(seq.slot, seq.last_position, inp, parents)  # [N+1, V]
         if draft.forced is not None:  # synthetic drafter: acceptance decided by its rates (output not valid)
             seq.synthetic = True
             path = list(range(draft.forced))
@@ -106,49 +183,53 @@ class Engine:
         if draft.parents is not None:
             self.target.keep_path(seq.slot, seq.last_position, path)
             logits = logits[[0] + [i + 1 for i in path]]  # rows the committed tokens were chosen from
-        t2 = time.perf_counter()
-        seq.stats.draft_s += t1 - t0
-        seq.stats.verify_s += t2 - t1
+        seq.stats.verify_s += forward_s + time.perf_counter() - t
         depth = _depth(parents)
         seq.stats.record_step(k, len(draft.tokens), len(path), depth)
-        self.cost.observe_verify(len(inp), t2 - t1)
         if draft.tokens:
-            if seq.stats.target_forwards > 2:  # the first draft of a sequence includes the drafter's prefill
-                self.cost.observe_draft(len(draft.tokens), t1 - t0)
             seq.acceptance.observe(depth, len(path))
-        self._commit(seq, new, logits, detok, on_text)
-        if self.drafter:
-            self.drafter.update(seq, len(draft.tokens), len(path))
+        self._commit(seq, new, logits)
+        if seq.drafter:
+            seq.drafter.update(seq, len(draft.tokens), len(path))
 
-    def _commit(self, seq: Sequence, new: list[int], logits: torch.Tensor, detok: Detokenizer,
-                on_text: StreamCallback | None) -> None:
+    def _commit(self, seq: Sequence, new: list[int], logits: torch.Tensor) -> None:
         """Append verified tokens one by one, stopping at EOS, stop strings, max tokens or the context.
 
         logits [>= len(new), V]: row i is the target distribution token i was chosen from.
         """
-        top2 = logits[:len(new)].topk(2, dim=-1).values  # [n, 2]
+        rows = logits[:len(new)]
+        top2 = rows.topk(2, dim=-1).values  # [n, 2]
         gaps = (top2[:, 0] - top2[:, 1]).tolist()
-        for tok, gap in zip(new, gaps):
+        if seq.logprobs is not None:
+            lps = rows.float().log_softmax(-1).gather(1, torch.tensor(new)[:, None])[:, 0].tolist()  # [n]
+        for i, (tok, gap) in enumerate(zip(new, gaps)):
             if tok in self.stop_ids:
                 seq.finish_reason = "stop"
                 break
             seq.tokens.append(tok)
             seq.top2_gaps.append(gap)
+            if seq.logprobs is not None:
+                seq.logprobs.append(lps[i])
             seq.stats.new_tokens += 1
-            delta = detok.push([tok])
-            text = seq.text + delta
+            text = seq.text + seq.detok.push([tok])
             cut = _find_stop(text, seq.params.stop, len(seq.text))
             if cut is not None:
-                delta, seq.finish_reason = text[len(seq.text):cut], "stop"
-                text = text[:cut]
+                seq.finish_reason, text = "stop", text[:cut]
             seq.text = text
-            if delta and on_text:
-                on_text(delta)
             if seq.finish_reason:
                 break
             if len(seq.output_ids) >= seq.params.max_tokens or len(seq.tokens) >= self.target.context:
                 seq.finish_reason = "length"
                 break
+        self._stream(seq, final=seq.finish_reason is not None)
+
+    @staticmethod
+    def _stream(seq: Sequence, final: bool) -> None:
+        """Hand new text to on_text, holding back a tail that could still grow into a stop string."""
+        end = len(seq.text) if final else len(seq.text) - _stop_overlap(seq.text, seq.params.stop)
+        if seq.on_text and end > seq.streamed:
+            seq.on_text(seq.text[seq.streamed:end])
+        seq.streamed = max(seq.streamed, end)
 
 
 def _depth(parents: list[int]) -> int:
@@ -166,4 +247,15 @@ def _find_stop(text: str, stops: list[str], old_len: int) -> int | None:
         i = text.find(s, max(0, old_len - len(s) + 1))
         if i >= 0 and (best is None or i < best):
             best = i
+    return best
+
+
+def _stop_overlap(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
     return best

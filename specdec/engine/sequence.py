@@ -1,13 +1,20 @@
-"""A sequence being generated: its tokens, budgets, sampler state and stats."""
+"""A sequence being generated: its tokens, budgets, drafter, sampler state and stats."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from specdec.engine.adaptive import AcceptanceEstimate
 from specdec.engine.stats import Stats
 from specdec.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from specdec.drafters.base import Drafter
+    from specdec.models.tokenizer import Detokenizer
+
+StreamCallback = Callable[[str], None]
 
 
 @dataclass
@@ -17,12 +24,20 @@ class Sequence:
     slot: int                  # KV cache row
     params: SamplingParams
     generator: torch.Generator | None = None
+    drafter: Drafter | None = None
+    draft_max: int | None = None      # this sequence's cap on drafted tokens per step (None: the engine's)
+    on_text: StreamCallback | None = None
+    detok: Detokenizer | None = None
     stats: Stats = field(default_factory=Stats)
-    finish_reason: str | None = None  # "stop" | "length"
+    prefilled: int = 0                # prompt tokens already in the target's KV cache
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
     text: str = ""                    # decoded output (stop strings cut off)
+    streamed: int = 0                 # characters of `text` handed to on_text
     synthetic: bool = False           # a synthetic drafter forced acceptances: not the target's text
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     top2_gaps: list[float] = field(default_factory=list)  # per output token: target's top-1 minus top-2 logit
+    logprobs: list[float] | None = None  # per output token: the target's log-probability (when asked for)
+    started: float = 0.0              # perf_counter at admission
 
     @property
     def output_ids(self) -> list[int]:
@@ -32,3 +47,8 @@ class Sequence:
     def last_position(self) -> int:
         """Position of the newest token: the one not yet in the target's KV cache."""
         return len(self.tokens) - 1
+
+    @property
+    def pinned(self) -> bool:
+        """Seeded sampling: draft lengths must not depend on timing, or the random draws would."""
+        return not self.params.greedy and self.params.seed is not None

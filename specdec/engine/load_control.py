@@ -1,0 +1,155 @@
+"""Load-aware speculation: pick each step's draft cap by goodput at the current batch size.
+
+Speculation pays at low load and loses when the machine is busy (a batched forward over many
+sequences' drafts is compute-bound, and drafting costs grow with the batch). The controller
+decides by throughput, never by acceptance rate alone:
+
+- Arms: a cap on each sequence's draft length per step; 0 = no speculation, None = no cap (each
+  sequence's own adaptive length).
+- Measured goodput: per batch-size bucket and arm, committed tokens per second over all sequences
+  (running averages of tokens and of step seconds). A measurement expires after `ttl` steps of its
+  bucket, so a losing arm is re-examined now and then (the ttl doubles each time it loses again).
+- Predicted goodput, for arms not (or no longer) measured in a bucket: from measured parts that
+  carry across batch sizes: target forward seconds by total tokens, drafting seconds, tokens and
+  draft tokens per sequence-step with that arm:
+      goodput(arm, b) = b * tokens_per_seq(arm) / (b * draft_s_per_seq(arm) + forward_s(b * (1 + drafted_per_seq(arm))))
+  An arm is run only when its (measured or predicted) goodput is the best, so a hopeless arm at
+  high load costs nothing to rule out.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specdec.engine.engine import StepInfo
+
+EMA = 0.25
+TTL = 48          # steps of a bucket before a losing arm's measurement expires (doubles per loss)
+MAX_TTL = 1536
+MIN_OBS = 2       # observations before a measured goodput replaces the prediction
+
+
+def bucket(batch: int) -> int:
+    """Batch sizes 1, 2, 3-4, 5-8, 9-16, ... -> 1, 2, 4, 8, 16, ..."""
+    return 1 << (batch - 1).bit_length()
+
+
+@dataclass
+class _Avg:
+    tokens: float = 0.0
+    seconds: float = 0.0
+    n: int = 0
+
+    def add(self, tokens: float, seconds: float) -> None:
+        w = 1.0 if self.n == 0 else EMA
+        self.tokens += w * (tokens - self.tokens)
+        self.seconds += w * (seconds - self.seconds)
+        self.n += 1
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class _ArmParts:
+    """Per-sequence-step averages of one arm, over every batch size."""
+    tokens: float = 1.0
+    drafted: float = 0.0
+    draft_s: float = 0.0
+    n: int = 0
+
+    def add(self, info: StepInfo) -> None:
+        w = 1.0 if self.n == 0 else EMA
+        b = info.batch
+        self.tokens += w * (info.committed / b - self.tokens)
+        self.drafted += w * (info.drafted / b - self.drafted)
+        self.draft_s += w * (info.draft_s / b - self.draft_s)
+        self.n += 1
+
+
+@dataclass
+class _Measured:
+    avg: _Avg = field(default_factory=_Avg)
+    at_step: int = 0  # the bucket's step count at the last observation
+
+
+class LoadController:
+    def __init__(self, draft_max: int, caps: tuple[int | None, ...] | None = None):
+        self.arms: tuple[int | None, ...] = caps or tuple(dict.fromkeys((0, min(4, draft_max), None)))
+        self.parts: dict[int | None, _ArmParts] = {a: _ArmParts() for a in self.arms}
+        self.forward: dict[int, _Avg] = {}  # total tokens -> forward seconds (avg.seconds per 1 "token")
+        self.measured: dict[tuple[int, int | None], _Measured] = {}
+        self.ttl: dict[tuple[int, int | None], int] = {}
+        self.steps: dict[int, int] = {}      # bucket -> steps run
+        self.chosen: dict[int, int | None] = {}  # bucket -> arm of the last step (for reports)
+
+    def choose(self, batch: int) -> int | None:
+        """The draft cap for a step over `batch` sequences."""
+        b = bucket(batch)
+        if self.parts[None].n == 0 and None in self.arms:
+            return None  # nothing known yet: see what speculation does
+        scores = {a: self.goodput(a, batch) for a in self.arms}
+        best = max(self.arms, key=lambda a: scores[a])
+        self.chosen[b] = best
+        return best
+
+    def goodput(self, arm: int | None, batch: int) -> float:
+        """Measured goodput of `arm` in this batch size's bucket while fresh, else the prediction."""
+        b = bucket(batch)
+        m = self.measured.get((b, arm))
+        fresh = m is not None and m.avg.n >= MIN_OBS and self.steps.get(b, 0) - m.at_step <= self.ttl.get((b, arm), TTL)
+        return m.avg.rate if fresh else self.predict(arm, batch)
+
+    def predict(self, arm: int | None, batch: int) -> float:
+        p = self.parts[arm] if self.parts[arm].n else self._scaled(arm)
+        t = batch * p.draft_s + self.forward_s(batch * (1 + p.drafted))
+        return batch * p.tokens / t if t > 0 else float("inf")
+
+    def _scaled(self, arm: int | None) -> _ArmParts:
+        """An unmeasured cap, guessed from the uncapped arm: drafts cut to the cap."""
+        full = self.parts[None]
+        if arm == 0:
+            return _ArmParts(1.0, 0.0, 0.0, 0)
+        f = min(1.0, arm / full.drafted) if full.drafted > 0 else 1.0
+        return _ArmParts(1 + (full.tokens - 1) * f, full.drafted * f, full.draft_s * f, 0)
+
+    def forward_s(self, tokens: float) -> float:
+        """Forward seconds for a batch of `tokens`: interpolated between measured sizes; beyond the largest,
+        proportional to tokens (compute-bound); below the smallest, as the smallest."""
+        if not self.forward:
+            return 0.0
+        sizes = sorted(self.forward)
+        if tokens >= sizes[-1]:
+            return self.forward[sizes[-1]].seconds * tokens / sizes[-1]
+        if tokens <= sizes[0]:
+            return self.forward[sizes[0]].seconds
+        hi = next(s for s in sizes if s >= tokens)
+        lo = max(s for s in sizes if s < tokens)
+        w = (tokens - lo) / (hi - lo)
+        return self.forward[lo].seconds * (1 - w) + self.forward[hi].seconds * w
+
+    def observe(self, arm: int | None, info: StepInfo) -> None:
+        b = bucket(info.batch)
+        self.steps[b] = step = self.steps.get(b, 0) + 1
+        self.forward.setdefault(info.forward_tokens, _Avg()).add(1, info.forward_s)
+        self.parts[arm].add(info)
+        m = self.measured.setdefault((b, arm), _Measured())
+        m.avg.add(info.committed, info.seconds)
+        m.at_step = step
+        # A re-examined arm that still loses is left alone twice as long next time.
+        others = [self.goodput(a, info.batch) for a in self.arms if a != arm]
+        key = (b, arm)
+        if m.avg.n >= MIN_OBS and others and m.avg.rate < max(others):
+            self.ttl[key] = min(MAX_TTL, 2 * self.ttl.get(key, TTL // 2))
+        elif m.avg.n >= MIN_OBS:
+            self.ttl[key] = TTL
+
+    def report(self) -> dict:
+        """Per bucket: the last chosen arm and each arm's current goodput (measured or predicted)."""
+        return {str(b): {"chosen": _arm_name(self.chosen.get(b)),
+                         "goodput": {_arm_name(a): round(self.goodput(a, b), 2) for a in self.arms}}
+                for b in sorted(self.steps)}
+
+
+def _arm_name(arm: int | None) -> str:
+    return "off" if arm == 0 else "adaptive" if arm is None else f"cap{arm}"

@@ -1,0 +1,187 @@
+"""Continuous batching: requests wait in a queue, take a free KV slot, are prefilled in chunks
+and then step together with every other running sequence; one engine thread does all model work."""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from specdec.drafters.base import Drafter
+from specdec.engine.engine import Engine
+from specdec.engine.load_control import LoadController
+from specdec.engine.sequence import Sequence, StreamCallback
+from specdec.errors import SpecdecError
+from specdec.runtime.runner import PREFILL_CHUNK
+from specdec.sampling import SamplingParams
+
+
+class QueueFull(SpecdecError):
+    """The waiting queue is at --max-queue."""
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    drafter: Drafter | None = None
+    draft_max: int | None = None
+    logprobs: bool = False
+    on_text: StreamCallback | None = None
+    on_done: Callable[["Request"], None] | None = None  # called once, from the engine thread
+    seq: Sequence | None = None
+    error: str | None = None
+    cancelled: bool = False
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token_s: float | None = None  # time to first token, from submission
+
+
+class Scheduler:
+    """Owns the engine thread. `submit` and `cancel` are safe from any thread."""
+
+    def __init__(self, engine: Engine, num_slots: int, max_queue: int = 64,
+                 controller: LoadController | None = None, prefill_chunk: int = PREFILL_CHUNK):
+        self.engine, self.controller, self.max_queue = engine, controller, max_queue
+        self.prefill_chunk = prefill_chunk
+        self.free = list(range(num_slots))[::-1]
+        self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []
+        self.running: list[Request] = []
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+        self.tokens_out = 0
+        self.spec_steps = 0  # steps in which some sequence could draft
+
+    # -- any thread -------------------------------------------------------------------------
+    def submit(self, req: Request) -> None:
+        with self._cv:
+            if self._stop:
+                raise QueueFull("the server is shutting down")
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"the queue is full ({self.max_queue} waiting requests)")
+            self.waiting.append(req)
+            self._cv.notify()
+
+    def cancel(self, req: Request) -> None:
+        with self._cv:
+            req.cancelled = True
+            self._cv.notify()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="specdec-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop accepting; finish (drain) or cancel in-flight work; join the engine thread."""
+        with self._cv:
+            self._stop = True
+            if not drain:
+                for r in [*self.waiting, *self.prefilling, *self.running]:
+                    r.cancelled = True
+            self._cv.notify()
+        if self._thread:
+            self._thread.join(timeout)
+
+    @property
+    def load(self) -> dict:
+        return {"waiting": len(self.waiting), "running": len(self.running) + len(self.prefilling),
+                "free_slots": len(self.free)}
+
+    # -- engine thread ----------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self.waiting or self.prefilling or self.running or self._stop):
+                    self._cv.wait()
+                if self._stop and not (self.waiting or self.prefilling or self.running):
+                    return
+            self.run_once()
+
+    def run_once(self) -> None:
+        """Drop cancelled work, admit waiting requests, prefill one chunk, step the running batch."""
+        self._reap_cancelled()
+        self._admit()
+        if self.prefilling:
+            req = self.prefilling[0]
+            try:
+                done = self.engine.prefill(req.seq, self.prefill_chunk)
+            except Exception as e:  # noqa: BLE001 - a failing request must not take the others down
+                self.prefilling.pop(0)
+                self._release(req, error=f"prefill failed: {e}")
+                done = False
+            else:
+                if done:
+                    self.prefilling.pop(0)
+                    req.first_token_s = time.perf_counter() - req.submitted
+                    self.running.append(req)
+                    self._close_finished()
+        if self.running:
+            self._decode()
+
+    def _decode(self) -> None:
+        seqs = [r.seq for r in self.running]
+        can_draft = any(s.drafter is not None for s in seqs)
+        cap = self.controller.choose(len(seqs)) if self.controller and can_draft else None
+        try:
+            info = self.engine.step(seqs, cap)
+        except Exception as e:  # noqa: BLE001
+            for r in list(self.running):
+                self.running.remove(r)
+                self._release(r, error=f"decoding failed: {e}")
+            return
+        self.steps += 1
+        self.spec_steps += can_draft and cap != 0
+        self.tokens_out += info.committed
+        if self.controller and can_draft:
+            self.controller.observe(cap, info)
+        self._close_finished()
+
+    def _admit(self) -> None:
+        with self._cv:
+            while self.waiting and self.free:
+                req = self.waiting.popleft()
+                slot = self.free.pop()
+                try:
+                    req.seq = self.engine.new_sequence(req.prompt_ids, req.params, slot, req.drafter, req.draft_max,
+                                                       req.on_text, req.logprobs)
+                except SpecdecError as e:
+                    self.free.append(slot)
+                    self._close(req, error=str(e))
+                    continue
+                self.prefilling.append(req)
+
+    def _reap_cancelled(self) -> None:
+        with self._cv:
+            gone = [r for r in self.waiting if r.cancelled]
+            for r in gone:
+                self.waiting.remove(r)
+        for r in gone:
+            self._close(r)
+        for group in (self.prefilling, self.running):
+            for r in [r for r in group if r.cancelled]:
+                group.remove(r)
+                self._release(r, "cancelled")
+
+    def _close_finished(self) -> None:
+        for r in [r for r in self.running if r.seq.finish_reason is not None]:
+            self.running.remove(r)
+            self._release(r)
+
+    def _release(self, req: Request, reason: str | None = None, error: str | None = None) -> None:
+        """Finish the request's sequence (with `reason` if cut short), free its slot, report."""
+        self.engine.finish(req.seq, reason or ("error" if error else None))
+        with self._cv:
+            self.free.append(req.seq.slot)
+        self._close(req, error)
+
+    @staticmethod
+    def _close(req: Request, error: str | None = None) -> None:
+        req.error = error or req.error
+        if req.on_done:
+            try:
+                req.on_done(req)
+            except Exception:  # noqa: BLE001 - a broken callback must not stop the engine
+                pass

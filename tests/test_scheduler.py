@@ -1,0 +1,104 @@
+"""Continuous batching: batched greedy output equals single-request output (fp32); cancel frees slots;
+the load controller turns speculation off when measured goodput says so."""
+import specdec
+from specdec.engine.engine import StepInfo
+from specdec.engine.load_control import LoadController
+from specdec.engine.scheduler import QueueFull, Request, Scheduler
+from specdec.sampling import SamplingParams
+
+PROMPTS = ["t5 t9 t12 t5 t9 t12 t5 t9", "t33 t2 t71", "t8 " * 20 + "t4", "t60",
+           "t1 t2 t3 t1 t2 t3 t1 t2", "t40 t41 t40 t41", "t7 " * 30, "t90 t91"]
+SPECS = ["none", "draft", "ngram-simple", "suffix", "ngram-mod", "ngram-map-k", "draft", "ngram-mod,draft"]
+
+
+def _llm(tiny_dir, **kw):
+    llm = specdec.LLM(str(tiny_dir("llama")), draft=str(tiny_dir("llama", seed=1, layers=1)), spec_type="none",
+                      dtype="fp32", context=64, progress=False, parallel=4, **kw)
+    llm.engine.stop_ids = set()
+    return llm
+
+
+def _run(sched, reqs, submit=True):
+    for r in reqs if submit else ():
+        sched.submit(r)
+    for _ in range(10_000):
+        if all(r.seq is not None and r.seq.finish_reason for r in reqs):
+            return
+        sched.run_once()
+    raise AssertionError("requests did not finish")
+
+
+def test_batched_greedy_equals_single_requests(tiny_dir):
+    llm = _llm(tiny_dir, draft_branch_p=0.5)
+    lens = [30, 7, 12, 40, 25, 3, 20, 33]
+    bases = [llm.generate(p, max_tokens=n, spec_type="none").token_ids for p, n in zip(PROMPTS, lens)]
+    sched = Scheduler(llm.engine, 4, controller=LoadController(llm.engine.spec.draft_max), prefill_chunk=5)
+    texts = [[] for _ in PROMPTS]
+    reqs = [Request(llm.encode(p), SamplingParams(max_tokens=n), llm.drafter_for(s), on_text=texts[i].append)
+            for i, (p, n, s) in enumerate(zip(PROMPTS, lens, SPECS))]
+    _run(sched, reqs)
+    for r, base, t, s in zip(reqs, bases, texts, SPECS):
+        assert r.seq.output_ids == base, s
+        assert "".join(t) == r.seq.text
+    assert sorted(sched.free) == [0, 1, 2, 3] and sched.steps > 0
+
+
+def test_cancel_frees_the_slot_and_spares_the_others(tiny_dir):
+    llm = _llm(tiny_dir)
+    base = llm.generate(PROMPTS[0], max_tokens=30, spec_type="draft").token_ids
+    sched = Scheduler(llm.engine, 2, max_queue=2)
+    done = []
+    a = Request(llm.encode(PROMPTS[0]), SamplingParams(max_tokens=30), llm.drafter_for("draft"), on_done=done.append)
+    b = Request(llm.encode(PROMPTS[1]), SamplingParams(max_tokens=30), on_done=done.append)
+    sched.submit(a)
+    sched.submit(b)
+    sched.run_once()
+    sched.run_once()
+    sched.cancel(b)
+    _run(sched, [a], submit=False)
+    assert b.seq.finish_reason == "cancelled" and b in done
+    assert a.seq.output_ids == base
+    assert sorted(sched.free) == [0, 1]
+    sched.submit(Request([1], SamplingParams()))
+    sched.submit(Request([1], SamplingParams()))
+    try:
+        sched.submit(Request([1], SamplingParams()))
+        raise AssertionError("queue limit not enforced")
+    except QueueFull:
+        pass
+
+
+def test_bad_request_is_reported_not_raised(tiny_dir):
+    llm = _llm(tiny_dir)
+    bad = Request(list(range(1, 80)), SamplingParams())  # longer than the context of 64
+    ok = Request(llm.encode(PROMPTS[1]), SamplingParams(max_tokens=5))
+    sched = Scheduler(llm.engine, 2)
+    sched.submit(bad)
+    _run(sched, [ok])
+    assert bad.error and "context" in bad.error and len(ok.seq.output_ids) == 5
+
+
+def _step(batch, committed, drafted, draft_s, forward_s):
+    return StepInfo(batch, committed, drafted, batch + drafted, forward_s, draft_s, draft_s + forward_s)
+
+
+def test_load_controller_speculates_at_low_load_and_stops_at_high_load():
+    c = LoadController(draft_max=8)
+    # batch 1: drafting 4 tokens costs 0.1 s, the forward barely grows, 3 tokens come out per step
+    for _ in range(6):
+        arm = c.choose(1)
+        if arm == 0:
+            c.observe(arm, _step(1, 1, 0, 0.0, 0.25))
+        else:
+            c.observe(arm, _step(1, 3, 4, 0.1, 0.26))
+    assert c.choose(1) != 0
+    # batch 16: the forward is compute-bound (0.05 s per token beyond 16)
+    for _ in range(30):
+        arm = c.choose(16)
+        if arm == 0:
+            c.observe(arm, _step(16, 16, 0, 0.0, 0.5))
+        else:
+            c.observe(arm, _step(16, 48, 64, 1.6, 0.5 + 0.05 * 64))
+    assert c.choose(16) == 0
+    assert c.choose(1) != 0
+    assert c.report()["16"]["chosen"] == "off"
