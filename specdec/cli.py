@@ -1,4 +1,4 @@
-"""`specdec generate | models | bench` with llama.cpp-style flags."""
+"""`specdec generate | models | bench | serve | plan` with llama.cpp-style flags."""
 from __future__ import annotations
 
 import argparse
@@ -49,6 +49,16 @@ def _rates(s: str) -> list[float]:
     return rates
 
 
+def _layers(s: str) -> int:
+    """-ngl/-ngld: a layer count or 'all'."""
+    from specdec.plan.planner import parse_layers
+
+    try:
+        return parse_layers(s)
+    except SpecdecError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that loads models."""
     from specdec.drafters import SPEC_TYPES
@@ -61,6 +71,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
                    help="compute dtype; auto = bf16 on CPUs with native bf16, else fp32")
     g.add_argument("-t", "--threads", type=_positive_int, help="CPU threads (default: torch's choice)")
+    g.add_argument("-ngl", "--n-gpu-layers", dest="n_gpu_layers", type=_layers, metavar="N",
+                   help="target layers on the GPU (N or all); accepted, but this runtime runs on the CPU: "
+                   "it says so on stderr and ignores them (`specdec plan` shows the placement)")
+    g.add_argument("-ngld", "--n-gpu-layers-draft", dest="n_gpu_layers_draft", type=_layers, metavar="N",
+                   help="draft-model layers on the GPU (N or all); same caveat as -ngl")
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--spec-type", type=_spec_type, metavar="TYPE[,TYPE...]",
                    help=f"drafter: {' | '.join(SPEC_TYPES)}; a comma list is a chain, the first that drafts wins "
@@ -112,6 +127,11 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def build_llm(a: argparse.Namespace, progress: bool = True):
     from specdec.api import LLM
+    from specdec.runtime.placement import offload_notice
+
+    notice = offload_notice(getattr(a, "n_gpu_layers", None), getattr(a, "n_gpu_layers_draft", None))
+    if notice:
+        print(notice, file=sys.stderr)
 
     return LLM(a.model, draft=a.draft, spec_type=a.spec_type, context=a.context, dtype=a.dtype, threads=a.threads,
                draft_max=a.draft_max, draft_min=a.draft_min, draft_p_min=a.draft_p_min, ngram_n=a.ngram_n,
@@ -119,7 +139,7 @@ def build_llm(a: argparse.Namespace, progress: bool = True):
                draft_branch_p=a.draft_branch_p, progress=progress, ngram_min_hits=a.ngram_min_hits,
                ngram_mod_pool_mb=a.ngram_mod_pool_mb, suffix_max_requests=a.suffix_max_requests,
                suffix_factor=a.suffix_factor, suffix_min_prob=a.suffix_min_prob, synth_rates=a.synth_rates,
-               synth_len=a.synth_len)
+               synth_len=a.synth_len, parallel=getattr(a, "parallel", 1))
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -175,6 +195,81 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    from specdec.server.serve import run_server
+
+    return run_server(a, build_llm)
+
+
+def cmd_plan(a: argparse.Namespace) -> int:
+    from specdec.plan import PlanInputs, make_plan
+    from specdec.plan.export import export
+    from specdec.plan.report import render, to_dict
+
+    plan = make_plan(PlanInputs(
+        model=a.model, draft=a.draft, context=a.context, draft_context=a.draft_context, dtype=a.dtype,
+        draft_dtype=a.draft_dtype, draft_quant=a.draft_quant, kv_dtype=a.kv_dtype, slots=a.parallel, gpu=a.gpu,
+        gpu_mem=a.gpu_mem, gpu_bw=a.gpu_bw, ram=a.ram, ram_bw=a.ram_bw, pcie_bw=a.pcie_bw, cpu=a.cpu,
+        ngl=a.n_gpu_layers, ngld=a.n_gpu_layers_draft, task=a.task, accept=a.accept, draft_max=a.draft_max,
+        spec_type=a.spec_type))
+    if a.export:
+        print(export(plan, a.export), end="")
+    elif a.json:
+        print(json.dumps(to_dict(plan), indent=2))
+    else:
+        print(render(plan), end="")
+    return 0
+
+
+def _add_plan_parser(sub) -> None:
+    from specdec.plan.devices import CPUS, DEVICES
+    from specdec.plan.export import ENGINES
+    from specdec.plan.recommend import TASKS
+
+    pl = sub.add_parser("plan", help="memory, context, GPU layers, speed and drafter for a model pair; "
+                        "the same setup for llama.cpp, Ollama, vLLM, TGI, transformers")
+    m = pl.add_argument_group("models")
+    m.add_argument("-m", "--model", help="target: pack name, GGUF file, checkpoint directory or config.json "
+                   "(default: qwen2.5-coder-1.5b with draft qwen2.5-coder-0.5b)")
+    m.add_argument("-md", "--model-draft", dest="draft", help="draft model (same forms as -m)")
+    m.add_argument("-c", "--ctx-size", dest="context", type=_positive_int, default=4096,
+                   help="context per slot (default 4096); more than the model allows is an error")
+    m.add_argument("-cd", "--ctx-size-draft", dest="draft_context", type=_positive_int,
+                   help="draft context (default: -c, capped at the draft's maximum)")
+    m.add_argument("-np", "--parallel", type=_positive_int, default=1, help="parallel slots (default 1)")
+    m.add_argument("--dtype", default="file",
+                   help="weight format: file (each tensor as stored: a GGUF's own quant types, what llama.cpp "
+                   "loads; default), auto|bf16|fp16|fp32 (specdec's runtime: params x dtype bytes, draft linears "
+                   "int8), or a GGML type such as q8_0, q4_k, iq4_xs (requantized)")
+    m.add_argument("--draft-dtype", help="weight format of the draft (default: --dtype)")
+    m.add_argument("--draft-quant", choices=["int8", "none"], default="int8",
+                   help="specdec runtime formats: draft linear weights int8 (default) or none")
+    m.add_argument("--kv-dtype", default="auto",
+                   help="KV cache type: auto (f16; the runtime dtype with --dtype auto|bf16|fp16|fp32), f32, f16, "
+                   "bf16, q8_0, q4_0...")
+    h = pl.add_argument_group("hardware")
+    h.add_argument("--gpu", help=f"a named GPU ({', '.join(DEVICES)}) or none (default: detected with CUDA)")
+    h.add_argument("--gpu-mem", help="GPU memory, e.g. 24GiB (default: the named or detected GPU's)")
+    h.add_argument("--gpu-bw", help="GPU memory bandwidth, e.g. 1008GB/s")
+    h.add_argument("--ram", help="system RAM, e.g. 64GiB (default: detected)")
+    h.add_argument("--ram-bw", help="RAM bandwidth, e.g. 90GB/s (default: the --cpu profile)")
+    h.add_argument("--cpu", help=f"CPU memory profile for --ram-bw: {', '.join(CPUS)} (default cpu-ddr5)")
+    h.add_argument("--pcie-bw", help="GPU host link bandwidth (default: the GPU's PCIe generation, x16)")
+    h.add_argument("-ngl", "--n-gpu-layers", dest="n_gpu_layers", type=_layers, metavar="N",
+                   help="target layers on the GPU, N or all (default: as many as fit)")
+    h.add_argument("-ngld", "--n-gpu-layers-draft", dest="n_gpu_layers_draft", type=_layers, metavar="N",
+                   help="draft layers on the GPU, N or all (default: all when they fit)")
+    w = pl.add_argument_group("workload and output")
+    w.add_argument("--task", choices=list(TASKS), default="code", help="workload for the recommendation (code)")
+    w.add_argument("--accept", type=float, help="draft acceptance rate to plan with (default: the task's)")
+    w.add_argument("--draft-max", type=_positive_int, default=16, help="longest draft considered (16)")
+    w.add_argument("--spec-type", type=_spec_type, metavar="TYPE[,TYPE...]",
+                   help="export this spec type instead of the recommended one")
+    w.add_argument("--json", action="store_true", help="one JSON object")
+    w.add_argument("--export", choices=list(ENGINES), help="print the equivalent setup for this engine")
+    pl.set_defaults(func=cmd_plan)
+
+
 def make_parser() -> argparse.ArgumentParser:
     from specdec.bench.runner import all_methods
     from specdec.drafters import LOSSLESS_TYPES
@@ -218,6 +313,15 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", help="output folder (default bench-out/DATE-TIME)")
     add_model_args(b)
     b.set_defaults(func=cmd_bench)
+
+    from specdec.server.serve import add_serve_args
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with batched speculative decoding")
+    add_serve_args(sv, _positive_int)
+    add_model_args(sv)
+    add_sampling_args(sv)
+    sv.set_defaults(func=cmd_serve)
+
+    _add_plan_parser(sub)
     return p
 
 

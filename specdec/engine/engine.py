@@ -49,7 +49,7 @@ class Engine:
 
     def new_sequence(self, prompt_ids: list[int], params: SamplingParams, slot: int = 0,
                      drafter: Drafter | None = None, draft_max: int | None = None,
-                     on_text: StreamCallback | None = None, logprobs: bool = False) -> Sequence:
+                     on_text: StreamCallback | None = None, logprobs: bool = False, top_logprobs: int = 0) -> Sequence:
         """A sequence ready to prefill; bad prompts and parameters raise SpecdecError."""
         params.validate()
         context = self.target.context
@@ -61,7 +61,7 @@ class Engine:
         return Sequence(list(prompt_ids), len(prompt_ids), slot=slot, params=params,
                         generator=None if params.greedy else params.generator(), drafter=drafter,
                         draft_max=draft_max, on_text=on_text, detok=Detokenizer(self.tokenizer),
-                        logprobs=[] if logprobs else None, started=time.perf_counter())
+                        logprobs=[] if logprobs else None, top_logprobs=top_logprobs, started=time.perf_counter())
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, on_text: StreamCallback | None = None,
                  drafter: Drafter | None = None) -> Sequence:
@@ -201,7 +201,7 @@ class Engine:
         top2 = rows.topk(2, dim=-1).values  # [n, 2]
         gaps = (top2[:, 0] - top2[:, 1]).tolist()
         if seq.logprobs is not None:
-            lps = rows.float().log_softmax(-1).gather(1, torch.tensor(new)[:, None])[:, 0].tolist()  # [n]
+            lps = _logprobs(rows, new, seq.top_logprobs)
         for i, (tok, gap) in enumerate(zip(new, gaps)):
             if tok in self.stop_ids:
                 seq.finish_reason = "stop"
@@ -230,6 +230,16 @@ class Engine:
         if seq.on_text and end > seq.streamed:
             seq.on_text(seq.text[seq.streamed:end])
         seq.streamed = max(seq.streamed, end)
+
+
+def _logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """logits [n, V] -> per row, the log-probability of tokens[i] and the `top` best (token, log-probability)."""
+    lp = logits.float().log_softmax(-1)  # [n, V]
+    chosen = lp.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()  # [n]
+    if top <= 0:
+        return [(c, []) for c in chosen]
+    best = lp.topk(top, dim=-1)  # [n, top]
+    return [(c, list(zip(i, v))) for c, i, v in zip(chosen, best.indices.tolist(), best.values.tolist())]
 
 
 def _depth(parents: list[int]) -> int:

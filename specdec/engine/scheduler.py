@@ -28,6 +28,7 @@ class Request:
     drafter: Drafter | None = None
     draft_max: int | None = None
     logprobs: bool = False
+    top_logprobs: int = 0
     on_text: StreamCallback | None = None
     on_done: Callable[["Request"], None] | None = None  # called once, from the engine thread
     seq: Sequence | None = None
@@ -35,6 +36,7 @@ class Request:
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None  # time to first token, from submission
+    finished_s: float | None = None     # time to the end, from submission
 
 
 class Scheduler:
@@ -71,6 +73,8 @@ class Scheduler:
             self._cv.notify()
 
     def start(self) -> None:
+        if self._thread and self._thread.is_alive():
+            return
         self._thread = threading.Thread(target=self._loop, name="specdec-engine", daemon=True)
         self._thread.start()
 
@@ -146,7 +150,7 @@ class Scheduler:
                 slot = self.free.pop()
                 try:
                     req.seq = self.engine.new_sequence(req.prompt_ids, req.params, slot, req.drafter, req.draft_max,
-                                                       req.on_text, req.logprobs)
+                                                       req.on_text, req.logprobs, req.top_logprobs)
                 except SpecdecError as e:
                     self.free.append(slot)
                     self._close(req, error=str(e))
@@ -180,6 +184,7 @@ class Scheduler:
     @staticmethod
     def _close(req: Request, error: str | None = None) -> None:
         req.error = error or req.error
+        req.finished_s = time.perf_counter() - req.submitted
         if req.on_done:
             try:
                 req.on_done(req)

@@ -36,7 +36,10 @@ class Sequence:
     synthetic: bool = False           # a synthetic drafter forced acceptances: not the target's text
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     top2_gaps: list[float] = field(default_factory=list)  # per output token: target's top-1 minus top-2 logit
-    logprobs: list[float] | None = None  # per output token: the target's log-probability (when asked for)
+    # per output token, when asked for: the target's log-probability of it and its `top_logprobs` best
+    # alternatives [(token, log-probability)], from the verification pass
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    top_logprobs: int = 0
     started: float = 0.0              # perf_counter at admission
 
     @property

@@ -1,0 +1,224 @@
+"""The OpenAI-compatible server, live on loopback: the `openai` client, lossless batching, errors,
+disconnects, a load run and a schema fuzz run."""
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import psutil
+import pytest
+
+import specdec
+from specdec.engine.load_control import LoadController
+from specdec.engine.scheduler import Scheduler
+from specdec.sampling import SamplingParams
+from specdec.server.app import ServerConfig, create_app
+
+PROMPTS = ["def fib(n):", "The capital of France is", "import numpy as np\n\ndef", "Once upon a time",
+           "# Sort a list\ndef sort(xs):", "1, 2, 3, 4,", "<html>\n<body>", "The sum of two and two is"]
+SPECS = ["none", "draft", "ngram-simple", "ngram-map-k", "ngram-mod", "suffix", "ngram-mod,draft", "draft"]
+
+
+class LiveServer:
+    def __init__(self, llm, api_key=None, max_queue=64):
+        import uvicorn
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.scheduler = Scheduler(llm.engine, llm.parallel, max_queue, LoadController(llm.engine.spec.draft_max))
+        app = create_app(llm, self.scheduler, ServerConfig("m", SamplingParams(max_tokens=16), api_key))
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        for _ in range(200):
+            if self.server.started:
+                break
+            time.sleep(0.05)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def smol(smollm_dir):
+    """SmolLM2 in fp32 with 16 slots; greedy single-request outputs computed before the server starts."""
+    llm = specdec.LLM(str(smollm_dir), draft=str(smollm_dir), spec_type="ngram-simple", dtype="fp32", context=512,
+                      parallel=16, progress=False)
+    bases = {p: llm.generate(p, max_tokens=24, spec_type="none").token_ids for p in PROMPTS}
+    srv = LiveServer(llm)
+    srv.llm, srv.bases = llm, bases
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    llm = specdec.LLM(str(tiny_dir("llama")), spec_type="ngram-simple", dtype="fp32", context=64, parallel=4,
+                      progress=False)
+    srv = LiveServer(llm, api_key="k", max_queue=4)
+    yield srv
+    srv.close()
+
+
+def _client(url, key="x"):
+    from openai import OpenAI
+    return OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+
+
+@pytest.mark.real
+def test_openai_client_chat_completions_streaming_stop_and_seed(smol):
+    c = _client(smol.url)
+    r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "Name three colors."}],
+                                  max_tokens=20, logprobs=True, top_logprobs=2)
+    assert r.choices[0].message.content and r.usage.completion_tokens <= 20
+    lp = r.choices[0].logprobs.content
+    assert len(lp) == r.usage.completion_tokens and len(lp[0].top_logprobs) == 2
+    assert r.model_extra["timings"]["draft_n"] >= r.model_extra["timings"]["draft_n_accepted"] >= 0
+    parts = [ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Name three colors."}], max_tokens=20, stream=True)]
+    assert "".join(parts) == r.choices[0].message.content  # greedy: streaming gives the same text
+    full = c.completions.create(model="m", prompt="def fib(n):", max_tokens=40).choices[0].text
+    cut = c.completions.create(model="m", prompt="def fib(n):", max_tokens=40, stop=["return"])
+    assert "return" in full and cut.choices[0].text == full[:full.index("return")]
+    assert cut.choices[0].finish_reason == "stop"
+    chunks = list(c.completions.create(model="m", prompt="def fib(n):", max_tokens=40, stop=["return"], stream=True,
+                                       stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == cut.choices[0].text
+    assert chunks[-1].usage.completion_tokens > 0
+    sampled = [c.completions.create(model="m", prompt="Once upon a time", max_tokens=16, temperature=0.9, seed=5,
+                                    extra_body={"speculative": {"type": t}}).choices[0].text
+               for t in ("none", "none", "ngram-simple", "ngram-simple")]
+    assert sampled[0] == sampled[1] and sampled[2] == sampled[3]
+    assert [m.id for m in c.models.list().data] == ["m"]
+
+
+@pytest.mark.real
+def test_batched_requests_return_plain_decoding_tokens(smol):
+    """8 concurrent greedy requests with different spec types (fp32) = plain single-request decoding."""
+    def one(i):
+        body = {"model": "m", "prompt": PROMPTS[i], "max_tokens": 24, "logprobs": 0,
+                "speculative": {"type": SPECS[i]} if SPECS[i] != "none" else False}
+        return httpx.post(smol.url + "/v1/completions", json=body, timeout=300).json()
+    with ThreadPoolExecutor(8) as ex:
+        outs = list(ex.map(one, range(8)))
+    tok = smol.llm.tokenizer
+    for i, out in enumerate(outs):
+        text = out["choices"][0]["text"]
+        assert text == tok.decode(smol.bases[PROMPTS[i]]), SPECS[i]
+        assert out["usage"]["completion_tokens"] == len(smol.bases[PROMPTS[i]])
+    assert sum(o["speculative"]["accepted"] for o in outs) > 0
+
+
+@pytest.mark.real
+def test_disconnect_mid_stream_frees_the_slot(smol):
+    with httpx.stream("POST", smol.url + "/v1/completions", timeout=60,
+                      json={"model": "m", "prompt": "Once upon a time", "max_tokens": 400, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                break
+    for _ in range(100):
+        if httpx.get(smol.url + "/health").json()["running"] == 0:
+            break
+        time.sleep(0.1)
+    assert httpx.get(smol.url + "/health").json() == {"status": "ok", "waiting": 0, "running": 0, "free_slots": 16}
+
+
+@pytest.mark.real
+def test_200_requests_at_concurrency_16_no_errors_bounded_memory(smol):
+    proc = psutil.Process()
+
+    def one(i):
+        return httpx.post(smol.url + "/v1/completions", timeout=300,
+                          json={"prompt": PROMPTS[i % 8] + " " * (i % 3), "max_tokens": 6, "temperature": 0.7,
+                                "seed": i}).status_code
+    with ThreadPoolExecutor(16) as ex:
+        assert set(ex.map(one, range(32))) == {200}  # warm-up
+        rss = proc.memory_info().rss
+        codes = list(ex.map(one, range(200)))
+    assert codes.count(200) == 200
+    growth_mb = (proc.memory_info().rss - rss) / 2**20
+    assert growth_mb < 64, growth_mb  # stated bound: 64 MB over 200 requests
+    metrics = httpx.get(smol.url + "/metrics").text
+    assert "specdec_requests_total" in metrics and "specdec_goodput_tokens_per_second" in metrics
+
+
+def test_errors_are_openai_style_with_the_right_codes(tiny):
+    h = {"Authorization": "Bearer k"}
+    post = lambda path, **kw: httpx.post(tiny.url + path, timeout=60, **kw)  # noqa: E731
+    assert post("/v1/completions", json={"prompt": "t1"}).status_code == 401
+    r = post("/v1/completions", headers={**h, "content-type": "application/json"}, content=b"{not json")
+    assert r.status_code == 400 and "error" in r.json()
+    cases = [({"prompt": "t1", "temperature": "hot"}, 400), ({"prompt": "t1", "max_tokens": 0}, 400),
+             ({"prompt": "t1", "top_p": 1.5}, 400), ({"prompt": "t1", "n": 2}, 400), ({"prompt": 5}, 400),
+             ({"prompt": "t1 " * 80}, 400), ({"prompt": "t1", "model": "gpt-9"}, 404),
+             ({"prompt": "t1", "speculative": {"type": "warp"}}, 400),
+             ({"prompt": "t1", "speculative": {"type": "draft"}}, 400),
+             ({"prompt": "t1", "speculative": {"type": "synthetic"}}, 400), ({"prompt": [10**9]}, 400)]
+    for body, code in cases:
+        r = post("/v1/completions", headers=h, json=body)
+        assert r.status_code == code, (body, r.text)
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = post("/v1/chat/completions", headers=h, json={"messages": [{"role": "user", "content": "t1"}]})
+    assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
+    r = post("/v1/completions", headers=h, json={"prompt": "t5 t9", "max_tokens": 5, "ignored_field": 1})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 5
+    assert httpx.get(tiny.url + "/nope").status_code == 404
+
+
+def test_full_queue_answers_429_at_once(tiny):
+    h = {"Authorization": "Bearer k"}
+    body = {"prompt": "t5 t9", "max_tokens": 60, "speculative": False}
+    with ThreadPoolExecutor(12) as ex:
+        codes = list(ex.map(lambda _: httpx.post(tiny.url + "/v1/completions", headers=h, json=body,
+                                                  timeout=120).status_code, range(12)))
+    assert set(codes) <= {200, 429} and codes.count(200) >= 4
+
+
+def test_fuzz_against_the_openapi_schema_gets_no_5xx(tiny):
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+
+    schema = schemathesis.openapi.from_url(tiny.url + "/openapi.json")
+    for result in schema.get_all_operations():
+        op = result.ok()
+
+        @settings(max_examples=30, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @given(op.as_strategy())
+        def check(case):
+            r = case.call(base_url=tiny.url, headers={"Authorization": "Bearer k"}, timeout=60)
+            assert r.status_code < 500, (op.label, case.body, r.text)
+        check()
+    assert json.loads(httpx.get(tiny.url + "/health").text)["running"] == 0
+
+
+def test_sigterm_finishes_in_flight_work_and_exits_0(tiny_dir):
+    import signal
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "-m", str(tiny_dir("llama")), "--dtype",
+                             "fp32", "-c", "64", "--port", str(port)], stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        with ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(httpx.post, url + "/v1/completions", json={"prompt": "t5 t9", "max_tokens": 50}, timeout=60)
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGTERM)
+            assert fut.result().status_code == 200
+        assert proc.wait(60) == 0, proc.stderr.read()
+    finally:
+        proc.kill()
