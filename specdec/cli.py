@@ -189,6 +189,11 @@ def cmd_models(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
+    if a.what == "serve":
+        from specdec.bench.serve_bench import run_serve_bench
+
+        run_serve_bench(a)
+        return 0
     from specdec.bench.runner import run_bench
 
     run_bench(a)
@@ -293,6 +298,8 @@ def make_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=cmd_models)
 
     b = sub.add_parser("bench", help="measure speculative methods against plain decoding and the peers")
+    b.add_argument("what", nargs="?", choices=["serve"],
+                   help="serve: sweep concurrency against the live server (off / on / auto speculation)")
     w = b.add_argument_group("workload")
     w.add_argument("--workload", default="quick",
                    help="quick (3 built-in prompts), spec_bench (the Spec-Bench questions) or a JSONL file of "
@@ -311,6 +318,12 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--repeat", type=_positive_int, default=1, help="runs per prompt and method (median reported)")
     r.add_argument("--llama-server", metavar="PATH", help="llama-server binary for the llama-* methods")
     r.add_argument("--out", help="output folder (default bench-out/DATE-TIME)")
+    sb = b.add_argument_group("bench serve")
+    sb.add_argument("--concurrency", default="1,2,4,8,16", help="client concurrency levels (default 1,2,4,8,16)")
+    sb.add_argument("--modes", default="off,on,auto",
+                    help="off (no speculation), on (speculate at any load), auto (load controller); default all")
+    sb.add_argument("--requests", type=_positive_int,
+                    help="requests per level and mode (default max(4, 2 x concurrency))")
     add_model_args(b)
     b.set_defaults(func=cmd_bench)
 

@@ -2,7 +2,6 @@
 disconnects, a load run and a schema fuzz run."""
 import json
 import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,33 +14,17 @@ from specdec.engine.load_control import LoadController
 from specdec.engine.scheduler import Scheduler
 from specdec.sampling import SamplingParams
 from specdec.server.app import ServerConfig, create_app
+from specdec.server.serve import ServerThread
 
 PROMPTS = ["def fib(n):", "The capital of France is", "import numpy as np\n\ndef", "Once upon a time",
            "# Sort a list\ndef sort(xs):", "1, 2, 3, 4,", "<html>\n<body>", "The sum of two and two is"]
 SPECS = ["none", "draft", "ngram-simple", "ngram-map-k", "ngram-mod", "suffix", "ngram-mod,draft", "draft"]
 
 
-class LiveServer:
+class LiveServer(ServerThread):
     def __init__(self, llm, api_key=None, max_queue=64):
-        import uvicorn
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
         self.scheduler = Scheduler(llm.engine, llm.parallel, max_queue, LoadController(llm.engine.spec.draft_max))
-        app = create_app(llm, self.scheduler, ServerConfig("m", SamplingParams(max_tokens=16), api_key))
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        for _ in range(200):
-            if self.server.started:
-                break
-            time.sleep(0.05)
-
-    def close(self):
-        self.server.should_exit = True
-        self.thread.join(30)
+        super().__init__(create_app(llm, self.scheduler, ServerConfig("m", SamplingParams(max_tokens=16), api_key)))
 
 
 @pytest.fixture(scope="module")

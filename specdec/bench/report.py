@@ -169,12 +169,12 @@ def write_outputs(out_dir: Path, records: list[dict], summary: dict, meta: dict,
     from specdec.bench.plots import write_plots
 
     plots = write_plots(out_dir, summary)
-    _write(out_dir / "results.json", json.dumps({"runs": records, "summary": summary,
+    write_atomic(out_dir / "results.json", json.dumps({"runs": records, "summary": summary,
                                                  "meta": {**meta, "notes": notes}}, indent=1))
-    _write(out_dir / "report.md", render_report(summary, records, meta, notes, plots))
+    write_atomic(out_dir / "report.md", render_report(summary, records, meta, notes, plots))
 
 
-def _write(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)

@@ -97,6 +97,35 @@ def _server_class():
     return Server
 
 
+class ServerThread:
+    """uvicorn serving `app` on loopback from a background thread (benchmarks and tests)."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int | None = None):
+        import socket
+        import threading
+        import time
+
+        import uvicorn
+
+        if port is None:
+            with socket.socket() as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+        self.url = f"http://{host}:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        for _ in range(600):
+            if self.server.started:
+                return
+            time.sleep(0.05)
+        raise SpecdecError("the server did not start")
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+
+
 def _model_id(model: str | None) -> str:
     from pathlib import Path
 

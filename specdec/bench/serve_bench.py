@@ -1,0 +1,199 @@
+"""`specdec bench serve`: sweep client concurrency against the live server with speculation off, always
+on, and load-controlled (auto); throughput, TTFT and time per output token, with plots."""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+
+from specdec.bench.report import bench_meta, write_atomic
+from specdec.bench.workloads import load_workload
+from specdec.errors import SpecdecError
+
+MODES = ("off", "on", "auto")
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        vals = [int(x) for x in s.split(",")]
+    except ValueError:
+        raise SpecdecError(f"expected comma-separated integers, got {s!r}") from None
+    if not vals or min(vals) < 1:
+        raise SpecdecError(f"concurrency levels must be >= 1, got {s!r}")
+    return vals
+
+
+def run_serve_bench(a: argparse.Namespace) -> Path:
+    from specdec.cli import build_llm
+    from specdec.models.packs import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    levels = _ints(a.concurrency)
+    modes = [m.strip() for m in a.modes.split(",")]
+    if not modes or any(m not in MODES for m in modes):
+        raise SpecdecError(f"--modes: choose from {', '.join(MODES)}")
+    prompts = load_workload(a.workload, a.workload_dir, a.per_category, a.seed)
+    spec = a.spec_type or "draft"
+    if a.model is None:
+        a.model, a.draft = DEFAULT_TARGET, a.draft or DEFAULT_DRAFT
+    if "draft" in spec.split(",") and a.draft is None:
+        raise SpecdecError("spec type draft needs a draft model (-md)")
+    out_dir = Path(a.out or Path("bench-out") / datetime.now().strftime("serve-%Y%m%d-%H%M%S"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    llm = build_llm(argparse.Namespace(**{**vars(a), "spec_type": spec, "parallel": max(levels)}))
+    texts = [llm.encode_chat([{"role": "user", "content": p.turns[0]}]) for p in prompts]
+    meta = {**bench_meta(a, llm, prompts), "spec_type": spec, "concurrency": levels, "modes": modes}
+    runs: list[dict] = []
+    _level(llm, texts[:1], 1, "on", 1, 8)  # warm-up
+    for c in levels:
+        n = a.requests or max(4, 2 * c)
+        for mode in modes:  # interleaved per level so drift hits every mode alike
+            print(f"concurrency {c}, {mode}: {n} requests...", file=sys.stderr)
+            llm.reset_drafters()
+            res, report = _level(llm, texts, c, mode, n, a.max_tokens or 64)
+            runs.append({"concurrency": c, "mode": mode, **_summary(res), "controller": report, "requests": res})
+            _write(out_dir, runs, meta)
+    print(render(runs, meta))
+    print(f"results: {out_dir}/results.json, {out_dir}/report.md", file=sys.stderr)
+    return out_dir
+
+
+def _level(llm, prompts: list[list[int]], conc: int, mode: str, n: int, max_tokens: int) -> tuple[list[dict], dict]:
+    """`n` streaming chat requests from `conc` client threads against a fresh server in `mode`."""
+    import httpx
+
+    from specdec.engine.load_control import LoadController
+    from specdec.engine.scheduler import Scheduler
+    from specdec.sampling import SamplingParams
+    from specdec.server.app import ServerConfig, create_app
+    from specdec.server.serve import ServerThread
+
+    controller = LoadController(llm.engine.spec.draft_max) if mode == "auto" else None
+    scheduler = Scheduler(llm.engine, conc, max_queue=n, controller=controller)
+    srv = ServerThread(create_app(llm, scheduler, ServerConfig("m", SamplingParams(max_tokens=max_tokens))))
+    results: list[dict] = []
+    lock, counter = threading.Lock(), iter(range(n))
+
+    def worker():
+        with httpx.Client(timeout=3600) as client:
+            while True:
+                with lock:
+                    i = next(counter, None)
+                if i is None:
+                    return
+                results.append(_one(client, srv.url, prompts[i % len(prompts)], max_tokens, mode == "off", i))
+    try:
+        threads = [threading.Thread(target=worker) for _ in range(conc)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        srv.close()
+    return sorted(results, key=lambda r: r["index"]), controller.report() if controller else {}
+
+
+def _one(client, url: str, ids: list[int], max_tokens: int, spec_off: bool, index: int) -> dict:
+    body = {"model": "m", "prompt": ids, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if spec_off:
+        body["speculative"] = False
+    t0 = time.perf_counter()
+    first, tokens, stats, error = None, 0, {}, None
+    with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            error = f"HTTP {r.status_code}"
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                error = ev["error"]["message"]
+            elif ev.get("choices") and ev["choices"][0].get("text") and first is None:
+                first = time.perf_counter()
+            if ev.get("usage"):
+                tokens = ev["usage"]["completion_tokens"]
+            if ev.get("speculative"):
+                stats = ev["speculative"]
+    end = time.perf_counter()
+    first = first or end
+    return {"index": index, "start": t0, "end": end, "ttft_s": first - t0, "latency_s": end - t0,
+            "tokens": tokens, "tpot_s": (end - first) / (tokens - 1) if tokens > 1 else None,
+            "drafted": stats.get("drafted", 0), "accepted": stats.get("accepted", 0), "error": error}
+
+
+def _summary(res: list[dict]) -> dict:
+    ok = [r for r in res if not r["error"]]
+    wall = max(r["end"] for r in res) - min(r["start"] for r in res)
+    med = lambda xs: round(statistics.median(xs), 4) if xs else None  # noqa: E731
+    tokens = sum(r["tokens"] for r in ok)
+    drafted = sum(r["drafted"] for r in ok)
+    return {"throughput_tok_s": round(tokens / wall, 3) if wall > 0 else 0.0, "wall_s": round(wall, 2),
+            "tokens": tokens, "errors": len(res) - len(ok), "ttft_s": med([r["ttft_s"] for r in ok]),
+            "tpot_s": med([r["tpot_s"] for r in ok if r["tpot_s"] is not None]),
+            "latency_s": med([r["latency_s"] for r in ok]),
+            "acceptance_rate": round(sum(r["accepted"] for r in ok) / drafted, 4) if drafted else None}
+
+
+def render(runs: list[dict], meta: dict) -> str:
+    """Markdown: one row per concurrency, per mode throughput / TTFT / TPOT, and auto and on over off."""
+    modes = meta["modes"]
+    by = {(r["concurrency"], r["mode"]): r for r in runs}
+    head = "| concurrency | " + " | ".join(f"{m} tok/s | {m} TTFT s | {m} TPOT s" for m in modes)
+    ratios = [m for m in ("on", "auto") if m in modes and "off" in modes]
+    head += "".join(f" | {m}/off" for m in ratios) + " |"
+    lines = [head, "|" + "---|" * (1 + 3 * len(modes) + len(ratios))]
+    for c in meta["concurrency"]:
+        cells = []
+        for m in modes:
+            r = by.get((c, m))
+            cells += [f"{r['throughput_tok_s']:.2f}", f"{r['ttft_s']:.2f}", f"{r['tpot_s'] or 0:.3f}"] if r else ["", "", ""]
+        for m in ratios:
+            r, off = by.get((c, m)), by.get((c, "off"))
+            cells.append(f"{r['throughput_tok_s'] / off['throughput_tok_s']:.2f}x" if r and off and off["throughput_tok_s"] else "")
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _write(out_dir: Path, runs: list[dict], meta: dict) -> None:
+    write_atomic(out_dir / "results.json", json.dumps({"runs": runs, "meta": meta}, indent=1))
+    plots = _plots(out_dir, runs, meta)
+    text = ["# specdec bench serve", "", f"`{meta['command']}`", "",
+            f"{meta['date']} · {meta['machine']['cpu']} · {meta['dtype']} · {meta['threads']} threads · "
+            f"target {meta['models']['target']} · spec type `{meta['spec_type']}` for on/auto · "
+            f"workload {meta['workload']} · max tokens {meta['max_tokens'] or 64}", "",
+            "Throughput: completion tokens over all requests / wall time of the level. TTFT and TPOT: medians "
+            "per request (streaming). off: `speculative: false`; on: speculation at any load; auto: the "
+            "load controller (engine/load_control.py).", "", render(runs, meta), "## Plots", "",
+            *[f"![{p}]({p})" for p in plots]]
+    write_atomic(out_dir / "report.md", "\n".join(text) + "\n")
+
+
+def _plots(out_dir: Path, runs: list[dict], meta: dict) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = []
+    for key, label, name in (("throughput_tok_s", "throughput (tokens/s, all requests)", "serve_throughput.png"),
+                             ("ttft_s", "median time to first token (s)", "serve_ttft.png"),
+                             ("tpot_s", "median time per output token (s)", "serve_tpot.png")):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for m in meta["modes"]:
+            pts = [(r["concurrency"], r[key]) for r in runs if r["mode"] == m and r[key] is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=m)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(label)
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=110)
+        plt.close(fig)
+        names.append(name)
+    return names
