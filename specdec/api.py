@@ -6,18 +6,18 @@ from dataclasses import dataclass
 import torch
 
 from specdec.drafters import Drafter, parse_spec_type
-from specdec.drafters.chain import ChainDrafter
+from specdec.drafters.chain import CHAIN_MODES, ChainDrafter
 from specdec.engine.engine import Engine, SpecConfig, StreamCallback
 from specdec.engine.stats import Stats
 from specdec.errors import SpecdecError
 from specdec.models import packs
 from specdec.models.loader import load_checkpoint, resolve_dtype, resolve_model
-from specdec.runtime.quant import quantize_int8_
+from specdec.runtime.quant import QUANT, quantize_
 from specdec.runtime.runner import ModelRunner
 from specdec.sampling import SamplingParams
 
 
-DRAFT_QUANT = ("int8", "none")
+DRAFT_QUANT = QUANT
 
 
 @dataclass
@@ -44,7 +44,7 @@ class LLM:
                  draft_branch_p: float = 0.0, ngram_min_hits: int = 1,
                  ngram_mod_pool_mb: float = 16.0, suffix_max_requests: int = 64, suffix_factor: float = 1.0,
                  suffix_min_prob: float = 0.1, synth_rates: list[float] | None = None, synth_len: int = 8,
-                 parallel: int = 1):
+                 parallel: int = 1, chain_mode: str = "first"):
         spec_type = spec_type or ("draft" if draft or model is None else "none")
         self.spec_type = ",".join(parse_spec_type(spec_type))
         _check_positive(context=context, draft_max=draft_max, ngram_n=ngram_n, ngram_m=ngram_m,
@@ -70,6 +70,9 @@ class LLM:
         if not self._synth[0] or not all(0 <= r <= 1 for r in self._synth[0]):
             raise SpecdecError("synthetic acceptance rates must be in [0, 1]")
         _check_positive(synth_len=synth_len)
+        if chain_mode not in CHAIN_MODES:
+            raise SpecdecError(f"unknown chain mode {chain_mode!r} (choose {', '.join(CHAIN_MODES)})")
+        self._chain_mode = chain_mode
         if threads is not None:
             _check_positive(threads=threads)
             torch.set_num_threads(threads)
@@ -100,7 +103,7 @@ class LLM:
         key = ",".join(parts)
         if key not in self._drafters:
             members = [self.drafter_for(p) for p in parts] if len(parts) > 1 else None
-            self._drafters[key] = ChainDrafter(members) if members else self._make_drafter(key)
+            self._drafters[key] = ChainDrafter(members, self._chain_mode) if members else self._make_drafter(key)
         return self._drafters[key]
 
     def reset_drafters(self) -> None:
@@ -134,8 +137,7 @@ class LLM:
             if not dtok.same_vocab(self.tokenizer):
                 raise SpecdecError(f"draft model {self._draft_name} uses a different tokenizer than the target; "
                                    "a draft model must share the target's vocabulary")
-            if self._draft_quant == "int8":
-                quantize_int8_(dmodel)
+            quantize_(dmodel, self._draft_quant)
             return DraftModelDrafter(ModelRunner(dmodel, self.parallel, self.context), self.runner.vocab_size, self._p_min,
                                      self._branch_p)
         return None

@@ -80,6 +80,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--spec-type", type=_spec_type, metavar="TYPE[,TYPE...]",
                    help=f"drafter: {' | '.join(SPEC_TYPES)}; a comma list is a chain, the first that drafts wins "
                    "(default: draft with -md or no -m, else none)")
+    s.add_argument("--spec-chain", dest="chain_mode", choices=["first", "gain"], default="first",
+                   help="with a chain a,b: first = the first drafter that drafts (llama.cpp); gain = the draft with "
+                   "the most expected accepted tokens by each drafter's measured acceptance (default first)")
     s.add_argument("--draft-max", type=_positive_int, default=16, help="max drafted tokens per step (default 16)")
     s.add_argument("--draft-min", type=int, default=0, help="skip drafts shorter than this (default 0)")
     s.add_argument("--draft-branch-p", type=_unit_float, default=0.0,
@@ -90,9 +93,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "(default on); off = always --draft-max")
     s.add_argument("--draft-p-min", type=_unit_float, default=0.0,
                    help="stop drafting when the draft's token probability falls below this (default 0)")
-    s.add_argument("--draft-quant", choices=["int8", "none"], default="int8",
-                   help="weights of the draft model: int8 (weight-only, faster on CPU; the output stays the "
-                   "target's) or none (default int8)")
+    s.add_argument("--draft-quant", choices=["int8", "int4", "none"], default="int8",
+                   help="weights of the draft model: int8 (per channel) or int4 (groups of 64; bf16 only), "
+                   "weight-only, faster on CPU; the output stays the target's; or none (default int8)")
     s.add_argument("--spec-ngram-size-n", dest="ngram_n", type=_positive_int, default=3,
                    help="ngram-*: tokens to match (default 3)")
     s.add_argument("--spec-ngram-size-m", dest="ngram_m", type=_positive_int, default=16,
@@ -139,7 +142,7 @@ def build_llm(a: argparse.Namespace, progress: bool = True):
                draft_branch_p=a.draft_branch_p, progress=progress, ngram_min_hits=a.ngram_min_hits,
                ngram_mod_pool_mb=a.ngram_mod_pool_mb, suffix_max_requests=a.suffix_max_requests,
                suffix_factor=a.suffix_factor, suffix_min_prob=a.suffix_min_prob, synth_rates=a.synth_rates,
-               synth_len=a.synth_len, parallel=getattr(a, "parallel", 1))
+               synth_len=a.synth_len, parallel=getattr(a, "parallel", 1), chain_mode=a.chain_mode)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -237,8 +240,9 @@ def _add_plan_parser(sub) -> None:
     m.add_argument("-m", "--model", help="target: pack name, GGUF file, checkpoint directory or config.json "
                    "(default: qwen2.5-coder-1.5b with draft qwen2.5-coder-0.5b)")
     m.add_argument("-md", "--model-draft", dest="draft", help="draft model (same forms as -m)")
-    m.add_argument("-c", "--ctx-size", dest="context", type=_positive_int, default=4096,
-                   help="context per slot (default 4096); more than the model allows is an error")
+    m.add_argument("-c", "--ctx-size", dest="context", type=_positive_int,
+                   help="context per slot (default 4096, capped at the model's); more than the model allows "
+                   "is an error")
     m.add_argument("-cd", "--ctx-size-draft", dest="draft_context", type=_positive_int,
                    help="draft context (default: -c, capped at the draft's maximum)")
     m.add_argument("-np", "--parallel", type=_positive_int, default=1, help="parallel slots (default 1)")
@@ -247,8 +251,8 @@ def _add_plan_parser(sub) -> None:
                    "loads; default), auto|bf16|fp16|fp32 (specdec's runtime: params x dtype bytes, draft linears "
                    "int8), or a GGML type such as q8_0, q4_k, iq4_xs (requantized)")
     m.add_argument("--draft-dtype", help="weight format of the draft (default: --dtype)")
-    m.add_argument("--draft-quant", choices=["int8", "none"], default="int8",
-                   help="specdec runtime formats: draft linear weights int8 (default) or none")
+    m.add_argument("--draft-quant", choices=["int8", "int4", "none"], default="int8",
+                   help="specdec runtime formats: draft linear weights int8 (default), int4 or none")
     m.add_argument("--kv-dtype", default="auto",
                    help="KV cache type: auto (f16; the runtime dtype with --dtype auto|bf16|fp16|fp32), f32, f16, "
                    "bf16, q8_0, q4_0...")

@@ -132,3 +132,20 @@ def test_smollm_greedy_equality(smollm_dir):
             branched += r.stats.drafted - sum(r.stats.drafted_at)  # tree nodes beyond one per depth
     assert accepted > 0  # the shallow draft and the n-gram lookup do get tokens accepted
     assert branched > 0  # draft trees (branch_p 0.6) were built and verified
+
+
+@pytest.mark.parametrize("draft_seed", [None, 1])
+def test_tiny_gain_chains_equal_plain(tiny_dir, draft_seed):
+    """--spec-chain gain: the draft with the most expected accepted tokens; output unchanged."""
+    llm = _tiny_llm(tiny_dir, "llama", draft_seed, chain_mode="gain")
+    _set_stop(llm, [])
+    used = 0
+    for prompt in PROMPTS_TINY:
+        base = llm.generate(prompt, max_tokens=40, spec_type="none")
+        for spec in ("ngram-simple,draft", "suffix,ngram-map-k,draft"):
+            r = llm.generate(prompt, max_tokens=40, spec_type=spec)
+            assert r.token_ids == base.token_ids, (prompt, spec)
+            used += r.stats.accepted
+    assert used > 0
+    chain = llm.drafter_for("ngram-simple,draft")
+    assert chain.mode == "gain" and not chain.acceptance  # released after each request

@@ -19,6 +19,16 @@ class Draft:
     parents: list[int] | None = None   # [k] tree structure; None = chain (parents[i] = i - 1)
     forced: int | None = None          # synthetic drafts only: accept this many regardless (lossy)
 
+    @property
+    def depth(self) -> int:
+        """Tokens on the longest root-to-leaf path (the chain length for a chain)."""
+        if self.parents is None:
+            return len(self.tokens)
+        depth: list[int] = []
+        for p in self.parents:
+            depth.append(1 + (depth[p] if p >= 0 else 0))
+        return max(depth, default=0)
+
 
 class Drafter(ABC):
     name: str = ""

@@ -1,32 +1,65 @@
-"""Chains (`--spec-type ngram-mod,draft`): the first drafter in order that drafts anything wins."""
+"""Chains (`--spec-type ngram-mod,draft`): several drafters, one draft per step.
+
+`first` (llama.cpp's behaviour): ask each member in order, use the first non-empty draft.
+`gain`: use the draft with the most expected accepted tokens, from each member's own measured
+per-position acceptance on this sequence; a drafter that knows its confidence (the draft model,
+the expensive one) is only asked when even a full-length draft from it could beat the best so far.
+"""
 from __future__ import annotations
 
 from specdec.drafters.base import Draft, Drafter
+from specdec.engine.adaptive import AcceptanceEstimate
 from specdec.engine.sequence import Sequence
+
+CHAIN_MODES = ("first", "gain")
 
 
 class ChainDrafter(Drafter):
-    """Asks each member in order and returns the first non-empty draft (llama.cpp's behaviour).
+    """Every member hears `update` and `release`, so each keeps its per-sequence state in step."""
 
-    Every member hears `update` and `release`, so each keeps its per-sequence state in step.
-    """
-
-    def __init__(self, members: list[Drafter]):
-        self.members = members
+    def __init__(self, members: list[Drafter], mode: str = "first"):
+        self.members, self.mode = members, mode
         self.name = ",".join(m.name for m in members)
+        self.acceptance: dict[int, list[AcceptanceEstimate]] = {}  # slot -> per member
+        self.chosen: dict[int, int] = {}  # slot -> member whose draft was used last
 
     def propose(self, seq: Sequence, max_tokens: int) -> Draft:
-        for m in self.members:
+        best, best_gain = Draft([]), 0.0
+        est = self.acceptance.setdefault(seq.slot, [AcceptanceEstimate() for _ in self.members])
+        for i, m in enumerate(self.members):
+            if self.mode == "gain" and m.confidence_stop and best_gain >= expected_accepted(est[i], max_tokens):
+                continue
             m.min_path_prob = self.min_path_prob
             draft = m.propose(seq, max_tokens)
-            if draft.tokens:
+            if not draft.tokens:
+                continue
+            gain = expected_accepted(est[i], draft.depth)
+            if self.mode == "first":
+                self.chosen[seq.slot] = i
                 return draft
-        return Draft([])
+            if gain > best_gain:
+                best, best_gain, self.chosen[seq.slot] = draft, gain, i
+        return best
 
     def update(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        who = self.chosen.pop(seq.slot, None)
+        if who is not None and drafted:
+            self.acceptance[seq.slot][who].observe(drafted, accepted)
         for m in self.members:
             m.update(seq, drafted, accepted)
 
     def release(self, seq: Sequence) -> None:
+        self.acceptance.pop(seq.slot, None)
+        self.chosen.pop(seq.slot, None)
         for m in self.members:
             m.release(seq)
+
+
+def expected_accepted(est: AcceptanceEstimate, k: int) -> float:
+    """Expected accepted tokens of a k-token chain: sum over i of the chance positions 0..i all pass."""
+    total, survive = 0.0, 1.0
+    for i in range(k):
+        survive *= est.rate(i)
+        total += survive
+    return total
+

@@ -22,6 +22,7 @@ class DraftModelDrafter(Drafter):
         self.runner, self.target_vocab = runner, target_vocab
         self.p_min, self.branch_p = p_min, branch_p
         self.fed: dict[int, list[int]] = {}  # slot -> tokens whose K/V the draft cache holds, in order
+        self.drafted_from: dict[int, int] = {}  # slot -> length of `fed` when the last draft began
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """[..., V_draft] -> [..., V_target]: drop or pad (with -inf) the padding rows."""
@@ -54,6 +55,7 @@ class DraftModelDrafter(Drafter):
         # Catch up on tokens the draft has not seen yet (prompt, accepted drafts, bonus token).
         logits = self.runner.prefill(seq.tokens[n:], seq.slot, start=n)
         fed[n:] = seq.tokens[n:]
+        self.drafted_from[seq.slot] = len(fed)
         tokens: list[int] = []
         parents: list[int] = []
         probs: list[torch.Tensor] = []
@@ -83,13 +85,16 @@ class DraftModelDrafter(Drafter):
 
     def update(self, seq: Sequence, drafted: int, accepted: int) -> None:
         # Keep the cache entries whose tokens were committed; the rest is stale (length pointer back).
+        # Only entries fed while drafting (from `drafted_from` on) can differ from the committed tokens;
+        # in a chain the draft that was used may not be this drafter's.
         fed = self.fed.get(seq.slot, [])
         keep = min(len(fed), len(seq.tokens) - 1)
-        for i in range(keep - drafted - 1, keep):  # only this step's tokens can differ
-            if i >= 0 and fed[i] != seq.tokens[i]:
+        for i in range(self.drafted_from.pop(seq.slot, keep), keep):
+            if fed[i] != seq.tokens[i]:
                 keep = i
                 break
         del fed[keep:]
 
     def release(self, seq: Sequence) -> None:
         self.fed.pop(seq.slot, None)
+        self.drafted_from.pop(seq.slot, None)

@@ -184,7 +184,7 @@ class Engine:
             self.target.keep_path(seq.slot, seq.last_position, path)
             logits = logits[[0] + [i + 1 for i in path]]  # rows the committed tokens were chosen from
         seq.stats.verify_s += forward_s + time.perf_counter() - t
-        depth = _depth(parents)
+        depth = draft.depth
         seq.stats.record_step(k, len(draft.tokens), len(path), depth)
         if draft.tokens:
             seq.acceptance.observe(depth, len(path))
@@ -240,14 +240,6 @@ def _logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[tuple[f
         return [(c, []) for c in chosen]
     best = lp.topk(top, dim=-1)  # [n, top]
     return [(c, list(zip(i, v))) for c, i, v in zip(chosen, best.indices.tolist(), best.values.tolist())]
-
-
-def _depth(parents: list[int]) -> int:
-    """Depth of the deepest node of a tree given by parent indices (0 for no nodes)."""
-    depth: list[int] = []
-    for p in parents:
-        depth.append(1 + (depth[p] if p >= 0 else 0))
-    return max(depth, default=0)
 
 
 def _find_stop(text: str, stops: list[str], old_len: int) -> int | None:
