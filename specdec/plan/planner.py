@@ -1,0 +1,400 @@
+"""`make_plan`: memory, placement, largest context, speed and a recommendation for a target (+ draft)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specdec.errors import SpecdecError
+from specdec.plan import devices as dev
+from specdec.plan.formats import is_runtime_format, kv_type, weight_format
+from specdec.plan.memory import (GPU_CONTEXT, LLAMA_HOST, SPECDEC_BASE, SPECDEC_TOKENIZER_PER_TOKEN, Format,
+                                 ModelMemory, RuntimeRSS, model_memory, runtime_rss)
+from specdec.plan.recommend import Recommendation, recommend, task
+from specdec.plan.specs import ModelSpec, load_spec
+from specdec.plan.speed import StepTime, best_k, break_even_alpha, step_time
+from specdec.plan.units import parse_bandwidth, parse_size
+from specdec.runtime.placement import ALL_LAYERS, Placement, place_layers
+
+DEFAULT_GPU_BW = 500e9
+DEFAULT_CONTEXT = 4096  # as `specdec generate -c`
+DRAFT_QUANT = ("int8", "int4", "none")  # as `--draft-quant` in generate
+
+
+@dataclass
+class PlanInputs:
+    model: str | None = None          # None: the default pair
+    draft: str | None = None
+    context: int | None = None        # default: DEFAULT_CONTEXT capped at the model's maximum
+    draft_context: int | None = None  # default: the target's (capped at the draft's maximum)
+    dtype: str = "file"
+    draft_dtype: str | None = None    # default: --dtype
+    draft_quant: str = "int8"         # specdec runtime formats only: int8 | int4 | none
+    kv_dtype: str = "auto"
+    slots: int = 1
+    gpu: str | None = None            # a named GPU, 'none', or None = detect
+    gpu_mem: str | None = None
+    gpu_bw: str | None = None
+    ram: str | None = None
+    ram_bw: str | None = None
+    pcie_bw: str | None = None
+    cpu: str | None = None
+    ngl: int | None = None            # None: as many as fit; ALL_LAYERS: all
+    ngld: int | None = None
+    task: str = "code"
+    accept: float | None = None
+    draft_max: int = 16
+    spec_type: str | None = None      # force the exported spec type (default: the recommendation)
+
+
+@dataclass
+class Hardware:
+    gpu: str | None
+    unified: bool
+    gpu_mem: int | None
+    gpu_bw: float | None
+    pcie_bw: float | None
+    ram: int
+    ram_bw: float
+    sources: dict[str, str]
+
+
+@dataclass
+class Setup:
+    """One concrete placement of the target (and draft) with its memory and step times."""
+    ngl: int
+    ngld: int | None
+    target: Placement
+    draft: Placement | None
+    gpu_need: int
+    ram_need: int
+    fits: bool
+    why: str
+    target_step: StepTime
+    draft_step: StepTime | None
+    target_step_full: StepTime
+
+
+@dataclass
+class Plan:
+    inputs: PlanInputs
+    hw: Hardware
+    target: ModelMemory
+    draft: ModelMemory | None
+    with_draft: Setup | None
+    alone: Setup
+    alpha: float
+    alpha_source: str
+    cost_ratio: float | None
+    draft_k: int | None           # best draft length for the draft model (None without one)
+    draft_gain: float | None      # its speedup at the bound
+    k: int                        # draft length of the chosen spec type
+    gain: float                   # speedup of the chosen spec type (1.0 when it has no draft model)
+    break_even: float | None
+    draft_pays: bool
+    why_not: str | None
+    recommendation: Recommendation
+    spec_type: str
+    max_context_gpu: int | None
+    max_context: int | None
+    per_1k_bytes: int
+    per_1k_layers: float | None
+    rss: RuntimeRSS | None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def chosen(self) -> Setup:
+        return self.with_draft if self.uses_draft and self.with_draft is not None else self.alone
+
+    @property
+    def uses_draft(self) -> bool:
+        return self.draft is not None and "draft" in self.spec_type.split(",")
+
+    @property
+    def expected_tps(self) -> float:
+        s = self.chosen
+        base = s.target_step.tokens_per_s
+        return base * self.gain if self.uses_draft else base
+
+
+def resolve_hardware(i: PlanInputs) -> Hardware:
+    src: dict[str, str] = {}
+    gpu_name, unified, gpu_mem, gpu_bw, pcie = None, False, None, None, None
+    profile = None
+    if i.gpu and i.gpu.lower() != "none":
+        profile = dev.gpu_device(i.gpu)
+        gpu_name, src["gpu"] = profile.name, "--gpu"
+    elif i.gpu is None and i.gpu_mem is None:
+        found = dev.detect_gpu()
+        if found:
+            gpu_name, gpu_mem = found
+            profile = dev.match_gpu_name(gpu_name)
+            src["gpu"] = src["gpu_mem"] = "detected"
+    elif i.gpu is None:
+        gpu_name, src["gpu"] = "gpu", "--gpu-mem"
+    if profile is not None:
+        unified = profile.kind == "unified"
+        if gpu_mem is None:
+            gpu_mem = int(profile.mem * dev.UNIFIED_GPU_SHARE) if unified else profile.mem
+            src["gpu_mem"] = f"{profile.name} profile" + (f" ({dev.UNIFIED_GPU_SHARE:.0%} of unified memory)"
+                                                          if unified else "")
+        gpu_bw, pcie = profile.bw, profile.pcie
+        src["gpu_bw"] = src["pcie_bw"] = f"{profile.name} profile"
+    if i.gpu_mem is not None:
+        gpu_mem, src["gpu_mem"] = parse_size(i.gpu_mem, "--gpu-mem"), "--gpu-mem"
+    if i.gpu_bw is not None:
+        gpu_bw, src["gpu_bw"] = parse_bandwidth(i.gpu_bw, "--gpu-bw"), "--gpu-bw"
+    if i.pcie_bw is not None:
+        pcie, src["pcie_bw"] = parse_bandwidth(i.pcie_bw, "--pcie-bw"), "--pcie-bw"
+    if gpu_name is not None:
+        if gpu_bw is None:
+            gpu_bw, src["gpu_bw"] = DEFAULT_GPU_BW, "default (set --gpu-bw)"
+        if pcie is None and not unified:
+            pcie, src["pcie_bw"] = dev.PCIE4, "default PCIe 4.0 x16"
+    if i.ram is not None:
+        ram, src["ram"] = parse_size(i.ram, "--ram"), "--ram"
+    elif unified and profile is not None:
+        ram, src["ram"] = profile.mem, f"{profile.name} unified memory"
+    else:
+        found_ram = dev.detect_ram()
+        if found_ram is None:
+            raise SpecdecError("cannot detect the RAM size here; give --ram (e.g. --ram 64GiB)")
+        ram, src["ram"] = found_ram, "detected"
+    if i.ram_bw is not None:
+        ram_bw, src["ram_bw"] = parse_bandwidth(i.ram_bw, "--ram-bw"), "--ram-bw"
+    elif unified and profile is not None:
+        ram_bw, src["ram_bw"] = profile.bw, f"{profile.name} unified memory"
+    else:
+        cpu = dev.cpu_device(i.cpu or dev.DEFAULT_CPU)
+        ram_bw, src["ram_bw"] = cpu.bw, f"{cpu.name} profile ({cpu.note})" + ("" if i.cpu else ", default")
+    return Hardware(gpu_name, unified, gpu_mem, gpu_bw, pcie, ram, ram_bw, src)
+
+
+def _runtime_dtype(name: str, has_gpu: bool) -> str:
+    if name != "auto":
+        return name
+    if has_gpu:
+        return "bf16"
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return "fp32"
+    return "bf16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "fp32"
+
+
+def _format(fmt: str, kv: str, quant: str, has_gpu: bool) -> Format:
+    rt = _runtime_dtype("auto" if fmt == "auto" else (fmt if is_runtime_format(fmt) else "bf16"), has_gpu)
+    weights = rt if is_runtime_format(fmt) else fmt
+    return Format(weights, kv_type(kv, fmt, rt), quant if is_runtime_format(fmt) else "none")
+
+
+def _check_context(spec: ModelSpec, ctx: int, flag: str) -> None:
+    if ctx < 1:
+        raise SpecdecError(f"{flag} must be >= 1 (got {ctx})")
+    if ctx > spec.dims.max_ctx:
+        raise SpecdecError(f"{flag} {ctx} is larger than {spec.label} allows (max_position_embeddings "
+                           f"{spec.dims.max_ctx})")
+
+
+class _Planner:
+    def __init__(self, i: PlanInputs, hw: Hardware, tspec: ModelSpec, dspec: ModelSpec | None,
+                 tfmt: Format, dfmt: Format | None):
+        self.i, self.hw, self.tspec, self.dspec, self.tfmt, self.dfmt = i, hw, tspec, dspec, tfmt, dfmt
+        self.use_draft = dspec is not None
+
+    def memories(self, ctx: int, dctx: int | None) -> tuple[ModelMemory, ModelMemory | None]:
+        t = model_memory(self.tspec, self.tfmt, ctx, self.i.slots, self.i.draft_max)
+        d = None
+        if self.dspec is not None and self.dfmt is not None:
+            d = model_memory(self.dspec, self.dfmt, dctx or ctx, self.i.slots, self.i.draft_max)
+        return t, d
+
+    def host_overhead(self, t: ModelMemory, d: ModelMemory | None) -> int:
+        if t.fmt.runtime:
+            return SPECDEC_BASE + sum(SPECDEC_TOKENIZER_PER_TOKEN * m.spec.dims.vocab for m in (t, d) if m)
+        return LLAMA_HOST
+
+    @staticmethod
+    def n_all(m: ModelMemory) -> int:
+        """The -ngl that puts everything placeable on the GPU."""
+        return m.spec.dims.num_layers + (1 if m.fmt.style == "llama.cpp" else 0)
+
+    def place(self, m: ModelMemory, n: int) -> Placement:
+        return place_layers(m.spec.dims.num_layers, min(n, self.n_all(m)), m.fmt.style)
+
+    def max_layers(self, m: ModelMemory, budget: int) -> int:
+        best = 0
+        for n in range(self.n_all(m) + 1):
+            if m.gpu_bytes(self.place(m, n)) <= budget:
+                best = n
+        return best
+
+    def choose(self, t: ModelMemory, d: ModelMemory | None, ngl: int | None,
+               ngld: int | None) -> tuple[int, int | None]:
+        """-ngl/-ngld: the flags if given, else the draft whole on the GPU first, then as many target layers as fit."""
+        if self.hw.gpu is None:
+            return 0, (0 if d else None)
+        budget = (self.hw.gpu_mem or 0) - GPU_CONTEXT
+        nd = None
+        if d is not None:
+            if ngld is not None:
+                nd = min(ngld, self.n_all(d))
+            else:
+                full = d.gpu_bytes(self.place(d, self.n_all(d)))
+                nd = self.n_all(d) if full <= budget else self.max_layers(d, budget)
+            budget -= d.gpu_bytes(self.place(d, nd))
+        nt = min(ngl, self.n_all(t)) if ngl is not None else self.max_layers(t, budget)
+        return nt, nd
+
+    def setup(self, t: ModelMemory, d: ModelMemory | None, ngl: int | None = None, ngld: int | None = None) -> Setup:
+        nt, nd = self.choose(t, d, ngl, ngld)
+        pt = self.place(t, nt)
+        pd = self.place(d, nd or 0) if d is not None else None
+        on_gpu = pt.on_gpu or bool(pd and pd.on_gpu)
+        gpu_need = t.gpu_bytes(pt) + (d.gpu_bytes(pd) if d and pd else 0) + (GPU_CONTEXT if on_gpu else 0)
+        ram_need = t.cpu_bytes(pt) + (d.cpu_bytes(pd) if d and pd else 0) + self.host_overhead(t, d)
+        why = ""
+        if self.hw.gpu is not None and gpu_need > (self.hw.gpu_mem or 0):
+            why = f"GPU needs {gpu_need / 2**30:.2f} GiB of {(self.hw.gpu_mem or 0) / 2**30:.2f} GiB"
+        pool = ram_need + (gpu_need if self.hw.unified else 0)
+        if pool > self.hw.ram:
+            why = (why + "; " if why else "") + f"RAM needs {pool / 2**30:.2f} GiB of {self.hw.ram / 2**30:.2f} GiB"
+        return Setup(nt, nd, pt, pd, gpu_need, ram_need, not why, why, self.step(t, pt, 0),
+                     self.step(d, pd, 0) if d and pd else None, self.step(t, pt, t.context))
+
+    def step(self, m: ModelMemory, p: Placement, position: int) -> StepTime:
+        gpu_b, cpu_b = m.read_per_token(p, position)
+        act = 4 if m.fmt.style == "llama.cpp" else (2 if m.fmt.weights != "fp32" else 4)
+        return step_time(gpu_b, cpu_b, p.crossings, m.spec.dims.hidden * act, self.hw.gpu_bw, self.hw.ram_bw,
+                         self.hw.pcie_bw)
+
+    def fits(self, ctx: int, all_on_gpu: bool) -> bool:
+        """Whether the chosen setup (with the draft only if it is used) fits at context `ctx`."""
+        dctx = min(ctx, self.dspec.dims.max_ctx) if self.dspec else None
+        t, d = self.memories(ctx, dctx)
+        d = d if self.use_draft else None
+        if all_on_gpu:
+            s = self.setup(t, d, self.n_all(t), self.n_all(d) if d else None)
+        else:
+            s = self.setup(t, d, self.i.ngl, self.i.ngld)
+        return s.fits
+
+    def largest_context(self, all_on_gpu: bool) -> int | None:
+        lo, hi = 0, self.tspec.dims.max_ctx
+        if not self.fits(1, all_on_gpu):
+            return None
+        lo = 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.fits(mid, all_on_gpu):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+
+def make_plan(i: PlanInputs) -> Plan:
+    from specdec.models import packs
+
+    if i.slots < 1:
+        raise SpecdecError(f"--parallel must be >= 1 (got {i.slots})")
+    if i.draft_max < 1:
+        raise SpecdecError(f"--draft-max must be >= 1 (got {i.draft_max})")
+    if i.accept is not None and not 0 <= i.accept < 1:
+        raise SpecdecError(f"--accept must be in [0, 1) (got {i.accept})")
+    if i.draft_quant not in DRAFT_QUANT:
+        raise SpecdecError(f"unknown draft quantization {i.draft_quant!r} (choose {', '.join(DRAFT_QUANT)})")
+    for flag, n in (("-ngl", i.ngl), ("-ngld", i.ngld)):
+        if n is not None and n < 0:
+            raise SpecdecError(f"{flag} must be >= 0 or 'all' (got {n})")
+    t_task = task(i.task)
+    fmt = weight_format(i.dtype)
+    dfmt_name = weight_format(i.draft_dtype) if i.draft_dtype else fmt
+    if is_runtime_format(fmt) != is_runtime_format(dfmt_name):
+        raise SpecdecError("--dtype and --draft-dtype must both be specdec runtime dtypes (auto/bf16/fp16/fp32) "
+                           "or both file/GGML types: one engine runs both models")
+    model, draft = i.model, i.draft
+    if model is None:
+        model = packs.DEFAULT_TARGET
+        draft = draft or packs.DEFAULT_DRAFT
+    hw = resolve_hardware(i)
+    tspec = load_spec(model)
+    dspec = load_spec(draft) if draft else None
+    if i.context is None:
+        i.context = min(DEFAULT_CONTEXT, tspec.dims.max_ctx)
+    _check_context(tspec, i.context, "-c")
+    dctx = i.draft_context
+    if dspec is not None:
+        if dctx is None:
+            dctx = min(i.context, dspec.dims.max_ctx)
+        _check_context(dspec, dctx, "-cd")
+        if dspec.dims.vocab and tspec.dims.vocab and abs(dspec.dims.vocab - tspec.dims.vocab) > 1024:
+            raise SpecdecError(f"draft {dspec.label} has a vocabulary of {dspec.dims.vocab}, the target "
+                               f"{tspec.dims.vocab}: a draft model must share the target's tokenizer")
+    has_gpu = hw.gpu is not None
+    tfmt = _format(fmt, i.kv_dtype, "none", has_gpu)
+    dformat = _format(dfmt_name, i.kv_dtype, i.draft_quant, has_gpu) if dspec else None
+    pl = _Planner(i, hw, tspec, dspec, tfmt, dformat)
+    t, d = pl.memories(i.context, dctx)
+
+    alone = pl.setup(t, None, i.ngl)
+    with_draft = pl.setup(t, d, i.ngl, i.ngld) if d is not None else None
+    alpha = i.accept if i.accept is not None else t_task.alpha
+    alpha_src = "--accept" if i.accept is not None else f"assumed for --task {t_task.name}"
+    cost = k = gain = be = None
+    draft_pays, why_not = False, None
+    if with_draft is not None and with_draft.draft_step is not None:
+        cost = with_draft.draft_step.seconds / with_draft.target_step.seconds
+        k, gain = best_k(alpha, cost, i.draft_max)
+        be = break_even_alpha(cost, k)
+        tps_draft = with_draft.target_step.tokens_per_s * gain
+        tps_alone = alone.target_step.tokens_per_s
+        if gain <= 1:
+            why_not = f"x{gain:.2f} at acceptance {alpha:.0%}; it pays above {be:.0%}"
+        elif tps_draft <= tps_alone:
+            moved = alone.ngl - with_draft.ngl
+            why_not = (f"it pushes {moved} target layers off the GPU: {tps_draft:.1f} tok/s with it vs "
+                       f"{tps_alone:.1f} without")
+        elif not with_draft.fits and alone.fits:
+            why_not = f"target + draft do not fit ({with_draft.why})"
+        else:
+            draft_pays = True
+    rec = recommend(t_task, d is not None, draft_pays, k or i.draft_max, gain or 1.0, i.draft_max, why_not)
+    spec_type = i.spec_type or rec.spec_type
+    if "draft" in spec_type.split(",") and d is None:
+        raise SpecdecError(f"spec type {spec_type} needs a draft model (-md)")
+    draft_k, draft_gain = k, gain
+    if k is None or "draft" not in spec_type.split(","):
+        k, gain = i.draft_max, 1.0
+    pl.use_draft = d is not None and "draft" in spec_type.split(",")
+    max_gpu = pl.largest_context(True) if has_gpu else None
+    max_any = pl.largest_context(False)
+    per_1k = (t.kv_per_token + (d.kv_per_token if d and pl.use_draft else 0)) * 1024 * i.slots
+    avg_layer = (sum(t.layer_weights) + t.kv) / tspec.dims.num_layers
+    per_1k_layers = per_1k / avg_layer if has_gpu else None
+    rss = runtime_rss(t, d if pl.use_draft else None) if tfmt.runtime else None
+    plan = Plan(i, hw, t, d, with_draft, alone, alpha, alpha_src, cost, draft_k, draft_gain, k, gain, be,
+                draft_pays, why_not, rec, spec_type, max_gpu, max_any, per_1k, per_1k_layers, rss)
+    for s in (tspec, dspec):
+        if s is not None:
+            plan.notes += [f"{s.label}: {n}" for n in s.notes]
+            if tfmt.runtime and not s.runtime_supported:
+                plan.notes.append(f"{s.label}: architecture {s.dims.arch!r} is not one specdec's runtime runs")
+    if tfmt.runtime and "draft" in spec_type.split(","):
+        plan.notes.append("specdec picks each step's draft length itself (--spec-adaptive on, up to --draft-max) "
+                          "from measured costs; the k above is for fixed-length engines (llama.cpp, vLLM)")
+    if tfmt.runtime and has_gpu:
+        plan.notes.append("specdec's runtime accepts -ngl/-ngld but does not offload to a GPU yet; "
+                          "the placement shown is what the flags would do")
+    return plan
+
+
+def parse_layers(text: str) -> int:
+    """-ngl/-ngld value: a count or 'all'."""
+    if text.lower() == "all":
+        return ALL_LAYERS
+    try:
+        n = int(text)
+    except ValueError:
+        raise SpecdecError(f"expected a layer count or 'all', got {text!r}") from None
+    if n < 0:
+        raise SpecdecError(f"layer count must be >= 0, got {n}")
+    return n

@@ -1,0 +1,359 @@
+"""Model specs for planning: shape numbers plus every tensor with its stored type and size.
+
+Read from a model pack name (its GGUF), a GGUF file (tensor list via `gguf.GGUFReader`), a
+checkpoint directory (config.json + safetensors headers, no weights loaded) or a bare config.json
+(tensors derived from the config). Architectures our runtime does not run can still be planned.
+"""
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specdec.errors import SpecdecError
+from specdec.plan.formats import SAFETENSORS_DTYPES, type_bytes
+
+# Hugging Face repositories of the packs' models (for exports to engines that load from the hub).
+PACK_HF_REPOS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                 "qwen2.5-coder-0.5b": "Qwen/Qwen2.5-Coder-0.5B-Instruct",
+                 "qwen2.5-coder-1.5b": "Qwen/Qwen2.5-Coder-1.5B-Instruct"}
+_LAYER = re.compile(r"^(?:blk|model\.layers|layers|model\.language_model\.layers)\.(\d+)\.")
+_EMBED = {"token_embd.weight", "model.embed_tokens.weight", "embed_tokens.weight",
+          "model.language_model.embed_tokens.weight"}
+_OUTPUT = {"output.weight", "lm_head.weight"}
+_NORM = {"output_norm.weight", "model.norm.weight", "model.language_model.norm.weight"}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    role: str            # embed | output | norm | layer | other
+    layer: int | None    # block index for role 'layer'
+    n_elements: int
+    rows: int            # output rows (1 for a vector)
+    row_len: int         # elements per row
+    file_type: str       # GGML-style type name as stored (Q4_K, F32, BF16...)
+    file_bytes: int      # bytes as stored
+
+
+@dataclass(frozen=True)
+class Dims:
+    arch: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim_k: int
+    head_dim_v: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    max_ctx: int
+    tied: bool
+
+
+@dataclass
+class ModelSpec:
+    label: str                  # what the user named (pack, path)
+    kind: str                   # pack | gguf | checkpoint | config
+    path: Path | None
+    dims: Dims
+    tensors: list[TensorSpec]
+    gguf_path: Path | None = None
+    hf_repo: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def params(self) -> int:
+        return sum(t.n_elements for t in self.tensors)
+
+    @property
+    def file_bytes(self) -> int:
+        return sum(t.file_bytes for t in self.tensors)
+
+    @property
+    def runtime_supported(self) -> bool:
+        from specdec.models.config import SUPPORTED_TYPES
+        return self.dims.arch in SUPPORTED_TYPES
+
+    def type_summary(self) -> str:
+        """'Q4_K x169, F32 x141, Q6_K x29' (most common first)."""
+        counts: dict[str, int] = {}
+        for t in self.tensors:
+            counts[t.file_type] = counts.get(t.file_type, 0) + 1
+        return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def role_of(name: str) -> tuple[str, int | None]:
+    m = _LAYER.match(name)
+    if m:
+        return "layer", int(m.group(1))
+    if name in _EMBED:
+        return "embed", None
+    if name in _OUTPUT:
+        return "output", None
+    if name in _NORM:
+        return "norm", None
+    return "other", None
+
+
+def load_spec(name_or_path: str) -> ModelSpec:
+    """A pack name, GGUF file, checkpoint directory or config.json -> ModelSpec (no weights loaded)."""
+    from specdec.models import packs
+
+    if name_or_path in packs.PACKS:
+        gguf = packs.gguf_path(name_or_path)
+        if gguf.exists():
+            spec = read_gguf(gguf)
+        elif (packs.model_dir(name_or_path) / "config.json").exists():
+            spec = read_checkpoint(packs.model_dir(name_or_path))
+        else:
+            raise SpecdecError(f"model pack {name_or_path} is not pulled; run `specdec models pull {name_or_path}` "
+                               "(the plan reads its GGUF file)")
+        spec.label, spec.kind, spec.hf_repo = name_or_path, "pack", PACK_HF_REPOS.get(name_or_path)
+        return spec
+    p = Path(name_or_path).expanduser()
+    if not p.exists():
+        raise SpecdecError(f"model not found: {name_or_path} (not a file, a directory or a model pack: "
+                           f"{', '.join(packs.PACKS)})")
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise SpecdecError(f"{p}: no config.json (give a GGUF file, a checkpoint directory or a config.json)")
+        return read_checkpoint(p) if list(p.glob("*.safetensors")) else read_config(p / "config.json")
+    if p.suffix == ".json":
+        return read_config(p)
+    return read_gguf(p)
+
+
+# ---------------------------------------------------------------- GGUF
+
+def read_gguf(path: Path) -> ModelSpec:
+    """Tensor list (name, type, shape, bytes) and metadata of a GGUF file; no tensor data is read."""
+    meta, infos = read_gguf_header(path)
+    tensors = []
+    for name, shape, qtype in infos:
+        role, layer = role_of(name)
+        n = 1
+        for x in shape:
+            n *= x
+        row_len = shape[0] if shape else 1
+        tensors.append(TensorSpec(name, role, layer, n, n // max(row_len, 1), row_len, qtype,
+                                  type_bytes(qtype, n, row_len)))
+    dims = _gguf_dims(meta, path, tensors)
+    return ModelSpec(path.name, "gguf", path, dims, tensors, gguf_path=path)
+
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+def read_gguf_header(path: Path) -> tuple[dict, list[tuple[str, list[int], str]]]:
+    """(metadata, [(tensor name, shape ne0.., GGML type name)]) of a GGUF v2/v3 file.
+
+    A small reader instead of `gguf.GGUFReader`, which decodes every tokenizer string in Python
+    (20 s for a 150k-token vocabulary); quant types and sizes still come from the `gguf` package.
+    Large arrays (the tokenizer) are skipped, numeric arrays up to 4096 entries kept.
+    """
+    import mmap
+
+    import gguf
+
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            if mm[:4] != b"GGUF":
+                raise ValueError("no GGUF magic")
+            version, n_tensors, n_kv = struct.unpack_from("<IQQ", mm, 4)
+            if version not in (2, 3):
+                raise ValueError(f"GGUF version {version} (2 and 3 are supported)")
+            off = 24
+
+            def string(o: int) -> tuple[str, int]:
+                (n,) = struct.unpack_from("<Q", mm, o)
+                if o + 8 + n > len(mm):
+                    raise ValueError("string runs past the end of the file")
+                return mm[o + 8:o + 8 + n].decode("utf-8", "replace"), o + 8 + n
+
+            def value(vtype: int, o: int, keep: bool) -> tuple[object, int]:
+                if vtype in _SCALARS:
+                    fmt = _SCALARS[vtype]
+                    return struct.unpack_from(fmt, mm, o)[0], o + struct.calcsize(fmt)
+                if vtype == _STRING:
+                    return string(o)
+                if vtype == _ARRAY:
+                    etype, count = struct.unpack_from("<IQ", mm, o)
+                    o += 12
+                    if etype in _SCALARS:
+                        size = struct.calcsize(_SCALARS[etype])
+                        vals = list(struct.unpack_from(f"<{count}{_SCALARS[etype][1]}", mm, o)) \
+                            if keep and count <= 4096 else None
+                        return vals, o + size * count
+                    if etype == _STRING and not (keep and count <= 4096):
+                        for _ in range(count):  # skip without decoding (tokenizer vocabularies)
+                            o += 8 + struct.unpack_from("<Q", mm, o)[0]
+                        if o > len(mm):
+                            raise ValueError("string array runs past the end of the file")
+                        return None, o
+                    items = []
+                    for _ in range(count):
+                        v, o = value(etype, o, keep and count <= 4096)
+                        if keep and count <= 4096:
+                            items.append(v)
+                    return (items if keep and count <= 4096 else None), o
+                raise ValueError(f"unknown metadata value type {vtype}")
+
+            meta: dict = {}
+            for _ in range(n_kv):
+                key, off = string(off)
+                (vtype,) = struct.unpack_from("<I", mm, off)
+                meta[key], off = value(vtype, off + 4, not key.startswith("tokenizer."))
+            infos = []
+            for _ in range(n_tensors):
+                name, off = string(off)
+                (n_dims,) = struct.unpack_from("<I", mm, off)
+                shape = list(struct.unpack_from(f"<{n_dims}Q", mm, off + 4))
+                raw_type, data_off = struct.unpack_from("<IQ", mm, off + 4 + 8 * n_dims)
+                off += 4 + 8 * n_dims + 12
+                try:
+                    qtype = gguf.GGMLQuantizationType(raw_type)
+                except ValueError:
+                    raise SpecdecError(f"{path}: tensor {name} has unknown quant type id {raw_type} (the "
+                                       "installed gguf package does not know it; upgrade `gguf`)") from None
+                if qtype not in gguf.GGML_QUANT_SIZES:
+                    raise SpecdecError(f"{path}: tensor {name} has quant type {qtype.name} with no known block "
+                                       "size (upgrade `gguf`)")
+                infos.append((name, shape, qtype.name, data_off))
+            align = int(meta.get("general.alignment", 32) or 32)
+            data_start = (off + align - 1) // align * align
+            for name, shape, qtype, data_off in infos:
+                n = 1
+                for x in shape:
+                    n *= x
+                block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+                if data_start + data_off + n // block * size > len(mm):
+                    raise ValueError(f"tensor {name} runs past the end of the file (truncated?)")
+    except SpecdecError:
+        raise
+    except (OSError, ValueError, struct.error, IndexError, OverflowError, MemoryError) as e:
+        raise SpecdecError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    return meta, [(name, shape, qtype) for name, shape, qtype, _ in infos]
+
+
+def _gguf_field(meta: dict, key: str, default=None):
+    v = meta.get(key, default)
+    return max(v) if isinstance(v, list) and v and isinstance(v[0], (int, float)) else v
+
+
+def _gguf_dims(meta: dict, path: Path, tensors: list[TensorSpec]) -> Dims:
+    arch = _gguf_field(meta, "general.architecture")
+    if not arch:
+        raise SpecdecError(f"{path}: GGUF without general.architecture")
+    g = lambda k, d=None: _gguf_field(meta, f"{arch}.{k}", d)  # noqa: E731
+    try:
+        hidden, heads = int(g("embedding_length")), int(g("attention.head_count"))
+        layers = int(g("block_count"))
+    except (TypeError, ValueError):
+        raise SpecdecError(f"{path}: GGUF lacks {arch}.block_count / embedding_length / attention.head_count") from None
+    names = {t.name: t for t in tensors}
+    embd = names.get("token_embd.weight")
+    vocab = embd.rows if embd else int(g("vocab_size", 0) or 0)
+    hd_k = int(g("attention.key_length", hidden // heads))
+    return Dims(arch=arch, num_layers=layers, num_heads=heads, num_kv_heads=int(g("attention.head_count_kv", heads)),
+                head_dim_k=hd_k, head_dim_v=int(g("attention.value_length", hd_k)), hidden=hidden,
+                intermediate=int(g("feed_forward_length", 0) or 0), vocab=vocab,
+                max_ctx=int(g("context_length", 4096)), tied="output.weight" not in names)
+
+
+# ---------------------------------------------------------------- Hugging Face
+
+def _hf_dims(d: dict, where: Path) -> Dims:
+    d = d.get("text_config") or d
+    try:
+        heads, hidden = int(d["num_attention_heads"]), int(d["hidden_size"])
+        hd = int(d.get("head_dim") or hidden // heads)
+        return Dims(arch=d.get("model_type", "?"), num_layers=int(d["num_hidden_layers"]), num_heads=heads,
+                    num_kv_heads=int(d.get("num_key_value_heads") or heads), head_dim_k=hd, head_dim_v=hd,
+                    hidden=hidden, intermediate=int(d.get("intermediate_size") or 4 * hidden),
+                    vocab=int(d["vocab_size"]), max_ctx=int(d.get("max_position_embeddings", 4096)),
+                    tied=bool(d.get("tie_word_embeddings", False)))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+        raise SpecdecError(f"{where}: config lacks or garbles {e} (need num_hidden_layers, num_attention_heads, "
+                           "hidden_size, vocab_size)") from None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SpecdecError(f"cannot read model config {path}: {e}") from None
+    if not isinstance(d, dict):
+        raise SpecdecError(f"{path}: not a model config (expected a JSON object)")
+    return d
+
+
+def read_config(path: Path) -> ModelSpec:
+    """A bare config.json: tensors derived from the shapes; stored type from its torch_dtype (default BF16)."""
+    d = _read_json(path)
+    dims = _hf_dims(d, path)
+    dtype = str((d.get("text_config") or d).get("torch_dtype") or d.get("dtype") or "bfloat16")
+    ftype, size = {"float32": ("F32", 4), "float16": ("F16", 2)}.get(dtype, ("BF16", 2))
+    bias = dims.arch == "qwen2" or bool(d.get("attention_bias"))
+    h, hd, q, kv, inter = dims.hidden, dims.head_dim_k, dims.num_heads * dims.head_dim_k, \
+        dims.num_kv_heads * dims.head_dim_k, dims.intermediate
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (dims.vocab, h))]
+    for i in range(dims.num_layers):
+        p = f"model.layers.{i}."
+        shapes += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)),
+                   (p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h)),
+                   (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, q)),
+                   (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
+                   (p + "mlp.down_proj.weight", (h, inter))]
+        if bias:
+            shapes += [(p + "self_attn.q_proj.bias", (q,)), (p + "self_attn.k_proj.bias", (kv,)),
+                       (p + "self_attn.v_proj.bias", (kv,))]
+        if dims.arch == "qwen3":
+            shapes += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
+    shapes.append(("model.norm.weight", (h,)))
+    if not dims.tied:
+        shapes.append(("lm_head.weight", (dims.vocab, h)))
+    tensors = [_hf_tensor(name, shape, ftype, size) for name, shape in shapes]
+    spec = ModelSpec(str(path), "config", path, dims, tensors)
+    spec.notes.append(f"tensors derived from {path.name} (stored as {ftype}); exact sizes need the weights file")
+    return spec
+
+
+def _hf_tensor(name: str, shape: tuple[int, ...], ftype: str, size: int) -> TensorSpec:
+    n = 1
+    for s in shape:
+        n *= s
+    role, layer = role_of(name)
+    row_len = shape[-1] if shape else 1
+    return TensorSpec(name, role, layer, n, n // max(row_len, 1), row_len, ftype, n * size)
+
+
+def read_checkpoint(directory: Path) -> ModelSpec:
+    """config.json + the safetensors headers (names, dtypes, shapes); no weights are read."""
+    dims = _hf_dims(_read_json(directory / "config.json"), directory / "config.json")
+    tensors = []
+    for f in sorted(directory.glob("*.safetensors")):
+        for name, info in _safetensors_header(f).items():
+            if name == "__metadata__":
+                continue
+            if info.get("dtype") not in SAFETENSORS_DTYPES:
+                raise SpecdecError(f"{f}: tensor {name} has unknown dtype {info.get('dtype')!r}")
+            ftype, size = SAFETENSORS_DTYPES[info["dtype"]]
+            tensors.append(_hf_tensor(name, tuple(int(s) for s in info["shape"]), ftype, size))
+    if not tensors:
+        raise SpecdecError(f"{directory}: no tensors in its safetensors files")
+    return ModelSpec(str(directory), "checkpoint", directory, dims, tensors)
+
+
+def _safetensors_header(path: Path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > 100_000_000:
+                raise ValueError("header too large")
+            return json.loads(f.read(n))
+    except (OSError, ValueError, struct.error) as e:
+        raise SpecdecError(f"{path}: not a readable safetensors file ({e})") from None
