@@ -40,11 +40,11 @@ class LLM:
     def __init__(self, model: str | None = None, draft: str | None = None, spec_type: str | None = None,
                  context: int = 4096, dtype: str = "auto", threads: int | None = None, draft_max: int = 16,
                  draft_min: int = 0, draft_p_min: float = 0.0, ngram_n: int = 3, ngram_m: int = 16,
-                 draft_quant: str = "int8", progress: bool = True, adaptive: bool = True,
+                 draft_quant: str = "int4", progress: bool = True, adaptive: bool = True,
                  draft_branch_p: float = 0.0, ngram_min_hits: int = 1,
                  ngram_mod_pool_mb: float = 16.0, suffix_max_requests: int = 64, suffix_factor: float = 1.0,
                  suffix_min_prob: float = 0.1, synth_rates: list[float] | None = None, synth_len: int = 8,
-                 parallel: int = 1, chain_mode: str = "first"):
+                 parallel: int = 1, chain_mode: str = "first", n_gpu_layers: int = 0, n_gpu_layers_draft: int = 0):
         spec_type = spec_type or ("draft" if draft or model is None else "none")
         self.spec_type = ",".join(parse_spec_type(spec_type))
         _check_positive(context=context, draft_max=draft_max, ngram_n=ngram_n, ngram_m=ngram_m,
@@ -82,6 +82,8 @@ class LLM:
                 draft = packs.DEFAULT_DRAFT
         self.dtype = resolve_dtype(dtype)
         target, self.tokenizer = load_checkpoint(resolve_model(model, progress), self.dtype)
+        self._ngld = n_gpu_layers_draft
+        _offload(target, n_gpu_layers)
         context = min(context, target.config.max_position_embeddings)
         self.parallel = parallel  # KV cache slots: sequences that can run at once
         self.runner = ModelRunner(target, num_slots=parallel, context=context)
@@ -137,7 +139,8 @@ class LLM:
             if not dtok.same_vocab(self.tokenizer):
                 raise SpecdecError(f"draft model {self._draft_name} uses a different tokenizer than the target; "
                                    "a draft model must share the target's vocabulary")
-            quantize_(dmodel, self._draft_quant)
+            _offload(dmodel, self._ngld)
+            quantize_(dmodel, self._draft_quant)  # the layers left on the CPU
             return DraftModelDrafter(ModelRunner(dmodel, self.parallel, self.context), self.runner.vocab_size, self._p_min,
                                      self._branch_p)
         return None
@@ -166,6 +169,13 @@ class LLM:
         drafter = self.drafter if spec_type is None else self.drafter_for(spec_type)
         seq = self.engine.generate(ids, params, on_text, drafter)
         return Result(seq.text, seq.output_ids, seq.stats, seq.finish_reason or "stop", seq.top2_gaps, seq.synthetic)
+
+
+def _offload(model, n_gpu_layers: int) -> None:
+    """`-ngl`: the first n decoder layers (and embeddings; norm + head when all) on the GPU, when there is one."""
+    if n_gpu_layers and torch.cuda.is_available():
+        from specdec.runtime.placement import place_layers
+        model.place(place_layers(model.config.num_layers, n_gpu_layers).module_devices())
 
 
 def _check_positive(**values: int) -> None:

@@ -72,10 +72,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="compute dtype; auto = bf16 on CPUs with native bf16, else fp32")
     g.add_argument("-t", "--threads", type=_positive_int, help="CPU threads (default: torch's choice)")
     g.add_argument("-ngl", "--n-gpu-layers", dest="n_gpu_layers", type=_layers, metavar="N",
-                   help="target layers on the GPU (N or all); accepted, but this runtime runs on the CPU: "
-                   "it says so on stderr and ignores them (`specdec plan` shows the placement)")
+                   help="target layers on the GPU (N or all): embeddings and the first N layers (norm and head "
+                   "too when N covers all) on CUDA, the rest on the CPU; without CUDA accepted, said on stderr, "
+                   "ignored (`specdec plan` shows the placement)")
     g.add_argument("-ngld", "--n-gpu-layers-draft", dest="n_gpu_layers_draft", type=_layers, metavar="N",
-                   help="draft-model layers on the GPU (N or all); same caveat as -ngl")
+                   help="draft-model layers on the GPU (N or all), as -ngl; GPU layers of the draft stay unquantized")
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--spec-type", type=_spec_type, metavar="TYPE[,TYPE...]",
                    help=f"drafter: {' | '.join(SPEC_TYPES)}; a comma list is a chain, the first that drafts wins "
@@ -93,9 +94,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "(default on); off = always --draft-max")
     s.add_argument("--draft-p-min", type=_unit_float, default=0.0,
                    help="stop drafting when the draft's token probability falls below this (default 0)")
-    s.add_argument("--draft-quant", choices=["int8", "int4", "none"], default="int8",
-                   help="weights of the draft model: int8 (per channel) or int4 (groups of 64; bf16 only), "
-                   "weight-only, faster on CPU; the output stays the target's; or none (default int8)")
+    s.add_argument("--draft-quant", choices=["int8", "int4", "none"], default="int4",
+                   help="weights of the draft model: int4 (groups of 64, bf16 layers; int8 elsewhere) or int8 (per "
+                   "channel), weight-only, faster on CPU; the output stays the target's; or none (default int4)")
     s.add_argument("--spec-ngram-size-n", dest="ngram_n", type=_positive_int, default=3,
                    help="ngram-*: tokens to match (default 3)")
     s.add_argument("--spec-ngram-size-m", dest="ngram_m", type=_positive_int, default=16,
@@ -142,7 +143,8 @@ def build_llm(a: argparse.Namespace, progress: bool = True):
                draft_branch_p=a.draft_branch_p, progress=progress, ngram_min_hits=a.ngram_min_hits,
                ngram_mod_pool_mb=a.ngram_mod_pool_mb, suffix_max_requests=a.suffix_max_requests,
                suffix_factor=a.suffix_factor, suffix_min_prob=a.suffix_min_prob, synth_rates=a.synth_rates,
-               synth_len=a.synth_len, parallel=getattr(a, "parallel", 1), chain_mode=a.chain_mode)
+               synth_len=a.synth_len, parallel=getattr(a, "parallel", 1), chain_mode=a.chain_mode,
+               n_gpu_layers=a.n_gpu_layers or 0, n_gpu_layers_draft=a.n_gpu_layers_draft or 0)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -251,8 +253,8 @@ def _add_plan_parser(sub) -> None:
                    "loads; default), auto|bf16|fp16|fp32 (specdec's runtime: params x dtype bytes, draft linears "
                    "int8), or a GGML type such as q8_0, q4_k, iq4_xs (requantized)")
     m.add_argument("--draft-dtype", help="weight format of the draft (default: --dtype)")
-    m.add_argument("--draft-quant", choices=["int8", "int4", "none"], default="int8",
-                   help="specdec runtime formats: draft linear weights int8 (default), int4 or none")
+    m.add_argument("--draft-quant", choices=["int8", "int4", "none"], default="int4",
+                   help="specdec runtime formats: draft linear weights int4 (default, as in generate), int8 or none")
     m.add_argument("--kv-dtype", default="auto",
                    help="KV cache type: auto (f16; the runtime dtype with --dtype auto|bf16|fp16|fp32), f32, f16, "
                    "bf16, q8_0, q4_0...")

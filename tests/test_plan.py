@@ -171,7 +171,7 @@ def test_offload_notice():
     assert offload_notice(0, None, cuda=False) is None
     assert "ignored: no CUDA" in offload_notice(20, None, cuda=False)
     assert "ignored: no CUDA" in offload_notice(None, 5, cuda=False)
-    assert "not wired" in offload_notice(20, 5, cuda=True)
+    assert "on the GPU" in offload_notice(20, 5, cuda=True)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")

@@ -29,6 +29,8 @@ def _ints(s: str) -> list[int]:
 
 
 def run_serve_bench(a: argparse.Namespace) -> Path:
+    import torch
+
     from specdec.cli import build_llm
     from specdec.models.packs import DEFAULT_DRAFT, DEFAULT_TARGET
 
@@ -42,6 +44,7 @@ def run_serve_bench(a: argparse.Namespace) -> Path:
         a.model, a.draft = DEFAULT_TARGET, a.draft or DEFAULT_DRAFT
     if "draft" in spec.split(",") and a.draft is None:
         raise SpecdecError("spec type draft needs a draft model (-md)")
+    a.threads = a.threads or torch.get_num_threads()  # fixed for every mode
     out_dir = Path(a.out or Path("bench-out") / datetime.now().strftime("serve-%Y%m%d-%H%M%S"))
     out_dir.mkdir(parents=True, exist_ok=True)
     llm = build_llm(argparse.Namespace(**{**vars(a), "spec_type": spec, "parallel": max(levels)}))

@@ -36,6 +36,9 @@ class Drafter(ABC):
     # whole draft so far gets accepted falls below `min_path_prob` (set by the adaptive engine).
     confidence_stop: bool = False
     min_path_prob: float = 0.0
+    # Seconds of the last `propose` spent catching up on a context it had not seen (a new prompt): a
+    # one-off per sequence that the cost model and the load controller count apart from drafting.
+    setup_s: float = 0.0
 
     @abstractmethod
     def propose(self, seq: Sequence, max_tokens: int) -> Draft:

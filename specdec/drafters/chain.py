@@ -25,12 +25,15 @@ class ChainDrafter(Drafter):
 
     def propose(self, seq: Sequence, max_tokens: int) -> Draft:
         best, best_gain = Draft([]), 0.0
+        self.setup_s = 0.0
         est = self.acceptance.setdefault(seq.slot, [AcceptanceEstimate() for _ in self.members])
         for i, m in enumerate(self.members):
             if self.mode == "gain" and m.confidence_stop and best_gain >= expected_accepted(est[i], max_tokens):
                 continue
             m.min_path_prob = self.min_path_prob
+            m.setup_s = 0.0
             draft = m.propose(seq, max_tokens)
+            self.setup_s += m.setup_s
             if not draft.tokens:
                 continue
             gain = expected_accepted(est[i], draft.depth)

@@ -6,12 +6,17 @@ is added as a sibling leaf, which costs no extra draft forward.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from specdec.drafters.base import Draft, Drafter
 from specdec.engine.sequence import Sequence
 from specdec.runtime.runner import ModelRunner
 from specdec.sampling import probs_from_logits, sample
+
+
+SETUP_TOKENS = 32  # a catch-up longer than any draft: the prompt, counted as setup
 
 
 class DraftModelDrafter(Drafter):
@@ -53,7 +58,9 @@ class DraftModelDrafter(Drafter):
         fed = self.fed.setdefault(seq.slot, [])
         n = len(fed)
         # Catch up on tokens the draft has not seen yet (prompt, accepted drafts, bonus token).
+        t = time.perf_counter()
         logits = self.runner.prefill(seq.tokens[n:], seq.slot, start=n)
+        self.setup_s = time.perf_counter() - t if len(seq.tokens) - n > SETUP_TOKENS else 0.0
         fed[n:] = seq.tokens[n:]
         self.drafted_from[seq.slot] = len(fed)
         tokens: list[int] = []

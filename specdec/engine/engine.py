@@ -26,8 +26,9 @@ class StepInfo:
     drafted: int          # draft tokens over all sequences
     forward_tokens: int   # tokens the target forward processed
     forward_s: float
-    draft_s: float
-    seconds: float        # the whole step
+    draft_s: float        # drafting, setup excluded
+    seconds: float        # the whole step, setup excluded
+    setup_s: float = 0.0  # drafters catching up on new prompts (one-off per sequence)
 
 
 @dataclass
@@ -93,7 +94,9 @@ class Engine:
         chains batched; trees one forward each), then verify, roll back and commit each on its own."""
         t0 = time.perf_counter()
         before = sum(len(s.tokens) for s in seqs)
-        drafts = [self._propose(seq, draft_cap) for seq in seqs]
+        proposed = [self._propose(seq, draft_cap) for seq in seqs]
+        drafts = [(d, k) for d, k, _ in proposed]
+        setup_s = sum(x for _, _, x in proposed)
         t1 = time.perf_counter()
         logits = self._forward(seqs, drafts)
         forward_s = time.perf_counter() - t1
@@ -103,7 +106,7 @@ class Engine:
         for seq, (draft, k), lg in zip(seqs, drafts, logits):
             self._accept(seq, draft, k, lg, forward_s)
         return StepInfo(len(seqs), sum(len(s.tokens) for s in seqs) - before, drafted, drafted + len(seqs),
-                        forward_s, t1 - t0, time.perf_counter() - t0)
+                        forward_s, t1 - t0 - setup_s, time.perf_counter() - t0 - setup_s, setup_s)
 
     def finish(self, seq: Sequence, reason: str | None = None) -> None:
         """Close a sequence (finished, or cancelled with `reason`): flush its stream, free drafter state."""
@@ -140,18 +143,21 @@ class Engine:
             seq.acceptance.relax()
         return k
 
-    def _propose(self, seq: Sequence, cap: int | None) -> tuple[Draft, int]:
-        """(draft, the length asked for); times the drafter."""
+    def _propose(self, seq: Sequence, cap: int | None) -> tuple[Draft, int, float]:
+        """(draft, the length asked for, the drafter's setup seconds); times the drafter."""
         t = time.perf_counter()
         k = self._draft_len(seq, cap) if seq.drafter else 0
+        if seq.drafter:
+            seq.drafter.setup_s = 0.0
         draft = seq.drafter.propose(seq, k) if k > 0 else Draft([])
         if len(draft.tokens) < self.spec.draft_min:
             draft = Draft([])
         dt = time.perf_counter() - t
         seq.stats.draft_s += dt
-        if draft.tokens and seq.stats.target_forwards > 2:  # a first draft includes the drafter's prefill
-            self.cost.observe_draft(len(draft.tokens), dt, seq.drafter.name)
-        return draft, k
+        setup = seq.drafter.setup_s if seq.drafter else 0.0
+        if draft.tokens:  # the drafter's catch-up on a new prompt is not drafting
+            self.cost.observe_draft(len(draft.tokens), dt - setup, seq.drafter.name)
+        return draft, k, setup
 
     def _forward(self, seqs: list[Sequence], drafts: list[tuple[Draft, int]]) -> list[torch.Tensor]:
         """Per sequence, target logits [1 + nodes, V] over its last committed token and its draft."""

@@ -6,7 +6,10 @@ decides by throughput, never by acceptance rate alone:
 
 - Arms: a cap on each sequence's draft length per step; 0 = no speculation, None = no cap (each
   sequence's own adaptive length).
-- Measured goodput: per batch-size bucket and arm, committed tokens per second over all sequences
+- Load: the batch the engine is heading for, i.e. running plus admitted-but-prefilling plus waiting
+  requests (at most the slots). Keying by load instead of the current batch keeps a filling server
+  from speculating through its ramp-up at high concurrency.
+- Measured goodput: per load bucket and arm, committed tokens per second over all sequences
   (running averages of tokens and of step seconds). A measurement expires after `ttl` steps of its
   bucket, so a losing arm is re-examined now and then (the ttl doubles each time it loses again).
 - Predicted goodput, for arms not (or no longer) measured in a bucket: from measured parts that
@@ -26,6 +29,7 @@ EMA = 0.25
 TTL = 48          # steps of a bucket before a losing arm's measurement expires (doubles per loss)
 MAX_TTL = 1536
 MIN_OBS = 2       # observations before a measured goodput replaces the prediction
+EXPLORE_LOAD = 2  # the highest load at which speculation is tried before anything is known about it
 
 
 def bucket(batch: int) -> int:
@@ -84,10 +88,12 @@ class LoadController:
         self.chosen: dict[int, int | None] = {}  # bucket -> arm of the last step (for reports)
 
     def choose(self, batch: int) -> int | None:
-        """The draft cap for a step over `batch` sequences."""
+        """The draft cap for the next step at load `batch`."""
         b = bucket(batch)
         if self.parts[None].n == 0 and None in self.arms:
-            return None  # nothing known yet: see what speculation does
+            # Nothing known about speculation yet: try it at low load only; under load, plain decoding
+            # until a quieter moment shows what speculation does.
+            return None if batch <= EXPLORE_LOAD else 0
         scores = {a: self.goodput(a, batch) for a in self.arms}
         best = max(self.arms, key=lambda a: scores[a])
         self.chosen[b] = best
@@ -96,9 +102,11 @@ class LoadController:
     def goodput(self, arm: int | None, batch: int) -> float:
         """Measured goodput of `arm` in this batch size's bucket while fresh, else the prediction."""
         b = bucket(batch)
+        return self.measured[(b, arm)].avg.rate if self._fresh(arm, b) else self.predict(arm, batch)
+
+    def _fresh(self, arm: int | None, b: int) -> bool:
         m = self.measured.get((b, arm))
-        fresh = m is not None and m.avg.n >= MIN_OBS and self.steps.get(b, 0) - m.at_step <= self.ttl.get((b, arm), TTL)
-        return m.avg.rate if fresh else self.predict(arm, batch)
+        return m is not None and m.avg.n >= MIN_OBS and self.steps.get(b, 0) - m.at_step <= self.ttl.get((b, arm), TTL)
 
     def predict(self, arm: int | None, batch: int) -> float:
         p = self.parts[arm] if self.parts[arm].n else self._scaled(arm)
@@ -128,8 +136,10 @@ class LoadController:
         w = (tokens - lo) / (hi - lo)
         return self.forward[lo].seconds * (1 - w) + self.forward[hi].seconds * w
 
-    def observe(self, arm: int | None, info: StepInfo) -> None:
-        b = bucket(info.batch)
+    def observe(self, arm: int | None, info: StepInfo, load: int | None = None) -> None:
+        """A step ran with `arm` at `load` (default: its batch)."""
+        load = load or info.batch
+        b = bucket(load)
         self.steps[b] = step = self.steps.get(b, 0) + 1
         self.forward.setdefault(info.forward_tokens, _Avg()).add(1, info.forward_s)
         self.parts[arm].add(info)
@@ -137,7 +147,7 @@ class LoadController:
         m.avg.add(info.committed, info.seconds)
         m.at_step = step
         # A re-examined arm that still loses is left alone twice as long next time.
-        others = [self.goodput(a, info.batch) for a in self.arms if a != arm]
+        others = [self.goodput(a, load) for a in self.arms if a != arm]
         key = (b, arm)
         if m.avg.n >= MIN_OBS and others and m.avg.rate < max(others):
             self.ttl[key] = min(MAX_TTL, 2 * self.ttl.get(key, TTL // 2))

@@ -17,6 +17,9 @@ from specdec.runtime.runner import PREFILL_CHUNK
 from specdec.sampling import SamplingParams
 
 
+PREFILL_BUDGET = 2048  # prompt tokens prefilled per loop iteration, between decode steps
+
+
 class QueueFull(SpecdecError):
     """The waiting queue is at --max-queue."""
 
@@ -43,9 +46,11 @@ class Scheduler:
     """Owns the engine thread. `submit` and `cancel` are safe from any thread."""
 
     def __init__(self, engine: Engine, num_slots: int, max_queue: int = 64,
-                 controller: LoadController | None = None, prefill_chunk: int = PREFILL_CHUNK):
+                 controller: LoadController | None = None, prefill_chunk: int = PREFILL_CHUNK,
+                 prefill_budget: int = PREFILL_BUDGET):
         self.engine, self.controller, self.max_queue = engine, controller, max_queue
-        self.prefill_chunk = prefill_chunk
+        self.num_slots = num_slots
+        self.prefill_chunk, self.prefill_budget = prefill_chunk, prefill_budget
         self.free = list(range(num_slots))[::-1]
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
@@ -105,30 +110,33 @@ class Scheduler:
             self.run_once()
 
     def run_once(self) -> None:
-        """Drop cancelled work, admit waiting requests, prefill one chunk, step the running batch."""
+        """Drop cancelled work, admit waiting requests, prefill up to the budget (in chunks), step the batch."""
         self._reap_cancelled()
         self._admit()
-        if self.prefilling:
+        budget = self.prefill_budget
+        while self.prefilling and budget > 0:
             req = self.prefilling[0]
+            before = req.seq.prefilled
             try:
-                done = self.engine.prefill(req.seq, self.prefill_chunk)
+                done = self.engine.prefill(req.seq, min(self.prefill_chunk, budget))
             except Exception as e:  # noqa: BLE001 - a failing request must not take the others down
                 self.prefilling.pop(0)
                 self._release(req, error=f"prefill failed: {e}")
-                done = False
-            else:
-                if done:
-                    self.prefilling.pop(0)
-                    req.first_token_s = time.perf_counter() - req.submitted
-                    self.running.append(req)
-                    self._close_finished()
+                continue
+            budget -= max(1, req.seq.prefilled - before)
+            if done:
+                self.prefilling.pop(0)
+                req.first_token_s = time.perf_counter() - req.submitted
+                self.running.append(req)
+        self._close_finished()
         if self.running:
             self._decode()
 
     def _decode(self) -> None:
         seqs = [r.seq for r in self.running]
         can_draft = any(s.drafter is not None for s in seqs)
-        cap = self.controller.choose(len(seqs)) if self.controller and can_draft else None
+        load = min(self.num_slots, len(seqs) + len(self.prefilling) + len(self.waiting))
+        cap = self.controller.choose(load) if self.controller and can_draft else None
         try:
             info = self.engine.step(seqs, cap)
         except Exception as e:  # noqa: BLE001
@@ -140,7 +148,7 @@ class Scheduler:
         self.spec_steps += can_draft and cap != 0
         self.tokens_out += info.committed
         if self.controller and can_draft:
-            self.controller.observe(cap, info)
+            self.controller.observe(cap, info, load)
         self._close_finished()
 
     def _admit(self) -> None:

@@ -105,6 +105,12 @@ class Batch:
     kv_len: int                # keys read per sequence
     write_span: tuple[int, int, int] | None  # (slot, start, end) for a contiguous single-sequence write
 
+    def to(self, device: torch.device) -> "Batch":
+        """The same batch with its tensors on `device` (a model split across devices)."""
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return Batch(move(self.slots), move(self.cache_index), move(self.cos), move(self.sin), move(self.mask),
+                     self.kv_len, self.write_span)
+
 
 FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
@@ -131,6 +137,29 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         with torch.device("cpu"):  # tables are built on the host even when the model is created on meta
             self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        self.split = False  # layers on more than one device (`place`)
+
+    def place(self, devices: dict[str, str]) -> "Transformer":
+        """Move parts to devices: {"model.embed_tokens" | "model.layers.i" | "model.norm" | "lm_head": device}
+        (`runtime.placement.Placement.module_devices`). Hidden states cross devices once per split."""
+        tied = self.lm_head.weight is self.model.embed_tokens.weight
+        for name, device in devices.items():
+            self.get_submodule(name).to(device)
+        head = torch.device(devices.get("lm_head", str(self.lm_head.weight.device)))
+        if tied and self.model.embed_tokens.weight.device != head:  # a tied head on another device: its own copy
+            self.lm_head.weight = nn.Parameter(self.model.embed_tokens.weight.detach().to(head), requires_grad=False)
+        self.rotary.cos, self.rotary.sin = self.rotary.cos.to(self.device), self.rotary.sin.to(self.device)
+        self.split = len({str(d) for d in self.layer_devices} | {str(self.device), str(head)}) > 1
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        """Where inputs go: the token embeddings' device."""
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def layer_devices(self) -> list[torch.device]:
+        return [next(layer.parameters()).device for layer in self.model.layers]
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache,
@@ -154,10 +183,18 @@ class Transformer(nn.Module):
         cos, sin = self.rotary.tables(positions, x.dtype)
         batch = Batch(slots, cache_index, cos, sin, mask, kv_len, KVCache.span(slots, cache_index))
         hidden: dict[int, torch.Tensor] = {}
+        batches = {x.device: batch}
         for i, layer in enumerate(self.model.layers):
+            if self.split:
+                dev = cache.k[i].device
+                x = x.to(dev)
+                batch = batches.setdefault(dev, batch.to(dev))
             x = layer(x, batch, cache)
             if i in hidden_layers:
                 hidden[i] = x
+        if self.split:
+            x = x.to(self.lm_head.weight.device)
+            logits_index = None if logits_index is None else logits_index.to(x.device)
         x = self.model.norm(x)
         if -1 in hidden_layers:
             hidden[-1] = x

@@ -27,7 +27,7 @@ class PlanInputs:
     draft_context: int | None = None  # default: the target's (capped at the draft's maximum)
     dtype: str = "file"
     draft_dtype: str | None = None    # default: --dtype
-    draft_quant: str = "int8"         # specdec runtime formats only: int8 | int4 | none
+    draft_quant: str = "int4"         # specdec runtime formats only: int8 | int4 | none
     kv_dtype: str = "auto"
     slots: int = 1
     gpu: str | None = None            # a named GPU, 'none', or None = detect

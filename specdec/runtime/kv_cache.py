@@ -17,10 +17,12 @@ class KVCache:
 
     @classmethod
     def allocate(cls, num_layers: int, num_slots: int, kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> "KVCache":
+                 dtype: torch.dtype, device: torch.device | str | list = "cpu") -> "KVCache":
+        """`device`: one for every layer, or a list with each layer's (a model split across devices)."""
         shape = (num_slots, kv_heads, max_len, head_dim)
-        return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
-                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)])
+        devices = device if isinstance(device, list) else [device] * num_layers
+        return cls([torch.zeros(shape, dtype=dtype, device=d) for d in devices],
+                   [torch.zeros(shape, dtype=dtype, device=d) for d in devices])
 
     @property
     def max_len(self) -> int:
@@ -62,8 +64,8 @@ class KVCache:
 
     def move(self, slot: int, src: list[int], dst: list[int]) -> None:
         """Copy entries at positions src -> dst in every layer (KV compaction after a tree verify)."""
-        s, d = torch.tensor(src), torch.tensor(dst)
         for t in self.k + self.v:
+            s, d = torch.tensor(src, device=t.device), torch.tensor(dst, device=t.device)
             t[slot, :, d] = t[slot, :, s]
 
 

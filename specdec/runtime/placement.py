@@ -76,5 +76,5 @@ def offload_notice(n_gpu_layers: int | None, n_gpu_layers_draft: int | None, cud
         cuda = torch.cuda.is_available()
     if not cuda:
         return "specdec: -ngl/-ngld ignored: no CUDA device, every layer runs on the CPU"
-    return ("specdec: -ngl/-ngld: GPU offload is not wired into this runtime yet, every layer runs on the CPU "
-            "(`specdec plan` shows the placement)")
+    return (f"specdec: -ngl {n_gpu_layers or 0} / -ngld {n_gpu_layers_draft or 0}: those first layers on the GPU, "
+            "the rest on the CPU (`specdec plan` shows the placement)")

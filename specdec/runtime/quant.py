@@ -83,8 +83,8 @@ QUANT = ("int8", "int4", "none")
 
 
 def quantize_(model: nn.Module, kind: str) -> nn.Module:
-    """Weight-only quantization of every nn.Linear in `model`, in place: int8, or int4 where the layer
-    allows it (bf16, inputs a multiple of 64; int8 otherwise); `none` leaves the model as it is."""
+    """Weight-only quantization of every nn.Linear on the CPU in `model`, in place: int8, or int4 where the
+    layer allows it (bf16, inputs a multiple of 64; int8 otherwise); `none` leaves the model as it is."""
     if kind != "none":
         _quantize(model, kind)
         release_free_memory()
@@ -93,7 +93,7 @@ def quantize_(model: nn.Module, kind: str) -> nn.Module:
 
 def _quantize(module: nn.Module, kind: str) -> None:
     for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear):
+        if isinstance(child, nn.Linear) and child.weight.device.type == "cpu":  # CPU kernels; GPU layers stay
             four = kind == "int4" and Int4Linear.supports(child)
             setattr(module, name, Int4Linear(child) if four else Int8Linear(child))
         else:

@@ -15,10 +15,10 @@ class ModelRunner:
     def __init__(self, model: Transformer, num_slots: int, context: int):
         cfg = model.config
         self.model, self.context = model, context
-        dtype, device = model.model.embed_tokens.weight.dtype, model.model.embed_tokens.weight.device
+        dtype = model.model.embed_tokens.weight.dtype
         self.cache = KVCache.allocate(cfg.num_layers, num_slots, cfg.num_kv_heads, context + HEADROOM,
-                                      cfg.head_dim, dtype, device)
-        self.device = device
+                                      cfg.head_dim, dtype, model.layer_devices)
+        self.device = model.device  # inputs go here; logits come back on the CPU
 
     @property
     def vocab_size(self) -> int:
@@ -41,6 +41,7 @@ class ModelRunner:
         logits_index = torch.tensor([[n - 1] for n in lens]) if last_only else None
         logits, _ = self.model(tokens.to(self.device), positions.to(self.device), torch.tensor(slots).to(self.device),
                                self.cache, logits_index=None if logits_index is None else logits_index.to(self.device))
+        logits = logits.cpu()
         if last_only:
             return [logits[i] for i in range(len(chunks))]
         return [logits[i, :n] for i, n in enumerate(lens)]
@@ -74,7 +75,7 @@ class ModelRunner:
         logits, _ = self.model(torch.tensor([tokens], device=self.device), positions.to(self.device),
                                torch.tensor([slot], device=self.device), self.cache,
                                cache_index=cache_index.to(self.device), mask=mask.to(self.device))
-        return logits[0]
+        return logits[0].cpu()
 
     def keep_path(self, slot: int, start: int, path: list[int]) -> None:
         """After a tree verify at `start`, move the accepted nodes' K/V (node indices `path`, in
