@@ -8,6 +8,9 @@ import torch
 from specdec.errors import SpecdecError
 
 
+GREEDY_EPS = 1e-5  # as vLLM
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
@@ -20,7 +23,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0
+        """Temperatures below GREEDY_EPS are greedy (dividing logits by them would overflow)."""
+        return self.temperature < GREEDY_EPS
 
     def validate(self) -> "SamplingParams":
         checks = [(self.temperature >= 0, "temperature must be >= 0"), (self.top_k >= 0, "top_k must be >= 0"),

@@ -102,3 +102,30 @@ def test_load_controller_speculates_at_low_load_and_stops_at_high_load():
     assert c.choose(16) == 0
     assert c.choose(1) != 0
     assert c.report()["16"]["chosen"] == "off"
+
+
+def test_a_failing_sequence_ends_alone(tiny_dir):
+    """A sequence whose verification raises ends with an error; the rest of its batch is untouched."""
+    llm = _llm(tiny_dir)
+    base = llm.generate(PROMPTS[0], max_tokens=20, spec_type="none").token_ids
+    sched = Scheduler(llm.engine, 2)
+    good = Request(llm.encode(PROMPTS[0]), SamplingParams(max_tokens=20))
+    bad = Request(llm.encode(PROMPTS[1]), SamplingParams(max_tokens=20))
+    sched.submit(good)
+    sched.submit(bad)
+    sched.run_once()  # both prefilled
+    real = llm.engine._accept
+
+    def accept(seq, *args):
+        if seq is bad.seq:
+            raise RuntimeError("probability tensor contains nan")
+        return real(seq, *args)
+    llm.engine._accept = accept
+    _run(sched, [good], submit=False)
+    assert good.seq.output_ids == base and good.error is None
+    assert bad.seq.finish_reason == "error" and "nan" in bad.error
+    assert sorted(sched.free) == [0, 1]
+
+
+def test_tiny_temperatures_are_greedy():
+    assert SamplingParams(temperature=1e-300).greedy and not SamplingParams(temperature=0.1).greedy

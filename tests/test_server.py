@@ -112,6 +112,18 @@ def test_disconnect_mid_stream_frees_the_slot(smol):
 
 
 @pytest.mark.real
+def test_disconnect_while_waiting_for_a_plain_response_frees_the_slot(smol):
+    with pytest.raises(httpx.TimeoutException):  # the client gives up and closes the connection
+        httpx.post(smol.url + "/v1/completions", timeout=1.0,
+                   json={"model": "m", "prompt": "Once upon a time", "max_tokens": 400})
+    for _ in range(30):  # well before 400 tokens could be done: the request was cancelled
+        if httpx.get(smol.url + "/health").json()["running"] == 0:
+            break
+        time.sleep(0.1)
+    assert httpx.get(smol.url + "/health").json()["running"] == 0
+
+
+@pytest.mark.real
 def test_200_requests_at_concurrency_16_no_errors_bounded_memory(smol):
     proc = psutil.Process()
 

@@ -72,7 +72,18 @@ class Engine:
         while seq.finish_reason is None:
             self.step([seq])
         self.finish(seq)
+        if seq.error:
+            raise SpecdecError(seq.error)
         return seq
+
+    @staticmethod
+    def _guarded(seq: Sequence, fn, *args):
+        """fn(*args) for one sequence of a batch; a failure ends that sequence ("error"), not the batch."""
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001
+            seq.error, seq.finish_reason = f"{type(e).__name__}: {e}", "error"
+            return None
 
     def prefill(self, seq: Sequence, chunk: int | None = None) -> bool:
         """Feed the next `chunk` prompt tokens (all with None); after the last, sample the first output
@@ -93,10 +104,11 @@ class Engine:
         tokens each, run one target forward over each sequence's last token plus its draft (ragged
         chains batched; trees one forward each), then verify, roll back and commit each on its own."""
         t0 = time.perf_counter()
+        proposed = {id(s): self._guarded(s, self._propose, s, draft_cap) for s in seqs}
+        seqs = [s for s in seqs if s.error is None]
         before = sum(len(s.tokens) for s in seqs)
-        proposed = [self._propose(seq, draft_cap) for seq in seqs]
-        drafts = [(d, k) for d, k, _ in proposed]
-        setup_s = sum(x for _, _, x in proposed)
+        drafts = [proposed[id(s)][:2] for s in seqs]
+        setup_s = sum(proposed[id(s)][2] for s in seqs)
         t1 = time.perf_counter()
         logits = self._forward(seqs, drafts)
         forward_s = time.perf_counter() - t1
@@ -104,7 +116,7 @@ class Engine:
         if len(seqs) == 1:  # the cost model describes single-sequence steps
             self.cost.observe_verify(drafted + 1, forward_s)
         for seq, (draft, k), lg in zip(seqs, drafts, logits):
-            self._accept(seq, draft, k, lg, forward_s)
+            self._guarded(seq, self._accept, seq, draft, k, lg, forward_s)
         return StepInfo(len(seqs), sum(len(s.tokens) for s in seqs) - before, drafted, drafted + len(seqs),
                         forward_s, t1 - t0 - setup_s, time.perf_counter() - t0 - setup_s, setup_s)
 

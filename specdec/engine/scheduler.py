@@ -180,7 +180,7 @@ class Scheduler:
     def _close_finished(self) -> None:
         for r in [r for r in self.running if r.seq.finish_reason is not None]:
             self.running.remove(r)
-            self._release(r)
+            self._release(r, error=r.seq.error)
 
     def _release(self, req: Request, reason: str | None = None, error: str | None = None) -> None:
         """Finish the request's sequence (with `reason` if cut short), free its slot, report."""

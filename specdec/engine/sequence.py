@@ -30,7 +30,8 @@ class Sequence:
     detok: Detokenizer | None = None
     stats: Stats = field(default_factory=Stats)
     prefilled: int = 0                # prompt tokens already in the target's KV cache
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    error: str | None = None          # why this sequence failed (the others in its batch go on)
     text: str = ""                    # decoded output (stop strings cut off)
     streamed: int = 0                 # characters of `text` handed to on_text
     synthetic: bool = False           # a synthetic drafter forced acceptances: not the target's text

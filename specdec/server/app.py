@@ -22,8 +22,6 @@ from specdec.sampling import SamplingParams
 from specdec.server.metrics import Metrics
 from specdec.server.protocol import APIError, ChatRequest, CompletionRequest
 
-POLL_S = 0.5  # how often a waiting non-streaming request checks that its client is still there
-
 
 @dataclass
 class ServerConfig:
@@ -153,16 +151,17 @@ def create_app(llm, scheduler: Scheduler, cfg: ServerConfig) -> FastAPI:
             raise APIError(400, str(e), "speculative.type") from None
 
     async def _wait(http: HTTPRequest, req: Request, events: asyncio.Queue, fmt: "_Formatter"):
-        while True:
-            try:
-                ev = await asyncio.wait_for(events.get(), POLL_S)
-            except asyncio.TimeoutError:
-                if await http.is_disconnected():
-                    scheduler.cancel(req)
-                    return JSONResponse({}, status_code=499)
-                continue
-            if ev is None:
-                break
+        async def watch() -> None:  # the body is read: the next ASGI message is the client leaving
+            while (await http.receive())["type"] != "http.disconnect":
+                pass
+            scheduler.cancel(req)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            while await events.get() is not None:
+                pass
+        finally:
+            watcher.cancel()
         metrics.finished(req)
         if req.error:
             raise APIError(500, req.error)
