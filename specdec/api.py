@@ -17,9 +17,6 @@ from specdec.runtime.runner import ModelRunner
 from specdec.sampling import SamplingParams
 
 
-DRAFT_QUANT = QUANT
-
-
 @dataclass
 class Result:
     text: str
@@ -55,8 +52,8 @@ class LLM:
             raise SpecdecError("draft_p_min must be in [0, 1]")
         if not 0 <= draft_branch_p <= 1:
             raise SpecdecError("draft_branch_p must be in [0, 1]")
-        if draft_quant not in DRAFT_QUANT:
-            raise SpecdecError(f"unknown draft quantization {draft_quant!r} (choose {', '.join(DRAFT_QUANT)})")
+        if draft_quant not in QUANT:
+            raise SpecdecError(f"unknown draft quantization {draft_quant!r} (choose {', '.join(QUANT)})")
         if not 0 < ngram_mod_pool_mb <= 65536:
             raise SpecdecError(f"ngram_mod_pool_mb must be in (0, 65536] (got {ngram_mod_pool_mb})")
         pool_size = max(1, int(ngram_mod_pool_mb * 2**20) // 4)  # int32 entries

@@ -38,6 +38,7 @@ class Drafter(ABC):
     min_path_prob: float = 0.0
     # Seconds of the last `propose` spent catching up on a context it had not seen (a new prompt): a
     # one-off per sequence that the cost model and the load controller count apart from drafting.
+    # A drafter that has such a catch-up assigns it in every `propose` (0.0 when there was none).
     setup_s: float = 0.0
 
     @abstractmethod

@@ -28,18 +28,17 @@ class ChainDrafter(Drafter):
         self.setup_s = 0.0
         est = self.acceptance.setdefault(seq.slot, [AcceptanceEstimate() for _ in self.members])
         for i, m in enumerate(self.members):
-            if self.mode == "gain" and m.confidence_stop and best_gain >= expected_accepted(est[i], max_tokens):
+            if self.mode == "gain" and m.confidence_stop and best_gain >= sum(est[i].survival(max_tokens)):
                 continue
             m.min_path_prob = self.min_path_prob
-            m.setup_s = 0.0
             draft = m.propose(seq, max_tokens)
             self.setup_s += m.setup_s
             if not draft.tokens:
                 continue
-            gain = expected_accepted(est[i], draft.depth)
             if self.mode == "first":
                 self.chosen[seq.slot] = i
                 return draft
+            gain = sum(est[i].survival(draft.depth))  # expected accepted tokens
             if gain > best_gain:
                 best, best_gain, self.chosen[seq.slot] = draft, gain, i
         return best
@@ -56,13 +55,3 @@ class ChainDrafter(Drafter):
         self.chosen.pop(seq.slot, None)
         for m in self.members:
             m.release(seq)
-
-
-def expected_accepted(est: AcceptanceEstimate, k: int) -> float:
-    """Expected accepted tokens of a k-token chain: sum over i of the chance positions 0..i all pass."""
-    total, survive = 0.0, 1.0
-    for i in range(k):
-        survive *= est.rate(i)
-        total += survive
-    return total
-

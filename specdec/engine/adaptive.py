@@ -26,24 +26,28 @@ RELAX = 0.05      # per undrafted step, estimates drift back toward the prior (s
 class CostModel:
     verify_s: dict[int, float] = field(default_factory=dict)  # tokens per forward -> seconds
     draft_s: dict[str, float] = field(default_factory=dict)   # drafter name -> seconds per drafted token
+    ema: float = EMA
+    # Above the largest measured size, forwards cost as much as it (False: verifying a few more tokens
+    # is nearly free on our hardware until measured) or grow in proportion to tokens (True: compute-bound,
+    # for batches much larger than any measured).
+    proportional_above: bool = False
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         old = self.verify_s.get(tokens)
-        self.verify_s[tokens] = seconds if old is None else old + EMA * (seconds - old)
+        self.verify_s[tokens] = seconds if old is None else old + self.ema * (seconds - old)
 
     def observe_draft(self, drafted: int, seconds: float, drafter: str = "") -> None:
         if drafted:
             per, old = seconds / drafted, self.draft_s.get(drafter)
-            self.draft_s[drafter] = per if old is None else old + EMA * (per - old)
+            self.draft_s[drafter] = per if old is None else old + self.ema * (per - old)
 
     def draft_cost(self, drafter: str = "") -> float:
         """Seconds per drafted token (0 until measured)."""
         return self.draft_s.get(drafter, 0.0)
 
-    def verify_cost(self, tokens: int) -> float:
-        """Interpolated forward time for `tokens`; unmeasured sizes are assumed to cost as much
-        as the nearest measured one below (verifying a few more tokens is nearly free on our hardware
-        until it is measured otherwise)."""
+    def verify_cost(self, tokens: float) -> float:
+        """Forward time for `tokens`, interpolated between measured sizes; below the smallest, as the
+        smallest; above the largest, see `proportional_above`."""
         if not self.verify_s:
             return 1.0
         if tokens in self.verify_s:
@@ -54,7 +58,10 @@ class CostModel:
             lo, hi = max(lower), min(upper)
             w = (tokens - lo) / (hi - lo)
             return self.verify_s[lo] * (1 - w) + self.verify_s[hi] * w
-        return self.verify_s[max(lower)] if lower else self.verify_s[min(upper)]
+        if not lower:
+            return self.verify_s[min(upper)]
+        lo = max(lower)
+        return self.verify_s[lo] * (tokens / lo if self.proportional_above else 1.0)
 
 
 @dataclass
@@ -66,6 +73,14 @@ class AcceptanceEstimate:
         if i < len(self.rates):
             return self.rates[i]
         return self.rates[-1] if self.rates else PRIOR_ACCEPT
+
+    def survival(self, k: int) -> list[float]:
+        """For i < k: the chance that draft positions 0..i are all accepted."""
+        out, p = [], 1.0
+        for i in range(k):
+            p *= self.rate(i)
+            out.append(p)
+        return out
 
     def relax(self) -> None:
         self.rates = [r + RELAX * (PRIOR_ACCEPT - r) for r in self.rates]
@@ -84,9 +99,8 @@ def choose_draft_len(cost: CostModel, acc: AcceptanceEstimate, k_min: int, k_max
     """The k in [k_min, k_max] (or 0) with the most expected tokens per second for `drafter`."""
     draft_s = cost.draft_cost(drafter)
     best_k, best_rate = 0, 1.0 / cost.verify_cost(1)
-    expected, survive = 1.0, 1.0
-    for k in range(1, k_max + 1):
-        survive *= acc.rate(k - 1)
+    expected = 1.0  # the bonus token always comes
+    for k, survive in enumerate(acc.survival(k_max), start=1):
         expected += survive
         if k < k_min:
             continue

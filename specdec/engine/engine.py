@@ -159,14 +159,12 @@ class Engine:
         """(draft, the length asked for, the drafter's setup seconds); times the drafter."""
         t = time.perf_counter()
         k = self._draft_len(seq, cap) if seq.drafter else 0
-        if seq.drafter:
-            seq.drafter.setup_s = 0.0
         draft = seq.drafter.propose(seq, k) if k > 0 else Draft([])
         if len(draft.tokens) < self.spec.draft_min:
             draft = Draft([])
         dt = time.perf_counter() - t
         seq.stats.draft_s += dt
-        setup = seq.drafter.setup_s if seq.drafter else 0.0
+        setup = seq.drafter.setup_s if k > 0 else 0.0
         if draft.tokens:  # the drafter's catch-up on a new prompt is not drafting
             self.cost.observe_draft(len(draft.tokens), dt - setup, seq.drafter.name)
         return draft, k, setup

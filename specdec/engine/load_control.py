@@ -15,7 +15,7 @@ decides by throughput, never by acceptance rate alone:
 - Predicted goodput, for arms not (or no longer) measured in a bucket: from measured parts that
   carry across batch sizes: target forward seconds by total tokens, drafting seconds, tokens and
   draft tokens per sequence-step with that arm:
-      goodput(arm, b) = b * tokens_per_seq(arm) / (b * draft_s_per_seq(arm) + forward_s(b * (1 + drafted_per_seq(arm))))
+      goodput(arm, b) = b * tokens_per_seq(arm) / (b * draft_s_per_seq(arm) + forward(b * (1 + drafted_per_seq(arm))))
   An arm is run only when its (measured or predicted) goodput is the best, so a hopeless arm at
   high load costs nothing to rule out.
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specdec.engine.adaptive import CostModel
 from specdec.engine.engine import StepInfo
 
 EMA = 0.25
@@ -81,7 +82,7 @@ class LoadController:
     def __init__(self, draft_max: int, caps: tuple[int | None, ...] | None = None):
         self.arms: tuple[int | None, ...] = caps or tuple(dict.fromkeys((0, min(4, draft_max), None)))
         self.parts: dict[int | None, _ArmParts] = {a: _ArmParts() for a in self.arms}
-        self.forward: dict[int, _Avg] = {}  # total tokens -> forward seconds (avg.seconds per 1 "token")
+        self.forward = CostModel(ema=EMA, proportional_above=True)  # forward seconds by total tokens
         self.measured: dict[tuple[int, int | None], _Measured] = {}
         self.ttl: dict[tuple[int, int | None], int] = {}
         self.steps: dict[int, int] = {}      # bucket -> steps run
@@ -110,7 +111,7 @@ class LoadController:
 
     def predict(self, arm: int | None, batch: int) -> float:
         p = self.parts[arm] if self.parts[arm].n else self._scaled(arm)
-        t = batch * p.draft_s + self.forward_s(batch * (1 + p.drafted))
+        t = batch * p.draft_s + self.forward.verify_cost(batch * (1 + p.drafted))
         return batch * p.tokens / t if t > 0 else float("inf")
 
     def _scaled(self, arm: int | None) -> _ArmParts:
@@ -121,27 +122,12 @@ class LoadController:
         f = min(1.0, arm / full.drafted) if full.drafted > 0 else 1.0
         return _ArmParts(1 + (full.tokens - 1) * f, full.drafted * f, full.draft_s * f, 0)
 
-    def forward_s(self, tokens: float) -> float:
-        """Forward seconds for a batch of `tokens`: interpolated between measured sizes; beyond the largest,
-        proportional to tokens (compute-bound); below the smallest, as the smallest."""
-        if not self.forward:
-            return 0.0
-        sizes = sorted(self.forward)
-        if tokens >= sizes[-1]:
-            return self.forward[sizes[-1]].seconds * tokens / sizes[-1]
-        if tokens <= sizes[0]:
-            return self.forward[sizes[0]].seconds
-        hi = next(s for s in sizes if s >= tokens)
-        lo = max(s for s in sizes if s < tokens)
-        w = (tokens - lo) / (hi - lo)
-        return self.forward[lo].seconds * (1 - w) + self.forward[hi].seconds * w
-
     def observe(self, arm: int | None, info: StepInfo, load: int | None = None) -> None:
         """A step ran with `arm` at `load` (default: its batch)."""
         load = load or info.batch
         b = bucket(load)
         self.steps[b] = step = self.steps.get(b, 0) + 1
-        self.forward.setdefault(info.forward_tokens, _Avg()).add(1, info.forward_s)
+        self.forward.observe_verify(info.forward_tokens, info.forward_s)
         self.parts[arm].add(info)
         m = self.measured.setdefault((b, arm), _Measured())
         m.avg.add(info.committed, info.seconds)
