@@ -114,7 +114,8 @@ REAL_PROMPTS = [
 
 @pytest.mark.real
 def test_smollm_greedy_equality(smollm_dir):
-    # The draft is SmolLM2-135M with int8 weights (the default --draft-quant): real, and wrong now and then.
+    # The draft is SmolLM2-135M with int8 weights (int4 needs bf16, so fp32 falls back to int8; the bf16 test
+    # covers int4): real, and wrong now and then.
     # Adaptive length is off: a same-size draft never pays, so adaptive would (rightly) stop drafting.
     llm = specdec.LLM(str(smollm_dir), draft=str(smollm_dir), spec_type="none", dtype="fp32",
                       context=256, adaptive=False, progress=False)
@@ -132,6 +133,21 @@ def test_smollm_greedy_equality(smollm_dir):
             branched += r.stats.drafted - sum(r.stats.drafted_at)  # tree nodes beyond one per depth
     assert accepted > 0  # the shallow draft and the n-gram lookup do get tokens accepted
     assert branched > 0  # draft trees (branch_p 0.6) were built and verified
+
+
+@pytest.mark.real
+def test_smollm_gain_chains_equal_plain(smollm_dir):
+    """--spec-chain gain on a real model (fp32): token-identical to plain decoding."""
+    llm = specdec.LLM(str(smollm_dir), draft=str(smollm_dir), spec_type="none", dtype="fp32", context=256,
+                      adaptive=False, draft_max=6, chain_mode="gain", progress=False)
+    accepted = 0
+    for prompt in REAL_PROMPTS:
+        base = llm.generate(prompt, max_tokens=48, chat=True, spec_type="none")
+        for spec in ("ngram-mod,draft", "suffix,ngram-simple,draft"):
+            r = llm.generate(prompt, max_tokens=48, chat=True, spec_type=spec)
+            assert r.token_ids == base.token_ids, (prompt, spec)
+            accepted += r.stats.accepted
+    assert accepted > 0
 
 
 @pytest.mark.parametrize("draft_seed", [None, 1])
