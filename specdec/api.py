@@ -115,16 +115,17 @@ class LLM:
         if spec_type == "ngram-simple":
             from specdec.drafters.ngram_simple import NgramSimpleDrafter
             return NgramSimpleDrafter(**self._ngram)
-        if spec_type in ("ngram-map-k", "ngram-map-k4v"):
-            from specdec.drafters.ngram_map_k import NgramMapK4VDrafter, NgramMapKDrafter
-            cls = NgramMapKDrafter if spec_type == "ngram-map-k" else NgramMapK4VDrafter
+        if spec_type.startswith("ngram-map-k"):
+            from specdec.drafters.ngram_map_k import NgramMapK4VDrafter, NgramMapKDrafter, NgramMapKTreeDrafter
+            cls = {"ngram-map-k": NgramMapKDrafter, "ngram-map-k4v": NgramMapK4VDrafter,
+                   "ngram-map-k-tree": NgramMapKTreeDrafter}[spec_type]
             return cls(**self._ngram, min_hits=self._ngram_min_hits)
         if spec_type == "ngram-mod":
             from specdec.drafters.ngram_mod import NgramModDrafter
             return NgramModDrafter(**self._ngram, pool_size=self._pool_size)
-        if spec_type == "suffix":
-            from specdec.drafters.suffix import SuffixDrafter
-            return SuffixDrafter(**self._suffix)
+        if spec_type in ("suffix", "suffix-tree"):
+            from specdec.drafters.suffix import SuffixDrafter, SuffixTreeDrafter
+            return (SuffixDrafter if spec_type == "suffix" else SuffixTreeDrafter)(**self._suffix)
         if spec_type == "synthetic":
             from specdec.drafters.synthetic import SyntheticDrafter
             return SyntheticDrafter(*self._synth)

@@ -102,7 +102,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--spec-ngram-size-m", dest="ngram_m", type=_positive_int, default=16,
                    help="ngram-*: max tokens to propose after a match (default 16)")
     s.add_argument("--spec-ngram-min-hits", dest="ngram_min_hits", type=_positive_int, default=1,
-                   help="ngram-map-k/k4v: hits a continuation needs before it is drafted (default 1)")
+                   help="ngram-map-k/k4v/k-tree: hits a continuation needs before it is drafted (default 1)")
     s.add_argument("--spec-ngram-mod-pool-mb", dest="ngram_mod_pool_mb", type=float, default=16.0,
                    help="ngram-mod: size of the hash pool shared by all sequences, in MB (default 16)")
     s.add_argument("--spec-suffix-max-requests", dest="suffix_max_requests", type=int, default=64,
@@ -110,7 +110,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--spec-suffix-factor", dest="suffix_factor", type=float, default=1.0,
                    help="suffix: draft at most factor x match length tokens (default 1.0)")
     s.add_argument("--spec-suffix-min-prob", dest="suffix_min_prob", type=_unit_float, default=0.1,
-                   help="suffix: stop drafting below this empirical continuation probability (default 0.1)")
+                   help="suffix: stop drafting below this empirical continuation probability; suffix-tree: cut nodes whose "
+                   "path probability is below it (default 0.1)")
     s.add_argument("--spec-synth-rates", dest="synth_rates", type=_rates, default=[0.8],
                    help="synthetic: acceptance probability per draft position, e.g. 0.9,0.8,0.6 (the last one "
                    "repeats); output is NOT valid text (default 0.8)")

@@ -7,10 +7,10 @@ import pytest
 from specdec.drafters import parse_spec_type
 from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.chain import ChainDrafter
-from specdec.drafters.ngram_index import ContinuationCounts, suffix_hashes, window_hashes
-from specdec.drafters.ngram_map_k import NgramMapK4VDrafter, NgramMapKDrafter
+from specdec.drafters.ngram_index import ContinuationCounts, ranked, suffix_hashes, tree_lookups, window_hashes
+from specdec.drafters.ngram_map_k import NgramMapK4VDrafter, NgramMapKDrafter, NgramMapKTreeDrafter
 from specdec.drafters.ngram_mod import NgramModDrafter
-from specdec.drafters.suffix import MAX_ORDER, SuffixDrafter
+from specdec.drafters.suffix import MAX_ORDER, SuffixDrafter, SuffixTreeDrafter
 from specdec.engine.sequence import Sequence
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
@@ -90,6 +90,42 @@ def test_map_k_incremental_state():
     assert d.propose(other, 1).tokens == []
     d.release(other)
     assert d._seqs == {}
+
+
+# ---- token trees from n-gram candidates
+
+def test_ranked_orders_by_hits_then_recency():
+    assert ranked({7: 1, 8: 2, 9: 1}) == [(8, 0.5), (9, 0.25), (7, 0.25)]
+    assert ranked({7: 1, 8: 2, 9: 1}, min_hits=2) == [(8, 0.5)]
+
+
+def test_tree_lookups_best_first():
+    table = {1: [(2, 0.6), (3, 0.4)], 2: [(4, 0.5), (5, 0.5)], 3: [(6, 1.0)], 6: [(7, 0.1)]}
+    cands = lambda ctx: table.get(ctx[-1], [])  # noqa: E731
+    # path probabilities: 2 .6, 3 .4, 3->6 .4, 2->4 .3, 2->5 .3, 6->7 .04
+    d = tree_lookups([1], 10, cands, 0.0)
+    assert d.tokens == [2, 3, 6, 4, 5, 7] and d.parents == [-1, -1, 1, 0, 0, 2]
+    assert all(p < i for i, p in enumerate(d.parents))  # parents come before children
+    assert tree_lookups([1], 3, cands, 0.0).tokens == [2, 3, 6]  # the node budget
+    assert tree_lookups([1], 10, cands, 0.35).tokens == [2, 3, 6]  # the path-probability cut
+    chain = tree_lookups([3], 10, cands, 0.0)
+    assert chain.tokens == [6, 7] and chain.parents is None  # a single path is a chain
+
+
+def test_map_k_tree_branches_over_candidates():
+    d = NgramMapKTreeDrafter(n=3)
+    # (1,2,3) -> 4 (2 hits) or 5 (1 hit); (2,3,4) -> 9 or 1 (1 hit each, 9 the most recent)
+    assert d.propose(seq(PATTERN), 3) == Draft([4, 5, 9], parents=[-1, -1, 0])
+    assert NgramMapKTreeDrafter(n=3, min_hits=2).propose(seq(PATTERN), 3) == Draft([4])  # 1-hit ones never branch
+    assert NgramMapKTreeDrafter(n=3, m=2).propose(seq(PATTERN), 16).tokens == [4, 5]  # -m bounds the nodes
+
+
+def test_suffix_tree_branches_where_continuations_split():
+    toks = [1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 1, 2, 3]  # (1,2,3) -> 4 once, 5 once (the most recent)
+    assert SuffixDrafter(factor=4).propose(seq(toks), 4).tokens == [5, 7, 1, 2]
+    assert SuffixTreeDrafter(factor=4).propose(seq(toks), 4) == Draft([5, 4, 7, 9], parents=[-1, -1, 0, 1])
+    assert SuffixTreeDrafter(factor=4, min_prob=0.6).propose(seq(toks), 4) == Draft([])
+    assert SuffixTreeDrafter(factor=1).propose(seq(toks), 16).tokens == [5, 4, 7]  # 3 = factor x match length
 
 
 # ---- ngram-mod

@@ -4,7 +4,7 @@ import pytest
 import specdec
 
 PROMPTS_TINY = ["t5 t9 t12 t5 t9 t12 t5 t9", "t33 t2 t71", "t8 " * 20 + "t4", "t60"]
-MODEL_FREE = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "suffix")
+MODEL_FREE = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-map-k-tree", "ngram-mod", "suffix", "suffix-tree")
 CHAIN = "ngram-mod,draft"
 SPECS = ("draft", *MODEL_FREE, CHAIN)
 
@@ -47,12 +47,14 @@ def test_tiny_model_free_with_misses(tiny_dir):
     bases = {p: llm.generate(p, max_tokens=40, spec_type="none").token_ids for p in PROMPTS_TINY}
     for spec in (*MODEL_FREE, "suffix,ngram-map-k"):
         llm.engine.stop_ids = set()
-        drafted = accepted = 0
+        drafted = accepted = branched = 0
         for prompt in PROMPTS_TINY:
             r = llm.generate(prompt, max_tokens=40, spec_type=spec)
             assert r.token_ids == bases[prompt], (spec, prompt)
             drafted, accepted = drafted + r.stats.drafted, accepted + r.stats.accepted
+            branched += r.stats.drafted - sum(r.stats.drafted_at)  # tree nodes beyond one per depth
         assert 0 < accepted < drafted, spec
+        assert (branched > 0) == spec.endswith("-tree"), spec
 
 
 def test_drafters_shared_within_an_llm(tiny_dir):
@@ -69,8 +71,9 @@ def test_drafters_shared_within_an_llm(tiny_dir):
     llm.reset_drafters()
     assert mod.used == 0
     llm.engine.stop_ids = set()
-    r = llm.generate(PROMPTS_TINY[1], max_tokens=20, temperature=0.8, seed=1, spec_type="suffix,ngram-map-k")
-    assert len(r.token_ids) == 20  # sampling with model-free (one-hot) drafts runs
+    for spec in ("suffix,ngram-map-k", "suffix-tree", "ngram-map-k-tree"):
+        r = llm.generate(PROMPTS_TINY[1], max_tokens=20, temperature=0.8, seed=1, spec_type=spec)
+        assert len(r.token_ids) == 20  # sampling with model-free (one-hot) drafts and trees runs
 
 
 def test_tiny_runs_into_eos_and_context(tiny_dir):
@@ -124,8 +127,9 @@ def test_smollm_greedy_equality(smollm_dir):
     for prompt in REAL_PROMPTS:
         base = llm.generate(prompt, max_tokens=48, chat=True, spec_type="none")
         for spec, k, branch_p in (("draft", 4, 0.0), ("draft", 10, 0.0), ("draft", 10, 0.6), ("ngram-simple", 6, 0.0),
-                                  ("ngram-map-k", 6, 0.0), ("ngram-map-k4v", 6, 0.0), ("ngram-mod", 6, 0.0),
-                                  ("suffix", 16, 0.0), (CHAIN, 6, 0.0)):
+                                  ("ngram-map-k", 6, 0.0), ("ngram-map-k4v", 6, 0.0), ("ngram-map-k-tree", 6, 0.0),
+                                  ("ngram-mod", 6, 0.0), ("suffix", 16, 0.0), ("suffix-tree", 16, 0.0),
+                                  (CHAIN, 6, 0.0)):
             llm._spec.draft_max, drafter.branch_p = k, branch_p
             r = llm.generate(prompt, max_tokens=48, chat=True, spec_type=spec)
             assert r.token_ids == base.token_ids, (prompt, spec, k, branch_p)

@@ -2,7 +2,8 @@
 from specdec.drafters.base import Draft, Drafter
 from specdec.errors import SpecdecError
 
-SPEC_TYPES = ("none", "draft", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "suffix", "synthetic")
+SPEC_TYPES = ("none", "draft", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-map-k-tree", "ngram-mod",
+              "suffix", "suffix-tree", "synthetic")
 LOSSY_TYPES = ("synthetic",)  # opt-in only: output is not the target's
 LOSSLESS_TYPES = tuple(t for t in SPEC_TYPES if t not in LOSSY_TYPES)
 

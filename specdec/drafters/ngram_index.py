@@ -1,13 +1,15 @@
 """Shared n-gram machinery: a 64-bit LCG context hash, continuation counts, per-sequence incremental state."""
 from __future__ import annotations
 
+import heapq
+import itertools
 from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
-from specdec.drafters.base import Drafter
+from specdec.drafters.base import Draft, Drafter
 from specdec.engine.sequence import Sequence
 
 LCG_MUL = 6364136223846793005  # Knuth's MMIX LCG multiplier
@@ -59,6 +61,35 @@ def chain_lookups(context: list[int], want: int, step: Callable[[list[int]], int
     return out
 
 
+def tree_lookups(context: list[int], max_nodes: int, candidates: Callable[[list[int]], list[tuple[int, float]]],
+                 min_path_prob: float) -> Draft:
+    """Draft a token tree best-first: repeatedly add the candidate whose path probability (the product of
+    the empirical probabilities `candidates(context + path)` gives along its path) is highest, while it is
+    at least `min_path_prob`, up to `max_nodes` nodes. `context` is the window look-ups read (its length
+    is kept as nodes extend it). A tree that came out as a single path is a chain."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    paths: list[list[int]] = []  # per node: the window of context + path that ends at it
+    heap: list[tuple[float, int, int, int]] = []  # (-path probability, push order, parent node, token)
+    order = itertools.count()  # equal probabilities: the earlier candidate first
+
+    def push(parent: int, ctx: list[int], prob: float) -> None:
+        for tok, p in candidates(ctx):
+            if prob * p >= min_path_prob:
+                heapq.heappush(heap, (-prob * p, next(order), parent, tok))
+
+    push(-1, context, 1.0)
+    while heap and len(tokens) < max_nodes:
+        neg, _, parent, tok = heapq.heappop(heap)
+        ctx = (context if parent < 0 else paths[parent]) + [tok]
+        tokens.append(tok)
+        parents.append(parent)
+        paths.append(ctx[-max(1, len(context)):])
+        push(len(tokens) - 1, paths[-1], -neg)
+    is_chain = all(p == i - 1 for i, p in enumerate(parents))
+    return Draft(tokens, parents=None if is_chain else parents)
+
+
 def top(counts: dict[int, int]) -> tuple[int, int, int, int]:
     """(most frequent token, its count, the runner-up's count, total); ties go to the most recently hit."""
     best, c1, c2, total = -1, 0, 0, 0
@@ -69,6 +100,13 @@ def top(counts: dict[int, int]) -> tuple[int, int, int, int]:
         elif c > c2:
             c2 = c
     return best, c1, c2, total
+
+
+def ranked(counts: dict[int, int], min_hits: int = 1) -> list[tuple[int, float]]:
+    """[(token, its share of all hits)] for tokens with at least `min_hits`, most frequent (then most recent) first."""
+    total = sum(counts.values())
+    best = sorted(reversed(counts.items()), key=lambda kv: -kv[1])  # stable: recency breaks ties
+    return [(tok, c / total) for tok, c in best if c >= min_hits]
 
 
 class ContinuationCounts:

@@ -1,11 +1,12 @@
-"""`ngram-map-k` / `ngram-map-k4v`: per sequence, the last n tokens -> up to k next tokens with hit counts."""
+"""`ngram-map-k` / `ngram-map-k4v` / `ngram-map-k-tree`: per sequence, the last n tokens -> up to k next
+tokens with hit counts."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from specdec.drafters.base import Draft
 from specdec.drafters.ngram_index import (ContinuationCounts, IncrementalDrafter, SeqIndex, chain_lookups,
-                                          suffix_hashes, top, window_hashes)
+                                          ranked, suffix_hashes, top, tree_lookups, window_hashes)
 from specdec.engine.sequence import Sequence
 
 
@@ -39,12 +40,15 @@ class NgramMapKDrafter(IncrementalDrafter):
         tok, hits, _, _ = top(counts)
         return tok if hits >= self.min_hits else None
 
+    def _counts(self, table: ContinuationCounts, ctx: list[int]) -> dict[int, int] | None:
+        hs = suffix_hashes(ctx, self.n)
+        return table.get(hs[-1]) if len(hs) == self.n else None
+
     def propose(self, seq: Sequence, max_tokens: int) -> Draft:
         table = self._catch_up(seq).table
 
         def step(ctx: list[int]) -> int | None:
-            hs = suffix_hashes(ctx, self.n)
-            counts = table.get(hs[-1]) if len(hs) == self.n else None
+            counts = self._counts(table, ctx)
             return self._pick(counts) if counts else None
         return Draft(chain_lookups(seq.tokens[-self.n:], min(self.m, max_tokens), step))
 
@@ -59,3 +63,20 @@ class NgramMapK4VDrafter(NgramMapKDrafter):
     def _pick(self, counts: dict[int, int]) -> int | None:
         tok, hits, second, _ = top(counts)
         return tok if hits >= self.min_hits and hits >= self.DOMINANCE * second else None
+
+
+class NgramMapKTreeDrafter(NgramMapKDrafter):
+    """Like `ngram-map-k`, but every continuation with at least `min_hits` hits may branch: a token tree grown
+    best-first by path probability (each continuation's share of its context's hits), cut below
+    BRANCH_MIN_PROB, up to the draft length in nodes."""
+
+    name = "ngram-map-k-tree"
+    BRANCH_MIN_PROB = 0.1
+
+    def propose(self, seq: Sequence, max_tokens: int) -> Draft:
+        table = self._catch_up(seq).table
+
+        def candidates(ctx: list[int]) -> list[tuple[int, float]]:
+            counts = self._counts(table, ctx)
+            return ranked(counts, self.min_hits) if counts else []
+        return tree_lookups(seq.tokens[-self.n:], min(self.m, max_tokens), candidates, self.BRANCH_MIN_PROB)

@@ -8,7 +8,7 @@ from typing import Callable, Iterator
 
 from specdec.drafters.base import Draft
 from specdec.drafters.ngram_index import (ContinuationCounts, IncrementalDrafter, SeqIndex, chain_lookups,
-                                          suffix_hashes, top, window_hashes)
+                                          ranked, suffix_hashes, top, tree_lookups, window_hashes)
 from specdec.engine.sequence import Sequence
 
 MAX_ORDER = 8  # contexts of 1..MAX_ORDER tokens are indexed
@@ -66,28 +66,33 @@ class SuffixDrafter(IncrementalDrafter):
             for h in hs:
                 state.table.add(h, tok)
 
-    def _lookup(self, state: _RequestState, ctx: list[int]) -> tuple[int, int, float] | None:
-        """(matched order, most frequent next token, its probability) for the longest known suffix of ctx."""
+    def _lookup(self, state: _RequestState, ctx: list[int]) -> tuple[int, dict[int, int]]:
+        """(matched order, next-token counts) for the longest known suffix of ctx; (0, {}) if none is known."""
         hs = suffix_hashes(ctx, MAX_ORDER)
         for order in range(len(hs), 0, -1):
             counts = _merged(state.table.get(hs[order - 1]), self.glob.get(hs[order - 1]))
             if counts:
-                tok, hits, _, total = top(counts)
-                return order, tok, hits / total
-        return None
+                return order, counts
+        return 0, {}
 
     def propose(self, seq: Sequence, max_tokens: int) -> Draft:
         state = self._catch_up(seq)
         context = seq.tokens[-MAX_ORDER:]
-        found = self._lookup(state, context)
-        if found is None:
+        order, _ = self._lookup(state, context)
+        if order == 0:
             return Draft([])
-        match_len = found[0] + (state.streak if found[0] == MAX_ORDER else 0)
+        match_len = order + (state.streak if order == MAX_ORDER else 0)
+        return self._draft(state, context, min(max_tokens, math.ceil(self.factor * match_len)))
 
+    def _draft(self, state: _RequestState, context: list[int], want: int) -> Draft:
+        """A chain: the most frequent continuation while its probability is at least `min_prob`."""
         def step(ctx: list[int]) -> int | None:
-            hit = self._lookup(state, ctx)
-            return hit[1] if hit and hit[2] >= self.min_prob else None
-        return Draft(chain_lookups(context, min(max_tokens, math.ceil(self.factor * match_len)), step))
+            counts = self._lookup(state, ctx)[1]
+            if not counts:
+                return None
+            tok, hits, _, total = top(counts)
+            return tok if hits / total >= self.min_prob else None
+        return Draft(chain_lookups(context, want, step))
 
     def release(self, seq: Sequence) -> None:
         """Drop the request's structure; its output joins the global one."""
@@ -111,3 +116,15 @@ class SuffixDrafter(IncrementalDrafter):
         self.glob = ContinuationCounts()
         self.past.clear()
         self._seqs.clear()
+
+
+class SuffixTreeDrafter(SuffixDrafter):
+    """Like `suffix`, but the draft is a token tree (SuffixDecoding's tree speculation): grown best-first by
+    path probability over every continuation of the longest matching context, cut below `min_prob`."""
+
+    name = "suffix-tree"
+
+    def _draft(self, state: _RequestState, context: list[int], want: int) -> Draft:
+        def candidates(ctx: list[int]) -> list[tuple[int, float]]:
+            return ranked(self._lookup(state, ctx)[1])
+        return tree_lookups(context, want, candidates, self.min_prob)

@@ -16,7 +16,8 @@ from specdec.plan.specs import ModelSpec
 ENGINES = ("llama.cpp", "ollama", "vllm", "tgi", "transformers")
 # our spec type -> llama.cpp --spec-type
 LLAMA_SPEC = {"draft": "draft-simple", "ngram-simple": "ngram-simple", "ngram-map-k": "ngram-map-k",
-              "ngram-map-k4v": "ngram-map-k4v", "ngram-mod": "ngram-mod", "suffix": "ngram-mod"}
+              "ngram-map-k4v": "ngram-map-k4v", "ngram-map-k-tree": "ngram-map-k", "ngram-mod": "ngram-mod",
+              "suffix": "ngram-mod", "suffix-tree": "ngram-mod"}
 NGRAM_N, NGRAM_M = 3, 16  # specdec's --spec-ngram-size-n / -m defaults
 
 
@@ -86,9 +87,11 @@ def llama_cpp(plan: Plan) -> str:
         if missing:
             raise SpecdecError(f"spec type {missing[0]} has no llama.cpp equivalent")
         kinds = [LLAMA_SPEC[p] for p in parts]
-        if "suffix" in parts:
+        if {"suffix", "suffix-tree"} & set(parts):
             notes.append("# llama.cpp has no suffix drafter; ngram-mod (one hash pool shared by all requests) "
                          "is the closest")
+        if any(p.endswith("-tree") for p in parts):
+            notes.append("# llama.cpp drafts chains only: the tree spec types export as their chain drafters")
         if _uses_draft(plan) and d is not None:
             dpath, n2 = _gguf(d.spec)
             notes += n2
@@ -181,7 +184,7 @@ def vllm(plan: Plan) -> str:
         dmodel, n2 = _hf(d.spec)
         notes += n2
         cfg = {"method": "draft_model", "model": dmodel, "num_speculative_tokens": plan.k}
-    elif "suffix" in parts:
+    elif {"suffix", "suffix-tree"} & set(parts):
         cfg = {"method": "suffix", "num_speculative_tokens": plan.k}
     elif parts:
         cfg = {"method": "ngram", "num_speculative_tokens": plan.k, "prompt_lookup_max": NGRAM_N,
