@@ -181,6 +181,8 @@ NEW_HELP = """
 --spec-draft-p-min P           minimum speculative decoding probability (default: 0.75)
 --spec-ngram-simple-size-n N   ngram-simple: lookup n-gram length
 --spec-ngram-simple-size-m N   ngram-simple: draft length
+--spec-ngram-map-k-size-n N    ngram-map-k: lookup n-gram length
+--spec-ngram-map-k-size-m N    ngram-map-k: draft length
 """
 OLD_HELP = """
 -md,   --model-draft FNAME     draft model
@@ -205,7 +207,10 @@ def test_llama_server_command():
         base + ["--spec-type", "ngram-simple"] + draft_args + \
         ["--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", "16"]
     assert server_command("llama-ngram-map-k", _cfg(), NEW_HELP, 8080) == \
-        base + ["--spec-type", "ngram-map-k"] + draft_args
+        base + ["--spec-type", "ngram-map-k"] + draft_args + \
+        ["--spec-ngram-map-k-size-n", "3", "--spec-ngram-map-k-size-m", "16"]
+    assert server_command("llama-ngram-map-k4v", _cfg(), NEW_HELP, 8080) == \
+        base + ["--spec-type", "ngram-map-k4v"] + draft_args  # this help lists no k4v sizes
     # an older server: -md alone selects the draft model, the counts have their old names, no n-gram types
     assert server_command("llama-draft", _cfg(), OLD_HELP, 8080) == \
         base + ["-md", "d.gguf", "--draft-max", "16", "--draft-min", "0", "--draft-p-min", "0.0"]

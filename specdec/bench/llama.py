@@ -16,9 +16,10 @@ from specdec.errors import SpecdecError
 
 # bench method -> llama.cpp `--spec-type` (None: plain decoding)
 LLAMA_METHODS = {"llama-none": None, "llama-draft": "draft-simple", "llama-ngram-simple": "ngram-simple",
-                 "llama-ngram-mod": "ngram-mod", "llama-ngram-map-k": "ngram-map-k"}
+                 "llama-ngram-mod": "ngram-mod", "llama-ngram-map-k": "ngram-map-k",
+                 "llama-ngram-map-k4v": "ngram-map-k4v"}
 # n-gram pools kept across requests in the server; a repeat of a prompt is not first-seen there
-STATEFUL = ("llama-ngram-mod", "llama-ngram-map-k")
+STATEFUL = ("llama-ngram-mod", "llama-ngram-map-k", "llama-ngram-map-k4v")
 STARTUP_S = 600
 
 
@@ -69,8 +70,8 @@ def server_command(method: str, cfg: ServerConfig, help_text: str, port: int) ->
         flag = _first_flag(help_text, *names)
         if flag:
             cmd += [flag, str(value)]
-    if spec == "ngram-simple":
-        for n_flag, m_flag in (("--spec-ngram-simple-size-n", "--spec-ngram-simple-size-m"),
+    if spec in ("ngram-simple", "ngram-map-k", "ngram-map-k4v"):  # our -n / -m (ngram-mod keeps its own)
+        for n_flag, m_flag in ((f"--spec-{spec}-size-n", f"--spec-{spec}-size-m"),
                                ("--spec-ngram-size-n", "--spec-ngram-size-m")):
             if _lists(help_text, n_flag) and _lists(help_text, m_flag):
                 cmd += [n_flag, str(cfg.ngram_n), m_flag, str(cfg.ngram_m)]
