@@ -152,14 +152,17 @@ def _run(method, pid, cat, tps, repeat=0, first_seen=True, **kw):
             "baseline": {"hf-plain": "hf-plain", "hf-pld": "hf-plain"}.get(method, "none"),
             "first_seen": first_seen, "new_tokens": 10, "drafted": kw.get("drafted"),
             "accepted": kw.get("accepted"), "target_forwards": kw.get("forwards"),
-            "drafted_at": kw.get("drafted_at"), "accepted_at": kw.get("accepted_at"), "matches_baseline": True}
+            "drafted_at": kw.get("drafted_at"), "accepted_at": kw.get("accepted_at"), "matches_baseline": True,
+            "decode_tokens_per_s": kw.get("decode")}
 
 
 def test_summary_spec_bench_style():
-    recs = [_run("none", "1", "qa", 10, forwards=10, drafted=0, accepted=0, drafted_at=[], accepted_at=[]),
-            _run("none", "2", "rag", 20, forwards=10, drafted=0, accepted=0, drafted_at=[], accepted_at=[]),
-            _run("draft", "1", "qa", 20, forwards=5, drafted=10, accepted=5, drafted_at=[5, 5], accepted_at=[4, 1]),
-            _run("draft", "2", "rag", 30, forwards=5, drafted=10, accepted=5, drafted_at=[5, 5], accepted_at=[4, 1]),
+    recs = [_run("none", "1", "qa", 10, forwards=10, drafted=0, accepted=0, drafted_at=[], accepted_at=[], decode=12),
+            _run("none", "2", "rag", 20, forwards=10, drafted=0, accepted=0, drafted_at=[], accepted_at=[], decode=28),
+            _run("draft", "1", "qa", 20, forwards=5, drafted=10, accepted=5, drafted_at=[5, 5], accepted_at=[4, 1],
+                 decode=30),
+            _run("draft", "2", "rag", 30, forwards=5, drafted=10, accepted=5, drafted_at=[5, 5], accepted_at=[4, 1],
+                 decode=50),
             _run("draft", "2", "rag", 50, repeat=1, first_seen=False),  # not first-seen: left out
             _run("hf-plain", "1", "qa", 5), _run("hf-pld", "1", "qa", 10)]
     s = summarize(recs, ["none", "draft", "hf-plain", "hf-pld"])
@@ -171,6 +174,8 @@ def test_summary_spec_bench_style():
     assert s["none"]["all"]["acceptance_rate"] is None and s["hf-plain"]["all"]["mean_accept_len"] is None
     assert set(s["hf-plain"]) == {"qa", "all"}
     assert s["hf-pld"]["all"]["speedup"] == 2.0  # over its own engine's plain decoding, hf-plain
+    assert s["draft"]["all"]["decode_speedup"] == 2.0  # (30 + 50) / (12 + 28): prefill left out
+    assert s["hf-pld"]["all"]["decode_speedup"] is None  # transformers does not report its prefill
 
 
 NEW_HELP = """

@@ -45,6 +45,7 @@ def summarize(records: list[dict], methods: list[str]) -> dict:
     tokens_per_s is the mean over prompts of each prompt's median over repeats (min/max: the means of
     each prompt's slowest and fastest run); speedup is the ratio of that mean to the one of the same
     engine's plain decoding (`none`, `hf-plain`, `llama-none`) on the same prompts (Spec-Bench style).
+    decode_speedup is the same over decode tokens/s (prefill time left out), where the engine reports it.
     """
     runs: dict[tuple[str, str], list[dict]] = {}
     for r in records:
@@ -52,22 +53,24 @@ def summarize(records: list[dict], methods: list[str]) -> dict:
             runs.setdefault((r["method"], r["id"]), []).append(r)
     categories = list(dict.fromkeys(r["category"] for r in records))
     tps = {k: statistics.median(r["tokens_per_s"] for r in rs) for k, rs in runs.items()}
+    dec = {k: statistics.median(r["decode_tokens_per_s"] for r in rs) for k, rs in runs.items()
+           if all(r.get("decode_tokens_per_s") for r in rs)}
     out: dict[str, dict] = {}
     for m in methods:
         for cat in categories + [ALL]:
             ids = [pid for (mm, pid), rs in runs.items() if mm == m and cat in (ALL, rs[0]["category"])]
             if ids:
                 rs = [r for pid in ids for r in runs[(m, pid)]]
-                out.setdefault(m, {})[cat] = _entry(rs, ids, m, rs[0]["baseline"], tps, runs)
+                out.setdefault(m, {})[cat] = _entry(rs, ids, m, rs[0]["baseline"], tps, dec, runs)
     return out
 
 
-def _entry(rs: list[dict], ids: list[str], m: str, baseline: str, tps: dict, runs: dict) -> dict:
-    def speedup(base: str) -> float | None:
-        common = [pid for pid in ids if (base, pid) in tps]
+def _entry(rs: list[dict], ids: list[str], m: str, baseline: str, tps: dict, dec: dict, runs: dict) -> dict:
+    def speedup(base: str, rates: dict = tps) -> float | None:
+        common = [pid for pid in ids if (base, pid) in rates and (m, pid) in rates]
         if not common:
             return None
-        return _mean([tps[(m, pid)] for pid in common]) / _mean([tps[(base, pid)] for pid in common])
+        return _mean([rates[(m, pid)] for pid in common]) / _mean([rates[(base, pid)] for pid in common])
 
     def total(key: str) -> int | None:
         vals = [r[key] for r in rs]
@@ -81,6 +84,7 @@ def _entry(rs: list[dict], ids: list[str], m: str, baseline: str, tps: dict, run
             "tokens_per_s_min": r4(_mean([min(r["tokens_per_s"] for r in runs[(m, pid)]) for pid in ids])),
             "tokens_per_s_max": r4(_mean([max(r["tokens_per_s"] for r in runs[(m, pid)]) for pid in ids])),
             "speedup": r4(speedup(baseline)), "speedup_vs_hf_plain": r4(speedup("hf-plain")),
+            "decode_speedup": r4(speedup(baseline, dec)),
             "acceptance_rate": r4(accepted / drafted) if drafted and accepted is not None else None,
             "mean_accept_len": r4(sum(r["new_tokens"] for r in rs) / forwards) if forwards else None,
             "per_position_acceptance": _per_position(rs),
@@ -120,16 +124,18 @@ def _by_category(summary: dict, key: str, spec: str, suffix: str = "") -> list[s
 def report_tables(summary: dict, records: list[dict], notes: list[str]) -> str:
     """The tables of report.md (also printed at the end of a run)."""
     lines = ["## All prompts", "",
-             "| method | prompts | tok/s (min-max) | speedup | speedup vs hf-plain | acceptance rate "
-             "| mean accept len | identical to baseline |", "|---|---|---|---|---|---|---|---|"]
+             "| method | prompts | tok/s (min-max) | speedup | decode speedup | speedup vs hf-plain "
+             "| acceptance rate | mean accept len | identical to baseline |", "|---|---|---|---|---|---|---|---|---|"]
     for m, per in summary.items():
         s = per[ALL]
         ident = f"{s['matched']}/{s['compared']}" if s["compared"] else "-"
         lines.append(f"| {m} | {s['prompts']} | {s['tokens_per_s']:.2f} ({s['tokens_per_s_min']:.2f}-"
                      f"{s['tokens_per_s_max']:.2f}) | {_fmt(s['speedup'], '.2f', 'x')} | "
+                     f"{_fmt(s.get('decode_speedup'), '.2f', 'x')} | "
                      f"{_fmt(s['speedup_vs_hf_plain'], '.2f', 'x')} | {_fmt(s['acceptance_rate'], '.0%')} | "
                      f"{_fmt(s['mean_accept_len'])} | {ident} |")
     for title, key, spec, suffix in (("Speedup by category", "speedup", ".2f", "x"),
+                                     ("Decode speedup by category (prefill left out)", "decode_speedup", ".2f", "x"),
                                      ("Tokens/s by category", "tokens_per_s", ".2f", ""),
                                      ("Mean acceptance length by category", "mean_accept_len", ".2f", "")):
         lines += ["", f"## {title}", ""] + _by_category(summary, key, spec, suffix)
@@ -157,7 +163,8 @@ def render_report(summary: dict, records: list[dict], meta: dict, notes: list[st
             f"temperature {m['temperature']}", "",
             "tok/s: mean over prompts of each prompt's median run (min-max: means of the slowest and fastest "
             "runs). speedup: ratio of mean tok/s to that of the same engine's plain decoding (`none`, "
-            "`hf-plain`, `llama-none`) on the same prompts; speedup vs hf-plain: the same against "
+            "`hf-plain`, `llama-none`) on the same prompts; decode speedup: the same with the prefill time "
+            "left out (our engine and llama.cpp report it); speedup vs hf-plain: the same against "
             "`transformers` generate. Greedy outputs are compared with the first run of that plain "
             "decoding.", "", ""]
     pics = ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]

@@ -131,9 +131,12 @@ def record(p: Prompt, m: Method, repeat: int, out: Output) -> dict:
     r4 = lambda x: None if x is None else round(x, 4)  # noqa: E731
     ppa = None if out.drafted_at is None else [r4(acc / d if d else 0.0)
                                                for acc, d in zip(out.accepted_at, out.drafted_at)]
+    decode_s = None if out.prefill_s is None else out.seconds - out.prefill_s
     return {"id": p.id, "category": p.category, "method": m.name, "baseline": m.baseline, "repeat": repeat,
             "first_seen": repeat == 0 or m.fresh_repeats, "new_tokens": n, "seconds": r4(out.seconds),
-            "tokens_per_s": r4(n / out.seconds if out.seconds > 0 else 0.0), "target_forwards": out.target_forwards,
+            "tokens_per_s": r4(n / out.seconds if out.seconds > 0 else 0.0),
+            "decode_tokens_per_s": r4(n / decode_s) if decode_s and decode_s > 0 else None,
+            "target_forwards": out.target_forwards,
             "drafted": out.drafted, "accepted": out.accepted,
             "mean_accept_len": r4(n / out.target_forwards) if out.target_forwards else None,
             "per_position_acceptance": ppa, "drafted_at": out.drafted_at, "accepted_at": out.accepted_at,
