@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from specdec.bench.llama import ServerConfig, llama_methods, server_command
+from specdec.bench.llama import Llama, ServerConfig, llama_methods, server_command
 from specdec.bench.methods import Method, Output, merge
 from specdec.bench.report import summarize
 from specdec.bench.runner import compare_to_baselines, parse_methods
@@ -247,3 +247,24 @@ def test_bench_serve_sweep(smollm_dir, tmp_path, capsys):
         assert r["errors"] == 0 and 0 < r["tokens"] <= 12 and r["throughput_tok_s"] > 0 and r["ttft_s"] > 0
     assert all((out / p).exists() for p in ("report.md", "serve_throughput.png", "serve_ttft.png", "serve_tpot.png"))
     assert "auto/off" in capsys.readouterr().out
+
+
+class _FakeServer:
+    def __init__(self, resp):
+        self.resp = resp
+
+    def complete(self, body):
+        return self.resp
+
+    def peak_rss_mb(self):
+        return 1.0
+
+
+def test_llama_output_counts():
+    resp = {"tokens": [5, 6, 7, 8, 2], "timings": {"prompt_ms": 100.0, "predicted_ms": 400.0, "draft_n": 6,
+                                                    "draft_n_accepted": 2}}
+    out = Llama("llama-ngram-mod", _FakeServer(resp), {2}).generate([1], 8, 0.0, None)
+    assert (out.tokens, out.drafted, out.accepted, out.target_forwards) == ([5, 6, 7, 8], 6, 2, 2)
+    assert (out.prefill_s, out.server_s) == (0.1, 0.5)
+    none = Llama("llama-none", _FakeServer({"tokens": [5, 6], "timings": {}}), {2}).generate([1], 8, 0.0, None)
+    assert (none.drafted, none.accepted, none.target_forwards) == (0, 0, 2)  # no draft counts: nothing drafted

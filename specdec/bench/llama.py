@@ -169,8 +169,12 @@ class Llama(Method):
         timings = resp.get("timings") or {}
         ms = lambda k: timings[k] / 1000 if isinstance(timings.get(k), (int, float)) else None  # noqa: E731
         prompt_s, predicted_s = ms("prompt_ms"), ms("predicted_ms")
-        return Output(strip_stop(resp["tokens"], self.stop_ids), wall, drafted=timings.get("draft_n"),
-                      accepted=timings.get("draft_n_accepted"), prefill_s=prompt_s,
+        tokens = strip_stop(resp["tokens"], self.stop_ids)
+        # `timings` leaves the draft counts out when nothing was drafted; every target forward after the
+        # prompt yields its accepted drafts plus one token of its own
+        drafted, accepted = timings.get("draft_n", 0), timings.get("draft_n_accepted", 0)
+        return Output(tokens, wall, target_forwards=len(tokens) - accepted, drafted=drafted, accepted=accepted,
+                      prefill_s=prompt_s,
                       server_s=prompt_s + predicted_s if prompt_s is not None and predicted_s is not None else None,
                       peak_rss_mb=self.server.peak_rss_mb())
 
