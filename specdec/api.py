@@ -39,7 +39,7 @@ class LLM:
                  draft_min: int = 0, draft_p_min: float = 0.0, ngram_n: int = 3, ngram_m: int = 16,
                  draft_quant: str = "int4", progress: bool = True, adaptive: bool = True,
                  draft_branch_p: float = 0.0, ngram_min_hits: int = 1,
-                 ngram_mod_pool_mb: float = 16.0, suffix_max_requests: int = 64, suffix_factor: float = 1.0,
+                 ngram_mod_pool_mb: float = 16.0, suffix_max_requests: int = 64, suffix_factor: float = 4.0,
                  suffix_min_prob: float = 0.1, synth_rates: list[float] | None = None, synth_len: int = 8,
                  parallel: int = 1, chain_mode: str = "first", n_gpu_layers: int = 0, n_gpu_layers_draft: int = 0):
         spec_type = spec_type or ("draft" if draft or model is None else "none")

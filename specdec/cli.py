@@ -107,8 +107,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="ngram-mod: size of the hash pool shared by all sequences, in MB (default 16)")
     s.add_argument("--spec-suffix-max-requests", dest="suffix_max_requests", type=int, default=64,
                    help="suffix: past requests whose outputs are remembered, oldest evicted; 0 = none (default 64)")
-    s.add_argument("--spec-suffix-factor", dest="suffix_factor", type=float, default=1.0,
-                   help="suffix: draft at most factor x match length tokens (default 1.0)")
+    s.add_argument("--spec-suffix-factor", dest="suffix_factor", type=float, default=4.0,
+                   help="suffix, suffix-tree: draft at most factor x match length tokens (default 4)")
     s.add_argument("--spec-suffix-min-prob", dest="suffix_min_prob", type=_unit_float, default=0.1,
                    help="suffix: stop drafting below this empirical continuation probability; suffix-tree: cut nodes whose "
                    "path probability is below it (default 0.1)")

@@ -178,13 +178,13 @@ def test_mod_pressure_clears_one_region():
 def test_suffix_own_context_and_adaptive_length():
     rng = random.Random(1)
     x = rng.sample(range(1000, 2000), 40)
-    d = SuffixDrafter()
+    d = SuffixDrafter(factor=1)
     s = seq(x + x[:20])
     # matched order 8 plus 12 earlier positions whose 8-token context was known: 20 tokens allowed
     assert d.propose(s, 32).tokens == x[20:40]
     assert d.propose(s, 5).tokens == x[20:25]
     short = x[:20] + [5] + x[8:10]  # longest known suffix: x[8:10] (2 tokens) -> at most 2 drafted
-    assert SuffixDrafter().propose(seq(short), 32).tokens == [x[10], x[11]]
+    assert SuffixDrafter(factor=1).propose(seq(short), 32).tokens == [x[10], x[11]]
     assert SuffixDrafter(factor=0.5).propose(seq(short), 32).tokens == [x[10]]
     assert SuffixDrafter(factor=3).propose(seq(short), 32).tokens == x[10:16]
 

@@ -12,6 +12,9 @@ from specdec.drafters.ngram_index import (ContinuationCounts, IncrementalDrafter
 from specdec.engine.sequence import Sequence
 
 MAX_ORDER = 8  # contexts of 1..MAX_ORDER tokens are indexed
+# Draft at most FACTOR x match length tokens. SuffixDecoding uses 1 with its deeper suffix-tree matches; our
+# matches are shorter, and verifying a longer draft costs little (the adaptive length trims it where not).
+FACTOR = 4.0
 
 
 def contexts(tokens: list[int], start: int, stop: int) -> Iterator[tuple[list[int], int]]:
@@ -49,7 +52,7 @@ class SuffixDrafter(IncrementalDrafter):
 
     name = "suffix"
 
-    def __init__(self, factor: float = 1.0, min_prob: float = 0.1, max_requests: int = 64):
+    def __init__(self, factor: float = FACTOR, min_prob: float = 0.1, max_requests: int = 64):
         super().__init__()
         self.factor, self.min_prob, self.max_requests = factor, min_prob, max_requests
         self.glob = ContinuationCounts()
