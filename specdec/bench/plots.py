@@ -18,13 +18,22 @@ def write_plots(out_dir: Path, summary: dict) -> list[str]:
     plots = {"speedup.png": _speedup, "accept_len.png": _accept_len, "acceptance_by_position.png": _by_position,
              "tokens_per_s.png": _tokens_per_s}
     for name, draw in plots.items():
-        fig, ax = plt.subplots(figsize=(9, 4.5))
+        fig, ax = plt.subplots(figsize=(max(9, 0.7 * len(summary)), 4.5))
         if not draw(ax, summary):
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
         fig.tight_layout()
         fig.savefig(out_dir / name, dpi=110)
         plt.close(fig)
     return list(plots)
+
+
+def _style(summary: dict, m: str) -> dict:
+    """One colour per method (the same in every plot); hatching marks the peers' engines."""
+    import matplotlib.pyplot as plt
+
+    i = list(summary).index(m)
+    hatch = "//" if m.startswith("hf-") else ".." if m.startswith("llama-") else None
+    return {"color": plt.get_cmap("tab20")(i % 20), "hatch": hatch, "edgecolor": "white", "linewidth": 0}
 
 
 def _grouped_bars(ax, summary: dict, key: str, methods: list[str]) -> bool:
@@ -34,9 +43,10 @@ def _grouped_bars(ax, summary: dict, key: str, methods: list[str]) -> bool:
     width = 0.8 / len(methods)
     for i, m in enumerate(methods):
         vals = [summary[m].get(c, {}).get(key) or 0.0 for c in cats]
-        ax.bar([x + (i - (len(methods) - 1) / 2) * width for x in range(len(cats))], vals, width, label=m)
+        ax.bar([x + (i - (len(methods) - 1) / 2) * width for x in range(len(cats))], vals, width, label=m,
+               **_style(summary, m))
     ax.set_xticks(range(len(cats)), cats, rotation=20, ha="right")
-    ax.legend(fontsize=8, ncol=min(4, len(methods)))
+    ax.legend(fontsize=7, ncol=min(4, len(methods)))
     return True
 
 
@@ -57,7 +67,8 @@ def _by_position(ax, summary: dict) -> bool:
     curves = {m: per[ALL]["per_position_acceptance"] for m, per in summary.items()
               if per[ALL]["per_position_acceptance"]}
     for m, ys in curves.items():
-        ax.plot(range(1, len(ys) + 1), ys, marker="o", ms=3, label=m)
+        ax.plot(range(1, len(ys) + 1), ys, marker="o", ms=3, label=m, color=_style(summary, m)["color"],
+                ls="--" if m.startswith("llama-") else "-")
     ax.set(title="Acceptance by draft position (all prompts)", xlabel="draft position", ylabel="P(accepted)",
            ylim=(0, 1.05))
     if curves:
@@ -71,7 +82,8 @@ def _tokens_per_s(ax, summary: dict) -> bool:
     mid = [e["tokens_per_s"] for e in s]
     err = [[max(0.0, v - e["tokens_per_s_min"]) for v, e in zip(mid, s)],
            [max(0.0, e["tokens_per_s_max"] - v) for v, e in zip(mid, s)]]
-    ax.bar(range(len(methods)), mid, yerr=err, capsize=4, color="tab:blue")
+    for i, m in enumerate(methods):
+        ax.bar(i, mid[i], yerr=[[err[0][i]], [err[1][i]]], capsize=4, **_style(summary, m))
     ax.set_xticks(range(len(methods)), methods, rotation=20, ha="right")
     ax.set(title="Tokens/s per method (all prompts; bars: min-max over repeats)", ylabel="tokens/s")
     return bool(methods)
