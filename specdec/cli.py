@@ -315,6 +315,9 @@ def make_parser() -> argparse.ArgumentParser:
     w.add_argument("--workload-dir", help="folder with Spec-Bench's question.jsonl "
                    "(default ../shared/workloads/spec_bench beside the repo)")
     w.add_argument("--per-category", type=_positive_int, help="sample N prompts per category (fixed --seed)")
+    w.add_argument("--categories", type=lambda v: [c.strip() for c in v.split(",") if c.strip()],
+                   help="only these categories, comma-separated (after --per-category sampling, so the same "
+                   "prompts as a run over all categories)")
     w.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=_positive_int,
                    help="cap on new tokens per turn (default: the prompt's max_tokens, else 128)")
     w.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy, outputs checked (default 0)")

@@ -105,6 +105,15 @@ def test_spec_bench_per_category():
     assert load_workload("spec_bench", per_category=1, seed=0) == prompts  # fixed seed, same sample
     assert len(load_workload("spec_bench")) == 480
     assert len(load_workload("spec_bench", per_category=3, seed=1)) == 18
+    two = load_workload("spec_bench", per_category=2, seed=0, categories=["summarization", "rag"])
+    every = load_workload("spec_bench", per_category=2, seed=0)
+    assert two == [p for p in every if p.category in ("summarization", "rag")]  # the same questions
+
+
+def test_workload_categories_filter():
+    assert [p.id for p in load_workload("quick", categories=["summary", "code-edit"])] == ["code-edit", "summary"]
+    with pytest.raises(SpecdecError, match="no prompts in category qa .this workload has: code-question"):
+        load_workload("quick", categories=["qa"])
 
 
 def test_cli_workload_and_methods():

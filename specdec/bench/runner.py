@@ -51,7 +51,7 @@ def run_bench(a: argparse.Namespace) -> Path:
         raise SpecdecError("--temp must be >= 0")
     if a.spec_type is not None:
         raise SpecdecError("bench runs the spec types named by --methods; drop --spec-type")
-    prompts = load_workload(a.workload, a.workload_dir, a.per_category, a.seed)
+    prompts = load_workload(a.workload, a.workload_dir, a.per_category, a.seed, a.categories)
     names = parse_methods(a.methods)
     if a.model is None:
         a.model, a.draft = DEFAULT_TARGET, a.draft or DEFAULT_DRAFT

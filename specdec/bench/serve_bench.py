@@ -38,7 +38,7 @@ def run_serve_bench(a: argparse.Namespace) -> Path:
     modes = [m.strip() for m in a.modes.split(",")]
     if not modes or any(m not in MODES for m in modes):
         raise SpecdecError(f"--modes: choose from {', '.join(MODES)}")
-    prompts = load_workload(a.workload, a.workload_dir, a.per_category, a.seed)
+    prompts = load_workload(a.workload, a.workload_dir, a.per_category, a.seed, a.categories)
     spec = a.spec_type or "draft"
     if a.model is None:
         a.model, a.draft = DEFAULT_TARGET, a.draft or DEFAULT_DRAFT

@@ -31,15 +31,25 @@ class Prompt:
 
 
 def load_workload(name: str, workload_dir: str | None = None, per_category: int | None = None,
-                  seed: int = 0) -> list[Prompt]:
-    """`quick`, `spec_bench` or a JSONL file, optionally `per_category` prompts sampled with `seed`."""
+                  seed: int = 0, categories: list[str] | None = None) -> list[Prompt]:
+    """`quick`, `spec_bench` or a JSONL file, optionally `per_category` prompts sampled with `seed`, then
+    only those of `categories` (filtered after sampling, so a subset of categories keeps the same prompts)."""
     if name == "quick":
         prompts = [Prompt(n, n, ((PROMPT_DIR / f"{n}.txt").read_text(),)) for n in QUICK_NAMES]
     elif name == "spec_bench":
         prompts = spec_bench(Path(workload_dir) if workload_dir else SPEC_BENCH_DIR)
     else:
         prompts = read_jsonl(Path(name))
-    return sample_per_category(prompts, per_category, seed) if per_category else prompts
+    if per_category:
+        prompts = sample_per_category(prompts, per_category, seed)
+    if categories:
+        unknown = sorted(set(categories) - {p.category for p in prompts})
+        if unknown:
+            known = ", ".join(dict.fromkeys(p.category for p in prompts))
+            raise SpecdecError(f"no prompts in categor{'ies' if len(unknown) > 1 else 'y'} {', '.join(unknown)} "
+                               f"(this workload has: {known})")
+        prompts = [p for p in prompts if p.category in categories]
+    return prompts
 
 
 def spec_bench(directory: Path) -> list[Prompt]:
