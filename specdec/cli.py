@@ -110,8 +110,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--spec-suffix-factor", dest="suffix_factor", type=float, default=4.0,
                    help="suffix, suffix-tree: draft at most factor x match length tokens (default 4)")
     s.add_argument("--spec-suffix-min-prob", dest="suffix_min_prob", type=_unit_float, default=0.1,
-                   help="suffix: stop drafting below this empirical continuation probability; suffix-tree: cut nodes whose "
-                   "path probability is below it (default 0.1)")
+                   help="suffix: stop drafting below this empirical continuation probability; suffix-tree: cut "
+                   "nodes whose path probability is below it (default 0.1)")
     s.add_argument("--spec-synth-rates", dest="synth_rates", type=_rates, default=[0.8],
                    help="synthetic: acceptance probability per draft position, e.g. 0.9,0.8,0.6 (the last one "
                    "repeats); output is NOT valid text (default 0.8)")
