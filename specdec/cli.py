@@ -310,7 +310,8 @@ def make_parser() -> argparse.ArgumentParser:
     w = b.add_argument_group("workload")
     w.add_argument("--workload", default="quick",
                    help="quick (3 built-in prompts), spec_bench (the Spec-Bench questions) or a JSONL file of "
-                   '{"id", "category", "prompt" | "turns", "max_tokens"} lines (default quick)')
+                   '{"id", "category", "prompt" | "turns", "max_tokens"} lines; several comma-separated '
+                   "(default quick)")
     w.add_argument("--quick", dest="workload", action="store_const", const="quick", help="same as --workload quick")
     w.add_argument("--workload-dir", help="folder with Spec-Bench's question.jsonl "
                    "(default ../shared/workloads/spec_bench beside the repo)")

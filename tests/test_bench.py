@@ -9,8 +9,8 @@ import torch
 
 from specdec.bench.llama import Llama, ServerConfig, llama_methods, server_command
 from specdec.bench.methods import Method, Output, merge
-from specdec.bench.report import summarize
-from specdec.bench.runner import compare_to_baselines, parse_methods
+from specdec.bench.report import report_tables, summarize
+from specdec.bench.runner import ceiling, compare_to_baselines, parse_methods
 from specdec.bench.workloads import SPEC_BENCH_DIR, load_workload
 from specdec.cli import main, make_parser
 from specdec.errors import SpecdecError
@@ -53,6 +53,8 @@ def test_bench_end_to_end(smollm_dir, tmp_path, capsys):
         {m: {"summarization", "multi_turn", "all"} for m in ("none", "ngram-simple", "draft", "hf-plain")}
     assert all(SUMMARY_KEYS <= set(e) for per in res["summary"].values() for e in per.values())
     assert res["summary"]["none"]["all"]["speedup"] == 1.0
+    assert res["summary"]["none"]["all"]["speedup_ceiling"] >= 1.0
+    assert all(r["ceiling_tokens_per_s"] for r in runs if r["method"] == "none")
     assert res["summary"]["hf-plain"]["all"]["speedup"] == res["summary"]["hf-plain"]["all"]["speedup_vs_hf_plain"] == 1
     assert res["summary"]["draft"]["all"]["mean_accept_len"] >= 1
     assert {"command", "date", "machine", "versions", "dtype", "threads", "models"} <= set(res["meta"])
@@ -116,6 +118,26 @@ def test_workload_categories_filter():
         load_workload("quick", categories=["qa"])
 
 
+def test_several_workloads(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", [{"id": f"a{i}", "category": "c", "prompt": "hi"} for i in range(3)])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"id": "b1", "category": "d", "prompt": "yo"}])
+    both = load_workload(f"quick, {a},{b}", per_category=2, seed=0)
+    assert both[:3] == load_workload("quick") and both[3:5] == load_workload(str(a), per_category=2, seed=0)
+    assert [p.id for p in load_workload(f"quick,{b}", categories=["d", "summary"])] == ["summary", "b1"]
+    with pytest.raises(SpecdecError, match="prompt ids a0, a1, a2 occur in more than one workload"):
+        load_workload(f"{a},{a}")
+    with pytest.raises(SpecdecError, match="no workload named"):
+        load_workload(" , ")
+
+
+def test_ceiling_packs_plain_forwards():
+    # 2 s prefill, 20 decode forwards of 0.1 s (+1 prefill forward), 21 tokens; draft_max 4 -> 4 forwards
+    plain = Output(list(range(21)), 4.0, target_forwards=21, prefill_s=2.0)
+    assert ceiling(plain, 1, 4) == pytest.approx(21 / (2.0 + 4 * 0.1))
+    assert ceiling(plain, 1, 0) == pytest.approx(21 / 4.0)  # no drafts: the plain run itself
+    assert ceiling(Output([1], 1.0), 1, 4) is None  # transformers: no prefill time
+
+
 def test_cli_workload_and_methods():
     a = make_parser().parse_args(["bench", "--quick", "-n", "4"])
     assert (a.workload, a.max_tokens) == ("quick", 4)
@@ -162,12 +184,14 @@ def _run(method, pid, cat, tps, repeat=0, first_seen=True, **kw):
             "first_seen": first_seen, "new_tokens": 10, "drafted": kw.get("drafted"),
             "accepted": kw.get("accepted"), "target_forwards": kw.get("forwards"),
             "drafted_at": kw.get("drafted_at"), "accepted_at": kw.get("accepted_at"), "matches_baseline": True,
-            "decode_tokens_per_s": kw.get("decode")}
+            "decode_tokens_per_s": kw.get("decode"), "ceiling_tokens_per_s": kw.get("ceiling")}
 
 
 def test_summary_spec_bench_style():
-    recs = [_run("none", "1", "qa", 10, forwards=10, drafted=0, accepted=0, drafted_at=[], accepted_at=[], decode=12),
-            _run("none", "2", "rag", 20, forwards=10, drafted=0, accepted=0, drafted_at=[], accepted_at=[], decode=28),
+    recs = [_run("none", "1", "qa", 10, forwards=10, drafted=0, accepted=0, drafted_at=[], accepted_at=[], decode=12,
+                 ceiling=40),
+            _run("none", "2", "rag", 20, forwards=10, drafted=0, accepted=0, drafted_at=[], accepted_at=[], decode=28,
+                 ceiling=50),
             _run("draft", "1", "qa", 20, forwards=5, drafted=10, accepted=5, drafted_at=[5, 5], accepted_at=[4, 1],
                  decode=30),
             _run("draft", "2", "rag", 30, forwards=5, drafted=10, accepted=5, drafted_at=[5, 5], accepted_at=[4, 1],
@@ -185,6 +209,9 @@ def test_summary_spec_bench_style():
     assert s["hf-pld"]["all"]["speedup"] == 2.0  # over its own engine's plain decoding, hf-plain
     assert s["draft"]["all"]["decode_speedup"] == 2.0  # (30 + 50) / (12 + 28): prefill left out
     assert s["hf-pld"]["all"]["decode_speedup"] is None  # transformers does not report its prefill
+    assert (s["none"]["qa"]["speedup_ceiling"], s["none"]["all"]["speedup_ceiling"]) == (4.0, 3.0)  # 90 / 30
+    assert s["draft"]["all"]["speedup_ceiling"] is None
+    assert "| ceiling: every draft accepted | 4.00x | 2.50x | 3.00x |" in report_tables(s, recs, [])
 
 
 NEW_HELP = """

@@ -46,6 +46,8 @@ def summarize(records: list[dict], methods: list[str]) -> dict:
     each prompt's slowest and fastest run); speedup is the ratio of that mean to the one of the same
     engine's plain decoding (`none`, `hf-plain`, `llama-none`) on the same prompts (Spec-Bench style).
     decode_speedup is the same over decode tokens/s (prefill time left out), where the engine reports it.
+    speedup_ceiling (our `none` only) is the same over its runs' `ceiling_tokens_per_s`: the most any
+    speculation could reach on those prompts.
     """
     runs: dict[tuple[str, str], list[dict]] = {}
     for r in records:
@@ -55,17 +57,20 @@ def summarize(records: list[dict], methods: list[str]) -> dict:
     tps = {k: statistics.median(r["tokens_per_s"] for r in rs) for k, rs in runs.items()}
     dec = {k: statistics.median(r["decode_tokens_per_s"] for r in rs) for k, rs in runs.items()
            if all(r.get("decode_tokens_per_s") for r in rs)}
+    ceil = {k: statistics.median(r["ceiling_tokens_per_s"] for r in rs) for k, rs in runs.items()
+            if all(r.get("ceiling_tokens_per_s") for r in rs)}
     out: dict[str, dict] = {}
     for m in methods:
         for cat in categories + [ALL]:
             ids = [pid for (mm, pid), rs in runs.items() if mm == m and cat in (ALL, rs[0]["category"])]
             if ids:
                 rs = [r for pid in ids for r in runs[(m, pid)]]
-                out.setdefault(m, {})[cat] = _entry(rs, ids, m, rs[0]["baseline"], tps, dec, runs)
+                out.setdefault(m, {})[cat] = _entry(rs, ids, m, rs[0]["baseline"], tps, dec, ceil, runs)
     return out
 
 
-def _entry(rs: list[dict], ids: list[str], m: str, baseline: str, tps: dict, dec: dict, runs: dict) -> dict:
+def _entry(rs: list[dict], ids: list[str], m: str, baseline: str, tps: dict, dec: dict, ceil: dict,
+           runs: dict) -> dict:
     def speedup(base: str, rates: dict = tps) -> float | None:
         common = [pid for pid in ids if (base, pid) in rates and (m, pid) in rates]
         if not common:
@@ -85,6 +90,8 @@ def _entry(rs: list[dict], ids: list[str], m: str, baseline: str, tps: dict, dec
             "tokens_per_s_max": r4(_mean([max(r["tokens_per_s"] for r in runs[(m, pid)]) for pid in ids])),
             "speedup": r4(speedup(baseline)), "speedup_vs_hf_plain": r4(speedup("hf-plain")),
             "decode_speedup": r4(speedup(baseline, dec)),
+            "speedup_ceiling": r4(_mean([ceil[(m, p)] for p in ids]) / _mean([tps[(m, p)] for p in ids]))
+            if all((m, p) in ceil for p in ids) else None,
             "acceptance_rate": r4(accepted / drafted) if drafted and accepted is not None else None,
             "mean_accept_len": r4(sum(r["new_tokens"] for r in rs) / forwards) if forwards else None,
             "per_position_acceptance": _per_position(rs),
@@ -139,6 +146,10 @@ def report_tables(summary: dict, records: list[dict], notes: list[str]) -> str:
                                      ("Tokens/s by category", "tokens_per_s", ".2f", ""),
                                      ("Mean acceptance length by category", "mean_accept_len", ".2f", "")):
         lines += ["", f"## {title}", ""] + _by_category(summary, key, spec, suffix)
+        if key == "speedup" and "none" in summary and summary["none"][ALL].get("speedup_ceiling"):
+            cats = categories(summary)
+            lines.append("| ceiling: every draft accepted | " + " | ".join(
+                _fmt(summary["none"].get(c, {}).get("speedup_ceiling"), ".2f", "x") for c in cats) + " |")
     diffs = [r for r in records if r["matches_baseline"] is False]
     if diffs:
         lines += ["", "## Outputs that differ from their baseline", ""]
@@ -165,7 +176,8 @@ def render_report(summary: dict, records: list[dict], meta: dict, notes: list[st
             "runs). speedup: ratio of mean tok/s to that of the same engine's plain decoding (`none`, "
             "`hf-plain`, `llama-none`) on the same prompts; decode speedup: the same with the prefill time "
             "left out (our engine and llama.cpp report it); speedup vs hf-plain: the same against "
-            "`transformers` generate. Greedy outputs are compared with the first run of that plain "
+            "`transformers` generate. ceiling: the most any speculation could reach, from `none`'s runs: the "
+            "same prefill, then every draft of --draft-max tokens accepted at the cost of one plain forward. Greedy outputs are compared with the first run of that plain "
             "decoding.", "", ""]
     pics = ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     return "\n".join(head) + report_tables(summary, records, notes) + "\n".join(pics) + "\n"

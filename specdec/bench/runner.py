@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -101,7 +102,7 @@ def _run_all(llm, methods: list[Method], prompts: list[Prompt], a: argparse.Name
             for m in methods:  # interleaved (A B C A B C) so drift hits every method alike
                 bar.set_postfix_str(f"{p.category}/{p.id} {m.name}")
                 out = run_prompt(llm, m, p, p.limit(a.max_tokens), a.temp, a.seed)
-                done.append((m, record(p, m, r, out), out))
+                done.append((m, record(p, m, r, out, a.draft_max), out))
                 bar.update()
         if greedy:
             for warning in compare_to_baselines(done):
@@ -125,7 +126,7 @@ def run_prompt(llm, method: Method, prompt: Prompt, max_tokens: int, temperature
     return merge(outs)
 
 
-def record(p: Prompt, m: Method, repeat: int, out: Output) -> dict:
+def record(p: Prompt, m: Method, repeat: int, out: Output, draft_max: int) -> dict:
     """The per-run record written to results.json."""
     n = len(out.tokens)
     r4 = lambda x: None if x is None else round(x, 4)  # noqa: E731
@@ -142,7 +143,20 @@ def record(p: Prompt, m: Method, repeat: int, out: Output) -> dict:
             "per_position_acceptance": ppa, "drafted_at": out.drafted_at, "accepted_at": out.accepted_at,
             "prefill_s": r4(out.prefill_s), "draft_s": r4(out.draft_s), "verify_s": r4(out.verify_s),
             "server_s": r4(out.server_s), "peak_rss_mb": r4(out.peak_rss_mb),
+            "ceiling_tokens_per_s": r4(ceiling(out, len(p.turns), draft_max)) if m.name == "none" else None,
             "matches_baseline": None, "first_divergence": None}
+
+
+def ceiling(plain: Output, turns: int, draft_max: int) -> float | None:
+    """Tokens/s a speculative run could reach at best, from a plain run's times: the same prefill, and the
+    plain run's decode forwards F (one per token) packed draft_max + 1 to a forward at the plain forward's
+    cost (every draft accepted; drafting free; verifying k+1 tokens as cheap as one)."""
+    if plain.prefill_s is None or not plain.target_forwards or plain.target_forwards <= turns:
+        return None
+    forwards = plain.target_forwards - turns  # prefill counts as one forward per turn
+    per_forward = (plain.seconds - plain.prefill_s) / forwards
+    best_s = plain.prefill_s + math.ceil(forwards / (draft_max + 1)) * per_forward
+    return len(plain.tokens) / best_s if best_s > 0 else None
 
 
 def compare_to_baselines(done: list[tuple[Method, dict, Output]]) -> list[str]:

@@ -32,16 +32,18 @@ class Prompt:
 
 def load_workload(name: str, workload_dir: str | None = None, per_category: int | None = None,
                   seed: int = 0, categories: list[str] | None = None) -> list[Prompt]:
-    """`quick`, `spec_bench` or a JSONL file, optionally `per_category` prompts sampled with `seed`, then
-    only those of `categories` (filtered after sampling, so a subset of categories keeps the same prompts)."""
-    if name == "quick":
-        prompts = [Prompt(n, n, ((PROMPT_DIR / f"{n}.txt").read_text(),)) for n in QUICK_NAMES]
-    elif name == "spec_bench":
-        prompts = spec_bench(Path(workload_dir) if workload_dir else SPEC_BENCH_DIR)
-    else:
-        prompts = read_jsonl(Path(name))
-    if per_category:
-        prompts = sample_per_category(prompts, per_category, seed)
+    """`quick`, `spec_bench` or a JSONL file, or several of them comma-separated; optionally `per_category`
+    prompts sampled with `seed` (in each workload on its own, so it samples as if run alone), then only those
+    of `categories` (filtered after sampling, so a subset of categories keeps the same prompts)."""
+    prompts: list[Prompt] = []
+    for part in [n.strip() for n in name.split(",") if n.strip()]:
+        prompts += _load_one(part, workload_dir, per_category, seed)
+    if not prompts:
+        raise SpecdecError(f"no workload named in {name!r}")
+    ids = [p.id for p in prompts]
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    if dup:
+        raise SpecdecError(f"prompt ids {', '.join(dup[:5])} occur in more than one workload of {name!r}")
     if categories:
         unknown = sorted(set(categories) - {p.category for p in prompts})
         if unknown:
@@ -50,6 +52,16 @@ def load_workload(name: str, workload_dir: str | None = None, per_category: int 
                                f"(this workload has: {known})")
         prompts = [p for p in prompts if p.category in categories]
     return prompts
+
+
+def _load_one(name: str, workload_dir: str | None, per_category: int | None, seed: int) -> list[Prompt]:
+    if name == "quick":
+        prompts = [Prompt(n, n, ((PROMPT_DIR / f"{n}.txt").read_text(),)) for n in QUICK_NAMES]
+    elif name == "spec_bench":
+        prompts = spec_bench(Path(workload_dir) if workload_dir else SPEC_BENCH_DIR)
+    else:
+        prompts = read_jsonl(Path(name))
+    return sample_per_category(prompts, per_category, seed) if per_category else prompts
 
 
 def spec_bench(directory: Path) -> list[Prompt]:
