@@ -7,6 +7,8 @@ import torch
 
 from specdec.drafters import Drafter, parse_spec_type
 from specdec.drafters.chain import CHAIN_MODES, ChainDrafter
+from specdec.drafters.factory import MODEL_FREE, ModelFreeSettings, make_model_free
+from specdec.drafters.suffix import FACTOR
 from specdec.engine.engine import Engine, SpecConfig, StreamCallback
 from specdec.engine.stats import Stats
 from specdec.errors import SpecdecError
@@ -39,13 +41,12 @@ class LLM:
                  draft_min: int = 0, draft_p_min: float = 0.0, ngram_n: int = 3, ngram_m: int = 16,
                  draft_quant: str = "int4", progress: bool = True, adaptive: bool = True,
                  draft_branch_p: float = 0.0, ngram_min_hits: int = 1,
-                 ngram_mod_pool_mb: float = 16.0, suffix_max_requests: int = 64, suffix_factor: float = 4.0,
+                 ngram_mod_pool_mb: float = 16.0, suffix_max_requests: int = 64, suffix_factor: float = FACTOR,
                  suffix_min_prob: float = 0.1, synth_rates: list[float] | None = None, synth_len: int = 8,
                  parallel: int = 1, chain_mode: str = "first", n_gpu_layers: int = 0, n_gpu_layers_draft: int = 0):
         spec_type = spec_type or ("draft" if draft or model is None else "none")
         self.spec_type = ",".join(parse_spec_type(spec_type))
-        _check_positive(context=context, draft_max=draft_max, ngram_n=ngram_n, ngram_m=ngram_m,
-                        ngram_min_hits=ngram_min_hits, parallel=parallel)
+        _check_positive(context=context, draft_max=draft_max, parallel=parallel)
         if draft_min < 0 or draft_min > draft_max:
             raise SpecdecError("draft_min must be between 0 and draft_max")
         if not 0 <= draft_p_min <= 1:
@@ -54,19 +55,8 @@ class LLM:
             raise SpecdecError("draft_branch_p must be in [0, 1]")
         if draft_quant not in QUANT:
             raise SpecdecError(f"unknown draft quantization {draft_quant!r} (choose {', '.join(QUANT)})")
-        if not 0 < ngram_mod_pool_mb <= 65536:
-            raise SpecdecError(f"ngram_mod_pool_mb must be in (0, 65536] (got {ngram_mod_pool_mb})")
-        pool_size = max(1, int(ngram_mod_pool_mb * 2**20) // 4)  # int32 entries
-        if suffix_max_requests < 0:
-            raise SpecdecError(f"suffix_max_requests must be >= 0 (got {suffix_max_requests})")
-        if not 0 < suffix_factor < float("inf"):
-            raise SpecdecError(f"suffix_factor must be > 0 and finite (got {suffix_factor})")
-        if not 0 <= suffix_min_prob <= 1:
-            raise SpecdecError("suffix_min_prob must be in [0, 1]")
-        self._synth = (list(synth_rates or [0.8]), synth_len)
-        if not self._synth[0] or not all(0 <= r <= 1 for r in self._synth[0]):
-            raise SpecdecError("synthetic acceptance rates must be in [0, 1]")
-        _check_positive(synth_len=synth_len)
+        self._model_free = ModelFreeSettings(ngram_n, ngram_m, ngram_min_hits, ngram_mod_pool_mb, suffix_max_requests,
+                                             suffix_factor, suffix_min_prob, tuple(synth_rates or [0.8]), synth_len)
         if chain_mode not in CHAIN_MODES:
             raise SpecdecError(f"unknown chain mode {chain_mode!r} (choose {', '.join(CHAIN_MODES)})")
         self._chain_mode = chain_mode
@@ -85,9 +75,6 @@ class LLM:
         self.parallel = parallel  # KV cache slots: sequences that can run at once
         self.runner = ModelRunner(target, num_slots=parallel, context=context)
         self._draft_name, self._p_min, self._branch_p = draft, draft_p_min, draft_branch_p
-        self._ngram = dict(n=ngram_n, m=ngram_m)
-        self._ngram_min_hits, self._pool_size = ngram_min_hits, pool_size
-        self._suffix = dict(factor=suffix_factor, min_prob=suffix_min_prob, max_requests=suffix_max_requests)
         self._draft_quant = draft_quant
         self._spec = SpecConfig(draft_max, draft_min, adaptive)
         self._progress = progress
@@ -112,23 +99,8 @@ class LLM:
                 d.reset()
 
     def _make_drafter(self, spec_type: str) -> Drafter | None:
-        if spec_type == "ngram-simple":
-            from specdec.drafters.ngram_simple import NgramSimpleDrafter
-            return NgramSimpleDrafter(**self._ngram)
-        if spec_type.startswith("ngram-map-k"):
-            from specdec.drafters.ngram_map_k import NgramMapK4VDrafter, NgramMapKDrafter, NgramMapKTreeDrafter
-            cls = {"ngram-map-k": NgramMapKDrafter, "ngram-map-k4v": NgramMapK4VDrafter,
-                   "ngram-map-k-tree": NgramMapKTreeDrafter}[spec_type]
-            return cls(**self._ngram, min_hits=self._ngram_min_hits)
-        if spec_type == "ngram-mod":
-            from specdec.drafters.ngram_mod import NgramModDrafter
-            return NgramModDrafter(**self._ngram, pool_size=self._pool_size)
-        if spec_type in ("suffix", "suffix-tree"):
-            from specdec.drafters.suffix import SuffixDrafter, SuffixTreeDrafter
-            return (SuffixDrafter if spec_type == "suffix" else SuffixTreeDrafter)(**self._suffix)
-        if spec_type == "synthetic":
-            from specdec.drafters.synthetic import SyntheticDrafter
-            return SyntheticDrafter(*self._synth)
+        if spec_type in MODEL_FREE:
+            return make_model_free(spec_type, self._model_free)
         if spec_type == "draft":
             from specdec.drafters.draft_model import DraftModelDrafter
             if self._draft_name is None:

@@ -200,6 +200,11 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
         run_serve_bench(a)
         return 0
+    if a.what == "replay":
+        from specdec.bench.replay import run_replay
+
+        run_replay(a)
+        return 0
     from specdec.bench.runner import run_bench
 
     run_bench(a)
@@ -305,8 +310,10 @@ def make_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=cmd_models)
 
     b = sub.add_parser("bench", help="measure speculative methods against plain decoding and the peers")
-    b.add_argument("what", nargs="?", choices=["serve"],
-                   help="serve: sweep concurrency against the live server (off / on / auto speculation)")
+    b.add_argument("what", nargs="?", choices=["serve", "replay"],
+                   help="serve: sweep concurrency against the live server (off / on / auto speculation); replay: "
+                   "record plain outputs and forward costs once (--record), then replay model-free spec types "
+                   "against them in virtual time (--from)")
     w = b.add_argument_group("workload")
     w.add_argument("--workload", default="quick",
                    help="quick (3 built-in prompts), spec_bench (the Spec-Bench questions) or a JSONL file of "
@@ -335,6 +342,9 @@ def make_parser() -> argparse.ArgumentParser:
                     help="off (no speculation), on (speculate at any load), auto (load controller); default all")
     sb.add_argument("--requests", type=_positive_int,
                     help="requests per level and mode (default max(4, 2 x concurrency))")
+    rp = b.add_argument_group("bench replay")
+    rp.add_argument("--record", metavar="FILE", help="run plain decoding over the workload; save outputs and costs")
+    rp.add_argument("--from", dest="replay_from", metavar="FILE", help="replay --methods against a recording")
     add_model_args(b)
     b.set_defaults(func=cmd_bench)
 

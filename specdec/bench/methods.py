@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from specdec.engine.stats import Stats
+
 HF_METHODS = ("hf-plain", "hf-assisted", "hf-pld")
 HF_PLD_TOKENS = 10
 
@@ -87,9 +89,13 @@ class Ours(Method):
         self.llm.reset_drafters()  # no learning from earlier runs of this prompt (chains share drafters)
         r = self.llm.generate(ids, max_tokens=max_tokens, temperature=temperature, seed=seed,
                               spec_type=self.spec_type)
-        s = r.stats
-        return Output(r.token_ids, s.total_s, r.top2_gaps, s.target_forwards, s.drafted, s.accepted, s.prefill_s,
-                      s.draft_s, s.verify_s, list(s.drafted_at), list(s.accepted_at), peak_rss_mb=rss_mb())
+        return engine_output(r.token_ids, r.stats, r.top2_gaps)
+
+
+def engine_output(tokens: list[int], s: Stats, top2_gaps: list[float]) -> Output:
+    """An Output from our engine's stats for one generation."""
+    return Output(tokens, s.total_s, top2_gaps, s.target_forwards, s.drafted, s.accepted, s.prefill_s,
+                  s.draft_s, s.verify_s, list(s.drafted_at), list(s.accepted_at), peak_rss_mb=rss_mb())
 
 
 class HF(Method):

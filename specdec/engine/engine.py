@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -42,9 +43,11 @@ class Engine:
     """Drives sequences through a target runner: prefill, then steps that draft for every running
     sequence, verify all of them in one batched target forward, and commit each on its own."""
 
-    def __init__(self, target: ModelRunner, tokenizer: Tokenizer, spec: SpecConfig | None = None):
+    def __init__(self, target: ModelRunner, tokenizer: Tokenizer, spec: SpecConfig | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
         self.target, self.tokenizer = target, tokenizer
         self.spec = spec or SpecConfig()
+        self.clock = clock  # seconds; `bench replay` passes a virtual one
         self.cost = CostModel()  # measured target/draft costs, shared by every sequence
         self.stop_ids = tokenizer.stop_ids(target.model.config.eos_token_ids)
 
@@ -62,7 +65,7 @@ class Engine:
         return Sequence(list(prompt_ids), len(prompt_ids), slot=slot, params=params,
                         generator=None if params.greedy else params.generator(), drafter=drafter,
                         draft_max=draft_max, on_text=on_text, detok=Detokenizer(self.tokenizer),
-                        logprobs=[] if logprobs else None, top_logprobs=top_logprobs, started=time.perf_counter())
+                        logprobs=[] if logprobs else None, top_logprobs=top_logprobs, started=self.clock())
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, on_text: StreamCallback | None = None,
                  drafter: Drafter | None = None) -> Sequence:
@@ -88,11 +91,11 @@ class Engine:
     def prefill(self, seq: Sequence, chunk: int | None = None) -> bool:
         """Feed the next `chunk` prompt tokens (all with None); after the last, sample the first output
         token. Returns True once the prompt is in."""
-        t = time.perf_counter()
+        t = self.clock()
         end = len(seq.tokens) if chunk is None else min(len(seq.tokens), seq.prefilled + chunk)
         logits = self.target.prefill(seq.tokens[seq.prefilled:end], seq.slot, start=seq.prefilled)  # [V]
         seq.prefilled = end
-        seq.stats.prefill_s += time.perf_counter() - t
+        seq.stats.prefill_s += self.clock() - t
         if end < len(seq.tokens):
             return False
         seq.stats.target_forwards = 1
@@ -103,22 +106,22 @@ class Engine:
         """One speculative step for every (prefilled, unfinished) sequence: draft up to `draft_cap`
         tokens each, run one target forward over each sequence's last token plus its draft (ragged
         chains batched; trees one forward each), then verify, roll back and commit each on its own."""
-        t0 = time.perf_counter()
+        t0 = self.clock()
         proposed = {id(s): self._guarded(s, self._propose, s, draft_cap) for s in seqs}
         seqs = [s for s in seqs if s.error is None]
         before = sum(len(s.tokens) for s in seqs)
         drafts = [proposed[id(s)][:2] for s in seqs]
         setup_s = sum(proposed[id(s)][2] for s in seqs)
-        t1 = time.perf_counter()
+        t1 = self.clock()
         logits = self._forward(seqs, drafts)
-        forward_s = time.perf_counter() - t1
+        forward_s = self.clock() - t1
         drafted = sum(len(d.tokens) for d, _ in drafts)
         if len(seqs) == 1:  # the cost model describes single-sequence steps
             self.cost.observe_verify(drafted + 1, forward_s)
         for seq, (draft, k), lg in zip(seqs, drafts, logits):
             self._guarded(seq, self._accept, seq, draft, k, lg, forward_s)
         return StepInfo(len(seqs), sum(len(s.tokens) for s in seqs) - before, drafted, drafted + len(seqs),
-                        forward_s, t1 - t0 - setup_s, time.perf_counter() - t0 - setup_s, setup_s)
+                        forward_s, t1 - t0 - setup_s, self.clock() - t0 - setup_s, setup_s)
 
     def finish(self, seq: Sequence, reason: str | None = None) -> None:
         """Close a sequence (finished, or cancelled with `reason`): flush its stream, free drafter state."""
@@ -127,7 +130,7 @@ class Engine:
         self._stream(seq, final=True)
         if seq.drafter:
             seq.drafter.release(seq)
-        seq.stats.total_s = time.perf_counter() - seq.started
+        seq.stats.total_s = self.clock() - seq.started
 
     def _sample(self, logits: torch.Tensor, seq: Sequence) -> int:
         if seq.params.greedy:
@@ -157,12 +160,12 @@ class Engine:
 
     def _propose(self, seq: Sequence, cap: int | None) -> tuple[Draft, int, float]:
         """(draft, the length asked for, the drafter's setup seconds); times the drafter."""
-        t = time.perf_counter()
+        t = self.clock()
         k = self._draft_len(seq, cap) if seq.drafter else 0
         draft = seq.drafter.propose(seq, k) if k > 0 else Draft([])
         if len(draft.tokens) < self.spec.draft_min:
             draft = Draft([])
-        dt = time.perf_counter() - t
+        dt = self.clock() - t
         seq.stats.draft_s += dt
         setup = seq.drafter.setup_s if k > 0 else 0.0
         if draft.tokens:  # the drafter's catch-up on a new prompt is not drafting
@@ -186,7 +189,7 @@ class Engine:
 
     def _accept(self, seq: Sequence, draft: Draft, k: int, logits: torch.Tensor, forward_s: float) -> None:
         """Verify one sequence's draft against its target logits [N+1, V], roll back, commit."""
-        t = time.perf_counter()
+        t = self.clock()
         parents = chain(len(draft.tokens)) if draft.parents is None else draft.parents
         if draft.forced is not None:  # synthetic drafter: acceptance decided by its rates (output not valid)
             seq.synthetic = True
@@ -199,7 +202,7 @@ class Engine:
         if draft.parents is not None:
             self.target.keep_path(seq.slot, seq.last_position, path)
             logits = logits[[0] + [i + 1 for i in path]]  # rows the committed tokens were chosen from
-        seq.stats.verify_s += forward_s + time.perf_counter() - t
+        seq.stats.verify_s += forward_s + self.clock() - t
         depth = draft.depth
         seq.stats.record_step(k, len(draft.tokens), len(path), depth)
         if draft.tokens:

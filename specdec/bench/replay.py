@@ -1,0 +1,251 @@
+"""`specdec bench replay`: tune model-free drafters in seconds instead of hours.
+
+`--record FILE` runs plain greedy decoding once over a workload and saves every turn's prompt and
+output token ids, plus the target's measured forward cost by tokens per forward. `--from FILE` then
+replays any model-free spec types against the recording: the real engine and drafters, a stand-in
+target (`ReplayRunner`) that answers every position with the recorded next token, and a clock that
+charges each target forward its recorded cost (drafting runs, and is timed, for real). The results are
+the same files as `specdec bench` writes, in virtual seconds. A replayed output that differs from the
+recording is an error: the replay checks losslessness too.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from specdec.bench.methods import Method, engine_output, merge
+from specdec.bench.report import bench_meta, report_tables, summarize, write_outputs
+from specdec.bench.runner import compare_to_baselines, parse_methods, record
+from specdec.bench.workloads import Prompt, load_workload
+from specdec.drafters import LOSSY_TYPES
+from specdec.drafters.factory import MODEL_FREE, ModelFreeSettings, make_model_free
+from specdec.engine.adaptive import CostModel
+from specdec.engine.engine import Engine, SpecConfig
+from specdec.errors import SpecdecError
+from specdec.sampling import SamplingParams
+
+COST_SIZES = (1, 2, 4, 8, 16, 24, 32, 64, 128, 512)  # tokens per forward whose cost is recorded
+COST_REPEATS = 3
+FORMAT = "specdec-replay-1"
+
+
+@dataclass
+class Turn:
+    text: str           # the user turn
+    prompt: list[int]   # the whole prompt in the chat template, history included
+    output: list[int]   # plain greedy output (stop token not included)
+    stopped: bool       # True: ended by a stop token; False: by the token limit
+
+
+def run_replay(a: argparse.Namespace) -> Path | None:
+    """`bench replay`: record (`--record`) or replay (`--from`)."""
+    if (a.record is None) == (a.replay_from is None):
+        raise SpecdecError("bench replay needs exactly one of --record FILE or --from FILE")
+    if a.record is not None:
+        record_plain(a)
+        return None
+    return replay_file(a)
+
+
+# --- recording -------------------------------------------------------------------------------------
+
+def record_plain(a: argparse.Namespace) -> None:
+    """Plain greedy decoding over the workload; write prompts, outputs and forward costs to `a.record`."""
+    from specdec.cli import build_llm
+    from specdec.models.loader import resolve_model
+    from specdec.models.packs import DEFAULT_TARGET
+
+    prompts = load_workload(a.workload, a.workload_dir, a.per_category, a.seed, a.categories)
+    a.model = a.model or DEFAULT_TARGET
+    model_path = resolve_model(a.model)
+    a.threads = a.threads or torch.get_num_threads()
+    llm = build_llm(argparse.Namespace(**{**vars(a), "spec_type": "none"}))
+    out = []
+    for i, p in enumerate(prompts, 1):
+        messages, turns = [], []
+        for text in p.turns:
+            messages.append({"role": "user", "content": text})
+            ids = llm.encode_chat(messages)
+            r = llm.generate(ids, max_tokens=p.limit(a.max_tokens), spec_type="none")
+            turns.append({"text": text, "prompt": ids, "output": r.token_ids, "stopped": r.finish_reason == "stop"})
+            messages.append({"role": "assistant", "content": llm.tokenizer.decode(r.token_ids)})
+        out.append({"id": p.id, "category": p.category, "turns": turns})
+        print(f"[{i}/{len(prompts)}] {p.category}/{p.id}: {sum(len(t['output']) for t in turns)} tokens",
+              file=sys.stderr)
+    costs = measure_forward_costs(llm.runner)
+    target = {"path": str(model_path), "vocab_size": llm.runner.vocab_size,
+              "eos_token_ids": list(llm.runner.model.config.eos_token_ids)}
+    path = Path(a.record)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"format": FORMAT, "meta": bench_meta(a, llm, prompts), "target": target,
+                                "forward_s": costs, "prompts": out}))
+    print(f"recorded {len(out)} prompts and forward costs {_costs_line(costs)} to {path}", file=sys.stderr)
+
+
+def measure_forward_costs(runner, sizes: tuple[int, ...] = COST_SIZES, repeats: int = COST_REPEATS) -> dict[str, float]:
+    """Median seconds of a target forward over t tokens at the start of slot 0's cache, for each t."""
+    costs = {}
+    with torch.inference_mode():
+        for t in [t for t in sizes if t < runner.context]:
+            runs = []
+            for _ in range(repeats + 1):  # the first is a warm-up
+                start = time.perf_counter()
+                runner.forward([[0] * t], [0], [0])
+                runs.append(time.perf_counter() - start)
+            costs[str(t)] = statistics.median(runs[1:])
+    return costs
+
+
+def _costs_line(costs: dict[str, float]) -> str:
+    return ", ".join(f"{t}: {s * 1000:.0f} ms" for t, s in costs.items())
+
+
+# --- replaying -------------------------------------------------------------------------------------
+
+class ReplayRunner:
+    """Stands in for ModelRunner over one recorded turn at a time: row i of any forward is a one-hot of
+    the recorded token after that position's context (zeros once the context has left the recording,
+    where verification never looks), and every call adds its recorded cost to `virtual_s`."""
+
+    def __init__(self, costs: CostModel, vocab_size: int, context: int, eos_ids: list[int]):
+        self.costs, self.vocab_size, self.context = costs, vocab_size, context
+        self.model = SimpleNamespace(config=SimpleNamespace(eos_token_ids=eos_ids))
+        self.truth: list[int] = []  # prompt + output (+ a stop token) of the turn being replayed
+        self.virtual_s = 0.0
+
+    def clock(self) -> float:
+        """Real time plus the recorded cost of every forward so far."""
+        return time.perf_counter() + self.virtual_s
+
+    def _row(self, context: list[int]) -> torch.Tensor:
+        row = torch.zeros(self.vocab_size)  # [V]
+        n = len(context)
+        if n < len(self.truth) and self.truth[:n] == context:
+            row[self.truth[n]] = 1.0
+        return row
+
+    def _charge(self, tokens: int) -> None:
+        self.virtual_s += self.costs.verify_cost(tokens)
+
+    def prefill(self, tokens: list[int], slot: int, start: int = 0) -> torch.Tensor:
+        self._charge(len(tokens))
+        return self._row(self.truth[:start] + tokens)  # [V]
+
+    def forward(self, chunks: list[list[int]], starts: list[int], slots: list[int],
+                last_only: bool = False) -> list[torch.Tensor]:
+        out = []
+        for chunk, start in zip(chunks, starts):
+            self._charge(len(chunk))
+            base = self.truth[:start]
+            out.append(torch.stack([self._row(base + chunk[:i + 1]) for i in range(len(chunk))]))  # [T, V]
+        return out
+
+    def verify_tree(self, slot: int, start: int, tokens: list[int], parents: list[int]) -> torch.Tensor:
+        self._charge(len(tokens))
+        paths: list[list[int]] = []
+        for i, p in enumerate(parents):
+            paths.append((paths[p] if p >= 0 else []) + [tokens[i + 1]])
+        base = self.truth[:start] + tokens[:1]
+        return torch.stack([self._row(base)] + [self._row(base + path) for path in paths])  # [N+1, V]
+
+    def keep_path(self, slot: int, start: int, path: list[int]) -> None:
+        """No cache to compact."""
+
+
+class Replayed(Method):
+    def __init__(self, name: str):
+        self.name, self.baseline = name, "none"
+
+
+def replay_file(a: argparse.Namespace) -> Path:
+    """Replay the spec types named by --methods against a recording; write the bench's result files."""
+    from specdec.models.loader import resolve_model
+    from specdec.models.tokenizer import Tokenizer
+
+    rec = load_recording(Path(a.replay_from))
+    names = parse_methods(a.methods)
+    lossless = [t for t in MODEL_FREE if t not in LOSSY_TYPES]
+    bad = [n for n in names if n != "none" and not all(p in lossless for p in n.split("+"))]
+    if bad:
+        raise SpecdecError(f"bench replay runs lossless model-free spec types only (not {', '.join(bad)}); "
+                           f"choose from none, {', '.join(lossless)}")
+    settings = ModelFreeSettings(a.ngram_n, a.ngram_m, a.ngram_min_hits, a.ngram_mod_pool_mb, a.suffix_max_requests,
+                                 a.suffix_factor, a.suffix_min_prob, tuple(a.synth_rates), a.synth_len)
+    recorded, target = rec["meta"], rec["target"]
+    tokenizer = Tokenizer(Path(target["path"]) if Path(target["path"]).is_dir()
+                          else resolve_model(recorded["models"]["target"]))
+    costs = CostModel(verify_s={int(t): s for t, s in rec["forward_s"].items()}, proportional_above=True)
+    runner = ReplayRunner(costs, target["vocab_size"], recorded["context"], target["eos_token_ids"])
+    spec = SpecConfig(a.draft_max, a.draft_min, a.spec_adaptive == "on")
+    engines = {n: Engine(runner, tokenizer, spec, clock=runner.clock) for n in names}  # one cost model each
+    stop = min(engines[names[0]].stop_ids)
+    records: list[dict] = []
+    for p in rec["prompts"]:
+        turns = [Turn(**t) for t in p["turns"]]
+        prompt = Prompt(p["id"], p["category"], tuple(t.text for t in turns))
+        done = []
+        for r in range(a.repeat):
+            for name in names:  # a fresh drafter per turn, as `specdec bench` resets them
+                out = merge([replay_turn(engines[name], runner, turn, _drafter(name, settings, a.chain_mode), stop,
+                                         f"{name} on prompt {p['id']}") for turn in turns])
+                done.append((Replayed(name), record(prompt, Replayed(name), r, out, a.draft_max), out))
+        compare_to_baselines(done)
+        records += [rec_ for _, rec_, _ in done]
+    out_dir = Path(a.out or Path("bench-out") / datetime.now().strftime("replay-%Y%m%d-%H%M%S"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {**recorded, "command": shlex.join(["specdec", *sys.argv[1:]]), "date": datetime.now().isoformat(timespec="seconds"),
+            "repeat": a.repeat, "draft_max": a.draft_max,
+            "recorded": {"file": a.replay_from, "command": recorded["command"], "date": recorded["date"]}}
+    notes = [f"replay of {a.replay_from} (recorded {recorded['date']}): virtual time, each target forward charged "
+             f"its recorded cost ({_costs_line(rec['forward_s'])}; above the largest, in proportion); drafting "
+             "timed for real"]
+    summary = summarize(records, names)
+    write_outputs(out_dir, records, summary, meta, notes)
+    print(report_tables(summary, records, notes))
+    print(f"results: {out_dir}/results.json, {out_dir}/report.md", file=sys.stderr)
+    return out_dir
+
+
+def _drafter(name: str, settings: ModelFreeSettings, chain_mode: str):
+    if name == "none":
+        return None
+    parts = name.split("+")
+    if len(parts) == 1:
+        return make_model_free(name, settings)
+    from specdec.drafters.chain import ChainDrafter
+    return ChainDrafter([make_model_free(p, settings) for p in parts], chain_mode)
+
+
+def replay_turn(engine: Engine, runner: ReplayRunner, turn: Turn, drafter, stop: int, what: str):
+    """One recorded turn through the engine; the output must be the recording's."""
+    runner.truth = turn.prompt + turn.output + ([stop] if turn.stopped else [])
+    limit = len(turn.output) + (1 if turn.stopped else 0)
+    seq = engine.generate(turn.prompt, SamplingParams(max_tokens=max(1, limit)), drafter=drafter)
+    if seq.output_ids != turn.output:
+        at = next((i for i, (x, y) in enumerate(zip(seq.output_ids, turn.output)) if x != y),
+                  min(len(seq.output_ids), len(turn.output)))
+        raise SpecdecError(f"{what}: replayed output differs from the recording at token {at} "
+                           "(a lossless spec type must reproduce it; this is a bug)")
+    return engine_output(seq.output_ids, seq.stats, seq.top2_gaps)
+
+
+def load_recording(path: Path) -> dict:
+    try:
+        rec = json.loads(path.read_text())
+    except OSError as e:
+        raise SpecdecError(f"cannot read recording {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise SpecdecError(f"{path} is not a replay recording (not valid JSON: {e.msg})") from None
+    if not isinstance(rec, dict) or rec.get("format") != FORMAT:
+        raise SpecdecError(f"{path} is not a replay recording (make one with specdec bench replay --record)")
+    return rec

@@ -1,0 +1,103 @@
+"""`specdec bench replay`: the stand-in target, lossless replays of every model-free type, the CLI."""
+import json
+
+import pytest
+import torch
+
+from conftest import VOCAB, word_tokenizer
+from specdec.bench.replay import ReplayRunner, Turn, _drafter, replay_turn
+from specdec.cli import main
+from specdec.drafters import LOSSLESS_TYPES
+from specdec.drafters.factory import MODEL_FREE, ModelFreeSettings
+from specdec.engine.adaptive import CostModel
+from specdec.engine.engine import Engine, SpecConfig
+from specdec.errors import SpecdecError
+from specdec.models.tokenizer import Tokenizer
+
+COSTS = {1: 0.1, 16: 0.2, 512: 1.0}
+
+
+def _runner(vocab=VOCAB):
+    return ReplayRunner(CostModel(verify_s=dict(COSTS), proportional_above=True), vocab, 256, [0])
+
+
+def test_replay_runner_rows_and_costs():
+    r = _runner(10)
+    r.truth = [1, 2, 3, 4, 5]
+    assert int(r.prefill([1, 2], 0).argmax()) == 3
+    rows = r.forward([[2, 3, 9]], [1], [0])[0]  # after [1]: 2 3 match the recording, 9 leaves it
+    assert rows.argmax(-1)[:2].tolist() == [3, 4] and rows[2].sum() == 0
+    tree = r.verify_tree(0, 1, [2, 3, 9, 4], [-1, -1, 0])  # root 2; children 3 and 9; 4 under 3
+    assert tree.argmax(-1)[[0, 1, 3]].tolist() == [3, 4, 5] and tree[2].sum() == 0
+    r.prefill(list(range(1024)), 0)
+    assert _cost(4) == pytest.approx(0.1 + 0.1 * 3 / 15)  # between measured sizes: interpolated
+    assert _cost(1024) == pytest.approx(2.0)  # above the largest: in proportion
+    assert r.virtual_s == pytest.approx(_cost(2) + _cost(3) + _cost(4) + _cost(1024))
+
+
+def test_replay_is_lossless_and_faster_where_drafts_hit(tmp_path):
+    word_tokenizer(tmp_path)
+    tok = Tokenizer(tmp_path)
+    span = list(range(5, 25))
+    turn = Turn("t", [3] + span * 2 + [4], span + [30, 31] + span, stopped=True)  # the output copies the prompt
+    runner = _runner()
+    seconds = {}
+    for name in ["none", *[t for t in MODEL_FREE if t in LOSSLESS_TYPES], "ngram-mod+suffix"]:
+        engine = Engine(runner, tok, SpecConfig(), clock=runner.clock)
+        out = replay_turn(engine, runner, turn, _drafter(name, ModelFreeSettings(), "first"), 0, name)
+        assert out.tokens == turn.output, name
+        seconds[name] = out.seconds
+        if name == "none":  # prefill (1 forward) + one forward per output token, the last one yielding the stop
+            assert out.target_forwards == len(turn.output) + 1
+            assert out.seconds == pytest.approx(_cost(42) + 0.1 * 42, rel=0.05)  # 42 prompt tokens
+    assert all(seconds[n] < 0.6 * seconds["none"] for n in seconds if n != "none"), seconds
+
+
+def _cost(tokens):
+    return CostModel(verify_s=dict(COSTS), proportional_above=True).verify_cost(tokens)
+
+
+def test_replay_catches_a_lossy_drafter(tmp_path):
+    word_tokenizer(tmp_path)
+    runner = _runner()
+    turn = Turn("t", [3, 5, 6, 7], [8, 9, 10, 11, 12, 13], stopped=False)
+    engine = Engine(runner, Tokenizer(tmp_path), SpecConfig(adaptive=False), clock=runner.clock)
+    synthetic = _drafter("synthetic", ModelFreeSettings(synth_rates=(1.0,), synth_len=4), "first")
+    with pytest.raises(SpecdecError, match=r"replayed output differs from the recording at token 1 "):
+        replay_turn(engine, runner, turn, synthetic, 0, "synthetic")
+
+
+def test_replay_cli_errors(tmp_path, capsys):
+    assert main(["bench", "replay"]) == 1
+    assert "exactly one of --record FILE or --from FILE" in capsys.readouterr().err
+    bad = tmp_path / "x.json"
+    bad.write_text("{}")
+    assert main(["bench", "replay", "--from", str(bad)]) == 1
+    assert "is not a replay recording" in capsys.readouterr().err
+
+
+@pytest.mark.real
+def test_record_and_replay_smollm(smollm_dir, tmp_path, capsys):
+    work = tmp_path / "w.jsonl"
+    work.write_text(json.dumps({"id": "e", "category": "code-edit", "prompt":
+                                "Repeat this line exactly: def add(a, b): return a + b"}) + "\n")
+    rec = tmp_path / "rec.json"
+    threads = torch.get_num_threads()
+    try:
+        assert main(["bench", "replay", "--record", str(rec), "-m", str(smollm_dir), "--dtype", "fp32", "-t", "1",
+                     "-n", "12", "--workload", str(work)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    data = json.loads(rec.read_text())
+    assert set(data["forward_s"]) >= {"1", "16", "512"} and all(s > 0 for s in data["forward_s"].values())
+    assert 0 < len(data["prompts"][0]["turns"][0]["output"]) <= 12
+    out = tmp_path / "out"
+    assert main(["bench", "replay", "--from", str(rec), "--methods", "none,suffix,ngram-simple",
+                 "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert [r["method"] for r in res["runs"]] == ["none", "suffix", "ngram-simple"]
+    assert all(r["matches_baseline"] for r in res["runs"])
+    assert "virtual time" in (out / "report.md").read_text()
+    capsys.readouterr()
+    assert main(["bench", "replay", "--from", str(rec), "--methods", "draft"]) == 1
+    assert "lossless model-free spec types only" in capsys.readouterr().err
