@@ -70,6 +70,8 @@ def test_replay_catches_a_lossy_drafter(tmp_path):
 def test_replay_cli_errors(tmp_path, capsys):
     assert main(["bench", "replay"]) == 1
     assert "exactly one of --record FILE or --from FILE" in capsys.readouterr().err
+    assert main(["bench", "replay", "--record", "r.json", "--temp", "0.7"]) == 1
+    assert "greedy decoding only" in capsys.readouterr().err
     bad = tmp_path / "x.json"
     bad.write_text("{}")
     assert main(["bench", "replay", "--from", str(bad)]) == 1

@@ -51,6 +51,10 @@ def run_replay(a: argparse.Namespace) -> Path | None:
     """`bench replay`: record (`--record`) or replay (`--from`)."""
     if (a.record is None) == (a.replay_from is None):
         raise SpecdecError("bench replay needs exactly one of --record FILE or --from FILE")
+    if a.temp != 0:
+        raise SpecdecError("bench replay replays greedy decoding only; drop --temp")
+    if a.spec_type is not None:
+        raise SpecdecError("bench replay runs the spec types named by --methods; drop --spec-type")
     if a.record is not None:
         record_plain(a)
         return None
