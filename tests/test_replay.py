@@ -82,7 +82,9 @@ def test_replay_cli_errors(tmp_path, capsys):
 def test_record_and_replay_smollm(smollm_dir, tmp_path, capsys):
     work = tmp_path / "w.jsonl"
     work.write_text(json.dumps({"id": "e", "category": "code-edit", "prompt":
-                                "Repeat this line exactly: def add(a, b): return a + b"}) + "\n")
+                                "Repeat this line exactly: def add(a, b): return a + b"}) + "\n" +
+                    json.dumps({"id": "m", "category": "multi_turn", "turns": ["Name a fruit.", "And a vegetable?"]})
+                    + "\n")
     rec = tmp_path / "rec.json"
     threads = torch.get_num_threads()
     try:
@@ -93,11 +95,13 @@ def test_record_and_replay_smollm(smollm_dir, tmp_path, capsys):
     data = json.loads(rec.read_text())
     assert set(data["forward_s"]) >= {"1", "16", "512"} and all(s > 0 for s in data["forward_s"].values())
     assert 0 < len(data["prompts"][0]["turns"][0]["output"]) <= 12
+    first, second = data["prompts"][1]["turns"]  # turn 2's prompt holds turn 1 and its answer
+    assert second["prompt"][:len(first["prompt"])] == first["prompt"] and len(second["prompt"]) > len(first["prompt"])
     out = tmp_path / "out"
     assert main(["bench", "replay", "--from", str(rec), "--methods", "none,suffix,ngram-simple",
                  "--out", str(out)]) == 0
     res = json.loads((out / "results.json").read_text())
-    assert [r["method"] for r in res["runs"]] == ["none", "suffix", "ngram-simple"]
+    assert [r["method"] for r in res["runs"]] == ["none", "suffix", "ngram-simple"] * 2
     assert all(r["matches_baseline"] for r in res["runs"])
     assert "virtual time" in (out / "report.md").read_text()
     capsys.readouterr()
