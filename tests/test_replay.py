@@ -33,6 +33,12 @@ def test_replay_runner_rows_and_costs():
     assert _cost(4) == pytest.approx(0.1 + 0.1 * 3 / 15)  # between measured sizes: interpolated
     assert _cost(1024) == pytest.approx(2.0)  # above the largest: in proportion
     assert r.virtual_s == pytest.approx(_cost(2) + _cost(3) + _cost(4) + _cost(1024))
+    trees = _runner(10)
+    trees.tree_costs = CostModel(verify_s={2: 1.0})  # a recording with tree costs charges them to tree verifies
+    trees.truth = r.truth
+    trees.verify_tree(0, 1, [2, 3, 9, 4], [-1, -1, 0])
+    trees.forward([[2, 3]], [1], [0])
+    assert trees.virtual_s == pytest.approx(1.0 + _cost(2))
 
 
 def test_replay_is_lossless_and_faster_where_drafts_hit(tmp_path):
@@ -94,6 +100,7 @@ def test_record_and_replay_smollm(smollm_dir, tmp_path, capsys):
         torch.set_num_threads(threads)
     data = json.loads(rec.read_text())
     assert set(data["forward_s"]) >= {"1", "16", "512"} and all(s > 0 for s in data["forward_s"].values())
+    assert set(data["tree_forward_s"]) >= {"2", "16", "64"} and "1" not in data["tree_forward_s"]
     assert 0 < len(data["prompts"][0]["turns"][0]["output"]) <= 12
     first, second = data["prompts"][1]["turns"]  # turn 2's prompt holds turn 1 and its answer
     assert second["prompt"][:len(first["prompt"])] == first["prompt"] and len(second["prompt"]) > len(first["prompt"])

@@ -36,6 +36,7 @@ from specdec.sampling import SamplingParams
 
 COST_SIZES = (1, 2, 4, 8, 16, 24, 32, 64, 128, 512)  # tokens per forward whose cost is recorded
 COST_REPEATS = 3
+TREE_SIZES_MAX = 64  # tree verifies are measured up to this many tokens (drafts are bounded by --draft-max)
 FORMAT = "specdec-replay-1"
 
 
@@ -87,24 +88,31 @@ def record_plain(a: argparse.Namespace) -> None:
         print(f"[{i}/{len(prompts)}] {p.category}/{p.id}: {sum(len(t['output']) for t in turns)} tokens",
               file=sys.stderr)
     costs = measure_forward_costs(llm.runner)
+    tree_costs = measure_forward_costs(llm.runner, tuple(t for t in COST_SIZES if t <= TREE_SIZES_MAX), tree=True)
     target = {"path": str(model_path), "vocab_size": llm.runner.vocab_size,
               "eos_token_ids": list(llm.runner.model.config.eos_token_ids)}
     path = Path(a.record)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"format": FORMAT, "meta": bench_meta(a, llm, prompts), "target": target,
-                                "forward_s": costs, "prompts": out}))
-    print(f"recorded {len(out)} prompts and forward costs {_costs_line(costs)} to {path}", file=sys.stderr)
+                                "forward_s": costs, "tree_forward_s": tree_costs, "prompts": out}))
+    print(f"recorded {len(out)} prompts, forward costs {_costs_line(costs)} and tree verify costs "
+          f"{_costs_line(tree_costs)} to {path}", file=sys.stderr)
 
 
-def measure_forward_costs(runner, sizes: tuple[int, ...] = COST_SIZES, repeats: int = COST_REPEATS) -> dict[str, float]:
-    """Median seconds of a target forward over t tokens at the start of slot 0's cache, for each t."""
+def measure_forward_costs(runner, sizes: tuple[int, ...] = COST_SIZES, repeats: int = COST_REPEATS,
+                          tree: bool = False) -> dict[str, float]:
+    """Median seconds of a target forward over t tokens at the start of slot 0's cache, for each t: a chain,
+    or with `tree` a tree verify of t tokens (the root and t - 1 nodes, two children each)."""
     costs = {}
     with torch.inference_mode():
-        for t in [t for t in sizes if t < runner.context]:
+        for t in [t for t in sizes if t < runner.context and (t > 1 or not tree)]:
             runs = []
             for _ in range(repeats + 1):  # the first is a warm-up
                 start = time.perf_counter()
-                runner.forward([[0] * t], [0], [0])
+                if tree:
+                    runner.verify_tree(0, 0, [0] * t, [(j - 1) // 2 for j in range(t - 1)])
+                else:
+                    runner.forward([[0] * t], [0], [0])
                 runs.append(time.perf_counter() - start)
             costs[str(t)] = statistics.median(runs[1:])
     return costs
@@ -121,8 +129,10 @@ class ReplayRunner:
     the recorded token after that position's context (zeros once the context has left the recording,
     where verification never looks), and every call adds its recorded cost to `virtual_s`."""
 
-    def __init__(self, costs: CostModel, vocab_size: int, context: int, eos_ids: list[int]):
+    def __init__(self, costs: CostModel, vocab_size: int, context: int, eos_ids: list[int],
+                 tree_costs: CostModel | None = None):
         self.costs, self.vocab_size, self.context = costs, vocab_size, context
+        self.tree_costs = tree_costs or costs  # tree verifies (older recordings: as chains)
         self.model = SimpleNamespace(config=SimpleNamespace(eos_token_ids=eos_ids))
         self.truth: list[int] = []  # prompt + output (+ a stop token) of the turn being replayed
         self.virtual_s = 0.0
@@ -138,8 +148,8 @@ class ReplayRunner:
             row[self.truth[n]] = 1.0
         return row
 
-    def _charge(self, tokens: int) -> None:
-        self.virtual_s += self.costs.verify_cost(tokens)
+    def _charge(self, tokens: int, costs: CostModel | None = None) -> None:
+        self.virtual_s += (costs or self.costs).verify_cost(tokens)
 
     def prefill(self, tokens: list[int], slot: int, start: int = 0) -> torch.Tensor:
         self._charge(len(tokens))
@@ -155,7 +165,7 @@ class ReplayRunner:
         return out
 
     def verify_tree(self, slot: int, start: int, tokens: list[int], parents: list[int]) -> torch.Tensor:
-        self._charge(len(tokens))
+        self._charge(len(tokens), self.tree_costs)
         paths: list[list[int]] = []
         for i, p in enumerate(parents):
             paths.append((paths[p] if p >= 0 else []) + [tokens[i + 1]])
@@ -188,8 +198,9 @@ def replay_file(a: argparse.Namespace) -> Path:
     recorded, target = rec["meta"], rec["target"]
     tokenizer = Tokenizer(Path(target["path"]) if Path(target["path"]).is_dir()
                           else resolve_model(recorded["models"]["target"]))
-    costs = CostModel(verify_s={int(t): s for t, s in rec["forward_s"].items()}, proportional_above=True)
-    runner = ReplayRunner(costs, target["vocab_size"], recorded["context"], target["eos_token_ids"])
+    costs, tree_costs = (CostModel(verify_s={int(t): s for t, s in rec[key].items()}, proportional_above=True)
+                         if rec.get(key) else None for key in ("forward_s", "tree_forward_s"))
+    runner = ReplayRunner(costs, target["vocab_size"], recorded["context"], target["eos_token_ids"], tree_costs)
     spec = SpecConfig(a.draft_max, a.draft_min, a.spec_adaptive == "on")
     engines = {n: Engine(runner, tokenizer, spec, clock=runner.clock) for n in names}  # one cost model each
     stop = min(engines[names[0]].stop_ids)
@@ -210,9 +221,11 @@ def replay_file(a: argparse.Namespace) -> Path:
     meta = {**recorded, "command": shlex.join(["specdec", *sys.argv[1:]]), "date": datetime.now().isoformat(timespec="seconds"),
             "repeat": a.repeat, "draft_max": a.draft_max,
             "recorded": {"file": a.replay_from, "command": recorded["command"], "date": recorded["date"]}}
+    trees = (f"; tree verifies {_costs_line(rec['tree_forward_s'])}" if rec.get("tree_forward_s")
+             else "; tree verifies as chains")
     notes = [f"replay of {a.replay_from} (recorded {recorded['date']}): virtual time, each target forward charged "
-             f"its recorded cost ({_costs_line(rec['forward_s'])}; above the largest, in proportion); drafting "
-             "timed for real"]
+             f"its recorded cost (chains {_costs_line(rec['forward_s'])}{trees}; above the largest, in proportion); "
+             "drafting timed for real"]
     summary = summarize(records, names)
     write_outputs(out_dir, records, summary, meta, notes)
     print(report_tables(summary, records, notes))

@@ -13,8 +13,8 @@ from specdec.engine.sequence import Sequence
 
 MAX_ORDER = 8  # contexts of 1..MAX_ORDER tokens are indexed
 # Draft at most FACTOR x match length tokens. SuffixDecoding uses 1 with its deeper suffix-tree matches; ours
-# are shorter. Replayed on input-grounded prompts (docs/benchmarks.md, run 2e): 1, 2, 4, 8 gave 2.32x, 2.50x,
-# 2.58x, 2.62x; 4 keeps drafts shorter for nearly all of the gain (the adaptive length trims them further).
+# are shorter. Replayed on input-grounded prompts (docs/benchmarks.md, run 2e), suffix-tree with 1, 2, 4, 8:
+# 2.28x, 2.44x, 2.57x, 2.53x plain decoding.
 FACTOR = 4.0
 
 
