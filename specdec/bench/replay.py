@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
 import sys
 import time
@@ -24,7 +23,7 @@ from types import SimpleNamespace
 import torch
 
 from specdec.bench.methods import Method, engine_output, merge
-from specdec.bench.report import bench_meta, report_tables, summarize, write_outputs
+from specdec.bench.report import bench_meta, report_tables, run_stamp, summarize, write_outputs
 from specdec.bench.runner import compare_to_baselines, parse_methods, record
 from specdec.bench.workloads import Prompt, load_workload
 from specdec.drafters import LOSSY_TYPES
@@ -218,8 +217,7 @@ def replay_file(a: argparse.Namespace) -> Path:
         records += [rec_ for _, rec_, _ in done]
     out_dir = Path(a.out or Path("bench-out") / datetime.now().strftime("replay-%Y%m%d-%H%M%S"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    meta = {**recorded, "command": shlex.join(["specdec", *sys.argv[1:]]), "date": datetime.now().isoformat(timespec="seconds"),
-            "repeat": a.repeat, "draft_max": a.draft_max,
+    meta = {**recorded, **run_stamp(), "repeat": a.repeat, "draft_max": a.draft_max,
             "recorded": {"file": a.replay_from, "command": recorded["command"], "date": recorded["date"]}}
     trees = (f"; tree verifies {_costs_line(rec['tree_forward_s'])}" if rec.get("tree_forward_s")
              else "; tree verifies as chains")

@@ -19,7 +19,7 @@ def bench_meta(a, llm, prompts) -> dict:
     import torch
     import transformers
 
-    return {"command": shlex.join(["specdec", *sys.argv[1:]]), "date": datetime.now().isoformat(timespec="seconds"),
+    return {**run_stamp(),
             "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "platform": platform.platform()},
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
                          "transformers": transformers.__version__},
@@ -27,6 +27,11 @@ def bench_meta(a, llm, prompts) -> dict:
             "models": {"target": a.model, "draft": a.draft}, "workload": a.workload, "prompts": len(prompts),
             "max_tokens": a.max_tokens, "repeat": a.repeat, "temperature": a.temp, "seed": a.seed,
             "draft_max": a.draft_max, "context": llm.context}
+
+
+def run_stamp() -> dict:
+    """This run's command line and start time."""
+    return {"command": shlex.join(["specdec", *sys.argv[1:]]), "date": datetime.now().isoformat(timespec="seconds")}
 
 
 def _cpu_model() -> str:
@@ -177,8 +182,8 @@ def render_report(summary: dict, records: list[dict], meta: dict, notes: list[st
             "`hf-plain`, `llama-none`) on the same prompts; decode speedup: the same with the prefill time "
             "left out (our engine and llama.cpp report it); speedup vs hf-plain: the same against "
             "`transformers` generate. ceiling: the most any speculation could reach, from `none`'s runs: the "
-            "same prefill, then every draft of --draft-max tokens accepted at the cost of one plain forward. Greedy outputs are compared with the first run of that plain "
-            "decoding.", "", ""]
+            "same prefill, then every draft of --draft-max tokens accepted at the cost of one plain forward. "
+            "Greedy outputs are compared with the first run of that plain decoding.", "", ""]
     pics = ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     return "\n".join(head) + report_tables(summary, records, notes) + "\n".join(pics) + "\n"
 

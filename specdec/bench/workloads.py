@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,8 +41,7 @@ def load_workload(name: str, workload_dir: str | None = None, per_category: int 
         prompts += _load_one(part, workload_dir, per_category, seed)
     if not prompts:
         raise SpecdecError(f"no workload named in {name!r}")
-    ids = [p.id for p in prompts]
-    dup = sorted({i for i in ids if ids.count(i) > 1})
+    dup = sorted(i for i, n in Counter(p.id for p in prompts).items() if n > 1)
     if dup:
         raise SpecdecError(f"prompt ids {', '.join(dup[:5])} occur in more than one workload of {name!r}")
     if categories:
