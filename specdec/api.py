@@ -1,7 +1,9 @@
 """Python API: `LLM(model, draft=..., spec_type=...).generate(prompt, ...)`."""
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
+from typing import Hashable
 
 import torch
 
@@ -78,18 +80,24 @@ class LLM:
         self._draft_quant = draft_quant
         self._spec = SpecConfig(draft_max, draft_min, adaptive)
         self._progress = progress
-        self._drafters: dict[str, Drafter | None] = {}  # by spec type or chain; chains reuse single ones
+        self._drafters: dict[tuple[str, Hashable], Drafter | None] = {}  # by (spec type or chain, scope)
+        self._drafters_lock = threading.RLock()  # server requests ask from several threads; chains nest
         self.engine = Engine(self.runner, self.tokenizer, self._spec)
         self.drafter = self.drafter_for(spec_type)
 
-    def drafter_for(self, spec_type: str) -> Drafter | None:
-        """The drafter for one spec type or chain (None for 'none'). Drafters are made once per LLM and
-        shared by every sequence (one ngram-mod pool, one suffix memory, one draft model)."""
+    def drafter_for(self, spec_type: str, scope: Hashable = None) -> Drafter | None:
+        """The drafter for one spec type or chain (None for 'none'), made once per LLM and `scope`. Model-free
+        drafters (and chains with one) get an instance per scope, so what they learn across requests (the
+        ngram-mod pool, the suffix memory) stays within it (e.g. one API key); scope None is the LLM's own.
+        The draft model keeps nothing across requests: one serves every scope."""
         parts = parse_spec_type(spec_type)
-        key = ",".join(parts)
+        key = (",".join(parts), scope if any(p in MODEL_FREE for p in parts) else None)
         if key not in self._drafters:
-            members = [self.drafter_for(p) for p in parts] if len(parts) > 1 else None
-            self._drafters[key] = ChainDrafter(members, self._chain_mode) if members else self._make_drafter(key)
+            with self._drafters_lock:  # made once, however many requests ask at the same time (a draft model loads)
+                if key not in self._drafters:
+                    members = [self.drafter_for(p, scope) for p in parts] if len(parts) > 1 else None
+                    self._drafters[key] = (ChainDrafter(members, self._chain_mode) if members
+                                           else self._make_drafter(key[0]))
         return self._drafters[key]
 
     def reset_drafters(self) -> None:

@@ -87,13 +87,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--draft-max", type=_positive_int, default=16, help="max drafted tokens per step (default 16)")
     s.add_argument("--draft-min", type=int, default=0, help="skip drafts shorter than this (default 0)")
     s.add_argument("--draft-branch-p", type=_unit_float, default=0.0,
-                   help="draft model: where its token's probability is below this, also propose its second "
-                   "choice as a sibling (a token tree verified in one forward); 0 = chains only (default 0)")
+                   help="draft model: where its largest probability is below this, also propose its second "
+                   "choice (sampling: a second draw) as a sibling (a token tree verified in one forward); "
+                   "0 = chains only (default 0)")
     s.add_argument("--spec-adaptive", choices=["on", "off"], default="on",
                    help="choose each step's draft length (<= --draft-max) by measured costs and acceptance "
                    "(default on); off = always --draft-max")
     s.add_argument("--draft-p-min", type=_unit_float, default=0.0,
-                   help="stop drafting when the draft's token probability falls below this (default 0)")
+                   help="stop drafting when the draft's largest probability at the next position falls below this "
+                   "(decided before drawing, so sampling stays lossless; default 0)")
     s.add_argument("--draft-quant", choices=["int8", "int4", "none"], default="int4",
                    help="weights of the draft model: int4 (groups of 64, bf16 layers; int8 elsewhere) or int8 (per "
                    "channel), weight-only, faster on CPU; the output stays the target's; or none (default int4)")
@@ -330,11 +332,17 @@ def make_parser() -> argparse.ArgumentParser:
                    help="cap on new tokens per turn (default: the prompt's max_tokens, else 128)")
     w.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy, outputs checked (default 0)")
     w.add_argument("--seed", type=int, default=0, help="seed for --per-category sampling and sampled runs (0)")
+    w.add_argument("--unseeded", action="store_true",
+                   help="sampled runs without a seed (rejection sampling); default: seeded, each token a function "
+                   "of (seed, position) and verified by exact match")
     r = b.add_argument_group("methods and measurement")
     r.add_argument("--methods", default=",".join((*LOSSLESS_TYPES, "hf-plain")),
                    help=f"comma-separated, or all: {', '.join(all_methods())} (default: ours and hf-plain)")
     r.add_argument("--repeat", type=_positive_int, default=1, help="runs per prompt and method (median reported)")
-    r.add_argument("--llama-server", metavar="PATH", help="llama-server binary for the llama-* methods")
+    r.add_argument("--llama-server", metavar="PATH|auto",
+                   help="llama-server binary for the llama-* methods; auto: build it once (~20-30+ min on 2 cores; "
+                   "needs cmake and g++) from the llama.cpp source pinned in the llama-cpp-python 0.3.36 sdist, "
+                   "for this CPU, cached under $SPECDEC_HOME/llama.cpp")
     r.add_argument("--out", help="output folder (default bench-out/DATE-TIME)")
     sb = b.add_argument_group("bench serve")
     sb.add_argument("--concurrency", default="1,2,4,8,16", help="client concurrency levels (default 1,2,4,8,16)")

@@ -3,14 +3,18 @@
 Greedy: follow the target's argmax through the tree as long as a child matches, then the
 target's own token. Sampling: rejection sampling (Leviathan et al. 2023, Chen et al. 2023),
 multi-candidate at tree nodes (SpecInfer); a drafter without probabilities counts as one-hot.
+Seeded sampling: the target's token at each position is a Gumbel-max draw keyed by (seed,
+position) (`sampling.seeded_pick`), so verification is an exact match, like greedy.
 Either way the result is the accepted drafts along one path + one token from the target.
 A chain is the tree whose node i continues node i-1.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from specdec.sampling import SamplingParams, probs_from_logits, sample
+from specdec.sampling import SamplingParams, probs_from_logits, sample, seeded_pick
 
 
 def chain(k: int) -> list[int]:
@@ -43,10 +47,27 @@ def verify_tree_greedy(tokens: list[int], parents: list[int], target_logits: tor
     Returns (accepted tokens + bonus, accepted node indices along the path).
     """
     pred = target_logits.argmax(-1).tolist()  # [N+1]
+    return _verify_tree_match(tokens, parents, lambda row, _depth: pred[row])
+
+
+def verify_tree_seeded(tokens: list[int], parents: list[int], target_logits: torch.Tensor, params: SamplingParams,
+                       position: int) -> tuple[list[int], list[int]]:
+    """Seeded sampling over a token tree: the target's own seeded pick at each node, matched like greedy.
+
+    target_logits [N+1, V]; `position`: index in the sequence of the first token after the committed ones.
+    """
+    return _verify_tree_match(tokens, parents,
+                              lambda row, depth: seeded_pick(target_logits[row], params, position + depth))
+
+
+def _verify_tree_match(tokens: list[int], parents: list[int],
+                       pick: Callable[[int, int], int]) -> tuple[list[int], list[int]]:
+    """Follow the children that equal the target's pick(row, depth) (row i+1: node i; depth: nodes
+    on the path so far), then append the target's pick where none does."""
     kids = _children(parents)
     out, path, cur = [], [], -1
     while True:
-        want = pred[cur + 1]
+        want = pick(cur + 1, len(path))
         out.append(want)
         nxt = next((i for i in kids.get(cur, []) if tokens[i] == want), None)
         if nxt is None:

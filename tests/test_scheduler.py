@@ -59,8 +59,8 @@ def test_cancel_frees_the_slot_and_spares_the_others(tiny_dir):
     assert b.seq.finish_reason == "cancelled" and b in done
     assert a.seq.output_ids == base
     assert sorted(sched.free) == [0, 1]
-    sched.submit(Request([1], SamplingParams()))
-    sched.submit(Request([1], SamplingParams()))
+    for _ in range(4):  # two for the free slots, two waiting (max_queue=2)
+        sched.submit(Request([1], SamplingParams()))
     try:
         sched.submit(Request([1], SamplingParams()))
         raise AssertionError("queue limit not enforced")

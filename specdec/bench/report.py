@@ -26,7 +26,7 @@ def bench_meta(a, llm, prompts) -> dict:
             "dtype": str(llm.dtype).removeprefix("torch."), "threads": a.threads,
             "models": {"target": a.model, "draft": a.draft}, "workload": a.workload, "prompts": len(prompts),
             "max_tokens": a.max_tokens, "repeat": a.repeat, "temperature": a.temp, "seed": a.seed,
-            "draft_max": a.draft_max, "context": llm.context}
+            "unseeded": getattr(a, "unseeded", False), "draft_max": a.draft_max, "context": llm.context}
 
 
 def run_stamp() -> dict:

@@ -59,6 +59,9 @@ def run_bench(a: argparse.Namespace) -> Path:
     need_draft = [m for m in names if m in NEEDS_DRAFT or "draft" in m.split("+")]
     if a.draft is None and need_draft:
         raise SpecdecError(f"methods {', '.join(need_draft)} need a draft model (-md)")
+    if a.llama_server == "auto" and any(m in LLAMA_METHODS for m in names):  # before loading any model
+        from specdec.bench.llama_build import ensure_llama_server
+        a.llama_server = str(ensure_llama_server())
     a.threads = a.threads or torch.get_num_threads()  # fixed for every method, peers included
     out_dir = Path(a.out or Path("bench-out") / datetime.now().strftime("%Y%m%d-%H%M%S"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -90,9 +93,10 @@ def _run_all(llm, methods: list[Method], prompts: list[Prompt], a: argparse.Name
     from tqdm import tqdm
 
     greedy = a.temp == 0
+    seed = None if a.unseeded else a.seed
     print(f"warming up ({', '.join(m.name for m in methods)})...", file=sys.stderr)
     for m in methods:
-        run_prompt(llm, m, WARMUP, WARMUP.limit(a.max_tokens), a.temp, a.seed)
+        run_prompt(llm, m, WARMUP, WARMUP.limit(a.max_tokens), a.temp, seed)
     records: list[dict] = []
     order = [m.name for m in methods]
     bar = tqdm(total=len(prompts) * a.repeat * len(methods), unit="run", file=sys.stderr, dynamic_ncols=True)
@@ -101,7 +105,7 @@ def _run_all(llm, methods: list[Method], prompts: list[Prompt], a: argparse.Name
         for r in range(a.repeat):
             for m in methods:  # interleaved (A B C A B C) so drift hits every method alike
                 bar.set_postfix_str(f"{p.category}/{p.id} {m.name}")
-                out = run_prompt(llm, m, p, p.limit(a.max_tokens), a.temp, a.seed)
+                out = run_prompt(llm, m, p, p.limit(a.max_tokens), a.temp, seed)
                 done.append((m, record(p, m, r, out, a.draft_max), out))
                 bar.update()
         if greedy:

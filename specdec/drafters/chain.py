@@ -3,7 +3,8 @@
 `first` (llama.cpp's behaviour): ask each member in order, use the first non-empty draft.
 `gain`: use the draft with the most expected accepted tokens, from each member's own measured
 per-position acceptance on this sequence; a drafter that knows its confidence (the draft model,
-the expensive one) is only asked when even a full-length draft from it could beat the best so far.
+the expensive one) is only asked when even a full-length draft from it could beat the best so far,
+and a draft it samples (temperature > 0, unseeded) is then used whatever its length.
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ class ChainDrafter(Drafter):
             self.setup_s += m.setup_s
             if not draft.tokens:
                 continue
-            if self.mode == "first":
+            if self.mode == "first" or draft.probs is not None:
+                # A sampled draft is used once drawn: choosing by its (random) length would bias its tokens.
                 self.chosen[seq.slot] = i
                 return draft
             gain = sum(est[i].survival(draft.depth))  # expected accepted tokens

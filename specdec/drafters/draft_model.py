@@ -1,8 +1,9 @@
 """`draft`: a smaller model with the same tokenizer proposes tokens one forward at a time.
 
-With `branch_p` > 0 the proposal is a small tree: wherever the draft's own probability of its
-token is below `branch_p`, its second choice (greedy) or a second independent sample (sampling)
-is added as a sibling leaf, which costs no extra draft forward.
+With `branch_p` > 0 the proposal is a small tree: wherever the draft's largest probability is
+below `branch_p`, its second choice (greedy, seeded) or a second independent sample (sampling)
+is added as a sibling leaf, which costs no extra draft forward. Every cut (`p_min`, `branch_p`,
+the adaptive `min_path_prob`) reads only what was known before the position's token was drawn.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from specdec.drafters.base import Draft, Drafter
 from specdec.engine.sequence import Sequence
 from specdec.runtime.runner import ModelRunner
-from specdec.sampling import probs_from_logits, sample
+from specdec.sampling import probs_from_logits, sample, seeded_scores
 
 
 SETUP_TOKENS = 32  # a catch-up longer than any draft: the prompt, counted as setup
@@ -37,22 +38,28 @@ class DraftModelDrafter(Drafter):
         pad = logits.new_full((*logits.shape[:-1], self.target_vocab - v), float("-inf"))
         return torch.cat([logits, pad], dim=-1)
 
-    def _pick(self, logits: torch.Tensor, seq: Sequence) -> tuple[int, float, torch.Tensor | None, int | None]:
-        """logits [V] -> (token, its probability, sampling distribution [V] or None, sibling or None)."""
-        if seq.params.greedy:
-            need = self.p_min > 0 or self.branch_p > 0 or self.min_path_prob > 0
-            probs = logits.softmax(-1) if need else None
-            if probs is None:
-                return int(logits.argmax()), 1.0, None, None
-            top = probs.topk(2)
-            tok, conf = int(top.indices[0]), float(top.values[0])
-            sibling = int(top.indices[1]) if conf < self.branch_p else None
-            return tok, conf, None, sibling
-        p = probs_from_logits(logits[None], seq.params)[0]
-        tok = int(sample(p[None], seq.generator))
-        conf = float(p[tok])
-        sibling = int(sample(p[None], seq.generator)) if conf < self.branch_p else None
-        return tok, conf, p, sibling
+    def _probs(self, logits: torch.Tensor, seq: Sequence) -> torch.Tensor | None:
+        """logits [V] -> the draft's distribution q [V]; None when greedy and no rule reads it."""
+        if not seq.params.greedy:
+            return probs_from_logits(logits[None], seq.params)[0]
+        if self.p_min > 0 or self.branch_p > 0 or self.min_path_prob > 0:
+            return logits.softmax(-1)
+        return None
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, q: torch.Tensor | None, seq: Sequence, position: int,
+              branch: bool) -> tuple[int, int | None]:
+        """(token, sibling or None) for the draft position that is token `position` of the sequence.
+
+        Greedy: the two best. Seeded: the two best under the target's noise for that position.
+        Sampling: two independent draws from q (the verifier treats siblings as such)."""
+        if seq.params.greedy or seq.seeded:
+            scores = logits if seq.params.greedy else seeded_scores(logits, seq.params, position)  # [V]
+            top = scores.topk(2)
+            second_ok = branch and bool(torch.isfinite(top.values[1]))
+            return int(top.indices[0]), int(top.indices[1]) if second_ok else None
+        tok = int(sample(q[None], seq.generator))
+        return tok, int(sample(q[None], seq.generator)) if branch else None
 
     def propose(self, seq: Sequence, max_tokens: int) -> Draft:
         fed = self.fed.setdefault(seq.slot, [])
@@ -65,24 +72,29 @@ class DraftModelDrafter(Drafter):
         self.drafted_from[seq.slot] = len(fed)
         tokens: list[int] = []
         parents: list[int] = []
-        probs: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []  # per node, q it was drawn from (rejection sampling only)
+        keep_q = not seq.params.greedy and not seq.seeded
         last = -1  # node index of the newest main-chain token
+        depth = 0  # main-chain tokens so far
         path_prob = 1.0  # the draft's own estimate that the main chain so far is accepted
         while len(tokens) < max_tokens:
-            tok, conf, p, sibling = self._pick(self._fit_vocab(logits), seq)
-            path_prob *= conf
-            if conf < self.p_min or (tokens and path_prob < self.min_path_prob):
+            logits = self._fit_vocab(logits)
+            q = self._probs(logits, seq)  # [V] or None
+            top = 1.0 if q is None else float(q.max())
+            # Whether to draft this position is decided before drawing its token (from q's largest
+            # probability and the path so far): cutting on the drawn token would bias what is kept.
+            if top < self.p_min or (tokens and path_prob * top < self.min_path_prob):
                 break
+            tok, sibling = self._draw(logits, q, seq, len(seq.tokens) + depth, top < self.branch_p)
+            path_prob *= 1.0 if q is None else float(q[tok])
             tokens.append(tok)
             parents.append(last)
-            if p is not None:
-                probs.append(p)
-            parent, last = last, len(tokens) - 1
+            parent, last, depth = last, len(tokens) - 1, depth + 1
             if sibling is not None and len(tokens) < max_tokens:
                 tokens.append(sibling)
                 parents.append(parent)
-                if p is not None:
-                    probs.append(p)
+            if keep_q:
+                probs += [q] * (len(parents) - len(probs))
             if len(tokens) >= max_tokens:
                 break
             logits = self.runner.forward([[tok]], [len(fed)], [seq.slot])[0][-1]

@@ -10,11 +10,12 @@ import torch
 from specdec.drafters.base import Draft, Drafter
 from specdec.engine.adaptive import CostModel, choose_draft_len
 from specdec.engine.sequence import Sequence, StreamCallback
+from specdec.engine.stops import StopScan
 from specdec.errors import SpecdecError
 from specdec.models.tokenizer import Detokenizer, Tokenizer
 from specdec.runtime.runner import ModelRunner
-from specdec.sampling import SamplingParams, probs_from_logits, sample
-from specdec.verify import chain, verify_tree_greedy, verify_tree_sampling
+from specdec.sampling import SamplingParams, probs_from_logits, sample, seeded_pick
+from specdec.verify import chain, verify_tree_greedy, verify_tree_sampling, verify_tree_seeded
 
 __all__ = ["Engine", "SpecConfig", "StreamCallback"]
 
@@ -62,8 +63,9 @@ class Engine:
         if len(prompt_ids) >= context:
             raise SpecdecError(f"prompt has {len(prompt_ids)} tokens but the context is {context} "
                                f"(at least one free position is needed; raise -c)")
+        unseeded = not params.greedy and params.seed is None  # the only sequences that draw from a generator
         return Sequence(list(prompt_ids), len(prompt_ids), slot=slot, params=params,
-                        generator=None if params.greedy else params.generator(), drafter=drafter,
+                        generator=params.generator() if unseeded else None, drafter=drafter,
                         draft_max=draft_max, on_text=on_text, detok=Detokenizer(self.tokenizer),
                         logprobs=[] if logprobs else None, top_logprobs=top_logprobs, started=self.clock())
 
@@ -135,16 +137,18 @@ class Engine:
     def _sample(self, logits: torch.Tensor, seq: Sequence) -> int:
         if seq.params.greedy:
             return int(logits[0].argmax())
+        if seq.seeded:
+            return seeded_pick(logits[0], seq.params, len(seq.tokens))
         return int(sample(probs_from_logits(logits, seq.params), seq.generator)[0])
 
     def _draft_len(self, seq: Sequence, cap: int | None) -> int:
         """Drafts that can still matter: room in the context and in max_tokens, less the bonus token."""
         room = min(self.target.context - len(seq.tokens), seq.params.max_tokens - len(seq.output_ids)) - 1
         k_max = min(self.spec.draft_max if seq.draft_max is None else seq.draft_max, room)
-        if cap is not None and not seq.pinned:
+        if cap is not None:
             k_max = min(k_max, cap)
         k_max = max(0, k_max)
-        if not self.spec.adaptive or k_max == 0 or seq.pinned:
+        if not self.spec.adaptive or k_max == 0:
             return k_max
         drafter, draft_s = seq.drafter, self.cost.draft_cost(seq.drafter.name)
         if drafter.confidence_stop:
@@ -163,8 +167,8 @@ class Engine:
         t = self.clock()
         k = self._draft_len(seq, cap) if seq.drafter else 0
         draft = seq.drafter.propose(seq, k) if k > 0 else Draft([])
-        if len(draft.tokens) < self.spec.draft_min:
-            draft = Draft([])
+        if len(draft.tokens) < self.spec.draft_min and draft.probs is None:
+            draft = Draft([])  # a sampled draft is kept: dropping it by its length would bias its tokens
         dt = self.clock() - t
         seq.stats.draft_s += dt
         setup = seq.drafter.setup_s if k > 0 else 0.0
@@ -197,6 +201,8 @@ class Engine:
             new = draft.tokens[:draft.forced] + [int(logits[draft.forced].argmax())]
         elif seq.params.greedy:
             new, path = verify_tree_greedy(draft.tokens, parents, logits)
+        elif seq.seeded:
+            new, path = verify_tree_seeded(draft.tokens, parents, logits, seq.params, len(seq.tokens))
         else:
             new, path = verify_tree_sampling(draft.tokens, parents, draft.probs, logits, seq.params, seq.generator)
         if draft.parents is not None:
@@ -221,6 +227,7 @@ class Engine:
         gaps = (top2[:, 0] - top2[:, 1]).tolist()
         if seq.logprobs is not None:
             lps = _logprobs(rows, new, seq.top_logprobs)
+        stops = StopScan(seq.params.stop, seq.text[seq.streamed:])
         for i, (tok, gap) in enumerate(zip(new, gaps)):
             if tok in self.stop_ids:
                 seq.finish_reason = "stop"
@@ -231,7 +238,7 @@ class Engine:
                 seq.logprobs.append(lps[i])
             seq.stats.new_tokens += 1
             text = seq.text + seq.detok.push([tok])
-            cut = _find_stop(text, seq.params.stop, len(seq.text))
+            cut = stops.find(text, len(seq.text))
             if cut is not None:
                 seq.finish_reason, text = "stop", text[:cut]
             seq.text = text
@@ -240,12 +247,13 @@ class Engine:
             if len(seq.output_ids) >= seq.params.max_tokens or len(seq.tokens) >= self.target.context:
                 seq.finish_reason = "length"
                 break
-        self._stream(seq, final=seq.finish_reason is not None)
+        self._stream(seq, final=seq.finish_reason is not None, held=stops.held)
 
     @staticmethod
-    def _stream(seq: Sequence, final: bool) -> None:
-        """Hand new text to on_text, holding back a tail that could still grow into a stop string."""
-        end = len(seq.text) if final else len(seq.text) - _stop_overlap(seq.text, seq.params.stop)
+    def _stream(seq: Sequence, final: bool, held: int = 0) -> None:
+        """Hand new text to on_text, holding back `held` characters at the end that could still grow into a
+        stop string (what the next commit's StopScan resumes from)."""
+        end = len(seq.text) if final else len(seq.text) - held
         if seq.on_text and end > seq.streamed:
             seq.on_text(seq.text[seq.streamed:end])
         seq.streamed = max(seq.streamed, end)
@@ -260,23 +268,3 @@ def _logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[tuple[f
     best = lp.topk(top, dim=-1)  # [n, top]
     return [(c, list(zip(i, v))) for c, i, v in zip(chosen, best.indices.tolist(), best.values.tolist())]
 
-
-def _find_stop(text: str, stops: list[str], old_len: int) -> int | None:
-    """Index where the earliest stop string that ends in the new text begins."""
-    best = None
-    for s in stops:
-        i = text.find(s, max(0, old_len - len(s) + 1))
-        if i >= 0 and (best is None or i < best):
-            best = i
-    return best
-
-
-def _stop_overlap(text: str, stops: list[str]) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of a stop string."""
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
-                break
-    return best

@@ -123,7 +123,10 @@ class LoadController:
         return _ArmParts(1 + (full.tokens - 1) * f, full.drafted * f, full.draft_s * f, 0)
 
     def observe(self, arm: int | None, info: StepInfo, load: int | None = None) -> None:
-        """A step ran with `arm` at `load` (default: its batch)."""
+        """A step ran with `arm` at `load` (default: its batch). A step that stepped no sequence (every
+        drafter raised) measures nothing."""
+        if info.batch == 0:
+            return
         load = load or info.batch
         b = bucket(load)
         self.steps[b] = step = self.steps.get(b, 0) + 1

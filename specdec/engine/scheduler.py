@@ -2,6 +2,7 @@
 and then step together with every other running sequence; one engine thread does all model work."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -19,9 +20,15 @@ from specdec.sampling import SamplingParams
 
 PREFILL_BUDGET = 2048  # prompt tokens prefilled per loop iteration, between decode steps
 
+log = logging.getLogger(__name__)
+
 
 class QueueFull(SpecdecError):
     """The waiting queue is at --max-queue."""
+
+
+class EngineStopped(SpecdecError):
+    """The engine thread has died: nothing more can be served."""
 
 
 @dataclass
@@ -43,7 +50,11 @@ class Request:
 
 
 class Scheduler:
-    """Owns the engine thread. `submit` and `cancel` are safe from any thread."""
+    """Owns the engine thread. `submit` and `cancel` are safe from any thread.
+
+    Work that raises fails only the requests it was for. Anything else that raises in the loop fails the
+    requests in flight and the loop goes on; if the loop dies anyway, every request still queued or in
+    flight ends with an error, `fatal` says why and `on_fatal` is called (the server then exits)."""
 
     def __init__(self, engine: Engine, num_slots: int, max_queue: int = 64,
                  controller: LoadController | None = None, prefill_chunk: int = PREFILL_CHUNK,
@@ -61,14 +72,19 @@ class Scheduler:
         self.steps = 0
         self.tokens_out = 0
         self.spec_steps = 0  # steps in which some sequence could draft
+        self.fatal: str | None = None  # why the engine thread died
+        self.on_fatal: Callable[[], None] | None = None  # called from the engine thread if it dies
 
     # -- any thread -------------------------------------------------------------------------
     def submit(self, req: Request) -> None:
+        """Queue `req`; at most `max_queue` requests wait beyond the free slots (0: a request needs a free slot)."""
         with self._cv:
+            if self.fatal:
+                raise EngineStopped("the engine has stopped")
             if self._stop:
                 raise QueueFull("the server is shutting down")
-            if len(self.waiting) >= self.max_queue:
-                raise QueueFull(f"the queue is full ({self.max_queue} waiting requests)")
+            if len(self.waiting) - len(self.free) >= self.max_queue:
+                raise QueueFull(f"every slot is busy and the queue is full ({self.max_queue} waiting requests)")
             self.waiting.append(req)
             self._cv.notify()
 
@@ -101,13 +117,42 @@ class Scheduler:
 
     # -- engine thread ----------------------------------------------------------------------
     def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not (self.waiting or self.prefilling or self.running or self._stop):
-                    self._cv.wait()
-                if self._stop and not (self.waiting or self.prefilling or self.running):
-                    return
-            self.run_once()
+        try:
+            while self._wait_for_work():
+                try:
+                    self.run_once()
+                except Exception as e:  # noqa: BLE001 - outside any one request's work: fail what is in flight
+                    log.exception("engine loop error; failing the requests in flight")
+                    self._fail_in_flight(f"engine error: {type(e).__name__}: {e}")
+        except BaseException as e:  # noqa: BLE001 - the thread ends here; what it leaves must not hang
+            self._die(f"{type(e).__name__}: {e}")
+
+    def _wait_for_work(self) -> bool:
+        """Block until there is work; False once stopped with nothing left."""
+        with self._cv:
+            while not (self.waiting or self.prefilling or self.running or self._stop):
+                self._cv.wait()
+            return bool(self.waiting or self.prefilling or self.running)
+
+    def _fail_in_flight(self, error: str) -> None:
+        """End every admitted request with `error`, freeing its slot."""
+        for group in (self.prefilling, self.running):
+            while group:
+                self._release(group.pop(), error=error)
+
+    def _die(self, reason: str) -> None:
+        """The loop is gone: end every request (none may hang), refuse new ones, tell the owner."""
+        log.critical("the engine thread died: %s", reason, exc_info=True)
+        with self._cv:
+            self.fatal = reason
+            gone = [*self.waiting, *self.prefilling, *self.running]
+            self.waiting.clear()
+            self.prefilling.clear()
+            self.running.clear()
+        for r in gone:
+            self._close(r, error=f"the engine stopped: {reason}")
+        if self.on_fatal:
+            self.on_fatal()
 
     def run_once(self) -> None:
         """Drop cancelled work, admit waiting requests, prefill up to the budget (in chunks), step the batch."""
@@ -159,9 +204,9 @@ class Scheduler:
                 try:
                     req.seq = self.engine.new_sequence(req.prompt_ids, req.params, slot, req.drafter, req.draft_max,
                                                        req.on_text, req.logprobs, req.top_logprobs)
-                except SpecdecError as e:
+                except Exception as e:  # noqa: BLE001 - a bad request must not stop the engine
                     self.free.append(slot)
-                    self._close(req, error=str(e))
+                    self._close(req, error=f"{type(e).__name__}: {e}")
                     continue
                 self.prefilling.append(req)
 
@@ -184,7 +229,10 @@ class Scheduler:
 
     def _release(self, req: Request, reason: str | None = None, error: str | None = None) -> None:
         """Finish the request's sequence (with `reason` if cut short), free its slot, report."""
-        self.engine.finish(req.seq, reason or ("error" if error else None))
+        try:
+            self.engine.finish(req.seq, reason or ("error" if error else None))
+        except Exception as e:  # noqa: BLE001 - e.g. a drafter's release or the stream callback
+            error = error or f"finishing failed: {type(e).__name__}: {e}"
         with self._cv:
             self.free.append(req.seq.slot)
         self._close(req, error)

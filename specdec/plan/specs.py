@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdec.errors import SpecdecError
+from specdec.models.gguf_convert import meta_number
 from specdec.plan.formats import SAFETENSORS_DTYPES, type_bytes
 
 # Hugging Face repositories of the packs' models (for exports to engines that load from the hub).
@@ -106,7 +107,7 @@ def load_spec(name_or_path: str) -> ModelSpec:
         gguf = packs.gguf_path(name_or_path)
         if gguf.exists():
             spec = read_gguf(gguf)
-        elif (packs.model_dir(name_or_path) / "config.json").exists():
+        elif packs.is_pulled(name_or_path):
             spec = read_checkpoint(packs.model_dir(name_or_path))
         else:
             raise SpecdecError(f"model pack {name_or_path} is not pulled; run `specdec models pull {name_or_path}` "
@@ -249,19 +250,16 @@ def _gguf_dims(meta: dict, path: Path, tensors: list[TensorSpec]) -> Dims:
     if not arch:
         raise SpecdecError(f"{path}: GGUF without general.architecture")
     g = lambda k, d=None: _gguf_field(meta, f"{arch}.{k}", d)  # noqa: E731
-    try:
-        hidden, heads = int(g("embedding_length")), int(g("attention.head_count"))
-        layers = int(g("block_count"))
-    except (TypeError, ValueError):
-        raise SpecdecError(f"{path}: GGUF lacks {arch}.block_count / embedding_length / attention.head_count") from None
+    num = lambda k, d=None: meta_number(g(k, d), f"{arch}.{k}", path)  # noqa: E731
+    hidden, heads, layers = num("embedding_length"), num("attention.head_count"), num("block_count")
     names = {t.name: t for t in tensors}
     embd = names.get("token_embd.weight")
     vocab = embd.rows if embd else int(g("vocab_size", 0) or 0)
-    hd_k = int(g("attention.key_length", hidden // heads))
-    return Dims(arch=arch, num_layers=layers, num_heads=heads, num_kv_heads=int(g("attention.head_count_kv", heads)),
-                head_dim_k=hd_k, head_dim_v=int(g("attention.value_length", hd_k)), hidden=hidden,
+    hd_k = num("attention.key_length", hidden // heads)
+    return Dims(arch=arch, num_layers=layers, num_heads=heads, num_kv_heads=num("attention.head_count_kv", heads),
+                head_dim_k=hd_k, head_dim_v=num("attention.value_length", hd_k), hidden=hidden,
                 intermediate=int(g("feed_forward_length", 0) or 0), vocab=vocab,
-                max_ctx=int(g("context_length", 4096)), tied="output.weight" not in names)
+                max_ctx=num("context_length", 4096), tied="output.weight" not in names)
 
 
 # ---------------------------------------------------------------- Hugging Face

@@ -8,7 +8,7 @@ from specdec.models.transformer import Transformer
 from specdec.runtime.kv_cache import KVCache
 
 PREFILL_CHUNK = 512
-HEADROOM = 64  # spare cache rows so padded positions of ragged batches never hit real ones
+HEADROOM = 1  # a spare cache row past the context: padding of ragged batches is written there
 
 
 class ModelRunner:
@@ -28,6 +28,8 @@ class ModelRunner:
                 last_only: bool = False) -> list[torch.Tensor]:
         """Feed chunk i of tokens at positions starts[i].. into slot slots[i].
 
+        Chunks are padded to the longest; padding writes at most up to the spare row past the context, so
+        a long draft beside a sequence near the end of its context stays inside the cache.
         Returns per sequence logits [T_i, V] (or [1, V] with last_only), float32.
         """
         lens = [len(c) for c in chunks]
@@ -38,9 +40,11 @@ class ModelRunner:
         for i, c in enumerate(chunks):
             tokens[i, :len(c)] = torch.tensor(c)
         positions = torch.tensor(starts)[:, None] + torch.arange(T)[None, :]  # [B, T]
+        cache_index = positions.clamp(max=self.cache.max_len - 1)  # real positions are below the context
         logits_index = torch.tensor([[n - 1] for n in lens]) if last_only else None
         logits, _ = self.model(tokens.to(self.device), positions.to(self.device), torch.tensor(slots).to(self.device),
-                               self.cache, logits_index=None if logits_index is None else logits_index.to(self.device))
+                               self.cache, cache_index.to(self.device),
+                               logits_index=None if logits_index is None else logits_index.to(self.device))
         logits = logits.cpu()
         if last_only:
             return [logits[i] for i in range(len(chunks))]

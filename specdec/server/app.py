@@ -3,7 +3,10 @@ SSE streaming), models, health and Prometheus metrics."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
+import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -13,22 +16,34 @@ from typing import AsyncIterator
 from fastapi import Depends, FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
 from specdec.drafters import LOSSY_TYPES, parse_spec_type
-from specdec.engine.scheduler import QueueFull, Request, Scheduler
+from specdec.engine.scheduler import EngineStopped, QueueFull, Request, Scheduler
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
 from specdec.server.metrics import Metrics
 from specdec.server.protocol import APIError, ChatRequest, CompletionRequest
+from specdec.server.serve import MAX_BODY
+
+log = logging.getLogger(__name__)
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
 @dataclass
 class ServerConfig:
+    """Without `api_keys`, only requests whose Host header names `host`, a loopback name or one of
+    `allowed_hosts` ('*': any) are answered; Starlette's TestClient sends `testserver` unless given a
+    base_url such as http://localhost. Drafter memory is kept per key unless `shared_memory`."""
     model_id: str
     defaults: SamplingParams
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()
     graceful_s: float = 30.0
+    host: str = "127.0.0.1"
+    allowed_hosts: tuple[str, ...] = ()
+    shared_memory: bool = False
+    max_body: int = MAX_BODY
 
 
 def create_app(llm, scheduler: Scheduler, cfg: ServerConfig) -> FastAPI:
@@ -41,7 +56,12 @@ def create_app(llm, scheduler: Scheduler, cfg: ServerConfig) -> FastAPI:
         yield
         await asyncio.to_thread(scheduler.stop, False, cfg.graceful_s)
 
-    app = FastAPI(title="specdec", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="specdec", version="0.1.0", lifespan=lifespan, openapi_url=None, docs_url=None,
+                  redoc_url=None)
+    if not cfg.api_keys and "*" not in cfg.allowed_hosts:
+        app.add_middleware(_HostGuard, allowed={_host_name(h) for h in (cfg.host, *LOOPBACK_HOSTS, *cfg.allowed_hosts)})
+    app.add_middleware(_BodyLimit, limit=cfg.max_body)
+    digests = [_digest(k.encode()) for k in cfg.api_keys]
 
     @app.exception_handler(APIError)
     async def _api_error(_req, e: APIError):
@@ -58,12 +78,30 @@ def create_app(llm, scheduler: Scheduler, cfg: ServerConfig) -> FastAPI:
     async def _http(_req, e: HTTPException):
         return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
 
-    async def auth(req: HTTPRequest) -> None:
-        if cfg.api_key and req.headers.get("authorization", "") != f"Bearer {cfg.api_key}":
+    @app.exception_handler(Exception)
+    async def _unexpected(_req, e: Exception):
+        err = _internal("req-" + uuid.uuid4().hex[:24], f"{type(e).__name__}: {e}")
+        return JSONResponse(err.body(), status_code=err.status)
+
+    async def auth(req: HTTPRequest) -> int | None:
+        """Check the API key (when the server has keys); return the request's drafter-memory scope: the
+        key's index, or None (one scope for all) without keys or with shared memory."""
+        if not cfg.api_keys:
+            return None
+        scheme, _, token = req.headers.get("authorization", "").partition(" ")
+        hits = [hmac.compare_digest(_digest(token.encode("latin-1")), d) for d in digests]  # every key, no early exit
+        if scheme.lower() != "bearer" or not any(hits):
             raise APIError(401, "invalid or missing API key (Authorization: Bearer KEY)", code="invalid_api_key")
+        return None if cfg.shared_memory else hits.index(True)
+
+    @app.get("/openapi.json", dependencies=[Depends(auth)], include_in_schema=False)
+    async def openapi():
+        return app.openapi()
 
     @app.get("/health")
     async def health():
+        if scheduler.fatal:
+            return JSONResponse({"status": "error", "error": "the engine has stopped", **scheduler.load}, 503)
         return {"status": "ok", **scheduler.load}
 
     @app.get("/v1/models", dependencies=[Depends(auth)])
@@ -75,25 +113,25 @@ def create_app(llm, scheduler: Scheduler, cfg: ServerConfig) -> FastAPI:
     async def prometheus():
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/completions", dependencies=[Depends(auth)])
-    async def completions(body: CompletionRequest, http: HTTPRequest):
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: HTTPRequest, scope: int | None = Depends(auth)):
         if body.echo:
             raise APIError(400, "echo is not supported", "echo")
-        ids = _prompt_ids(llm, body.prompt)
+        ids = await asyncio.to_thread(_prompt_ids, llm, body.prompt)  # off the event loop: prompts can be long
         return await _serve(http, body, ids, chat=False, top=body.logprobs or 0, want_lp=body.logprobs is not None,
-                            max_tokens=body.max_tokens)
+                            max_tokens=body.max_tokens, scope=scope)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
-    async def chat(body: ChatRequest, http: HTTPRequest):
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, http: HTTPRequest, scope: int | None = Depends(auth)):
         try:
-            ids = llm.encode_chat(body.chat_messages())
+            ids = await asyncio.to_thread(llm.encode_chat, body.chat_messages())
         except SpecdecError as e:
             raise APIError(400, str(e), "messages") from None
         return await _serve(http, body, ids, chat=True, top=body.top_logprobs or 0, want_lp=body.logprobs,
-                            max_tokens=body.max_completion_tokens or body.max_tokens)
+                            max_tokens=body.max_completion_tokens or body.max_tokens, scope=scope)
 
     async def _serve(http: HTTPRequest, body, ids: list[int], chat: bool, top: int, want_lp: bool,
-                     max_tokens: int | None):
+                     max_tokens: int | None, scope: int | None):
         if body.model is not None and body.model != cfg.model_id:
             raise APIError(404, f"the model `{body.model}` does not exist (this server has `{cfg.model_id}`)",
                            "model", "model_not_found")
@@ -106,7 +144,7 @@ def create_app(llm, scheduler: Scheduler, cfg: ServerConfig) -> FastAPI:
             raise APIError(400, f"the prompt has {len(ids)} tokens but the context is {llm.context} tokens per "
                            "slot (at least one free position is needed)", "messages" if chat else "prompt",
                            "context_length_exceeded")
-        drafter, draft_max = await _speculation(body.speculative)
+        drafter, draft_max = await _speculation(body.speculative, scope)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         sent = [0]  # logprobs entries already sent
@@ -124,20 +162,23 @@ def create_app(llm, scheduler: Scheduler, cfg: ServerConfig) -> FastAPI:
         except QueueFull as e:
             metrics.rejected += 1
             raise APIError(429, str(e), code="queue_full") from None
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        fmt = _Formatter(llm, cfg.model_id, rid, chat)
+        except EngineStopped as e:
+            raise APIError(503, str(e), code="engine_stopped") from None
+        fmt = _Formatter(llm, cfg.model_id, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], chat)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(_sse(req, events, fmt, usage), media_type="text/event-stream")
         return await _wait(http, req, events, fmt)
 
-    async def _speculation(spec) -> tuple[object | None, int | None]:
+    async def _speculation(spec, scope: int | None) -> tuple[object | None, int | None]:
+        """(drafter, draft_max) for the `speculative` field; drafters that learn across requests are per scope."""
         if spec is None or spec is True:
-            return llm.drafter, None
+            return await asyncio.to_thread(llm.drafter_for, llm.spec_type, scope), None
         if spec is False:
             return None, None
+        draft_max = None if spec.draft_max is None else min(spec.draft_max, llm.engine.spec.draft_max)  # <= --draft-max
         if spec.type is None:
-            return llm.drafter, spec.draft_max
+            return await asyncio.to_thread(llm.drafter_for, llm.spec_type, scope), draft_max
         try:
             parts = parse_spec_type(spec.type)
         except SpecdecError as e:
@@ -146,7 +187,7 @@ def create_app(llm, scheduler: Scheduler, cfg: ServerConfig) -> FastAPI:
             raise APIError(400, f"lossy spec type {spec.type!r} only when the server is started with it",
                            "speculative.type")
         try:
-            return await asyncio.to_thread(llm.drafter_for, spec.type), spec.draft_max
+            return await asyncio.to_thread(llm.drafter_for, spec.type, scope), draft_max
         except SpecdecError as e:
             raise APIError(400, str(e), "speculative.type") from None
 
@@ -163,8 +204,8 @@ def create_app(llm, scheduler: Scheduler, cfg: ServerConfig) -> FastAPI:
         finally:
             watcher.cancel()
         metrics.finished(req)
-        if req.error:
-            raise APIError(500, req.error)
+        if err := _failure(req, fmt.rid):
+            raise err
         return fmt.response(req)
 
     async def _sse(req: Request, events: asyncio.Queue, fmt: "_Formatter", usage: bool) -> AsyncIterator[str]:
@@ -180,8 +221,8 @@ def create_app(llm, scheduler: Scheduler, cfg: ServerConfig) -> FastAPI:
                 delta, toks, lps = ev
                 yield _data(fmt.chunk({"content": delta} if fmt.chat else delta, toks, lps, None))
             metrics.finished(req)
-            if req.error:
-                yield _data(APIError(500, req.error).body())
+            if err := _failure(req, fmt.rid):
+                yield _data(err.body())
             else:
                 yield _data({**fmt.chunk({} if fmt.chat else "", [], [], req.seq.finish_reason), **fmt.stats(req)})
                 if usage:
@@ -196,6 +237,81 @@ def create_app(llm, scheduler: Scheduler, cfg: ServerConfig) -> FastAPI:
 
 def _data(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
+
+
+def _failure(req: Request, rid: str) -> APIError | None:
+    """Why a finished request has no completion to answer with (None: it has one)."""
+    if req.error:
+        return _internal(rid, req.error)
+    if req.seq is None:
+        return APIError(503, "the request was cancelled before it started", code="cancelled")
+    return None
+
+
+def _internal(rid: str, detail: str) -> APIError:
+    """A 500 naming the request id; the detail (internal exception text) goes to the server log only."""
+    log.error("request %s failed: %s", rid, detail)
+    return APIError(500, f"internal server error (request id {rid}; details in the server log)",
+                    code="internal_error")
+
+
+def _digest(secret: bytes) -> bytes:
+    """SHA-256, so that key comparisons take the same time whatever the lengths."""
+    return hashlib.sha256(secret).digest()
+
+
+def _host_name(host: str) -> str:
+    """A Host header (or --host / --allow-host value) without port or brackets: '[::1]:8080' -> '::1'."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
+
+
+class _HostGuard:
+    """ASGI middleware for a server without API keys: requests whose Host header names none of the `allowed`
+    hosts get 403, so a web page cannot reach the server through a rebound DNS name (DNS rebinding)."""
+
+    def __init__(self, app, allowed: set[str]):
+        self.app, self.allowed = app, allowed
+
+    async def __call__(self, scope, receive, send) -> None:
+        host = _host_name(Headers(scope=scope).get("host", "")) if scope["type"] == "http" else None
+        if host is None or host in self.allowed:
+            return await self.app(scope, receive, send)
+        err = APIError(403, f"Host {host!r} is not allowed: without an API key the server answers only its own "
+                       f"address and localhost (start it with --allow-host {host or 'HOST'} or an API key)",
+                       code="host_not_allowed")
+        await JSONResponse(err.body(), status_code=403)(scope, receive, send)
+
+
+class _BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is answered 413 as soon as its Content-Length, or
+    the bytes received so far, say so; the rest is not read."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = Headers(scope=scope).get("content-length", "")
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            if declared.isdigit() and int(declared) > self.limit:
+                raise self._too_large()
+            msg = await receive()
+            seen += len(msg.get("body", b""))
+            if seen > self.limit:
+                raise self._too_large()
+            return msg
+        await self.app(scope, limited, send)
+
+    def _too_large(self) -> HTTPException:
+        """Raised from `receive`: FastAPI passes it to the app's handler, which answers in OpenAI's format."""
+        return HTTPException(413, f"the request body is larger than {self.limit} bytes (the server's --max-body)")
 
 
 def _prompt_ids(llm, prompt) -> list[int]:

@@ -12,14 +12,15 @@ class Metrics:
         self.prompt_tokens = self.generated = self.drafted = self.accepted = 0
 
     def finished(self, req: Request) -> None:
-        s = req.seq.stats if req.seq else None
-        key = "error" if req.error else (req.seq.finish_reason or "stop")
+        """Count a finished request; one cancelled before it started has no sequence ("cancelled")."""
+        seq = req.seq
+        key = "error" if req.error else (seq.finish_reason or "stop") if seq else "cancelled"
         self.requests[key] = self.requests.get(key, 0) + 1
-        if s:
-            self.prompt_tokens += req.seq.prompt_len
-            self.generated += s.new_tokens
-            self.drafted += s.drafted
-            self.accepted += s.accepted
+        if seq:
+            self.prompt_tokens += seq.prompt_len
+            self.generated += seq.stats.new_tokens
+            self.drafted += seq.stats.drafted
+            self.accepted += seq.stats.accepted
 
     def render(self) -> str:
         sch = self.scheduler

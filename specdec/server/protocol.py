@@ -6,7 +6,9 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
-from specdec.sampling import SamplingParams
+from specdec.sampling import SEED_LIMIT, SamplingParams
+
+MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings per request, characters per stop string
 
 
 class APIError(Exception):
@@ -17,8 +19,9 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
-        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                429: "rate_limit_error", 503: "server_error"}.get(self.status, "server_error")
+        kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "invalid_request_error", 413: "invalid_request_error",
+                429: "rate_limit_error"}.get(self.status, "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
@@ -41,7 +44,7 @@ class _Common(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: StrictInt | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(None, ge=0, lt=SEED_LIMIT)
     stop: Union[str, list[str], None] = None
     n: StrictInt = Field(1, ge=1, le=1)
     stream: StrictBool = False
@@ -59,8 +62,9 @@ class _Common(BaseModel):
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", "logit_bias")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > 16 or any(not s for s in stops):
-            raise APIError(400, "stop must be up to 16 non-empty strings", "stop")
+        if len(stops) > MAX_STOPS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+            raise APIError(400, f"stop must be up to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} "
+                           "characters", "stop")
         pick = lambda v, d: d if v is None else v  # noqa: E731
         top_k = pick(self.top_k, defaults.top_k)
         return SamplingParams(temperature=pick(self.temperature, defaults.temperature),

@@ -9,6 +9,7 @@ from specdec.errors import SpecdecError
 
 # vLLM `--speculative-config` methods -> our spec types
 VLLM_METHODS = {"ngram": "ngram-simple", "draft_model": "draft", "suffix": "suffix"}
+MAX_BODY = 4 << 20  # default --max-body (bytes)
 
 
 def add_serve_args(p: argparse.ArgumentParser, positive_int) -> None:
@@ -17,9 +18,22 @@ def add_serve_args(p: argparse.ArgumentParser, positive_int) -> None:
     g.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     g.add_argument("-np", "--parallel", type=positive_int, default=4,
                    help="slots: requests decoded together in one batch (default 4); -c is per slot")
-    g.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* and /metrics")
+    g.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*, /metrics and /openapi.json "
+                   "(visible in the process list: prefer SPECDEC_API_KEY or --api-key-file)")
+    g.add_argument("--api-key-file", metavar="PATH",
+                   help="API keys, one per line (blank lines and # comments skipped); each key is a separate "
+                   "scope for drafter memory. Adds to --api-key and SPECDEC_API_KEY")
+    g.add_argument("--allow-host", action="append", default=[], metavar="HOST",
+                   help="without an API key, also answer requests whose Host header names HOST (repeatable; '*' "
+                   "for any); by default only the --host address and localhost (DNS rebinding guard)")
+    g.add_argument("--spec-shared-memory", action="store_true",
+                   help="share cross-request drafter memory (suffix, ngram-mod pool) between API keys; by default "
+                   "each key has its own, so one client's text cannot show in another's acceptance or timing")
     g.add_argument("--max-queue", type=int, default=64,
-                   help="requests that may wait for a slot; beyond it the server answers 429 (default 64)")
+                   help="requests that may wait when every slot is busy; beyond them the server answers 429 at once; "
+                   "0: none wait, a request needs a free slot (default 64)")
+    g.add_argument("--max-body", type=positive_int, default=MAX_BODY, metavar="BYTES",
+                   help=f"largest request body; a larger one is answered 413 (default {MAX_BODY}, 4 MiB)")
     g.add_argument("--alias", help="model id clients use (default: the model's name)")
     g.add_argument("--spec-load-control", choices=["on", "off"], default="on",
                    help="on: measure goodput with and without speculation at each batch size and use the better "
@@ -59,6 +73,24 @@ def apply_speculative_config(a: argparse.Namespace) -> None:
         a.ngram_n = int(cfg["prompt_lookup_max"])
 
 
+def api_keys(a: argparse.Namespace) -> tuple[str, ...]:
+    """The accepted API keys: --api-key, $SPECDEC_API_KEY and the lines of --api-key-file (empty: no key needed)."""
+    import os
+    from pathlib import Path
+
+    keys = [a.api_key, os.environ.get("SPECDEC_API_KEY")]
+    if a.api_key_file:
+        try:
+            lines = Path(a.api_key_file).read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise SpecdecError(f"--api-key-file: cannot read {a.api_key_file}: {e}") from None
+        file_keys = [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
+        if not file_keys:
+            raise SpecdecError(f"--api-key-file {a.api_key_file} holds no keys")
+        keys += file_keys
+    return tuple(dict.fromkeys(k for k in keys if k))
+
+
 def run_server(a: argparse.Namespace, build_llm) -> int:
     """Load the models, then serve until Ctrl-C / SIGTERM (in-flight requests finish or are cancelled)."""
     import uvicorn
@@ -71,16 +103,23 @@ def run_server(a: argparse.Namespace, build_llm) -> int:
     apply_speculative_config(a)
     if a.max_queue < 0:
         raise SpecdecError("--max-queue must be >= 0")
+    keys = api_keys(a)
     defaults = SamplingParams(a.temp, a.top_k, a.top_p, a.min_p, None, a.max_tokens, []).validate()
     llm = build_llm(a)
     name = a.alias or _model_id(a.model)
     controller = LoadController(a.draft_max) if a.spec_load_control == "on" else None
     scheduler = Scheduler(llm.engine, llm.parallel, a.max_queue, controller)
-    app = create_app(llm, scheduler, ServerConfig(name, defaults, a.api_key))
+    cfg = ServerConfig(name, defaults, keys, host=a.host, allowed_hosts=tuple(a.allow_host),
+                       shared_memory=a.spec_shared_memory, max_body=a.max_body)
+    app = create_app(llm, scheduler, cfg)
     print(f"specdec: serving {name} [{llm.spec_type}] on http://{a.host}:{a.port}/v1 with {llm.parallel} slots "
           f"of {llm.context} tokens", file=sys.stderr)
     server = _server_class()(uvicorn.Config(app, host=a.host, port=a.port, log_level="warning", timeout_graceful_shutdown=30))
+    scheduler.on_fatal = lambda: setattr(server, "should_exit", True)  # the engine thread died: stop serving
     server.run()
+    if scheduler.fatal:
+        print(f"specdec: error: the engine stopped ({scheduler.fatal})", file=sys.stderr)
+        return 1
     print("specdec: server stopped", file=sys.stderr)
     return 0
 

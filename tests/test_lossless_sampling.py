@@ -1,0 +1,212 @@
+"""Sampling is lossless through the whole engine, for every spec type.
+
+A tiny engineered target (a second-order Markov table with peaked rows) and a draft model that is
+more sure of itself than the target (q near 0.9 where p is near 0.5: the case where cutting a draft
+on the drawn token's probability biases the output). 20,000 runs per configuration go through
+`Engine` (batched steps, adaptive lengths, p-min, trees, chains); the joint distribution of the
+first three output tokens must match plain sampling, computed exactly from the table:
+chi-square p > 0.001 and total variation below TV_BOUND.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import word_tokenizer
+from specdec.drafters import LOSSLESS_TYPES
+from specdec.drafters.chain import ChainDrafter
+from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.drafters.factory import ModelFreeSettings, make_model_free
+from specdec.engine.engine import Engine, SpecConfig
+from specdec.models.tokenizer import Tokenizer
+from specdec.sampling import SamplingParams, probs_from_logits
+
+V = 6                      # token 0 is EOS and never drawn; 1..5 cycle 1 -> 2 -> ... -> 5 -> 1
+PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]
+RUNS = 20_000
+BATCH = 500                # sequences stepped together
+MAX_TOKENS = 6             # the first output token is the prefill's; drafts cover tokens 2..6
+TV_BOUND = 0.03            # 1.4x the TV expected (0.021) from 20,000 exact samples of these distributions
+P_MIN = 0.5
+
+
+def _table(seed: int, sure: float, noise: float) -> torch.Tensor:
+    """Logits [V, V, V]: row (previous, current) scores the next token; the cycle's next token gets
+    `sure` extra, EOS is impossible."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(V, V, V, generator=g) * noise
+    for cur in range(1, V):
+        t[:, cur, cur % (V - 1) + 1] += sure
+    t[..., 0] = float("-inf")
+    return t
+
+
+TARGET = _table(0, sure=2.0, noise=1.0)   # p(next in cycle) 0.3-0.86
+DRAFT = _table(1, sure=2.5, noise=0.5)    # q(next in cycle) 0.55-0.9: often above P_MIN, the rest below
+
+
+class MarkovRunner:
+    """ModelRunner's interface over a Markov table: the logits after a token are table[previous, token].
+    Its 'KV cache' is the token at each position of each slot."""
+
+    def __init__(self, table: torch.Tensor, num_slots: int, context: int = 64):
+        self.table, self.context = table, context
+        self.hist = torch.zeros(num_slots, context + 64, dtype=torch.long)  # [slots, positions]
+        self.tree: dict[int, list[int]] = {}
+        self.model = SimpleNamespace(config=SimpleNamespace(eos_token_ids=[0], vocab_size=V))
+
+    @property
+    def vocab_size(self) -> int:
+        return V
+
+    def _rows(self, slot: int, start: int, tokens: list[int], prev: list[int] | None = None) -> torch.Tensor:
+        before = int(self.hist[slot, start - 1]) if start > 0 else 0
+        prev = [before] + tokens[:-1] if prev is None else prev
+        return self.table[torch.tensor(prev), torch.tensor(tokens)]  # [T, V]
+
+    def forward(self, chunks, starts, slots, last_only=False):
+        out = []
+        for c, s, slot in zip(chunks, starts, slots):
+            rows = self._rows(slot, s, c)
+            self.hist[slot, s:s + len(c)] = torch.tensor(c)
+            out.append(rows[-1:] if last_only else rows)
+        return out
+
+    def prefill(self, tokens, slot, start=0):
+        return self.forward([tokens], [start], [slot], last_only=True)[0][-1]
+
+    def verify_tree(self, slot, start, tokens, parents):
+        before = int(self.hist[slot, start - 1]) if start > 0 else 0
+        prev = [before] + [tokens[p + 1] for p in parents]
+        self.hist[slot, start] = tokens[0]
+        self.tree[slot] = tokens
+        return self._rows(slot, start, tokens, prev)
+
+    def keep_path(self, slot, start, path):
+        for depth, node in enumerate(path, start=1):
+            self.hist[slot, start + depth] = self.tree[slot][node + 1]
+
+
+class TickClock:
+    """A virtual clock: every reading is `tick` seconds after the last, so measured costs (and the
+    adaptive lengths read from them) are the same on every run."""
+
+    def __init__(self, tick: float = 0.3):
+        self.now, self.tick = 0.0, tick
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors: intra-op threads only wait on each other (and on a busy machine, for long)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> Tokenizer:
+    d = tmp_path_factory.mktemp("markov-tok")
+    word_tokenizer(d, V)
+    return Tokenizer(d)
+
+
+def _drafter(spec: str, p_min: float = P_MIN, branch_p: float = 0.0, mode: str = "first"):
+    parts = spec.split(",")
+    if len(parts) > 1:
+        return ChainDrafter([_drafter(p, p_min, branch_p) for p in parts], mode)
+    if spec == "draft":
+        return DraftModelDrafter(MarkovRunner(DRAFT, BATCH), V, p_min=p_min, branch_p=branch_p)
+    return make_model_free(spec, ModelFreeSettings(ngram_n=2, ngram_m=4))
+
+
+def _engine(tokenizer: Tokenizer) -> Engine:
+    engine = Engine(MarkovRunner(TARGET, BATCH), tokenizer, SpecConfig(draft_max=4, adaptive=True),
+                    clock=TickClock())
+    engine.cost.verify_s = {k: 1.0 + 0.05 * k for k in range(1, 7)}
+    engine.cost.ema = 0.0  # costs stay as first measured: deterministic adaptive lengths
+    return engine
+
+
+def run_engine(engine: Engine, drafter, params: SamplingParams, runs: int = RUNS,
+               seeds: bool = False) -> dict[int, tuple[int, ...]]:
+    """Run index -> first three output tokens. `seeds`: run i has seed i (the seeded path); otherwise
+    run i samples from its own generator seeded with i (rejection sampling, reproducible)."""
+    out: dict[int, tuple[int, ...]] = {}
+    for b0 in range(0, runs, BATCH):
+        seqs = []
+        for j in range(min(BATCH, runs - b0)):
+            p = SamplingParams(**{**params.__dict__, "seed": b0 + j if seeds else None, "max_tokens": MAX_TOKENS})
+            seq = engine.new_sequence(PROMPT, p, slot=j, drafter=drafter)
+            if not seeds:
+                seq.generator = torch.Generator().manual_seed(b0 + j)
+            engine.prefill(seq)
+            seqs.append(seq)
+        while live := [s for s in seqs if s.finish_reason is None]:
+            engine.step(live)
+        for j, s in enumerate(seqs):
+            engine.finish(s)
+            assert s.error is None, s.error
+            out[b0 + j] = tuple(s.output_ids[:3])
+    return out
+
+
+def exact_joint(params: SamplingParams) -> dict[tuple[int, ...], float]:
+    """P(first three output tokens) under plain sampling from TARGET."""
+    probs = probs_from_logits(TARGET.reshape(V * V, V), params).reshape(V, V, V)  # [prev, cur, next]
+    a, b = PROMPT[-2], PROMPT[-1]
+    return {(x, y, z): float(probs[a, b, x] * probs[b, x, y] * probs[x, y, z])
+            for x, y, z in itertools.product(range(V), repeat=3)}
+
+
+def fit(samples: list[tuple[int, ...]], want: dict[tuple[int, ...], float]) -> tuple[float, float]:
+    """(chi-square p-value, total variation) of the samples against `want`; cells expected below 5
+    are pooled into one."""
+    n, counts = len(samples), Counter(samples)
+    big = [c for c, p in want.items() if p * n >= 5]
+    obs = [counts[c] for c in big] + [n - sum(counts[c] for c in big)]
+    exp = [want[c] * n for c in big] + [n * (1 - sum(want[c] for c in big))]
+    if exp[-1] < 5:  # nothing (or almost nothing) to pool
+        obs, exp = obs[:-1], exp[:-1]
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
+    p_value = float(torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2, dtype=torch.float64),
+                                            torch.tensor(stat / 2, dtype=torch.float64)))
+    tv = 0.5 * sum(abs(counts[c] / n - p) for c, p in want.items())
+    return p_value, tv
+
+
+T1 = SamplingParams(temperature=1.0)
+CONFIGS = [(t, T1, {}) for t in LOSSLESS_TYPES if t != "none"] + [
+    ("draft", T1, {"branch_p": 0.95}),                                    # tree from the draft model
+    ("ngram-mod,draft", T1, {}),                                          # chain, first non-empty draft
+    ("suffix-tree,draft", T1, {"mode": "gain", "branch_p": 0.95}),        # chain by expected gain, tree members
+    ("draft", SamplingParams(temperature=1.0, top_p=0.9), {"branch_p": 0.95}),
+    ("suffix,draft", SamplingParams(temperature=1.0, top_k=5), {"mode": "gain"}),
+]
+
+
+@pytest.mark.parametrize("spec,params,opts", CONFIGS,
+                         ids=[f"{s}-{p.top_p}-{p.top_k}-{'-'.join(o)}" for s, p, o in CONFIGS])
+def test_engine_sampling_matches_plain(tokenizer, spec, params, opts):
+    samples = list(run_engine(_engine(tokenizer), _drafter(spec, **opts), params).values())
+    p_value, tv = fit(samples, exact_joint(params))
+    assert p_value > 1e-3 and tv < TV_BOUND, (p_value, tv)
+
+
+def test_seeded_output_is_the_same_for_every_drafter(tokenizer):
+    """Seeded runs: token-identical to plain decoding with that seed whatever drafts, and (over seeds)
+    distributed as plain sampling."""
+    params = SamplingParams(temperature=1.0, top_p=0.95)
+    plain = run_engine(_engine(tokenizer), None, params, runs=4000, seeds=True)
+    for spec, opts in [("draft", {"branch_p": 0.95}), ("suffix-tree", {}), ("ngram-mod,draft", {})]:
+        assert run_engine(_engine(tokenizer), _drafter(spec, **opts), params, runs=4000, seeds=True) == plain
+    p_value, tv = fit(list(plain.values()), exact_joint(params))
+    assert p_value > 1e-3 and tv < 2.3 * TV_BOUND, (p_value, tv)  # 4,000 samples: sqrt(5) x the noise
