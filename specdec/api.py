@@ -15,7 +15,7 @@ from specdec.engine.engine import Engine, SpecConfig, StreamCallback
 from specdec.engine.stats import Stats
 from specdec.errors import SpecdecError
 from specdec.models import packs
-from specdec.models.loader import load_checkpoint, resolve_dtype, resolve_model
+from specdec.models.loader import TARGET_QUANT, load_checkpoint, resolve_dtype, resolve_gguf, resolve_model
 from specdec.runtime.quant import QUANT, quantize_
 from specdec.runtime.runner import ModelRunner
 from specdec.sampling import SamplingParams
@@ -45,7 +45,8 @@ class LLM:
                  draft_branch_p: float = 0.0, ngram_min_hits: int = 1,
                  ngram_mod_pool_mb: float = 16.0, suffix_max_requests: int = 64, suffix_factor: float = FACTOR,
                  suffix_min_prob: float = 0.1, synth_rates: list[float] | None = None, synth_len: int = 8,
-                 parallel: int = 1, chain_mode: str = "first", n_gpu_layers: int = 0, n_gpu_layers_draft: int = 0):
+                 parallel: int = 1, chain_mode: str = "first", n_gpu_layers: int = 0, n_gpu_layers_draft: int = 0,
+                 quant: str = "auto"):
         spec_type = spec_type or ("draft" if draft or model is None else "none")
         self.spec_type = ",".join(parse_spec_type(spec_type))
         _check_positive(context=context, draft_max=draft_max, parallel=parallel)
@@ -57,6 +58,8 @@ class LLM:
             raise SpecdecError("draft_branch_p must be in [0, 1]")
         if draft_quant not in QUANT:
             raise SpecdecError(f"unknown draft quantization {draft_quant!r} (choose {', '.join(QUANT)})")
+        if quant not in TARGET_QUANT:
+            raise SpecdecError(f"unknown target quantization {quant!r} (choose {', '.join(TARGET_QUANT)})")
         self._model_free = ModelFreeSettings(ngram_n, ngram_m, ngram_min_hits, ngram_mod_pool_mb, suffix_max_requests,
                                              suffix_factor, suffix_min_prob, tuple(synth_rates or [0.8]), synth_len)
         if chain_mode not in CHAIN_MODES:
@@ -70,9 +73,17 @@ class LLM:
             if "draft" in self.spec_type.split(",") and draft is None:
                 draft = packs.DEFAULT_DRAFT
         self.dtype = resolve_dtype(dtype)
-        target, self.tokenizer = load_checkpoint(resolve_model(model, progress), self.dtype)
+        if quant == "gguf":  # the file's own blocks through the GGUF kernels (no 16/32-bit weight copies)
+            from specdec.models.gguf_quantized import load_gguf_quantized
+            target, self.tokenizer = load_gguf_quantized(resolve_gguf(model, progress), self.dtype)
+        else:  # auto: for now as none (dequantized to dtype); it will become the file's own precision
+            target, self.tokenizer = load_checkpoint(resolve_model(model, progress), self.dtype)
         self._ngld = n_gpu_layers_draft
         _offload(target, n_gpu_layers)
+        if quant in ("int8", "int4"):
+            quantize_(target, quant)  # weight-only, the layers left on the CPU (as the draft's --draft-quant)
+        self.quant = quant
+        self.quant_info = describe_quant(target, quant)  # which path the target runs, for stats and reports
         context = min(context, target.config.max_position_embeddings)
         self.parallel = parallel  # KV cache slots: sequences that can run at once
         self.runner = ModelRunner(target, num_slots=parallel, context=context)
@@ -147,6 +158,22 @@ class LLM:
         drafter = self.drafter if spec_type is None else self.drafter_for(spec_type)
         seq = self.engine.generate(ids, params, on_text, drafter)
         return Result(seq.text, seq.output_ids, seq.stats, seq.finish_reason or "stop", seq.top2_gaps, seq.synthetic)
+
+
+def describe_quant(model, quant: str) -> str:
+    """e.g. 'none: float32', 'int4: weight-only (196 int4, 1 int8 layers), rest bfloat16',
+    'gguf: Q4_K/Q5_0/Q6_K/Q8_0 kernel path avx2'."""
+    from specdec.runtime.quant import Int4Linear, Int8Linear
+
+    dtype = str(model.model.norm.weight.dtype).removeprefix("torch.")
+    if quant == "gguf":
+        from specdec.models.gguf_quantized import describe
+        return describe(model)
+    if quant in ("int8", "int4"):
+        n4 = sum(isinstance(m, Int4Linear) for m in model.modules())
+        n8 = sum(isinstance(m, Int8Linear) for m in model.modules())
+        return f"{quant}: weight-only ({n4} int4, {n8} int8 layers), rest {dtype}"
+    return f"none: {dtype}" if quant == "none" else f"auto as none: {dtype}"
 
 
 def _offload(model, n_gpu_layers: int) -> None:

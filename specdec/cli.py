@@ -70,6 +70,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("-c", "--ctx-size", dest="context", type=_positive_int, default=4096, help="context length (default 4096)")
     g.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
                    help="compute dtype; auto = bf16 on CPUs with native bf16, else fp32")
+    g.add_argument("--quant", choices=["auto", "gguf", "int8", "int4", "none"], default="auto",
+                   help="target weights: gguf = the GGUF file's own quantized blocks (Q4_K/Q5_0/Q6_K/Q8_0) through "
+                   "CPU kernels, other types dequantized to --dtype (needs a GGUF file or a model pack); int8 / "
+                   "int4 = weight-only as --draft-quant (lossless against that quantized target, not the "
+                   "unquantized one); none = dequantized to --dtype; auto (default) = none for now, later the "
+                   "file's own precision")
     g.add_argument("-t", "--threads", type=_positive_int, help="CPU threads (default: torch's choice)")
     g.add_argument("-ngl", "--n-gpu-layers", dest="n_gpu_layers", type=_layers, metavar="N",
                    help="target layers on the GPU (N or all): embeddings and the first N layers (norm and head "
@@ -91,8 +97,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "choice (sampling: a second draw) as a sibling (a token tree verified in one forward); "
                    "0 = chains only (default 0)")
     s.add_argument("--spec-adaptive", choices=["on", "off"], default="on",
-                   help="choose each step's draft length (<= --draft-max) by measured costs and acceptance "
-                   "(default on); off = always --draft-max")
+                   help="choose each step's draft length (<= --draft-max) by measured costs and acceptance, "
+                   "0 when no draft pays, with a one-token probe now and then (default on); off = always --draft-max")
     s.add_argument("--draft-p-min", type=_unit_float, default=0.0,
                    help="stop drafting when the draft's largest probability at the next position falls below this "
                    "(decided before drawing, so sampling stays lossless; default 0)")
@@ -147,7 +153,8 @@ def build_llm(a: argparse.Namespace, progress: bool = True):
                ngram_mod_pool_mb=a.ngram_mod_pool_mb, suffix_max_requests=a.suffix_max_requests,
                suffix_factor=a.suffix_factor, suffix_min_prob=a.suffix_min_prob, synth_rates=a.synth_rates,
                synth_len=a.synth_len, parallel=getattr(a, "parallel", 1), chain_mode=a.chain_mode,
-               n_gpu_layers=a.n_gpu_layers or 0, n_gpu_layers_draft=a.n_gpu_layers_draft or 0)
+               n_gpu_layers=a.n_gpu_layers or 0, n_gpu_layers_draft=a.n_gpu_layers_draft or 0,
+               quant=getattr(a, "quant", "auto"))
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -171,6 +178,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         print(json.dumps({"text": r.text, "token_ids": r.token_ids, "stats": {k: d[k] for k in keys},
                           "timings": {k: d[k] for k in ("prefill_s", "draft_s", "verify_s", "total_s")},
                           "per_position_acceptance": d["per_position_acceptance"], "spec_type": llm.spec_type,
+                          "quant": llm.quant_info,
                           "finish_reason": r.finish_reason, "synthetic": r.synthetic}))
     else:
         s = r.stats

@@ -1,5 +1,6 @@
 """Adaptive draft length: the cost model picks long drafts when they pay and none when they don't."""
-from specdec.engine.adaptive import AcceptanceEstimate, CostModel, choose_draft_len
+import pytest
+from specdec.engine.adaptive import PROBE_EVERY, AcceptanceEstimate, CostModel, choose_draft_len
 
 
 def _cost(draft_per_token, verify_slope=0.01):
@@ -45,3 +46,32 @@ def test_known_cutoff_is_found():
     for _ in range(30):
         acc.observe(16, 6)  # always 6 accepted, the 7th rejected
     assert choose_draft_len(_cost(0.02), acc, 0, 16) == 6
+
+
+def test_probe_due_every_probe_every_undrafted_steps():
+    cost = CostModel()
+    due = [cost.probe_due("d") for _ in range(3 * PROBE_EVERY)]
+    assert due.count(True) == 3 and due[PROBE_EVERY - 1]
+    cost.observe_draft(2, 0.1, "d")  # a draft resets the count
+    assert not any(cost.probe_due("d") for _ in range(PROBE_EVERY - 1))
+
+
+@pytest.mark.parametrize("spec", ["draft", "suffix"])
+def test_a_drafter_that_does_not_pay_drafts_only_probes(tmp_path, spec):
+    """Drafting costs far more than a target forward: after its first measurement the drafter is asked for
+    nothing but a one-token probe every PROBE_EVERY steps (never slower than plain decoding, give or take)."""
+    from test_lossless_sampling import DRAFT, TARGET, MarkovRunner, TickClock, V, _drafter, word_tokenizer
+    from specdec.drafters.draft_model import DraftModelDrafter
+    from specdec.engine.engine import Engine, SpecConfig
+    from specdec.models.tokenizer import Tokenizer
+    from specdec.sampling import SamplingParams
+
+    word_tokenizer(tmp_path, V)
+    engine = Engine(MarkovRunner(TARGET, 1, context=1024), Tokenizer(tmp_path), SpecConfig(draft_max=4),
+                    clock=TickClock())
+    engine.cost.verify_s = {k: 0.01 for k in range(1, 6)}  # one tick of drafting (0.3 s) is 30 target forwards
+    engine.cost.ema = 0.0
+    drafter = DraftModelDrafter(MarkovRunner(DRAFT, 1, context=1024), V) if spec == "draft" else _drafter(spec)
+    seq = engine.generate([1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], SamplingParams(max_tokens=400), drafter=drafter)
+    steps, drafted = seq.stats.target_forwards, seq.stats.drafted
+    assert steps > 300 and 0 < drafted <= 4 + steps / PROBE_EVERY, (steps, drafted)

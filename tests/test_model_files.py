@@ -86,7 +86,7 @@ def test_converted_weights_equal_the_gguf(tmp_path, home):
     for t in tensors:
         ref = gguf.quants.dequantize(t.data, t.tensor_type)
         np.testing.assert_array_equal(weights[gguf_convert.hf_name(t.name)], ref)
-    assert json.loads((out / gguf_convert.MARKER).read_text())["sha256"] == packs._sha256(path)
+    assert json.loads((out / gguf_convert.MARKER).read_text())["sha256"] == packs.sha256_file(path)
 
 
 def test_conversion_streams_tensor_by_tensor(tmp_path, home):
@@ -122,14 +122,14 @@ def test_killed_conversion_is_not_taken_for_finished_and_is_cleaned(tmp_path, ho
     assert [p.name for p in converted.iterdir()] == [gguf_convert.PARTIAL]  # nothing published
     assert len(list((converted / gguf_convert.PARTIAL).iterdir())) == 1      # the dead run's temp dir
     out = converted_gguf(path, progress=False)
-    assert gguf_convert.is_converted(out, packs._sha256(path))
+    assert gguf_convert.is_converted(out, packs.sha256_file(path))
     assert list((converted / gguf_convert.PARTIAL).iterdir()) == []          # its process is gone: removed
 
 
 def test_directory_without_marker_is_reconverted(tmp_path, home, monkeypatch):
     """A pack directory with weights and config but no finished marker (a half copy, an old layout)."""
     path = write_gguf(tmp_path / "m.gguf")
-    sha = packs._sha256(path)
+    sha = packs.sha256_file(path)
     monkeypatch.setitem(packs.PACKS, "fake", packs.Pack("fake", (), sha, "test pack"))
     d = packs.model_dir("fake")
     d.mkdir(parents=True)

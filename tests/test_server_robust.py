@@ -30,6 +30,8 @@ from specdec.server.app import ServerConfig, create_app
 from specdec.server.metrics import Metrics
 from specdec.server.serve import ServerThread
 
+from test_server import wait_healthy
+
 MAX_BODY = 3 << 20
 
 
@@ -190,12 +192,7 @@ def test_the_server_process_exits_1_when_the_engine_loop_dies(tiny_dir):
                              "-c", "64", "--port", str(port)], stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        wait_healthy(url)
         assert _post(url, {"prompt": "t5 t9"}, timeout=30).status_code == 500
         assert proc.wait(60) == 1
         assert "the engine stopped" in proc.stderr.read()

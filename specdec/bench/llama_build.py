@@ -27,6 +27,7 @@ import uuid
 from pathlib import Path
 
 from specdec.errors import SpecdecError
+from specdec.models.packs import sha256_file
 from specdec.paths import home
 
 SDIST_PACKAGE, SDIST_VERSION = "llama-cpp-python", "0.3.36"
@@ -131,20 +132,12 @@ def check_tools() -> tuple[str, list[str]]:
     return cmake, ([] if make else ["-G", "Ninja"])
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def download_sdist(progress: bool = True) -> Path:
     """The pinned sdist, downloaded once and checked."""
     dl = home() / "downloads" / SDIST_PACKAGE
     dl.mkdir(parents=True, exist_ok=True)
     sdist = dl / SDIST_FILE
-    if sdist.is_file() and _sha256(sdist) == SDIST_SHA256:
+    if sdist.is_file() and sha256_file(sdist) == SDIST_SHA256:
         return sdist
     sdist.unlink(missing_ok=True)
     if progress:
@@ -156,7 +149,7 @@ def download_sdist(progress: bool = True) -> Path:
     if res.returncode != 0 or not sdist.is_file():
         last = (res.stderr.strip().splitlines() or ["no output"])[-1]
         raise SpecdecError(f"cannot download {SDIST_PACKAGE}=={SDIST_VERSION}: {last}")
-    got = _sha256(sdist)
+    got = sha256_file(sdist)
     if got != SDIST_SHA256:
         sdist.unlink(missing_ok=True)
         raise SpecdecError(f"{SDIST_FILE}: SHA-256 mismatch (got {got}, want {SDIST_SHA256})")

@@ -23,7 +23,8 @@ def bench_meta(a, llm, prompts) -> dict:
             "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "platform": platform.platform()},
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
                          "transformers": transformers.__version__},
-            "dtype": str(llm.dtype).removeprefix("torch."), "threads": a.threads,
+            "dtype": str(llm.dtype).removeprefix("torch."), "quant": getattr(llm, "quant_info", None),
+            "threads": a.threads,
             "models": {"target": a.model, "draft": a.draft}, "workload": a.workload, "prompts": len(prompts),
             "max_tokens": a.max_tokens, "repeat": a.repeat, "temperature": a.temp, "seed": a.seed,
             "unseeded": getattr(a, "unseeded", False), "draft_max": a.draft_max, "context": llm.context}
@@ -174,7 +175,8 @@ def render_report(summary: dict, records: list[dict], meta: dict, notes: list[st
             f"{m['date']} · {m['machine']['cpu']} ({m['machine']['cores']} cores) · torch "
             f"{m['versions']['torch']} · transformers {m['versions']['transformers']} · {m['dtype']} · "
             f"{m['threads']} threads", "",
-            f"target {m['models']['target']}, draft {m['models']['draft']} · workload {m['workload']} "
+            f"target {m['models']['target']}{' (' + m['quant'] + ')' if m.get('quant') else ''}, "
+            f"draft {m['models']['draft']} · workload {m['workload']} "
             f"({m['prompts']} prompts) · max tokens {m['max_tokens'] or 'per prompt'} · repeat {m['repeat']} · "
             f"temperature {m['temperature']}", "",
             "tok/s: mean over prompts of each prompt's median run (min-max: means of the slowest and fastest "

@@ -12,6 +12,10 @@ always comes). Expected time: T(k) = k * draft_cost + verify(k + 1). Choose argm
 Drafters that know their confidence (the draft model) instead get the budget k_max and stop by
 themselves once the product of their token probabilities falls below draft_cost / verify(1):
 past that point another draft token is expected to save less target time than it costs.
+
+Every drafter, the draft model included, drafts nothing in a step where no k > 0 is expected to beat
+plain decoding. Its acceptance estimates then drift back toward the prior, and after PROBE_EVERY
+undrafted steps it drafts one token anyway, so costs and acceptance that changed get measured again.
 """
 from __future__ import annotations
 
@@ -20,12 +24,14 @@ from dataclasses import dataclass, field
 EMA = 0.2         # weight of a new observation
 PRIOR_ACCEPT = 0.7
 RELAX = 0.05      # per undrafted step, estimates drift back toward the prior (so drafting is retried)
+PROBE_EVERY = 32  # undrafted steps (per drafter, over all sequences) before a one-token probe
 
 
 @dataclass
 class CostModel:
     verify_s: dict[int, float] = field(default_factory=dict)  # tokens per forward -> seconds
     draft_s: dict[str, float] = field(default_factory=dict)   # drafter name -> seconds per drafted token
+    idle: dict[str, int] = field(default_factory=dict)        # drafter name -> undrafted steps since its last draft
     ema: float = EMA
     # Above the largest measured size, forwards cost as much as it (False: verifying a few more tokens
     # is nearly free on our hardware until measured) or grow in proportion to tokens (True: compute-bound,
@@ -38,8 +44,17 @@ class CostModel:
 
     def observe_draft(self, drafted: int, seconds: float, drafter: str = "") -> None:
         if drafted:
+            self.idle[drafter] = 0
             per, old = seconds / drafted, self.draft_s.get(drafter)
             self.draft_s[drafter] = per if old is None else old + self.ema * (per - old)
+
+    def probe_due(self, drafter: str = "") -> bool:
+        """Count one undrafted step of `drafter`; True once every PROBE_EVERY of them (time to re-measure)."""
+        self.idle[drafter] = self.idle.get(drafter, 0) + 1
+        if self.idle[drafter] < PROBE_EVERY:
+            return False
+        self.idle[drafter] = 0
+        return True
 
     def draft_cost(self, drafter: str = "") -> float:
         """Seconds per drafted token (0 until measured)."""

@@ -150,16 +150,21 @@ class Engine:
         k_max = max(0, k_max)
         if not self.spec.adaptive or k_max == 0:
             return k_max
-        drafter, draft_s = seq.drafter, self.cost.draft_cost(seq.drafter.name)
+        drafter = seq.drafter
+        k = choose_draft_len(self.cost, seq.acceptance, min(self.spec.draft_min, k_max), k_max, drafter.name)
+        probe = k == 0
+        if probe:  # drafting is not expected to pay: skip it, but now and then draft one token to re-measure
+            seq.acceptance.relax()
+            if not self.cost.probe_due(drafter.name):
+                return 0
+            k = min(k_max, max(1, self.spec.draft_min))
         if drafter.confidence_stop:
             # Draft one more token while its expected yield (the chance the path so far is accepted,
             # times the target forward it saves) beats what drafting it costs.
+            draft_s = self.cost.draft_cost(drafter.name)
             known = draft_s > 0 and self.cost.verify_s
             drafter.min_path_prob = draft_s / self.cost.verify_cost(1) if known else 0.0
-            return k_max
-        k = choose_draft_len(self.cost, seq.acceptance, min(self.spec.draft_min, k_max), k_max, drafter.name)
-        if k == 0:
-            seq.acceptance.relax()
+            return k if probe else k_max
         return k
 
     def _propose(self, seq: Sequence, cap: int | None) -> tuple[Draft, int, float]:

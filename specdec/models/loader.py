@@ -47,13 +47,37 @@ def resolve_model(name_or_path: str, progress: bool = True) -> Path:
     return converted_gguf(p, progress)
 
 
+TARGET_QUANT = ("auto", "gguf", "int8", "int4", "none")
+
+
+def resolve_gguf(name_or_path: str, progress: bool = True) -> Path:
+    """A pack name or a GGUF file -> the GGUF file itself (for `--quant gguf`). A pack's file is the one `pull`
+    assembles and keeps under $SPECDEC_HOME/gguf/NAME.gguf (assembled here if missing; its SHA-256 checked unless
+    the pack's pulled conversion already vouches for it); a checkpoint directory has no GGUF: an error."""
+    from specdec.models import packs
+
+    if name_or_path in packs.PACKS:
+        pack, path = packs.PACKS[name_or_path], packs.gguf_path(name_or_path)
+        if not path.exists() or (not packs.is_pulled(name_or_path) and packs.sha256_file(path) != pack.sha256):
+            packs._assemble(pack, path, progress)
+        return path
+    p = Path(name_or_path).expanduser()
+    if not p.exists():
+        raise SpecdecError(f"model not found: {name_or_path} (not a file, a directory or a model pack: "
+                           f"{', '.join(packs.PACKS)})")
+    if p.is_dir():
+        raise SpecdecError(f"--quant gguf needs a GGUF file or a model pack; {p} is a checkpoint directory "
+                           "(use --quant none, int8 or int4)")
+    return p
+
+
 def converted_gguf(path: Path, progress: bool = True) -> Path:
     """Convert a GGUF file once; later calls reuse the conversion cached under its content's SHA-256."""
     from specdec.models.gguf_convert import convert_gguf, is_converted
-    from specdec.models.packs import _sha256
+    from specdec.models.packs import sha256_file
 
     try:
-        sha = _sha256(path)
+        sha = sha256_file(path)
     except OSError as e:
         raise SpecdecError(f"cannot read {path}: {e.strerror or e}") from None
     out = home() / "converted" / f"{path.stem}-{sha[:16]}"

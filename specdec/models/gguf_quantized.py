@@ -1,0 +1,203 @@
+"""Run a model from a GGUF file's quantized tensors as they are (no 16/32-bit weight copies).
+
+`quantize_from_gguf(model, path)` takes a `Transformer` built for the file's config (typically on the meta
+device, so it holds no weights) and gives it the file's tensors: every projection whose GGUF tensor is Q4_K,
+Q5_0, Q6_K or Q8_0 becomes a `GGUFLinear` over a view of the file's memory map (fused q/k/v and gate/up
+stay fused: one block matrix when the parts share a type, else a `GGUFConcatLinear`); the token embedding
+becomes a `GGUFEmbedding` that dequantizes only the looked-up rows (and is the LM head's weight too when
+the model ties them); norms and biases (F32 in the file) and any tensor of another type are loaded dense in
+`dtype`. Resident memory stays near the file's size (the mapped pages are shared with the page cache).
+
+    model, tok = load_gguf_quantized(Path("model.gguf"), torch.bfloat16)
+
+The target's `--quant gguf` (`LLM(quant="gguf")`) loads through `load_gguf_quantized`; `describe(model)` says
+which path runs (reported in `--json` stats and bench metadata).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from specdec.errors import SpecdecError
+from specdec.models.config import ModelConfig
+from specdec.models.gguf_convert import config_from_gguf, hf_name, open_gguf, unpermute
+from specdec.models.transformer import FUSED, Transformer
+from specdec.runtime import kernels as K
+from specdec.runtime.gguf_linear import GGUFLinear
+
+
+class GGUFConcatLinear(nn.Module):
+    """Several GGUFLinears of different block types side by side along the output (a fused q/k/v whose v is
+    another type): one kernel call per part, outputs concatenated."""
+
+    def __init__(self, parts: list[GGUFLinear]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+class GGUFEmbedding(nn.Module):
+    """Token embeddings kept as GGUF blocks; a lookup dequantizes only the rows it returns."""
+
+    def __init__(self, table: GGUFLinear, dtype: torch.dtype):
+        super().__init__()
+        self.table, self.dtype = table, dtype
+        # what the rest of the code reads from an embedding's .weight: its dtype and device (no data)
+        self.register_buffer("weight", torch.empty(0, dtype=dtype), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        flat = tokens.reshape(-1)
+        rows = GGUFLinear(self.table.qweight.index_select(0, flat), self.table.qtype, self.table.in_features,
+                          flat.numel())
+        return rows.dequantize(self.dtype).reshape(*tokens.shape, self.table.in_features)
+
+
+def _linear(t, cfg: ModelConfig, bias: torch.Tensor | None = None) -> GGUFLinear:
+    out, inp = int(t.shape[1]), int(t.shape[0])  # GGUF lists ne0 (the row length) first
+    data = t.data.reshape(out, -1)
+    if cfg.model_type == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+        data = np.ascontiguousarray(unpermute(data, cfg.num_heads if "attn_q" in t.name else cfg.num_kv_heads))
+    blocks = torch.from_numpy(data) if data.flags.writeable else _readonly_view(data)
+    return GGUFLinear(blocks, int(t.tensor_type), inp, out, bias)
+
+
+def _readonly_view(a: np.ndarray) -> torch.Tensor:
+    """A tensor over a read-only memory map without copying (torch warns about non-writable arrays; the
+    kernels never write to weights)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a)
+
+
+def _dense(t, cfg: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
+    from specdec.models.gguf_convert import _dequantize
+
+    return torch.from_numpy(np.array(_dequantize(t, cfg))).to(dtype)  # a writable copy (norms, biases: small)
+
+
+def quantize_from_gguf(model: Transformer, gguf_path: Path | str, dtype: torch.dtype = torch.float32,
+                       reader=None) -> Transformer:
+    """Give `model` (built for this file's config, weights on meta or anything) the GGUF file's tensors, keeping
+    the quantized ones as blocks. Returns the model (modified in place), in eval mode."""
+    path = Path(gguf_path)
+    reader = reader or open_gguf(path)
+    cfg = model.config
+    tensors = {hf_name(t.name): t for t in reader.tensors}
+    kernel_types = set(K.BLOCK)
+    state: dict[str, torch.Tensor] = {}
+
+    def quantized(name: str) -> bool:
+        t = tensors.get(name)
+        return t is not None and int(t.tensor_type) in kernel_types
+
+    def bias_of(name: str) -> torch.Tensor | None:
+        b = tensors.get(name)
+        return None if b is None else _dense(b, cfg, dtype)
+
+    for i in range(cfg.num_layers):
+        pre = f"model.layers.{i}."
+        layer = model.model.layers[i]
+        for fused, parts in FUSED.items():
+            names = [f"{pre}{p}.weight" for p in parts]
+            owner_name, attr = fused.split(".")
+            owner = getattr(layer, owner_name)
+            if all(quantized(n) for n in names):
+                lins = [_linear(tensors[n], cfg, bias_of(n[:-len("weight")] + "bias")) for n in names]
+                setattr(owner, attr, _fuse(lins))
+            else:  # dense in dtype, fused as the checkpoint loader does
+                for kind in ("weight", "bias"):
+                    ns = [f"{pre}{p}.{kind}" for p in parts]
+                    if all(n in tensors for n in ns):
+                        state[f"{pre}{fused}.{kind}"] = torch.cat([_dense(tensors[n], cfg, dtype) for n in ns])
+        for sub in ("self_attn.o_proj", "mlp.down_proj"):
+            name = f"{pre}{sub}.weight"
+            owner_name, attr = sub.split(".")
+            if quantized(name):
+                setattr(getattr(layer, owner_name), attr, _linear(tensors[name], cfg, bias_of(f"{pre}{sub}.bias")))
+            else:
+                state[name] = _dense(tensors[name], cfg, dtype)
+                if f"{pre}{sub}.bias" in tensors:
+                    state[f"{pre}{sub}.bias"] = _dense(tensors[f"{pre}{sub}.bias"], cfg, dtype)
+        for name, t in tensors.items():  # norms
+            if name.startswith(pre) and "norm" in name:
+                state[name] = _dense(t, cfg, dtype)
+
+    emb = "model.embed_tokens.weight"
+    if quantized(emb):
+        table = _linear(tensors[emb], cfg)
+        model.model.embed_tokens = GGUFEmbedding(table, dtype)
+    else:
+        state[emb] = _dense(tensors[emb], cfg, dtype)
+        table = None
+    head = "lm_head.weight" if "lm_head.weight" in tensors else emb  # tied: the embedding table
+    if quantized(head):
+        model.lm_head = table if head == emb else _linear(tensors[head], cfg)
+    else:
+        state["lm_head.weight"] = state[emb] if head == emb else _dense(tensors[head], cfg, dtype)
+    state["model.norm.weight"] = _dense(tensors["model.norm.weight"], cfg, dtype)
+
+    dense_types = {tensors[n].tensor_type.name for n in tensors if len(tensors[n].shape) > 1 and not quantized(n)}
+    model.gguf_dense_types = sorted(dense_types)  # matrices of types the kernels do not take: held dense in dtype
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    unexpected = [u for u in unexpected if "rotary_emb" not in u]
+    left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
+    if unexpected or left:
+        raise SpecdecError(f"{path}: tensors do not match the model (unexpected {unexpected[:3]}, "
+                           f"not loaded {left[:3]})")
+    return model.eval()
+
+
+def describe(model: nn.Module) -> str:
+    """Which path a model from `quantize_from_gguf` runs, e.g. 'gguf: Q4_K/Q5_0/Q6_K/Q8_0 kernel path avx2', plus
+    '; Q4_1 dequantized to float32' for matrices of types the kernels do not take."""
+    kinds = sorted({m.type_name for m in model.modules() if isinstance(m, GGUFLinear)})
+    text = f"gguf: {'/'.join(kinds)} {K.describe()}" if kinds else "gguf: no kernel types"
+    dense = getattr(model, "gguf_dense_types", [])
+    if dense:
+        dtype = str(model.model.norm.weight.dtype).removeprefix("torch.")
+        text += f"; {'/'.join(dense)} dequantized to {dtype}"
+    return text
+
+
+MERGE_FUSED = False  # True: same-type parts of a fused projection become one block matrix (a copy of their
+# bytes; one kernel call instead of two or three). Off: measured on the 1.5B, merging raised RSS by 440 MB
+# (copies plus the mapped pages they were read from) for no clear decode gain (73 vs 79 ms median, noisy).
+
+
+def _fuse(lins: list[GGUFLinear]) -> nn.Module:
+    if MERGE_FUSED and len({lin.qtype for lin in lins}) == 1:  # one block matrix: one kernel call
+        bias = None
+        if any(lin.bias is not None for lin in lins):
+            bias = torch.cat([lin.bias.data if lin.bias is not None else torch.zeros(lin.out_features)
+                              for lin in lins])
+        return GGUFLinear(torch.cat([lin.qweight for lin in lins]), lins[0].qtype, lins[0].in_features,
+                          sum(lin.out_features for lin in lins), bias)
+    return GGUFConcatLinear(lins)
+
+
+def load_gguf_quantized(path: Path | str, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) straight from a GGUF file, quantized tensors kept as blocks (no fp32 conversion)."""
+    import tempfile
+
+    from specdec.models.gguf_convert import _save_tokenizer
+    from specdec.models.tokenizer import Tokenizer
+
+    path = Path(path)
+    reader = open_gguf(path)
+    cfg = config_from_gguf(reader, path)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    quantize_from_gguf(model, path, dtype, reader)
+    with tempfile.TemporaryDirectory() as d:
+        _save_tokenizer(path, Path(d))
+        tok = Tokenizer(Path(d))
+    return model, tok

@@ -1,0 +1,191 @@
+"""A linear layer that computes from a GGUF tensor's quantized blocks as they are in the file.
+
+`GGUFLinear` holds the raw block bytes ([out, bytes_per_row] uint8, e.g. a view of the file's
+memory map) plus the GGML type id; no 16/32-bit copy of the weight is kept. Small row counts
+(decode, verification, ragged server batches: up to `kernel_max_rows()`, measured per CPU) go
+through the C kernels in `specdec/runtime/kernels/ggml_q.c` (int8-quantized activations, integer
+dot products; AVX-512 VNNI / AVX2 / scalar chosen at run time). Larger ones (prefill) dequantize
+the weight in chunks of output rows to bf16 or fp32 (x's dtype) into a reused buffer and use
+torch's matmul, which is compute-bound there and uses oneDNN/AMX where available. Without the
+compiled library both dequantize, through the `gguf` package (slow but correct).
+
+Types: Q4_K, Q5_0, Q6_K, Q8_0 (what Q4_K_M packs hold).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import torch
+from torch import nn
+
+from specdec.runtime import kernels as K
+
+DEQUANT_CHUNK_BYTES = 32 << 20  # dequantized weight held at once in the prefill path
+CALIBRATION_ROWS = (16, 32, 64, 128, 256)
+_max_rows: dict[tuple[torch.dtype, int], int] = {}
+
+
+def kernel_max_rows(dtype: torch.dtype) -> int:
+    """Rows up to which the int8-activation kernel beats dequantize + torch matmul for inputs of `dtype`.
+
+    Where the crossover lies depends on the CPU and dtype more than on the layer (measured on a Zen 5
+    with AVX512-BF16, 1 thread: 16 rows for bf16 inputs, 256 or more for fp32; AMX would move bf16 lower).
+    So it is measured once per process, dtype and thread count, on a 1024x2048 Q4_K layer, at 16, 32, ..., 256
+    rows (about 0.1-0.3 s): the largest row count up to which the kernel was faster at every step (at least 8,
+    at most 256). SPECDEC_GGUF_KERNEL_ROWS=N sets it instead."""
+    env = os.environ.get("SPECDEC_GGUF_KERNEL_ROWS")
+    if env:
+        return int(env)
+    key = (dtype, torch.get_num_threads())
+    if key not in _max_rows:
+        _max_rows[key] = _calibrate(dtype) if K.library() is not None else 0
+    return _max_rows[key]
+
+
+def _calibrate(dtype: torch.dtype) -> int:
+    rng = np.random.default_rng(0)
+    out, inp = 1024, 2048
+    nb = out * inp // 256
+    b = rng.integers(0, 256, size=(nb, 144), dtype=np.uint8)
+    b[:, 0:4] = np.full((nb, 2), 1e-3, dtype=np.float16).view(np.uint8)
+    lin = GGUFLinear.from_blocks(b, K.Q4_K, (out, inp))
+
+    def best(fn, n=3):
+        fn()
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return min(ts)
+
+    limit = 8
+    for rows in CALIBRATION_ROWS:
+        x = torch.randn(rows, inp, dtype=dtype)
+        if best(lambda: lin._kernel(x)) > best(lambda: lin._dequant_matmul(x)):
+            break
+        limit = rows
+    return limit
+
+
+class GGUFLinear(nn.Module):
+    def __init__(self, qweight: torch.Tensor, qtype: int, in_features: int, out_features: int,
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        if qtype not in K.BLOCK:
+            raise ValueError(f"GGML type {qtype} not supported (supported: {', '.join(K.TYPES)})")
+        be, bb = K.BLOCK[qtype]
+        if in_features % be:
+            raise ValueError(f"in_features {in_features} is not a multiple of the block size {be}")
+        want = (out_features, in_features // be * bb)
+        if qweight.dtype != torch.uint8 or tuple(qweight.shape) != want:
+            raise ValueError(f"qweight must be uint8 {want}, got {qweight.dtype} {tuple(qweight.shape)}")
+        self.register_buffer("qweight", qweight.contiguous(), persistent=False)
+        self.qtype, self.in_features, self.out_features = qtype, in_features, out_features
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.last_path = ""  # 'avx512' / 'avx2' / 'scalar' / 'dequant': what the last forward ran
+
+    @classmethod
+    def from_blocks(cls, blocks, qtype: int | str, shape: tuple[int, int], bias: torch.Tensor | None = None):
+        """blocks: the tensor's bytes (numpy array or tensor, any shape); shape: (out, in) as torch sees it."""
+        qtype = K.TYPES[qtype] if isinstance(qtype, str) else int(qtype)
+        out, inp = shape
+        t = torch.from_numpy(np.ascontiguousarray(blocks)) if isinstance(blocks, np.ndarray) else blocks
+        return cls(t.reshape(out, -1), qtype, inp, out, bias)
+
+    @property
+    def type_name(self) -> str:
+        return next(k for k, v in K.TYPES.items() if v == self.qtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, type={self.type_name}, bias={self.bias is not None}"
+
+    # -- dequantize --------------------------------------------------------------------------------------------
+    def dequantize(self, dtype: torch.dtype = torch.float32, rows: slice | None = None) -> torch.Tensor:
+        """The weight (or output rows `rows`) as a dense [out, in] tensor."""
+        o0, o1, _ = (rows or slice(None)).indices(self.out_features)
+        if self.qweight.device.type != "cpu":  # the C code reads host memory only
+            host = GGUFLinear(self.qweight[o0:o1].cpu(), self.qtype, self.in_features, o1 - o0)
+            return host.dequantize(dtype).to(self.qweight.device)
+        lib = K.library()
+        if lib is not None and dtype in (torch.float32, torch.bfloat16):
+            dst = torch.empty(o1 - o0, self.in_features, dtype=dtype)
+            rc = lib.gq_dequantize(self.qtype, self.qweight.data_ptr(), self.in_features, o0, o1, dst.data_ptr(),
+                                   int(dtype == torch.bfloat16), torch.get_num_threads())
+            if rc == 0:
+                return dst
+        import gguf
+        w = gguf.quants.dequantize(self.qweight[o0:o1].numpy(), gguf.GGMLQuantizationType(self.qtype))
+        return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).reshape(o1 - o0, self.in_features).to(dtype)
+
+    # -- forward -----------------------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        rows = x2.shape[0]
+        y = None
+        if rows <= 8 or rows <= kernel_max_rows(x2.dtype):
+            y = self._kernel(x2)
+        if y is None:
+            y = self._dequant_matmul(x2)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def _kernel(self, x2: torch.Tensor, path: int | None = None) -> torch.Tensor | None:
+        lib = K.library()
+        if lib is None or x2.device.type != "cpu" or self.qweight.device.type != "cpu":
+            return None
+        xf = x2.to(torch.float32).contiguous()
+        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+        rc = lib.gq_matmul(self.qtype, self.qweight.data_ptr(), self.out_features, self.in_features, xf.data_ptr(),
+                           x2.shape[0], y.data_ptr(), torch.get_num_threads(),
+                           K.requested_path() if path is None else path)
+        if rc < 0:
+            return None
+        self.last_path = K.PATH_NAMES[rc]
+        return y if x2.dtype == torch.float32 else y.to(x2.dtype)
+
+    def _dequant_matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        dtype = x2.dtype if x2.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        xd = x2.to(dtype)
+        step = min(self.out_features, max(64, DEQUANT_CHUNK_BYTES // (self.in_features * xd.element_size())))
+        self.last_path = "dequant"
+        if x2.device.type != "cpu":
+            return (xd @ self.dequantize(dtype).T).to(x2.dtype)
+        y = torch.empty(x2.shape[0], self.out_features, dtype=dtype)
+        for o0 in range(0, self.out_features, step):
+            o1 = min(o0 + step, self.out_features)
+            w = self._dequantize_into(_scratch(dtype, (o1 - o0) * self.in_features), o0, o1)
+            if o1 - o0 == self.out_features:
+                torch.matmul(xd, w.T, out=y)
+            else:
+                y[:, o0:o1] = xd @ w.T
+        return y.to(x2.dtype)
+
+    def _dequantize_into(self, buf: torch.Tensor, o0: int, o1: int) -> torch.Tensor:
+        lib = K.library()
+        w = buf.view(o1 - o0, self.in_features)
+        if lib is not None and lib.gq_dequantize(self.qtype, self.qweight.data_ptr(), self.in_features, o0, o1,
+                                                 w.data_ptr(), int(w.dtype == torch.bfloat16),
+                                                 torch.get_num_threads()) == 0:
+            return w
+        return w.copy_(self.dequantize(w.dtype, slice(o0, o1)))
+
+
+_local = threading.local()
+
+
+def _scratch(dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """A reused per-thread buffer for dequantized chunks: fresh allocations of tens of MB cost more in page
+    faults than the dequantization itself (measured: 30-40 ms for 55 MB vs 2.5 ms to fill it)."""
+    bufs = getattr(_local, "bufs", None)
+    if bufs is None:
+        bufs = _local.bufs = {}
+    b = bufs.get(dtype)
+    if b is None or b.numel() < numel:
+        b = bufs[dtype] = torch.empty(numel, dtype=dtype)
+    return b[:numel]

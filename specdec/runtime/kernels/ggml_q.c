@@ -1,0 +1,844 @@
+/* Low-bit CPU matmul on GGUF blocks, as stored in the file: y[rows, out] = x[rows, in] @ W^T.
+ *
+ * W is `out` rows of `in / block` blocks, each exactly the GGUF bytes of one block:
+ *   Q8_0 (34 B / 32):  f16 d, int8 q[32]                              w = d * q
+ *   Q5_0 (22 B / 32):  f16 d, u32 qh, u8 qs[16]                         w = d * (q - 16), q 5-bit
+ *   Q4_K (144 B / 256): f16 d, f16 dmin, 12 B of 6-bit scales/mins, 128 B of nibbles
+ *                       w = d * sc[s] * q - dmin * m[s], 8 sub-blocks of 32
+ *   Q6_K (210 B / 256): ql[128], qh[64], int8 sc[16], f16 d           w = d * sc[g] * (q - 32), 16 groups of 16
+ *
+ * Activations are quantized per call to int8 (one scale per 256 inputs for the K-quants, per 32 for
+ * Q8_0/Q5_0), so the inner products are integer (AVX-512 VNNI vpdpbusd, or AVX2 vpmaddubsw +
+ * vpmaddwd). Weight offsets (Q5_0's -16, Q6_K's -32, Q4_K's mins, Q8_0's +128 bias in the VNNI path)
+ * are applied as float products of per-group weight constants with per-group activation sums.
+ *
+ * Kernels: 1-2 rows (decode) walk each output's blocks, unpack each block once into registers and apply
+ * it to every row (tile1_avx512 / row_avx2 / row_scalar). From 3 rows on (AVX-512; tile_min_rows) blocks
+ * of 16 outputs are unpacked and transposed so that the lanes are outputs and one vpdpbusd covers
+ * 4 inputs x 16 outputs of a row (ktile16_avx512): about 5.5 vector ops per row, output and 256 inputs
+ * instead of ~19. Beyond 16 rows the inputs are walked in chunks of 2048 (activations stay in L2).
+ * Threads (OpenMP, count passed in) split the outputs in tasks of 32, dynamically.
+ *
+ * One build runs on any x86-64: the AVX2 and AVX-512 paths carry function-level target attributes
+ * and are only called when __builtin_cpu_supports says the CPU (and OS) has them; otherwise the
+ * portable scalar path runs. Written for specdec; layouts follow the GGUF format definitions.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#define GQ_X86 1
+#include <immintrin.h>
+#endif
+
+enum { GQ_Q5_0 = 6, GQ_Q8_0 = 8, GQ_Q4_K = 12, GQ_Q6_K = 14 };
+enum { PATH_AUTO = 0, PATH_SCALAR = 1, PATH_AVX2 = 2, PATH_AVX512 = 3 };
+#define RT 64 /* rows per tile: accumulators of one output for RT rows stay in L1 */
+
+static int block_elems(int type) { return (type == GQ_Q4_K || type == GQ_Q6_K) ? 256 : 32; }
+static int block_bytes(int type) {
+    switch (type) {
+    case GQ_Q8_0: return 34;
+    case GQ_Q5_0: return 22;
+    case GQ_Q4_K: return 144;
+    case GQ_Q6_K: return 210;
+    default: return 0;
+    }
+}
+/* activation-sum group: the size of a weight group with its own offset constant */
+static int sum_group(int type) { return type == GQ_Q6_K ? 16 : 32; }
+
+static float fp16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        float f = (float)man * (1.0f / 16777216.0f); /* zero or subnormal: man * 2^-24 */
+        return sign ? -f : f;
+    }
+    bits = exp == 31 ? (sign | 0x7f800000u | (man << 13)) : (sign | ((exp + 112) << 23) | (man << 13));
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static inline uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline float rdh(const uint8_t *p) { return fp16_to_f32(rd16(p)); }
+
+#define INL static inline __attribute__((always_inline))
+/* 6-bit scales and mins of the 8 sub-blocks, from the 12 packed bytes: bytes 0-3 hold sc[0..3] (low 6 bits)
+ * and the top 2 bits of sc[4..7]; bytes 4-7 likewise m[0..3] and m[4..7]'s top bits; bytes 8-11 the low
+ * nibbles of sc[4..7] and (high nibbles) m[4..7]. Computed four bytes at a time. */
+INL void q4k_scales(const uint8_t *s, uint8_t *sc, uint8_t *m) {
+    uint32_t w0 = rd32(s), w1 = rd32(s + 4), w2 = rd32(s + 8), t;
+    t = w0 & 0x3F3F3F3Fu; memcpy(sc, &t, 4);
+    t = w1 & 0x3F3F3F3Fu; memcpy(m, &t, 4);
+    t = (w2 & 0x0F0F0F0Fu) | (((w0 >> 6) & 0x03030303u) << 4); memcpy(sc + 4, &t, 4);
+    t = ((w2 >> 4) & 0x0F0F0F0Fu) | (((w1 >> 6) & 0x03030303u) << 4); memcpy(m + 4, &t, 4);
+}
+
+/* One block -> signed integer values q (w = gs[g] * q + gm[g] for group g); returns the group size. */
+INL int unpack_block(int type, const uint8_t *b, int8_t *q, float *gs, float *gm) {
+    switch (type) {
+    case GQ_Q8_0:
+        gs[0] = rdh(b);
+        gm[0] = 0;
+        for (int i = 0; i < 32; i++) q[i] = (int8_t)b[2 + i];
+        return 32;
+    case GQ_Q5_0: {
+        const uint32_t qh = rd32(b + 2);
+        const uint8_t *qs = b + 6;
+        uint8_t hb[32];
+        gs[0] = rdh(b);
+        gm[0] = 0;
+        for (int j = 0; j < 32; j++) hb[j] = (uint8_t)(((qh >> j) & 1u) << 4);
+        for (int j = 0; j < 16; j++) {
+            q[j] = (int8_t)((uint8_t)((qs[j] & 0xF) | hb[j]) - 16);
+            q[j + 16] = (int8_t)((uint8_t)((qs[j] >> 4) | hb[j + 16]) - 16);
+        }
+        return 32;
+    }
+    case GQ_Q4_K: {
+        float d = rdh(b), dmin = rdh(b + 2);
+        uint8_t sc[8], m[8];
+        const uint8_t *qs = b + 16;
+        q4k_scales(b + 4, sc, m);
+        for (int s = 0; s < 8; s++) {
+            gs[s] = d * sc[s];
+            gm[s] = -dmin * m[s];
+        }
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 32; l++) {
+                q[64 * j + l] = (int8_t)(qs[32 * j + l] & 0xF);
+                q[64 * j + 32 + l] = (int8_t)(qs[32 * j + l] >> 4);
+            }
+        return 32;
+    }
+    case GQ_Q6_K: {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        float d = rdh(b + 208);
+        for (int g = 0; g < 16; g++) {
+            gs[g] = d * sc[g];
+            gm[g] = 0;
+        }
+        for (int h = 0; h < 2; h++)
+            for (int l = 0; l < 32; l++) {
+                const uint8_t a = ql[64 * h + l], c = ql[64 * h + 32 + l], hb = qh[32 * h + l];
+                q[128 * h + l] = (int8_t)(((a & 0xF) | ((hb & 3) << 4)) - 32);
+                q[128 * h + 32 + l] = (int8_t)(((c & 0xF) | (((hb >> 2) & 3) << 4)) - 32);
+                q[128 * h + 64 + l] = (int8_t)(((a >> 4) | (((hb >> 4) & 3) << 4)) - 32);
+                q[128 * h + 96 + l] = (int8_t)(((c >> 4) | (((hb >> 6) & 3) << 4)) - 32);
+            }
+        return 16;
+    }
+    }
+    return 0;
+}
+
+/* ---- activations: int8 per group of G inputs, scale d; S-group sums pre-multiplied by d ---- */
+typedef struct {
+    int8_t *q;  /* [rows][in] */
+    float *d;   /* [rows][in / G] */
+    float *s;   /* [rows][in / S]: d * sum(q) over each S-group */
+    int64_t in;
+    int G, S;
+} act_t;
+
+INL void quantize_rows(const float *x, int64_t r0, int64_t r1, act_t *A) {
+    const int64_t in = A->in, ng = in / A->G, ns = in / A->S;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *xr = x + r * in;
+        int8_t *q = A->q + r * in;
+        for (int64_t g = 0; g < ng; g++) {
+            const float *xg = xr + g * A->G;
+            float amax = 0;
+            for (int i = 0; i < A->G; i++) {
+                float v = fabsf(xg[i]);
+                amax = v > amax ? v : amax;
+            }
+            const float d = amax / 127.0f, id = amax > 0 ? 127.0f / amax : 0.0f;
+            A->d[r * ng + g] = d;
+            for (int i = 0; i < A->G; i++) q[g * A->G + i] = (int8_t)lrintf(xg[i] * id);
+        }
+        for (int64_t s = 0; s < ns; s++) {
+            int sum = 0;
+            for (int i = 0; i < A->S; i++) sum += q[s * A->S + i];
+            A->s[r * ns + s] = A->d[r * ng + (s * A->S) / A->G] * (float)sum;
+        }
+    }
+}
+
+/* ---- scalar path: any CPU ---- */
+static void row_scalar(int type, const uint8_t *w, const act_t *A, int64_t r0, int nr, float *y, int64_t ystride,
+                       int64_t b0, int64_t b1, int accum) {
+    const int be = block_elems(type), bb = block_bytes(type);
+    const int64_t in = A->in, ng = in / A->G;
+    int8_t q[256];
+    float gs[16], gm[16], acc[RT];
+    for (int r = 0; r < nr; r++) acc[r] = 0;
+    for (int64_t b = b0; b < b1; b++) {
+        const int gsz = unpack_block(type, w + b * bb, q, gs, gm);
+        for (int r = 0; r < nr; r++) {
+            const int8_t *a = A->q + (r0 + r) * in + b * be;
+            const float *ad = A->d + (r0 + r) * ng;
+            float part = 0;
+            for (int g = 0; g < be / gsz; g++) {
+                int isum = 0, asum = 0;
+                for (int i = g * gsz; i < (g + 1) * gsz; i++) {
+                    isum += q[i] * a[i];
+                    asum += a[i];
+                }
+                part += ad[(b * be + g * gsz) / A->G] * (gs[g] * (float)isum + gm[g] * (float)asum);
+            }
+            acc[r] += part;
+        }
+    }
+    for (int r = 0; r < nr; r++) y[r * ystride] = (accum ? y[r * ystride] : 0.0f) + acc[r];
+}
+
+#ifdef GQ_X86
+/* ======================================= AVX2 + FMA ======================================= */
+#define T256 __attribute__((target("avx2,fma,f16c")))
+
+T256 static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+T256 static float dot256(const float *a, const float *b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float s = hsum256(acc);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+T256 static inline float h2f_256(const uint8_t *p) { return _cvtsh_ss(rd16(p)); }
+
+/* returns whether `off` holds offsets to add (dot with the activation S-sums) */
+T256 static int row_avx2(int type, const uint8_t *w, const act_t *A, int64_t r0, int nr, float *y, int64_t ystride,
+                         float *off, int64_t b0, int64_t b1, int accum) {
+    const int64_t in = A->in, ng = in / A->G;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(0x03), ones = _mm256_set1_epi16(1);
+    __m256 acc[RT];
+    for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
+    int use_off = 1;
+    if (type == GQ_Q4_K) {
+        for (int64_t b = b0; b < b1; b++) {
+            const uint8_t *blk = w + b * 144;
+            const float d = h2f_256(blk), dmin = h2f_256(blk + 2);
+            uint8_t sc[8], m[8];
+            q4k_scales(blk + 4, sc, m);
+            __m256i wv[8], sv[8];
+            for (int s = 0; s < 8; s++) {
+                off[b * 8 + s] = -dmin * m[s];
+                sv[s] = _mm256_set1_epi16(sc[s]);
+            }
+            for (int j = 0; j < 4; j++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * j));
+                wv[2 * j] = _mm256_and_si256(x, m4);
+                wv[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
+            }
+            for (int r = 0; r < nr; r++) {
+                const int8_t *a = A->q + (r0 + r) * in + b * 256;
+                __m256i is = _mm256_setzero_si256();
+                for (int s = 0; s < 8; s++) {
+                    const __m256i p = _mm256_maddubs_epi16(wv[s], _mm256_loadu_si256((const __m256i *)(a + 32 * s)));
+                    is = _mm256_add_epi32(is, _mm256_madd_epi16(p, sv[s]));
+                }
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(d * A->d[(r0 + r) * ng + b]), acc[r]);
+            }
+        }
+    } else if (type == GQ_Q6_K) {
+        for (int64_t b = b0; b < b1; b++) {
+            const uint8_t *blk = w + b * 210, *ql = blk, *qh = blk + 128;
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            const float d = h2f_256(blk + 208);
+            __m256i wv[8], sv[8];
+            for (int g = 0; g < 16; g++) off[b * 16 + g] = -32.0f * d * sc[g];
+            for (int j = 0; j < 8; j++)
+                sv[j] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
+            for (int h = 0; h < 2; h++) {
+                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+                const __m256i H = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+                wv[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(H, m3), 4));
+                wv[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 2), m3), 4));
+                wv[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 4), m3), 4));
+                wv[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 6), m3), 4));
+            }
+            for (int r = 0; r < nr; r++) {
+                const int8_t *a = A->q + (r0 + r) * in + b * 256;
+                __m256i is = _mm256_setzero_si256();
+                for (int j = 0; j < 8; j++) {
+                    const __m256i p = _mm256_maddubs_epi16(wv[j], _mm256_loadu_si256((const __m256i *)(a + 32 * j)));
+                    is = _mm256_add_epi32(is, _mm256_madd_epi16(p, sv[j]));
+                }
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(d * A->d[(r0 + r) * ng + b]), acc[r]);
+            }
+        }
+    } else if (type == GQ_Q8_0) {
+        use_off = 0; /* signed weights: vpsignb trick, no offset */
+        for (int64_t b = b0; b < b1; b++) {
+            const uint8_t *blk = w + b * 34;
+            const float d = h2f_256(blk);
+            const __m256i wq = _mm256_loadu_si256((const __m256i *)(blk + 2)), aw = _mm256_sign_epi8(wq, wq);
+            for (int r = 0; r < nr; r++) {
+                const __m256i a = _mm256_loadu_si256((const __m256i *)(A->q + (r0 + r) * in + b * 32));
+                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(a, wq)), ones);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * A->d[(r0 + r) * ng + b]), acc[r]);
+            }
+        }
+    } else { /* Q5_0 */
+        const __m256i shuf = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0);
+        const __m256i bits = _mm256_set1_epi64x((long long)0x8040201008040201ULL), b5 = _mm256_set1_epi8(0x10);
+        for (int64_t b = b0; b < b1; b++) {
+            const uint8_t *blk = w + b * 22;
+            const float d = h2f_256(blk);
+            const __m128i x = _mm_loadu_si128((const __m128i *)(blk + 6)), m4x = _mm_set1_epi8(0x0F);
+            __m256i wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), m4x), _mm_and_si128(x, m4x));
+            const __m256i hb = _mm256_shuffle_epi8(_mm256_set1_epi32((int)rd32(blk + 2)), shuf);
+            wq = _mm256_or_si256(wq, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hb, bits), bits), b5));
+            off[b] = -16.0f * d;
+            for (int r = 0; r < nr; r++) {
+                const __m256i a = _mm256_loadu_si256((const __m256i *)(A->q + (r0 + r) * in + b * 32));
+                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, a), ones);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * A->d[(r0 + r) * ng + b]), acc[r]);
+            }
+        }
+    }
+    const int64_t ns = in / A->S, sg = block_elems(type) / A->S; /* S-groups per block */
+    for (int r = 0; r < nr; r++)
+        y[r * ystride] = (accum ? y[r * ystride] : 0.0f) + hsum256(acc[r]) +
+                         (use_off ? dot256(off + b0 * sg, A->s + (r0 + r) * ns + b0 * sg, (b1 - b0) * sg) : 0.0f);
+    return use_off;
+}
+
+/* ================================ AVX-512 F/BW/VL/DQ + VNNI ================================ */
+#define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+
+T512 static float dot512(const float *a, const float *b, int64_t n) {
+    __m512 acc = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    if (i < n) {
+        const __mmask16 k = (__mmask16)((1u << (n - i)) - 1);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, a + i), _mm512_maskz_loadu_ps(k, b + i), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+T512 static inline float h2f_512(const uint8_t *p) { return _cvtsh_ss(rd16(p)); }
+
+/* Unpack one K-quant block: wv = 4 zmm of unsigned weights in input order (64 inputs each), sc = their
+ * integer scales as int16 pairs (lane i of zmm j: the scale of inputs 64j + 2i, 64j + 2i + 1), *d the block
+ * scale, off_b the per-group offsets (Q4_K: -dmin * m per 32 inputs; Q6_K: -32 * d * sc per 16).
+ * (Tried and dropped: a 4x4 dword transpose of the block, and the activations stored to match, so that
+ * vpdpbusd lanes each see one group and the scales apply as floats once per row: 7 instead of 11 vector
+ * ops per row and block, but measured no faster at 16-64 rows and 15-40% slower at one row on Zen 5.) */
+T512 static inline __attribute__((always_inline)) void kblock_512(int type, const uint8_t *blk, __m512i wv[4],
+                                                                  __m512i sc[4], float *d, float *off_b) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(0x03);
+    if (type == GQ_Q4_K) {
+        uint8_t sm[16]; /* sc[8], m[8] */
+        *d = _cvtsh_ss(rd16(blk));
+        const float dmin = _cvtsh_ss(rd16(blk + 2));
+        q4k_scales(blk + 4, sm, sm + 8);
+        const __m128i smv = _mm_loadu_si128((const __m128i *)sm);
+        _mm256_storeu_ps(off_b, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(smv, 8))),
+                                              _mm256_set1_ps(-dmin)));
+        const __m512i s16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(smv));
+        /* int16 lane i of zmm j -> sub-block 2j + i / 16 */
+        __m512i idx = _mm512_set_epi16(1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+                                       0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+        for (int j = 0; j < 4; j++, idx = _mm512_add_epi16(idx, _mm512_set1_epi16(2)))
+            sc[j] = _mm512_permutexvar_epi16(idx, s16);
+        const __m512i q0 = _mm512_loadu_si512(blk + 16), q1 = _mm512_loadu_si512(blk + 80);
+        const __m512i lo0 = _mm512_and_si512(q0, m4), hi0 = _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4);
+        const __m512i lo1 = _mm512_and_si512(q1, m4), hi1 = _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4);
+        wv[0] = _mm512_shuffle_i64x2(lo0, hi0, 0x44); /* sub-blocks 0 | 1 */
+        wv[1] = _mm512_shuffle_i64x2(lo0, hi0, 0xEE); /* 2 | 3 */
+        wv[2] = _mm512_shuffle_i64x2(lo1, hi1, 0x44);
+        wv[3] = _mm512_shuffle_i64x2(lo1, hi1, 0xEE);
+    } else { /* Q6_K */
+        const uint8_t *ql = blk, *qh = blk + 128;
+        *d = _cvtsh_ss(rd16(blk + 208));
+        const __m128i s8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+        _mm512_storeu_ps(off_b, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s8)), _mm512_set1_ps(-32.0f * *d)));
+        const __m512i s16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(s8));
+        /* int16 lane i of zmm j -> group 4j + i / 8 */
+        __m512i idx = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2,
+                                       1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+        for (int j = 0; j < 4; j++, idx = _mm512_add_epi16(idx, _mm512_set1_epi16(4)))
+            sc[j] = _mm512_permutexvar_epi16(idx, s16);
+        for (int h = 0; h < 2; h++) {
+            const __m512i L = _mm512_loadu_si512(ql + 64 * h);
+            const __m256i H = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+            const __m512i Hz = _mm512_inserti64x4(_mm512_castsi256_si512(H), _mm256_srli_epi16(H, 2), 1);
+            wv[2 * h] = _mm512_or_si512(_mm512_and_si512(L, m4), _mm512_slli_epi16(_mm512_and_si512(Hz, m3), 4));
+            wv[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
+                                            _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(Hz, 4), m3), 4));
+        }
+    }
+}
+
+/* Eight Q8_0 / Q5_0 blocks (256 inputs; only the first nblk exist) as unsigned weights in input order
+ * (Q8_0: q + 128, Q5_0: q), and the scale row: lanes 0-7 the blocks' d, lanes 8-15 their offsets
+ * (-128 d / -16 d); missing blocks are zeros. */
+T512 static inline __attribute__((always_inline)) __m512 q32unpack_512(int type, const uint8_t *blk, int nblk,
+                                                                       __m512i wv[4]) {
+    const int bb = type == GQ_Q8_0 ? 34 : 22;
+    const __m256i x80 = _mm256_set1_epi8((char)0x80), m4y = _mm256_set1_epi8(0x0F), b5 = _mm256_set1_epi8(0x10);
+    float dd[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    __m256i wy[8];
+    for (int k = 0; k < 8; k++) {
+        if (k >= nblk) {
+            wy[k] = _mm256_setzero_si256();
+            continue;
+        }
+        const uint8_t *p = blk + k * bb;
+        dd[k] = _cvtsh_ss(rd16(p));
+        if (type == GQ_Q8_0) {
+            wy[k] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 2)), x80);
+        } else {
+            const __m128i x = _mm_loadu_si128((const __m128i *)(p + 6));
+            const __m256i x2 = _mm256_set_m128i(_mm_srli_epi16(x, 4), x);
+            wy[k] = _mm256_or_si256(_mm256_and_si256(x2, m4y), _mm256_maskz_mov_epi8(rd32(p + 2), b5));
+        }
+    }
+    for (int j = 0; j < 4; j++) wv[j] = _mm512_inserti64x4(_mm512_castsi256_si512(wy[2 * j]), wy[2 * j + 1], 1);
+    const __m512 d16 = _mm512_castps256_ps512(_mm256_loadu_ps(dd));
+    const __m512 dup = _mm512_shuffle_f32x4(d16, d16, 0x44); /* d0..d7, d0..d7 */
+    return _mm512_mul_ps(dup, _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(1.0f),
+                                                   _mm512_set1_ps(type == GQ_Q8_0 ? -128.0f : -16.0f)));
+}
+
+/* NO consecutive outputs (weight rows w, w + rowbytes, ...) for rows r0..r0+nr; each activation vector is
+ * loaded once for all NO outputs. (Measured on Zen 5: NO = 2 was slower than NO = 1 at every row count
+ * from 1 to 64, so only NO = 1 is instantiated.) */
+T512 static inline __attribute__((always_inline)) void tile_avx512(int type, const int NO, const uint8_t *w,
+                                                                   int64_t rowbytes, const act_t *A, int64_t r0,
+                                                                   int nr, float *y, int64_t ystride, float *off,
+                                                                   int64_t b0, int64_t b1, int accum) {
+    const int64_t in = A->in, ng = in / A->G, offn = in / 16;
+    const __m512i zero = _mm512_setzero_si512();
+    __m512 acc[2][RT];
+    for (int k = 0; k < NO; k++)
+        for (int r = 0; r < nr; r++) acc[k][r] = _mm512_setzero_ps();
+    if (type == GQ_Q4_K || type == GQ_Q6_K) {
+        const int64_t bb = type == GQ_Q4_K ? 144 : 210, ob = type == GQ_Q4_K ? 8 : 16;
+        for (int64_t b = b0; b < b1; b++) {
+            __m512i wv[2][4], sc[2][4];
+            float d[2];
+            for (int k = 0; k < NO; k++) kblock_512(type, w + k * rowbytes + b * bb, wv[k], sc[k], &d[k], off + k * offn + b * ob);
+            const int8_t *a = A->q + r0 * in + b * 256;
+            const float *ad = A->d + r0 * ng + b;
+            for (int r = 0; r < nr; r++, a += in, ad += ng) {
+                const __m512i a0 = _mm512_loadu_si512(a), a1 = _mm512_loadu_si512(a + 64);
+                const __m512i a2 = _mm512_loadu_si512(a + 128), a3 = _mm512_loadu_si512(a + 192);
+                for (int k = 0; k < NO; k++) {
+                    __m512i s = _mm512_dpwssd_epi32(zero, _mm512_maddubs_epi16(wv[k][0], a0), sc[k][0]);
+                    s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(wv[k][1], a1), sc[k][1]);
+                    s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(wv[k][2], a2), sc[k][2]);
+                    s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(wv[k][3], a3), sc[k][3]);
+                    acc[k][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(d[k] * *ad), acc[k][r]);
+                }
+            }
+        }
+    } else { /* Q8_0 / Q5_0: two 32-input blocks per zmm (tried: eight blocks per step through q32unpack_512,
+              * as the many-row kernel does: 15-50% slower at 1-2 rows) */
+        const int bb = type == GQ_Q8_0 ? 34 : 22;
+        const float bias = type == GQ_Q8_0 ? -128.0f : -16.0f;
+        const __m256i x80 = _mm256_set1_epi8((char)0x80), m4y = _mm256_set1_epi8(0x0F), b5 = _mm256_set1_epi8(0x10);
+        const __m512i pair0 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+        for (int64_t b = b0; b < b1; b += 2) {
+            const int two_blocks = b + 1 < b1;
+            __m512i wz[2];
+            __m512 dw[2];
+            for (int k = 0; k < NO; k++) {
+                __m256i wy[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+                float dd[2] = {0, 0};
+                for (int h = 0; h < 1 + two_blocks; h++) {
+                    const uint8_t *blk = w + k * rowbytes + (b + h) * bb;
+                    dd[h] = _cvtsh_ss(rd16(blk));
+                    off[k * offn + b + h] = bias * dd[h];
+                    if (type == GQ_Q8_0) {
+                        wy[h] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)), x80); /* q + 128 */
+                    } else {
+                        const __m128i x = _mm_loadu_si128((const __m128i *)(blk + 6));
+                        const __m256i x2 = _mm256_set_m128i(_mm_srli_epi16(x, 4), x);
+                        wy[h] = _mm256_or_si256(_mm256_and_si256(x2, m4y), _mm256_maskz_mov_epi8(rd32(blk + 2), b5));
+                    }
+                }
+                wz[k] = _mm512_inserti64x4(_mm512_castsi256_si512(wy[0]), wy[1], 1);
+                dw[k] = _mm512_permutexvar_ps(pair0, _mm512_castps128_ps512(_mm_setr_ps(dd[0], dd[1], 0, 0)));
+            }
+            const __mmask64 km = two_blocks ? ~(__mmask64)0 : (__mmask64)0xFFFFFFFFu;
+            const int8_t *a = A->q + r0 * in + b * 32;
+            const float *ad = A->d + r0 * ng + b;
+            for (int r = 0; r < nr; r++, a += in, ad += ng) {
+                const __m512i av = _mm512_maskz_loadu_epi8(km, a);
+                const __m128 adv = two_blocks ? _mm_castpd_ps(_mm_load_sd((const double *)ad)) : _mm_load_ss(ad);
+                const __m512 da = _mm512_permutexvar_ps(pair0, _mm512_castps128_ps512(adv));
+                for (int k = 0; k < NO; k++) {
+                    const __m512i p = _mm512_dpbusd_epi32(zero, wz[k], av);
+                    acc[k][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw[k], da), acc[k][r]);
+                }
+            }
+        }
+    }
+    const int64_t ns = in / A->S, sg = block_elems(type) / A->S; /* S-groups per block */
+    for (int k = 0; k < NO; k++)
+        for (int r = 0; r < nr; r++)
+            y[r * ystride + k] = (accum ? y[r * ystride + k] : 0.0f) + _mm512_reduce_add_ps(acc[k][r]) +
+                                 dot512(off + k * offn + b0 * sg, A->s + (r0 + r) * ns + b0 * sg, (b1 - b0) * sg);
+}
+
+T512 static void tile1_avx512(int type, const uint8_t *w, int64_t rowbytes, const act_t *A, int64_t r0, int nr,
+                              float *y, int64_t ystride, float *off, int64_t b0, int64_t b1, int accum) {
+    switch (type) {
+    case GQ_Q4_K: tile_avx512(GQ_Q4_K, 1, w, rowbytes, A, r0, nr, y, ystride, off, b0, b1, accum); break;
+    case GQ_Q6_K: tile_avx512(GQ_Q6_K, 1, w, rowbytes, A, r0, nr, y, ystride, off, b0, b1, accum); break;
+    case GQ_Q8_0: tile_avx512(GQ_Q8_0, 1, w, rowbytes, A, r0, nr, y, ystride, off, b0, b1, accum); break;
+    case GQ_Q5_0: tile_avx512(GQ_Q5_0, 1, w, rowbytes, A, r0, nr, y, ystride, off, b0, b1, accum); break;
+    }
+}
+/* ---- AVX-512, many rows: 16 outputs in the lanes ----
+ * For 3+ rows the per-row work of tile1 (two integer ops per 64 weights plus scale handling) dominates.
+ * Here the blocks of 16 outputs are unpacked once per call into L1 and transposed (16x16 dwords) so that
+ * zmm k holds inputs 4k..4k+3 of all 16 outputs; each row then needs one vpdpbusd per 4 inputs for 16
+ * outputs (the activation dword broadcast from memory), and one cvt + fma per group for its scales. */
+T512 static inline __attribute__((always_inline)) void transpose16_512(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; c++) { /* u[4i + c], 128-bit lane L: column 4L + c of rows 4i..4i+3 */
+        const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44), v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+        r[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        r[4 + c] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+        r[8 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+    }
+}
+
+/* One K-quant block in natural input order (4 zmm of unsigned weights); returns its per-group float scales
+ * (Q4_K: lanes 0-7 d * sc of the 8 groups of 32, lanes 8-15 the offsets -dmin * m; Q6_K: the 16 groups' d * sc,
+ * offsets being -32 times those). w = scale * u + offset. */
+T512 static inline __attribute__((always_inline)) __m512 kunpack_512(int type, const uint8_t *blk, __m512i wv[4]) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(0x03);
+    if (type == GQ_Q4_K) {
+        uint8_t sm[16];
+        const float d = _cvtsh_ss(rd16(blk)), dmin = _cvtsh_ss(rd16(blk + 2));
+        q4k_scales(blk + 4, sm, sm + 8);
+        const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)sm)));
+        const __m512i q0 = _mm512_loadu_si512(blk + 16), q1 = _mm512_loadu_si512(blk + 80);
+        const __m512i lo0 = _mm512_and_si512(q0, m4), hi0 = _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4);
+        const __m512i lo1 = _mm512_and_si512(q1, m4), hi1 = _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4);
+        wv[0] = _mm512_shuffle_i64x2(lo0, hi0, 0x44);
+        wv[1] = _mm512_shuffle_i64x2(lo0, hi0, 0xEE);
+        wv[2] = _mm512_shuffle_i64x2(lo1, hi1, 0x44);
+        wv[3] = _mm512_shuffle_i64x2(lo1, hi1, 0xEE);
+        return _mm512_mul_ps(f, _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d), _mm512_set1_ps(-dmin)));
+    } else {
+        const uint8_t *ql = blk, *qh = blk + 128;
+        const float d = _cvtsh_ss(rd16(blk + 208));
+        for (int h = 0; h < 2; h++) {
+            const __m512i L = _mm512_loadu_si512(ql + 64 * h);
+            const __m256i H = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+            const __m512i Hz = _mm512_inserti64x4(_mm512_castsi256_si512(H), _mm256_srli_epi16(H, 2), 1);
+            wv[2 * h] = _mm512_or_si512(_mm512_and_si512(L, m4), _mm512_slli_epi16(_mm512_and_si512(Hz, m3), 4));
+            wv[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
+                                            _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(Hz, 4), m3), 4));
+        }
+        const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192))));
+        return _mm512_mul_ps(sc, _mm512_set1_ps(d));
+    }
+}
+
+T512 static inline __attribute__((always_inline)) void ktile16_body(int type, const uint8_t *w, int64_t rowbytes,
+                                                                    int nt, const act_t *A, int64_t r0, int nr,
+                                                                    float *y, int64_t ystride, int64_t b0, int64_t b1,
+                                                                    int accum) {
+    /* K: dwords per group; NG: groups per 256 inputs. Q8_0 / Q5_0: eight blocks of 32 make one 256-input step
+     * (b0, b1 stay in the type's own blocks), their activation scales are per group */
+    const int g32 = type == GQ_Q8_0 || type == GQ_Q5_0;
+    const int K = type == GQ_Q6_K ? 4 : 8, NG = 256 / (4 * K);
+    const int64_t in = A->in, ng = in / A->G, ns = in / A->S, bb = block_bytes(type), per = g32 ? 8 : 1;
+    const __m512i zero = _mm512_setzero_si512();
+    __m512 acc[RT], bacc[RT];
+    __m512i T[64];
+    for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t bk = b0; bk < b1; bk += per) { /* bk: first block (of the type) of this 256-input step */
+        const int nblk = (int)(b1 - bk < per ? b1 - bk : per), ngs = g32 ? nblk : NG; /* groups present */
+        const int64_t b = bk / per; /* 256-input step index (activation layout) */
+        __m512i src[4][16], sc[16];
+        for (int t = 0; t < 16; t++) {
+            __m512i wv[4] = {zero, zero, zero, zero};
+            if (t >= nt) sc[t] = zero;
+            else if (g32) sc[t] = _mm512_castps_si512(q32unpack_512(type, w + t * rowbytes + bk * bb, nblk, wv));
+            else sc[t] = _mm512_castps_si512(kunpack_512(type, w + t * rowbytes + bk * bb, wv));
+            for (int j = 0; j < 4; j++) src[j][t] = wv[j];
+        }
+        transpose16_512(sc); /* sc[g]: group g's scale for the 16 outputs */
+        for (int j = 0; j < 4; j++) {
+            transpose16_512(src[j]);
+            for (int c = 0; c < 16; c++) T[16 * j + c] = src[j][c];
+        }
+        for (int g = 0; g < ngs; g++) {
+            __m512i wk[8];
+            for (int k = 0; k < K; k++) wk[k] = T[g * K + k];
+            const __m512 sv = _mm512_castsi512_ps(sc[g]);
+            const __m512 ov = type == GQ_Q6_K ? _mm512_mul_ps(sv, _mm512_set1_ps(-32.0f)) : _mm512_castsi512_ps(sc[8 + g]);
+            for (int r = 0; r < nr; r++) {
+                const int32_t *a = (const int32_t *)(const void *)(A->q + (r0 + r) * in + b * 256) + g * K;
+                __m512i isum = _mm512_dpbusd_epi32(zero, wk[0], _mm512_set1_epi32(a[0]));
+                for (int k = 1; k < K; k++) isum = _mm512_dpbusd_epi32(isum, wk[k], _mm512_set1_epi32(a[k]));
+                if (g32) { /* activation scale per group */
+                    const __m512 s = _mm512_mul_ps(sv, _mm512_set1_ps(A->d[(r0 + r) * ng + b * 8 + g]));
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, acc[r]);
+                } else {
+                    bacc[r] = g == 0 ? _mm512_mul_ps(_mm512_cvtepi32_ps(isum), sv)
+                                     : _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sv, bacc[r]);
+                }
+                acc[r] = _mm512_fmadd_ps(ov, _mm512_set1_ps(A->s[(r0 + r) * ns + b * NG + g]), acc[r]);
+            }
+        }
+        if (!g32)
+            for (int r = 0; r < nr; r++)
+                acc[r] = _mm512_fmadd_ps(bacc[r], _mm512_set1_ps(A->d[(r0 + r) * ng + b]), acc[r]);
+    }
+    const __mmask16 km = (__mmask16)((1u << nt) - 1);
+    for (int r = 0; r < nr; r++) {
+        __m512 v = acc[r];
+        if (accum) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(km, y + r * ystride));
+        _mm512_mask_storeu_ps(y + r * ystride, km, v);
+    }
+}
+
+T512 static void ktile16_avx512(int type, const uint8_t *w, int64_t rowbytes, int nt, const act_t *A, int64_t r0,
+                                int nr, float *y, int64_t ystride, int64_t b0, int64_t b1, int accum) {
+    switch (type) {
+    case GQ_Q4_K: ktile16_body(GQ_Q4_K, w, rowbytes, nt, A, r0, nr, y, ystride, b0, b1, accum); break;
+    case GQ_Q6_K: ktile16_body(GQ_Q6_K, w, rowbytes, nt, A, r0, nr, y, ystride, b0, b1, accum); break;
+    case GQ_Q8_0: ktile16_body(GQ_Q8_0, w, rowbytes, nt, A, r0, nr, y, ystride, b0, b1, accum); break;
+    case GQ_Q5_0: ktile16_body(GQ_Q5_0, w, rowbytes, nt, A, r0, nr, y, ystride, b0, b1, accum); break;
+    }
+}
+#endif /* GQ_X86 */
+
+/* ------------------------------------------ API ------------------------------------------ */
+static void quant_path(int path, const float *x, int64_t r0, int64_t r1, act_t *A);
+
+
+int gq_best_path(void) {
+#ifdef GQ_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c"))
+        return PATH_AVX512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        return PATH_AVX2;
+#endif
+    return PATH_SCALAR;
+}
+
+int gq_block_bytes(int type) { return block_bytes(type); }
+int gq_block_elems(int type) { return block_elems(type); }
+
+/* y[rows][out] (float32) = x[rows][in] (float32) @ W^T. path: 0 auto, 1 scalar, 2 avx2, 3 avx512 (a path the
+ * CPU lacks is lowered to the best it has). Returns the path used, or a negative error. */
+static int tile_min_rows = 3; /* AVX-512 K-quants: from this many rows on, the 16-outputs-in-lanes kernel */
+void gq_set_tile_min_rows(int n) { tile_min_rows = n; }
+
+int gq_matmul(int type, const uint8_t *W, int64_t out, int64_t in, const float *x, int64_t rows, float *y,
+              int nthreads, int path) {
+    const int be = block_elems(type), bb = block_bytes(type);
+    if (bb == 0) return -1;
+    if (in % be != 0 || in <= 0 || out <= 0 || rows < 0) return -2;
+    const int best = gq_best_path();
+    if (path == PATH_AUTO || path > best) path = best;
+    if (nthreads < 1) nthreads = 1;
+    if (rows == 0) return path;
+    act_t A;
+    A.in = in;
+    A.G = be;
+    A.S = sum_group(type);
+
+    A.q = (int8_t *)malloc((size_t)(rows * in) + 64);
+    A.d = (float *)malloc(sizeof(float) * (size_t)(rows * (in / A.G)) + 64);
+    A.s = (float *)malloc(sizeof(float) * (size_t)(rows * (in / A.S)) + 64);
+    if (!A.q || !A.d || !A.s) {
+        free(A.q); free(A.d); free(A.s);
+        return -3;
+    }
+    const int64_t rowbytes = (in / be) * bb;
+    int err = 0;
+    /* few rows: quantize here, so the parallel region has one barrier (its end) instead of two, which
+     * matters when the machine is oversubscribed and every barrier may wait for a descheduled thread */
+    const int quant_serial = rows * in <= (1 << 16);
+    if (quant_serial) quant_path(path, x, 0, rows, &A);
+#pragma omp parallel num_threads(nthreads)
+    {
+        if (!quant_serial) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++) quant_path(path, x, r, r + 1, &A);
+        }
+        float *off = (float *)malloc(sizeof(float) * (size_t)(2 * (in / 16) + 32));
+        if (!off) {
+#pragma omp atomic write
+            err = 1;
+        }
+        /* Tasks of OC outputs (dynamic: on a loaded machine a descheduled thread delays the call only by the
+         * task it holds). Beyond 16 rows the inputs are walked in chunks of 2048 so that the activations of
+         * one chunk (rows x 2048 bytes) stay in L2 while every output of the task uses them; without this,
+         * re-reading all rows' activations once per output made the cost per row grow past ~16 rows. */
+        const int64_t OC = 32, nbk = in / be, kc = rows > 16 ? 2048 / be : nbk;
+        const int tiled = path == PATH_AVX512 && rows >= tile_min_rows;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < (out + OC - 1) / OC; task++) {
+            if (!off) continue;
+            const int64_t oa = task * OC, oe = oa + OC < out ? oa + OC : out;
+            for (int64_t b0 = 0; b0 < nbk; b0 += kc) {
+                const int64_t b1 = b0 + kc < nbk ? b0 + kc : nbk;
+#ifdef GQ_X86
+                if (tiled) {
+                    for (int64_t o = oa; o < oe; o += 16) {
+                        const int nt = (int)(oe - o < 16 ? oe - o : 16);
+                        for (int64_t r0 = 0; r0 < rows; r0 += RT) {
+                            const int nr = (int)(rows - r0 < RT ? rows - r0 : RT);
+                            ktile16_avx512(type, W + o * rowbytes, rowbytes, nt, &A, r0, nr, y + r0 * out + o, out,
+                                           b0, b1, b0 > 0);
+                        }
+                    }
+                    continue;
+                }
+#endif
+                for (int64_t o = oa; o < oe; o++) {
+                    const uint8_t *wr = W + o * rowbytes;
+                    for (int64_t r0 = 0; r0 < rows; r0 += RT) {
+                        const int nr = (int)(rows - r0 < RT ? rows - r0 : RT);
+                        float *yo = y + r0 * out + o;
+#ifdef GQ_X86
+                        if (path == PATH_AVX512) {
+                            tile1_avx512(type, wr, rowbytes, &A, r0, nr, yo, out, off, b0, b1, b0 > 0);
+                            continue;
+                        }
+                        if (path == PATH_AVX2) {
+                            row_avx2(type, wr, &A, r0, nr, yo, out, off, b0, b1, b0 > 0);
+                            continue;
+                        }
+#endif
+                        row_scalar(type, wr, &A, r0, nr, yo, out, b0, b1, b0 > 0);
+                    }
+                }
+            }
+        }
+        free(off);
+    }
+    free(A.q); free(A.d); free(A.s);
+    return err ? -3 : path;
+}
+
+INL uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint32_t nan = (u & 0x7fffffffu) > 0x7f800000u;
+    const uint32_t r = nan ? ((u >> 16) | 0x40u) : ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); /* nearest even */
+    return (uint16_t)r;
+}
+
+INL void dequant_rows(int type, const uint8_t *W, int64_t in, int64_t o0, int64_t o1, void *dst, int bf16) {
+    const int be = block_elems(type), bb = block_bytes(type), per = 256 / be; /* blocks per 256 inputs */
+    const int64_t nb = in / be, rowbytes = nb * bb;
+    for (int64_t o = o0; o < o1; o++) {
+        for (int64_t b0 = 0; b0 < nb; b0 += per) {
+            int8_t q[256];
+            float gs[16], gm[16], v[256];
+            const int nblk = (int)(nb - b0 < per ? nb - b0 : per), n = nblk * be;
+            for (int k = 0; k < nblk; k++) {
+                const int gsz = unpack_block(type, W + o * rowbytes + (b0 + k) * bb, q, gs, gm);
+                for (int g = 0; g < be / gsz; g++)
+                    for (int i = 0; i < gsz; i++) v[k * be + g * gsz + i] = gs[g] * (float)q[g * gsz + i] + gm[g];
+            }
+            const int64_t at = o * in + b0 * be; /* dst row 0 is row o0 of W (the caller offsets W) */
+            if (bf16) {
+                uint16_t *d16 = (uint16_t *)dst + at;
+                for (int i = 0; i < n; i++) d16[i] = f32_to_bf16(v[i]);
+            } else {
+                memcpy((float *)dst + at, v, sizeof(float) * (size_t)n);
+            }
+        }
+    }
+}
+
+/* The same generic C compiled for each instruction set (gcc vectorizes the loops per target), with the
+ * type a constant in each copy. */
+#define TYPE_SWITCH(CALL)                                                                                  \
+    switch (type) {                                                                                          \
+    case GQ_Q4_K: { const int type_ = GQ_Q4_K; CALL; } break;                                                \
+    case GQ_Q6_K: { const int type_ = GQ_Q6_K; CALL; } break;                                                \
+    case GQ_Q5_0: { const int type_ = GQ_Q5_0; CALL; } break;                                                \
+    case GQ_Q8_0: { const int type_ = GQ_Q8_0; CALL; } break;                                                \
+    }
+static void dequant_any(int type, const uint8_t *W, int64_t in, int64_t o0, int64_t o1, void *dst, int bf16) {
+    TYPE_SWITCH(dequant_rows(type_, W, in, o0, o1, dst, bf16))
+}
+static void quant_any(const float *x, int64_t r0, int64_t r1, act_t *A) { quantize_rows(x, r0, r1, A); }
+#ifdef GQ_X86
+T256 static void dequant_256(int type, const uint8_t *W, int64_t in, int64_t o0, int64_t o1, void *dst, int bf16) {
+    TYPE_SWITCH(dequant_rows(type_, W, in, o0, o1, dst, bf16))
+}
+T512 static void dequant_512(int type, const uint8_t *W, int64_t in, int64_t o0, int64_t o1, void *dst, int bf16) {
+    TYPE_SWITCH(dequant_rows(type_, W, in, o0, o1, dst, bf16))
+}
+T256 static void quant_256(const float *x, int64_t r0, int64_t r1, act_t *A) { quantize_rows(x, r0, r1, A); }
+T512 static void quant_512(const float *x, int64_t r0, int64_t r1, act_t *A) { quantize_rows(x, r0, r1, A); }
+#endif
+
+static void quant_path(int path, const float *x, int64_t r0, int64_t r1, act_t *A) {
+#ifdef GQ_X86
+    if (path == PATH_AVX512) { quant_512(x, r0, r1, A); return; }
+    if (path == PATH_AVX2) { quant_256(x, r0, r1, A); return; }
+#endif
+    (void)path;
+    quant_any(x, r0, r1, A);
+}
+
+/* Dequantize weight rows [o0, o1) into dst: float32 (bf16 = 0) or bfloat16 (bf16 = 1), row-major [o1 - o0][in]. */
+int gq_dequantize(int type, const uint8_t *W, int64_t in, int64_t o0, int64_t o1, void *dst, int bf16, int nthreads) {
+    const int be = block_elems(type), bb = block_bytes(type);
+    if (bb == 0) return -1;
+    if (in % be != 0 || o1 < o0) return -2;
+    if (nthreads < 1) nthreads = 1;
+    const int path = gq_best_path();
+    const int64_t rowbytes = in / be * bb;
+    const uint8_t *W0 = W + o0 * rowbytes;
+    const int64_t n = o1 - o0, chunk = 16;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t c = 0; c < n; c += chunk) {
+        const int64_t e = c + chunk < n ? c + chunk : n;
+#ifdef GQ_X86
+        if (path == PATH_AVX512) { dequant_512(type, W0, in, c, e, dst, bf16); continue; }
+        if (path == PATH_AVX2) { dequant_256(type, W0, in, c, e, dst, bf16); continue; }
+#endif
+        dequant_any(type, W0, in, c, e, dst, bf16);
+    }
+    return 0;
+}

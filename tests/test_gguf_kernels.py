@@ -1,0 +1,274 @@
+"""GGUF block kernels (specdec/runtime/kernels/ggml_q.c) against an fp64 reference.
+
+Weights: Q8_0 and Q5_0 from `gguf.quants.quantize`; Q4_K and Q6_K (which the gguf package cannot
+quantize) as random valid blocks. The reference dequantizer is `gguf.quants.dequantize`.
+
+Error bound. The kernels quantize each activation row to int8 per group of G inputs (G = 256 for
+the K-quants, 32 for Q8_0/Q5_0) with scale amax/127, so each input carries a rounding error of at
+most amax/254, uniformly spread: rms amax/(127*sqrt(12)), about 0.8% of a Gaussian row's rms for
+G = 256 (amax ~ 3.4 sigma) and 0.6% for G = 32. With weights uncorrelated to that noise the relative
+error of a dot product is the same ~0.8%, so:
+  * against the exact product x @ W^T (fp64): relative error (Frobenius, over the whole output) < 2e-2;
+  * against x_q @ W^T, where x_q is x after the same int8 rounding reproduced in numpy: < 1e-4 (only
+    fp32 accumulation is left), which pins down the integer arithmetic exactly.
+Every instruction-set path is tested (a path the CPU lacks is lowered to the best it has, so these run on
+any x86 CPU, and the scalar path anywhere).
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from specdec.runtime import kernels as K
+from specdec.runtime.gguf_linear import GGUFLinear
+
+gguf = pytest.importorskip("gguf")
+
+ROWS = (1, 2, 5, 17, 64, 200)
+SIZES = {"Q4_K": (256, 1536, 8960), "Q6_K": (256, 1536, 8960), "Q5_0": (896, 1536, 96), "Q8_0": (896, 1536, 8960)}
+OUT = 37  # odd: exercises a last, partial task of outputs
+
+
+def random_blocks(qtype: int, out: int, inp: int, rng) -> np.ndarray:
+    if qtype in (K.Q8_0, K.Q5_0):
+        w = rng.standard_normal((out, inp)).astype(np.float32)
+        return gguf.quants.quantize(w, gguf.GGMLQuantizationType(qtype)).reshape(out, -1)
+    be, bb = K.BLOCK[qtype]
+    nb = out * inp // be
+    b = rng.integers(0, 256, size=(nb, bb), dtype=np.uint8)  # any bytes are valid nibbles / scales
+    half = lambda: (rng.uniform(0.5, 1.5, (nb, 1)) / 64).astype(np.float16).view(np.uint8)  # noqa: E731
+    if qtype == K.Q4_K:
+        b[:, 0:2], b[:, 2:4] = half(), half()  # d, dmin
+    else:
+        b[:, 208:210] = half()  # d
+    return b.reshape(out, -1)
+
+
+def int8_rows(x: np.ndarray, group: int) -> np.ndarray:
+    """x after the kernels' activation quantization (int8 per `group` inputs, scale amax/127), in float64."""
+    g = x.astype(np.float32).reshape(x.shape[0], -1, group)
+    amax = np.abs(g).max(-1, keepdims=True)
+    d = amax / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(g * inv)
+    return (q.astype(np.float64) * d.astype(np.float64)).reshape(x.shape)
+
+
+@pytest.fixture(scope="module")
+def lib():
+    if K.library() is None:
+        pytest.skip(f"kernel library not built here: {K.build_error}")
+    return K.library()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("name", list(K.TYPES))
+def test_dequantize_matches_gguf(name, lib):
+    rng = np.random.default_rng(1)
+    qt = K.TYPES[name]
+    inp = SIZES[name][1]
+    blocks = random_blocks(qt, OUT, inp, rng)
+    ref = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(qt)).reshape(OUT, inp)
+    lin = GGUFLinear.from_blocks(blocks, name, (OUT, inp))
+    assert np.array_equal(lin.dequantize(torch.float32).numpy(), ref)
+    assert torch.equal(lin.dequantize(torch.bfloat16), torch.from_numpy(ref).to(torch.bfloat16))
+    assert np.array_equal(lin.dequantize(torch.float32, slice(5, 20)).numpy(), ref[5:20])
+
+
+@pytest.mark.parametrize("path", ["scalar", "avx2", "avx512"])
+@pytest.mark.parametrize("name", list(K.TYPES))
+def test_kernel_matches_reference(name, path, lib):
+    rng = np.random.default_rng(zlib.crc32(f"{name}{path}".encode()))
+    qt = K.TYPES[name]
+    group = K.BLOCK[qt][0]
+    for inp in SIZES[name]:
+        blocks = random_blocks(qt, OUT, inp, rng)
+        w = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(qt))).reshape(OUT, inp).double()
+        lin = GGUFLinear.from_blocks(blocks, name, (OUT, inp))
+        for rows in ROWS:
+            if path == "scalar" and rows * inp > 64 * 1536:
+                continue  # scalar: keep the test fast
+            x = rng.standard_normal((rows, inp)).astype(np.float32)
+            y = lin._kernel(torch.from_numpy(x), K.PATHS[path])
+            assert y is not None and y.dtype == torch.float32 and y.shape == (rows, OUT)
+            assert K.PATHS[lin.last_path] <= K.PATHS[path]  # never a path above the one asked for
+            exact = torch.from_numpy(x).double() @ w.T  # torch: numpy's fp64 GEMM was slow at 2-17 rows here
+            quant = torch.from_numpy(int8_rows(x, group)) @ w.T
+            assert rel(y, exact) < 2e-2, (name, path, inp, rows)
+            assert rel(y, quant) < 1e-4, (name, path, inp, rows)
+
+
+def test_paths_agree_and_best_path_is_used(lib):
+    rng = np.random.default_rng(3)
+    blocks = random_blocks(K.Q4_K, 64, 1536, rng)
+    lin = GGUFLinear.from_blocks(blocks, "Q4_K", (64, 1536))
+    x = torch.randn(9, 1536)
+    ys = {p: lin._kernel(x, K.PATHS[p]) for p in ("scalar", "avx2", "avx512")}
+    for p, y in ys.items():
+        assert torch.allclose(y, ys["scalar"], rtol=1e-4, atol=1e-4 * float(ys["scalar"].abs().max())), p
+    lin._kernel(x, 0)
+    assert lin.last_path == K.best_path()
+
+
+def test_forward_shapes_dtypes_bias_and_prefill(lib):
+    rng = np.random.default_rng(4)
+    blocks = random_blocks(K.Q6_K, 48, 512, rng)
+    bias = torch.randn(48)
+    lin = GGUFLinear.from_blocks(blocks, "Q6_K", (48, 512), bias=bias)
+    w = lin.dequantize(torch.float64)
+    for shape in ((3, 512), (2, 5, 512), (1, 300, 512)):  # 300 rows: the dequantize + matmul path
+        x = torch.randn(*shape)
+        ref = x.double() @ w.T + bias.double()
+        for dtype, tol in ((torch.float32, 2e-2), (torch.bfloat16, 3e-2)):
+            y = lin(x.to(dtype))
+            assert y.dtype == dtype and y.shape == (*shape[:-1], 48)
+            assert ((y.double() - ref).norm() / ref.norm()).item() < tol
+    lin(torch.randn(400, 512))
+    assert lin.last_path == "dequant"
+    lin(torch.randn(4, 512))
+    assert lin.last_path == K.best_path()
+
+
+def test_kernel_reads_only_its_rows(lib):
+    """A weight that is a row slice of a bigger buffer (as a file's memory map would give) is used in place."""
+    rng = np.random.default_rng(5)
+    big = torch.from_numpy(random_blocks(K.Q8_0, 10, 256, rng))
+    lin = GGUFLinear.from_blocks(big[3:7], "Q8_0", (4, 256))
+    assert lin.qweight.data_ptr() == big[3:7].data_ptr()
+    x = torch.randn(2, 256)
+    w = gguf.quants.dequantize(big[3:7].numpy(), gguf.GGMLQuantizationType.Q8_0)
+    ref = x.double() @ torch.from_numpy(w).double().T
+    assert ((lin(x).double() - ref).norm() / ref.norm()).item() < 2e-2
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError):
+        GGUFLinear(torch.zeros(4, 100, dtype=torch.uint8), K.Q4_K, 256, 4)  # 144 bytes per 256 inputs
+    with pytest.raises(ValueError):
+        GGUFLinear(torch.zeros(4, 144, dtype=torch.uint8), K.Q4_K, 250, 4)  # not a multiple of 256
+    with pytest.raises(ValueError):
+        GGUFLinear(torch.zeros(4, 18, dtype=torch.uint8), 2, 32, 4)  # Q4_0: not supported
+
+
+def test_no_compiler_falls_back(monkeypatch, tmp_path, capsys):
+    """No working compiler: one warning line, no crash, and forward still right (dequantize + matmul)."""
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a 'compiler' that always fails
+    monkeypatch.setattr(K, "_compiler", lambda: "false")
+    K._reset()
+    try:
+        assert K.library() is None and K.best_path() == "none"
+        assert "unavailable" in capsys.readouterr().err
+        rng = np.random.default_rng(6)
+        blocks = random_blocks(K.Q5_0, 8, 64, rng)
+        lin = GGUFLinear.from_blocks(blocks, "Q5_0", (8, 64))
+        x = torch.randn(3, 64)
+        w = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q5_0).reshape(8, 64)
+        assert torch.allclose(lin(x), x @ torch.from_numpy(w).T, rtol=1e-4, atol=1e-4)
+        assert lin.last_path == "dequant"
+        assert not list((tmp_path / "kernels").glob("*.so"))
+    finally:
+        K._reset()
+
+
+def test_build_is_keyed_by_cpu(monkeypatch, tmp_path):
+    cc = K._compiler()
+    if cc is None:
+        pytest.skip("no compiler")
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    a = K.lib_path(cc)
+    monkeypatch.setattr(K, "_cpu_signature", lambda: "another cpu")
+    assert K.lib_path(cc) != a and K.lib_path(cc).parent == tmp_path / "kernels"
+
+
+def _tiny_gguf(path, tied: bool, rng) -> None:
+    """A 2-layer qwen2 GGUF mixing the four block types (q/k Q4_K with v Q6_K: a fused q/k/v of two types)."""
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    H, F, V, L = 256, 512, 300, 2
+    w.add_block_count(L)
+    w.add_context_length(128)
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(F)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+
+    def q(name, kind, out, inp):
+        qt = K.TYPES[kind]
+        w.add_tensor(name, random_blocks(qt, out, inp, rng), raw_dtype=gguf.GGMLQuantizationType(qt))
+
+    def f(name, n, scale=0.1, base=0.0):
+        w.add_tensor(name, (base + scale * rng.standard_normal(n)).astype(np.float32))
+
+    q("token_embd.weight", "Q8_0", V, H)
+    for i in range(L):
+        p = f"blk.{i}."
+        f(p + "attn_norm.weight", H, base=1.0)
+        f(p + "ffn_norm.weight", H, base=1.0)
+        q(p + "attn_q.weight", "Q4_K", H, H)
+        q(p + "attn_k.weight", "Q4_K", 128, H)
+        q(p + "attn_v.weight", "Q6_K", 128, H)
+        for b, n in (("attn_q.bias", H), ("attn_k.bias", 128), ("attn_v.bias", 128)):
+            f(p + b, n)
+        q(p + "attn_output.weight", "Q5_0", H, H)
+        q(p + "ffn_gate.weight", "Q4_K", F, H)
+        q(p + "ffn_up.weight", "Q4_K", F, H)
+        q(p + "ffn_down.weight", "Q6_K", H, F)
+    f("output_norm.weight", H, base=1.0)
+    if not tied:
+        q("output.weight", "Q8_0", V, H)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_model_from_gguf_blocks_matches_dequantized_model(tmp_path, lib, tied):
+    """quantize_from_gguf: the model computing from the file's blocks against the same file dequantized to
+    fp32 (what the checkpoint conversion gives): close logits, and where the greedy tokens differ (a random
+    model has near-ties) the quantized model's choice is within 3% of the logit range of the best."""
+    from specdec.models.gguf_convert import _dequantize, config_from_gguf, hf_name, open_gguf
+    from specdec.models.gguf_quantized import GGUFEmbedding, quantize_from_gguf
+    from specdec.models.transformer import Transformer, fuse_projections
+    from specdec.runtime.kv_cache import KVCache
+
+    path = tmp_path / "tiny.gguf"
+    _tiny_gguf(path, tied, np.random.default_rng(7))
+    reader = open_gguf(path)
+    cfg = config_from_gguf(reader, path)
+    assert cfg.tie_word_embeddings == tied
+    with torch.device("meta"):
+        qm, dm = Transformer(cfg), Transformer(cfg)
+    quantize_from_gguf(qm, path, torch.float32, reader)
+    assert isinstance(qm.model.embed_tokens, GGUFEmbedding)
+    assert not any(isinstance(m, torch.nn.Linear) for m in qm.modules())  # every projection kept as blocks
+    state = fuse_projections({hf_name(t.name): torch.from_numpy(_dequantize(t, cfg)) for t in reader.tensors},
+                             cfg.num_layers)
+    if tied:
+        state.pop("lm_head.weight", None)
+    dm.load_state_dict(state, strict=False, assign=True)
+    if tied:
+        dm.lm_head.weight = dm.model.embed_tokens.weight
+    tokens = torch.from_numpy(np.random.default_rng(8).integers(0, cfg.vocab_size, (1, 12)))
+    pos = torch.arange(12)[None]
+    outs = []
+    for m in (qm, dm):
+        cache = KVCache.allocate(cfg.num_layers, 1, cfg.num_kv_heads, 64, cfg.head_dim, torch.float32)
+        logits, _ = m(tokens[:, :8], pos[:, :8], torch.tensor([0]), cache)  # prefill
+        steps = [m(tokens[:, i:i + 1], pos[:, i:i + 1], torch.tensor([0]), cache)[0] for i in range(8, 12)]  # decode
+        outs.append(torch.cat([logits, *steps], 1))
+    lq, ld = outs
+    assert ((lq - ld).norm() / ld.norm()).item() < 5e-2
+    pick = ld.gather(-1, lq.argmax(-1, keepdim=True))[..., 0]
+    best, span = ld.amax(-1), ld.amax(-1) - ld.amin(-1)
+    assert bool((pick >= best - 0.03 * span).all())
+    assert (lq.argmax(-1) == ld.argmax(-1)).float().mean() >= 0.75

@@ -1,0 +1,112 @@
+"""The target's `--quant` (`LLM(quant=...)`): `gguf` runs the GGUF file's own blocks (GGUFLinear); speculation
+stays lossless against that quantized target; a checkpoint directory with `--quant gguf` is a clear error."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from specdec.api import LLM
+from specdec.errors import SpecdecError
+
+gguf = pytest.importorskip("gguf")
+
+from test_gguf_kernels import _tiny_gguf  # noqa: E402  (the tiny mixed-type model, 2 layers, vocab 300)
+
+V = 300
+
+
+class _WriterWithTokenizer(gguf.GGUFWriter):
+    """`_tiny_gguf` writes no tokenizer; `load_gguf_quantized` needs one: a gpt2 token list over the 300 ids."""
+
+    def write_header_to_file(self, *args, **kwargs):
+        self.add_tokenizer_model("gpt2")
+        self.add_token_list([chr(ord("a") + i) for i in range(26)] + ["ab"] + [f"<{i}>" for i in range(27, V)])
+        self.add_token_types([1] * V)
+        self.add_token_merges(["a b"])
+        self.add_eos_token_id(0)
+        return super().write_header_to_file(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("quant") / "tiny-mixed.gguf"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFWriter", _WriterWithTokenizer)
+        _tiny_gguf(path, True, np.random.default_rng(11))
+    return path
+
+
+PROMPT = [5, 9, 14, 3, 7, 5, 9, 14, 3, 7, 5, 9, 14, 3, 7, 5, 9]  # repeats: the n-gram and suffix drafters draft
+
+
+def test_gguf_target_loads_and_speculation_is_lossless(tiny_gguf):
+    from specdec.models.gguf_quantized import GGUFEmbedding
+    from specdec.runtime.gguf_linear import GGUFLinear
+
+    # draft_max 7: verification stays within 8 rows, the kernel path plain decoding uses (prefill: the same in both)
+    llm = LLM(str(tiny_gguf), quant="gguf", dtype="fp32", draft_max=7, progress=False)
+    m = llm.runner.model
+    assert isinstance(m.model.embed_tokens, GGUFEmbedding)
+    assert not any(isinstance(x, torch.nn.Linear) for x in m.modules())
+    assert {x.type_name for x in m.modules() if isinstance(x, GGUFLinear)} == {"Q4_K", "Q5_0", "Q6_K", "Q8_0"}
+    assert llm.quant == "gguf" and llm.quant_info.startswith("gguf: Q4_K/Q5_0/Q6_K/Q8_0 ")
+    assert "dequantized" not in llm.quant_info  # every matrix of the file is a kernel type
+    plain = llm.generate(PROMPT, max_tokens=24, spec_type="none")
+    assert plain.stats.new_tokens > 0
+    for spec in ("ngram-simple", "suffix"):
+        r = llm.generate(PROMPT, max_tokens=24, spec_type=spec)
+        assert r.token_ids == plain.token_ids, spec
+        assert r.stats.drafted > 0, spec  # it did speculate (and rejected some: a random model)
+        assert r.stats.target_forwards <= plain.stats.target_forwards
+
+
+def test_unknown_quant_is_refused(tiny_gguf):
+    with pytest.raises(SpecdecError, match="unknown target quantization"):
+        LLM(str(tiny_gguf), quant="q4", progress=False)
+
+
+def test_quant_gguf_on_checkpoint_dir_is_a_clear_error(tiny_dir):
+    res = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "-m", str(tiny_dir("qwen2")), "-p", "t1",
+                          "--quant", "gguf"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--quant gguf needs a GGUF file or a model pack" in lines[0], res.stderr
+
+
+def test_quant_int8_target_is_lossless_against_itself(tiny_dir):
+    from specdec.runtime.quant import Int8Linear
+
+    llm = LLM(str(tiny_dir("qwen2")), quant="int8", dtype="fp32", draft_max=4, progress=False)
+    assert any(isinstance(x, Int8Linear) for x in llm.runner.model.modules())
+    assert llm.quant_info.startswith("int8: weight-only")
+    prompt = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4, 5]
+    plain = llm.generate(prompt, max_tokens=16, spec_type="none")
+    assert llm.generate(prompt, max_tokens=16, spec_type="ngram-simple").token_ids == plain.token_ids
+
+
+@pytest.mark.real
+def test_smollm_pack_gguf_greedy_lossless(smollm_dir):
+    """The SmolLM2-135M pack's GGUF (Q4_1 matrices, held dequantized; the Q8_0 embedding as blocks): plain and
+    ngram-simple greedy outputs identical on the quantized target."""
+    llm = LLM("smollm2-135m", quant="gguf", dtype="fp32", draft_max=7, progress=False)
+    assert llm.quant_info.startswith("gguf: Q8_0 ") and "Q4_1 dequantized to float32" in llm.quant_info
+    prompt = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n" \
+             "def factorial(n):\n"
+    plain = llm.generate(prompt, max_tokens=24, spec_type="none")
+    spec = llm.generate(prompt, max_tokens=24, spec_type="ngram-simple")
+    assert spec.token_ids == plain.token_ids
+    assert plain.stats.new_tokens == 24 or plain.finish_reason == "stop"
+
+
+@pytest.mark.real
+def test_generate_json_reports_quant(smollm_dir):
+    res = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "-m", "smollm2-135m", "--quant", "gguf",
+                          "--dtype", "fp32", "-p", "Hello", "-n", "4", "--json"], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["quant"].startswith("gguf: ")
