@@ -203,6 +203,17 @@ static void row_scalar(int type, const uint8_t *w, const act_t *A, int64_t r0, i
 /* ======================================= AVX2 + FMA ======================================= */
 #define T256 __attribute__((target("avx2,fma,f16c")))
 
+/* acc + scale * sum over 8 groups of 32: (unsigned weights wv . int8 activations a) x 16-bit group scales sv */
+T256 static inline __attribute__((always_inline)) __m256 kdot256(const __m256i wv[8], const __m256i sv[8],
+                                                                 const int8_t *a, float scale, __m256 acc) {
+    __m256i is = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j++) {
+        const __m256i p = _mm256_maddubs_epi16(wv[j], _mm256_loadu_si256((const __m256i *)(a + 32 * j)));
+        is = _mm256_add_epi32(is, _mm256_madd_epi16(p, sv[j]));
+    }
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(scale), acc);
+}
+
 T256 static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -243,15 +254,8 @@ T256 static int row_avx2(int type, const uint8_t *w, const act_t *A, int64_t r0,
                 wv[2 * j] = _mm256_and_si256(x, m4);
                 wv[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
             }
-            for (int r = 0; r < nr; r++) {
-                const int8_t *a = A->q + (r0 + r) * in + b * 256;
-                __m256i is = _mm256_setzero_si256();
-                for (int s = 0; s < 8; s++) {
-                    const __m256i p = _mm256_maddubs_epi16(wv[s], _mm256_loadu_si256((const __m256i *)(a + 32 * s)));
-                    is = _mm256_add_epi32(is, _mm256_madd_epi16(p, sv[s]));
-                }
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(d * A->d[(r0 + r) * ng + b]), acc[r]);
-            }
+            for (int r = 0; r < nr; r++)
+                acc[r] = kdot256(wv, sv, A->q + (r0 + r) * in + b * 256, d * A->d[(r0 + r) * ng + b], acc[r]);
         }
     } else if (type == GQ_Q6_K) {
         for (int64_t b = b0; b < b1; b++) {
@@ -274,15 +278,8 @@ T256 static int row_avx2(int type, const uint8_t *w, const act_t *A, int64_t r0,
                 wv[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
                                                 _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 6), m3), 4));
             }
-            for (int r = 0; r < nr; r++) {
-                const int8_t *a = A->q + (r0 + r) * in + b * 256;
-                __m256i is = _mm256_setzero_si256();
-                for (int j = 0; j < 8; j++) {
-                    const __m256i p = _mm256_maddubs_epi16(wv[j], _mm256_loadu_si256((const __m256i *)(a + 32 * j)));
-                    is = _mm256_add_epi32(is, _mm256_madd_epi16(p, sv[j]));
-                }
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(d * A->d[(r0 + r) * ng + b]), acc[r]);
-            }
+            for (int r = 0; r < nr; r++)
+                acc[r] = kdot256(wv, sv, A->q + (r0 + r) * in + b * 256, d * A->d[(r0 + r) * ng + b], acc[r]);
         }
     } else if (type == GQ_Q8_0) {
         use_off = 0; /* signed weights: vpsignb trick, no offset */
@@ -342,9 +339,24 @@ T512 static inline float h2f_512(const uint8_t *p) { return _cvtsh_ss(rd16(p)); 
  * (Tried and dropped: a 4x4 dword transpose of the block, and the activations stored to match, so that
  * vpdpbusd lanes each see one group and the scales apply as floats once per row: 7 instead of 11 vector
  * ops per row and block, but measured no faster at 16-64 rows and 15-40% slower at one row on Zen 5.) */
+
+/* A Q6_K block's 256 6-bit quants (0..63, unsigned) as 4 x 64 bytes: low nibbles from ql, 2 high bits from qh */
+T512 static inline __attribute__((always_inline)) void q6k_quants_512(const uint8_t *blk, __m512i wv[4]) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(0x03);
+    const uint8_t *ql = blk, *qh = blk + 128;
+    for (int h = 0; h < 2; h++) {
+        const __m512i L = _mm512_loadu_si512(ql + 64 * h);
+        const __m256i H = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+        const __m512i Hz = _mm512_inserti64x4(_mm512_castsi256_si512(H), _mm256_srli_epi16(H, 2), 1);
+        wv[2 * h] = _mm512_or_si512(_mm512_and_si512(L, m4), _mm512_slli_epi16(_mm512_and_si512(Hz, m3), 4));
+        wv[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
+                                        _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(Hz, 4), m3), 4));
+    }
+}
+
 T512 static inline __attribute__((always_inline)) void kblock_512(int type, const uint8_t *blk, __m512i wv[4],
                                                                   __m512i sc[4], float *d, float *off_b) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(0x03);
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
     if (type == GQ_Q4_K) {
         uint8_t sm[16]; /* sc[8], m[8] */
         *d = _cvtsh_ss(rd16(blk));
@@ -367,7 +379,6 @@ T512 static inline __attribute__((always_inline)) void kblock_512(int type, cons
         wv[2] = _mm512_shuffle_i64x2(lo1, hi1, 0x44);
         wv[3] = _mm512_shuffle_i64x2(lo1, hi1, 0xEE);
     } else { /* Q6_K */
-        const uint8_t *ql = blk, *qh = blk + 128;
         *d = _cvtsh_ss(rd16(blk + 208));
         const __m128i s8 = _mm_loadu_si128((const __m128i *)(blk + 192));
         _mm512_storeu_ps(off_b, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s8)), _mm512_set1_ps(-32.0f * *d)));
@@ -377,14 +388,7 @@ T512 static inline __attribute__((always_inline)) void kblock_512(int type, cons
                                        1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
         for (int j = 0; j < 4; j++, idx = _mm512_add_epi16(idx, _mm512_set1_epi16(4)))
             sc[j] = _mm512_permutexvar_epi16(idx, s16);
-        for (int h = 0; h < 2; h++) {
-            const __m512i L = _mm512_loadu_si512(ql + 64 * h);
-            const __m256i H = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
-            const __m512i Hz = _mm512_inserti64x4(_mm512_castsi256_si512(H), _mm256_srli_epi16(H, 2), 1);
-            wv[2 * h] = _mm512_or_si512(_mm512_and_si512(L, m4), _mm512_slli_epi16(_mm512_and_si512(Hz, m3), 4));
-            wv[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
-                                            _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(Hz, 4), m3), 4));
-        }
+        q6k_quants_512(blk, wv);
     }
 }
 
@@ -540,7 +544,7 @@ T512 static inline __attribute__((always_inline)) void transpose16_512(__m512i r
  * (Q4_K: lanes 0-7 d * sc of the 8 groups of 32, lanes 8-15 the offsets -dmin * m; Q6_K: the 16 groups' d * sc,
  * offsets being -32 times those). w = scale * u + offset. */
 T512 static inline __attribute__((always_inline)) __m512 kunpack_512(int type, const uint8_t *blk, __m512i wv[4]) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(0x03);
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
     if (type == GQ_Q4_K) {
         uint8_t sm[16];
         const float d = _cvtsh_ss(rd16(blk)), dmin = _cvtsh_ss(rd16(blk + 2));
@@ -555,16 +559,8 @@ T512 static inline __attribute__((always_inline)) __m512 kunpack_512(int type, c
         wv[3] = _mm512_shuffle_i64x2(lo1, hi1, 0xEE);
         return _mm512_mul_ps(f, _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d), _mm512_set1_ps(-dmin)));
     } else {
-        const uint8_t *ql = blk, *qh = blk + 128;
         const float d = _cvtsh_ss(rd16(blk + 208));
-        for (int h = 0; h < 2; h++) {
-            const __m512i L = _mm512_loadu_si512(ql + 64 * h);
-            const __m256i H = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
-            const __m512i Hz = _mm512_inserti64x4(_mm512_castsi256_si512(H), _mm256_srli_epi16(H, 2), 1);
-            wv[2 * h] = _mm512_or_si512(_mm512_and_si512(L, m4), _mm512_slli_epi16(_mm512_and_si512(Hz, m3), 4));
-            wv[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
-                                            _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(Hz, 4), m3), 4));
-        }
+        q6k_quants_512(blk, wv);
         const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192))));
         return _mm512_mul_ps(sc, _mm512_set1_ps(d));
     }
