@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from specdec.errors import SpecdecError
+from specdec.errors import SpecdecError, run_command
 
 
 class _Parser(argparse.ArgumentParser):
@@ -377,14 +377,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except SpecdecError as e:
-        print(f"specdec: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("specdec: interrupted", file=sys.stderr)
-        return 130
+    return run_command(lambda: args.func(args))
 
 
 if __name__ == "__main__":

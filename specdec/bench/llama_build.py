@@ -26,7 +26,7 @@ import time
 import uuid
 from pathlib import Path
 
-from specdec.errors import SpecdecError
+from specdec.errors import SpecdecError, run_command
 from specdec.models.packs import sha256_file
 from specdec.paths import home
 
@@ -308,15 +308,10 @@ class _lock:
 
 
 def main() -> int:
-    try:
+    def build() -> int:
         print(ensure_llama_server())
-    except SpecdecError as e:
-        print(f"specdec: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("specdec: interrupted (the build resumes where it stopped next time)", file=sys.stderr)
-        return 130
-    return 0
+        return 0
+    return run_command(build, "interrupted (the build resumes where it stopped next time)")
 
 
 if __name__ == "__main__":

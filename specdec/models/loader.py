@@ -36,10 +36,7 @@ def resolve_model(name_or_path: str, progress: bool = True) -> Path:
 
     if name_or_path in packs.PACKS:
         return packs.pull(name_or_path, progress=progress)
-    p = Path(name_or_path).expanduser()
-    if not p.exists():
-        raise SpecdecError(f"model not found: {name_or_path} (not a file, a directory or a model pack: "
-                           f"{', '.join(packs.PACKS)})")
+    p = packs.local_path(name_or_path)
     if p.is_dir():
         if not (p / "config.json").exists() or not list(p.glob("*.safetensors")):
             raise SpecdecError(f"{p}: not a checkpoint directory (needs config.json and *.safetensors)")
@@ -51,20 +48,13 @@ TARGET_QUANT = ("auto", "gguf", "int8", "int4", "none")
 
 
 def resolve_gguf(name_or_path: str, progress: bool = True) -> Path:
-    """A pack name or a GGUF file -> the GGUF file itself (for `--quant gguf`). A pack's file is the one `pull`
-    assembles and keeps under $SPECDEC_HOME/gguf/NAME.gguf (assembled here if missing; its SHA-256 checked unless
-    the pack's pulled conversion already vouches for it); a checkpoint directory has no GGUF: an error."""
+    """A pack name or a GGUF file -> the GGUF file itself (for `--quant gguf`); a checkpoint directory has no
+    GGUF: an error."""
     from specdec.models import packs
 
     if name_or_path in packs.PACKS:
-        pack, path = packs.PACKS[name_or_path], packs.gguf_path(name_or_path)
-        if not path.exists() or (not packs.is_pulled(name_or_path) and packs.sha256_file(path) != pack.sha256):
-            packs._assemble(pack, path, progress)
-        return path
-    p = Path(name_or_path).expanduser()
-    if not p.exists():
-        raise SpecdecError(f"model not found: {name_or_path} (not a file, a directory or a model pack: "
-                           f"{', '.join(packs.PACKS)})")
+        return packs.pack_gguf(name_or_path, progress)
+    p = packs.local_path(name_or_path)
     if p.is_dir():
         raise SpecdecError(f"--quant gguf needs a GGUF file or a model pack; {p} is a checkpoint directory "
                            "(use --quant none, int8 or int4)")

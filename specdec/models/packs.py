@@ -75,10 +75,25 @@ def pull(name: str, progress: bool = True) -> Path:
         raise SpecdecError(f"unknown model pack {name!r} (known: {', '.join(PACKS)})")
     if is_pulled(name):
         return model_dir(name)
+    return convert_gguf(pack_gguf(name, progress), model_dir(name), PACKS[name].sha256, progress=progress)
+
+
+def pack_gguf(name: str, progress: bool = True) -> Path:
+    """Pack `name`'s GGUF file, assembled (downloaded) when missing or not matching its pinned SHA-256; a pulled
+    pack's conversion marker already vouches for the file, so it is not hashed again."""
     gguf = gguf_path(name)
-    if not gguf.exists() or sha256_file(gguf) != PACKS[name].sha256:
+    if not gguf.exists() or (not is_pulled(name) and sha256_file(gguf) != PACKS[name].sha256):
         _assemble(PACKS[name], gguf, progress)
-    return convert_gguf(gguf, model_dir(name), PACKS[name].sha256, progress=progress)
+    return gguf
+
+
+def local_path(name_or_path: str) -> Path:
+    """A file or directory given by path; one that does not exist (and is no pack name) is a clear error."""
+    p = Path(name_or_path).expanduser()
+    if not p.exists():
+        raise SpecdecError(f"model not found: {name_or_path} (not a file, a directory or a model pack: "
+                           f"{', '.join(PACKS)})")
+    return p
 
 
 def _download(part: Part, dest: Path, progress: bool) -> Path:

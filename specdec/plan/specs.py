@@ -114,10 +114,7 @@ def load_spec(name_or_path: str) -> ModelSpec:
                                "(the plan reads its GGUF file)")
         spec.label, spec.kind, spec.hf_repo = name_or_path, "pack", PACK_HF_REPOS.get(name_or_path)
         return spec
-    p = Path(name_or_path).expanduser()
-    if not p.exists():
-        raise SpecdecError(f"model not found: {name_or_path} (not a file, a directory or a model pack: "
-                           f"{', '.join(packs.PACKS)})")
+    p = packs.local_path(name_or_path)
     if p.is_dir():
         if not (p / "config.json").exists():
             raise SpecdecError(f"{p}: no config.json (give a GGUF file, a checkpoint directory or a config.json)")
