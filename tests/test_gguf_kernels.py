@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from specdec.runtime import kernels as K
-from specdec.runtime.gguf_linear import GGUFLinear
+from specdec.runtime.gguf_linear import GGUFConcatLinear, GGUFLinear
 
 gguf = pytest.importorskip("gguf")
 
@@ -115,6 +115,25 @@ def test_paths_agree_and_best_path_is_used(lib):
         assert torch.allclose(y, ys["scalar"], rtol=1e-4, atol=1e-4 * float(ys["scalar"].abs().max())), p
     lin._kernel(x, 0)
     assert lin.last_path == K.best_path()
+
+
+@pytest.mark.parametrize("path", ["scalar", "avx2", "avx512"])
+def test_parts_in_one_call_equal_each_part(path, lib, monkeypatch):
+    """A fused projection of mixed block types (q/k/v with v in Q6_K): one kernel call for all parts gives each
+    part's own result, side by side, bias included, at 1 to 40 rows; above the kernel rows each part runs alone."""
+    monkeypatch.setenv("SPECDEC_KERNEL_PATH", path)
+    rng = np.random.default_rng(7)
+    parts = [GGUFLinear.from_blocks(random_blocks(qt, out, 512, rng), qt, (out, 512), bias=torch.randn(out))
+             for qt, out in ((K.Q4_K, 40), (K.Q8_0, 24), (K.Q6_K, 24), (K.Q5_0, 8))]
+    cat = GGUFConcatLinear(parts)
+    for rows in (1, 3, 40, 300):
+        x = torch.randn(1, rows, 512)
+        y = cat(x)
+        ref = torch.cat([p(x) for p in parts], dim=-1)
+        assert y.shape == (1, rows, 96)
+        assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max())), rows
+        if rows != 40:  # 40 rows: kernel or dequantize, as calibrated for this path
+            assert cat.last_path == ("dequant" if rows == 300 else K.best_path())
 
 
 def test_forward_shapes_dtypes_bias_and_prefill(lib):

@@ -3,7 +3,7 @@
 `quantize_from_gguf(model, path)` takes a `Transformer` built for the file's config (typically on the meta
 device, so it holds no weights) and gives it the file's tensors: every projection whose GGUF tensor is Q4_K,
 Q5_0, Q6_K or Q8_0 becomes a `GGUFLinear` over a view of the file's memory map (fused q/k/v and gate/up
-stay fused: one block matrix when the parts share a type, else a `GGUFConcatLinear`); the token embedding
+stay fused: a `GGUFConcatLinear`, one kernel call for all parts); the token embedding
 becomes a `GGUFEmbedding` that dequantizes only the looked-up rows (and is the LM head's weight too when
 the model ties them); norms and biases (F32 in the file) and any tensor of another type are loaded dense in
 `dtype`. Resident memory stays near the file's size (the mapped pages are shared with the page cache).
@@ -26,21 +26,7 @@ from specdec.models.config import ModelConfig
 from specdec.models.gguf_convert import config_from_gguf, hf_name, open_gguf, unpermute
 from specdec.models.transformer import FUSED, Transformer
 from specdec.runtime import kernels as K
-from specdec.runtime.gguf_linear import GGUFLinear
-
-
-class GGUFConcatLinear(nn.Module):
-    """Several GGUFLinears of different block types side by side along the output (a fused q/k/v whose v is
-    another type): one kernel call per part, outputs concatenated."""
-
-    def __init__(self, parts: list[GGUFLinear]):
-        super().__init__()
-        self.parts = nn.ModuleList(parts)
-        self.in_features = parts[0].in_features
-        self.out_features = sum(p.out_features for p in parts)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([p(x) for p in self.parts], dim=-1)
+from specdec.runtime.gguf_linear import GGUFConcatLinear, GGUFLinear
 
 
 class GGUFEmbedding(nn.Module):
@@ -112,7 +98,7 @@ def quantize_from_gguf(model: Transformer, gguf_path: Path | str, dtype: torch.d
             owner = getattr(layer, owner_name)
             if all(quantized(n) for n in names):
                 lins = [_linear(tensors[n], cfg, bias_of(n[:-len("weight")] + "bias")) for n in names]
-                setattr(owner, attr, _fuse(lins))
+                setattr(owner, attr, GGUFConcatLinear(lins))
             else:  # dense in dtype, fused as the checkpoint loader does
                 for kind in ("weight", "bias"):
                     ns = [f"{pre}{p}.{kind}" for p in parts]
@@ -166,22 +152,6 @@ def describe(model: nn.Module) -> str:
         dtype = str(model.model.norm.weight.dtype).removeprefix("torch.")
         text += f"; {'/'.join(dense)} dequantized to {dtype}"
     return text
-
-
-MERGE_FUSED = False  # True: same-type parts of a fused projection become one block matrix (a copy of their
-# bytes; one kernel call instead of two or three). Off: measured on the 1.5B, merging raised RSS by 440 MB
-# (copies plus the mapped pages they were read from) for no clear decode gain (73 vs 79 ms median, noisy).
-
-
-def _fuse(lins: list[GGUFLinear]) -> nn.Module:
-    if MERGE_FUSED and len({lin.qtype for lin in lins}) == 1:  # one block matrix: one kernel call
-        bias = None
-        if any(lin.bias is not None for lin in lins):
-            bias = torch.cat([lin.bias.data if lin.bias is not None else torch.zeros(lin.out_features)
-                              for lin in lins])
-        return GGUFLinear(torch.cat([lin.qweight for lin in lins]), lins[0].qtype, lins[0].in_features,
-                          sum(lin.out_features for lin in lins), bias)
-    return GGUFConcatLinear(lins)
 
 
 def load_gguf_quantized(path: Path | str, dtype: torch.dtype = torch.float32):

@@ -13,6 +13,7 @@ Types: Q4_K, Q5_0, Q6_K, Q8_0 (what Q4_K_M packs hold).
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
@@ -136,18 +137,7 @@ class GGUFLinear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
     def _kernel(self, x2: torch.Tensor, path: int | None = None) -> torch.Tensor | None:
-        lib = K.library()
-        if lib is None or x2.device.type != "cpu" or self.qweight.device.type != "cpu":
-            return None
-        xf = x2.to(torch.float32).contiguous()
-        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
-        rc = lib.gq_matmul(self.qtype, self.qweight.data_ptr(), self.out_features, self.in_features, xf.data_ptr(),
-                           x2.shape[0], y.data_ptr(), torch.get_num_threads(),
-                           K.requested_path() if path is None else path)
-        if rc < 0:
-            return None
-        self.last_path = K.PATH_NAMES[rc]
-        return y if x2.dtype == torch.float32 else y.to(x2.dtype)
+        return kernel_matmul([self], x2, path)
 
     def _dequant_matmul(self, x2: torch.Tensor) -> torch.Tensor:
         dtype = x2.dtype if x2.dtype in (torch.float32, torch.bfloat16) else torch.float32
@@ -174,6 +164,57 @@ class GGUFLinear(nn.Module):
                                                  torch.get_num_threads()) == 0:
             return w
         return w.copy_(self.dequantize(w.dtype, slice(o0, o1)))
+
+
+class GGUFConcatLinear(nn.Module):
+    """Several GGUFLinears that take the same input (a fused q/k/v or gate/up, of one or several block types),
+    outputs side by side: up to `kernel_max_rows` rows in one kernel call for all parts (activations quantized
+    once, threads split every part's outputs), above that each part on its own (dequantize + matmul)."""
+
+    def __init__(self, parts: list[GGUFLinear]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        biases = [p.bias for p in parts]
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [b.data if b is not None else torch.zeros(p.out_features) for b, p in zip(biases, parts)])
+        self.register_buffer("bias", bias, persistent=False)  # [out] all parts' biases, for the kernel path
+
+    @property
+    def last_path(self) -> str:
+        return self.parts[0].last_path
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        rows = x2.shape[0]
+        y = kernel_matmul(list(self.parts), x2) if rows <= 8 or rows <= kernel_max_rows(x2.dtype) else None
+        if y is None:
+            return torch.cat([p(x) for p in self.parts], dim=-1)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def kernel_matmul(parts: list[GGUFLinear], x2: torch.Tensor, path: int | None = None) -> torch.Tensor | None:
+    """x2 [rows, in] @ the parts' weights -> [rows, sum of outs] in x2's dtype (no bias), in one call of the C
+    kernels; None where they cannot run (no library, not on the CPU)."""
+    lib = K.library()
+    if lib is None or x2.device.type != "cpu" or any(p.qweight.device.type != "cpu" for p in parts):
+        return None
+    n = len(parts)
+    types = (ctypes.c_int * n)(*[p.qtype for p in parts])
+    ptrs = (ctypes.c_void_p * n)(*[p.qweight.data_ptr() for p in parts])
+    outs = (ctypes.c_int64 * n)(*[p.out_features for p in parts])
+    xf = x2.to(torch.float32).contiguous()
+    y = torch.empty(x2.shape[0], sum(outs), dtype=torch.float32)
+    rc = lib.gq_matmul_parts(n, types, ptrs, outs, parts[0].in_features, xf.data_ptr(), x2.shape[0], y.data_ptr(),
+                             torch.get_num_threads(), K.requested_path() if path is None else path)
+    if rc < 0:
+        return None
+    for p in parts:
+        p.last_path = K.PATH_NAMES[rc]
+    return y if x2.dtype == torch.float32 else y.to(x2.dtype)
 
 
 _local = threading.local()

@@ -110,8 +110,8 @@ def _build_any(cc: str) -> Path:
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, i32, p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    lib.gq_matmul.argtypes = [i32, p, i64, i64, p, i64, p, i32, i32]
-    lib.gq_matmul.restype = i32
+    lib.gq_matmul_parts.argtypes = [i32, p, p, p, i64, p, i64, p, i32, i32]
+    lib.gq_matmul_parts.restype = i32
     lib.gq_dequantize.argtypes = [i32, p, i64, i64, i64, p, i32, i32]
     lib.gq_dequantize.restype = i32
     lib.gq_best_path.argtypes = []
