@@ -15,8 +15,9 @@ from specdec.engine.engine import Engine, SpecConfig, StreamCallback
 from specdec.engine.stats import Stats
 from specdec.errors import SpecdecError
 from specdec.models import packs
-from specdec.models.loader import TARGET_QUANT, load_checkpoint, resolve_dtype, resolve_gguf, resolve_model
-from specdec.runtime.quant import QUANT, quantize_
+from specdec.models.loader import (QUANT_CHOICES, load_checkpoint, resolve_dtype, resolve_gguf, resolve_model,
+                                   resolve_quant)
+from specdec.runtime.quant import quantize_
 from specdec.runtime.runner import ModelRunner
 from specdec.sampling import SamplingParams
 
@@ -56,10 +57,9 @@ class LLM:
             raise SpecdecError("draft_p_min must be in [0, 1]")
         if not 0 <= draft_branch_p <= 1:
             raise SpecdecError("draft_branch_p must be in [0, 1]")
-        if draft_quant not in QUANT:
-            raise SpecdecError(f"unknown draft quantization {draft_quant!r} (choose {', '.join(QUANT)})")
-        if quant not in TARGET_QUANT:
-            raise SpecdecError(f"unknown target quantization {quant!r} (choose {', '.join(TARGET_QUANT)})")
+        for what, q in (("draft", draft_quant), ("target", quant)):
+            if q not in QUANT_CHOICES:
+                raise SpecdecError(f"unknown {what} quantization {q!r} (choose {', '.join(QUANT_CHOICES)})")
         self._model_free = ModelFreeSettings(ngram_n, ngram_m, ngram_min_hits, ngram_mod_pool_mb, suffix_max_requests,
                                              suffix_factor, suffix_min_prob, tuple(synth_rates or [0.8]), synth_len)
         if chain_mode not in CHAIN_MODES:
@@ -72,17 +72,8 @@ class LLM:
             model = packs.DEFAULT_TARGET
             if "draft" in self.spec_type.split(",") and draft is None:
                 draft = packs.DEFAULT_DRAFT
-        self.dtype = resolve_dtype(dtype)
-        if quant == "gguf":  # the file's own blocks through the GGUF kernels (no 16/32-bit weight copies)
-            from specdec.models.gguf_quantized import load_gguf_quantized
-            target, self.tokenizer = load_gguf_quantized(resolve_gguf(model, progress), self.dtype)
-        else:  # auto: for now as none (dequantized to dtype); it will become the file's own precision
-            target, self.tokenizer = load_checkpoint(resolve_model(model, progress), self.dtype)
-        self._ngld = n_gpu_layers_draft
-        _offload(target, n_gpu_layers)
-        if quant in ("int8", "int4"):
-            quantize_(target, quant)  # weight-only, the layers left on the CPU (as the draft's --draft-quant)
-        self.quant = quant
+        target, self.tokenizer, self.quant, self.dtype = load_model(model, quant, dtype, n_gpu_layers, progress)
+        self._dtype_name, self._ngld = dtype, n_gpu_layers_draft
         self.quant_info = describe_quant(target, quant)  # which path the target runs, for stats and reports
         context = min(context, target.config.max_position_embeddings)
         self.parallel = parallel  # KV cache slots: sequences that can run at once
@@ -124,12 +115,11 @@ class LLM:
             from specdec.drafters.draft_model import DraftModelDrafter
             if self._draft_name is None:
                 raise SpecdecError("spec type 'draft' needs a draft model (-md)")
-            dmodel, dtok = load_checkpoint(resolve_model(self._draft_name, self._progress), self.dtype)
+            dmodel, dtok, _, _ = load_model(self._draft_name, self._draft_quant, self._dtype_name, self._ngld,
+                                            self._progress)
             if not dtok.same_vocab(self.tokenizer):
                 raise SpecdecError(f"draft model {self._draft_name} uses a different tokenizer than the target; "
                                    "a draft model must share the target's vocabulary")
-            _offload(dmodel, self._ngld)
-            quantize_(dmodel, self._draft_quant)  # the layers left on the CPU
             return DraftModelDrafter(ModelRunner(dmodel, self.parallel, self.context), self.runner.vocab_size, self._p_min,
                                      self._branch_p)
         return None
@@ -173,7 +163,23 @@ def describe_quant(model, quant: str) -> str:
         n4 = sum(isinstance(m, Int4Linear) for m in model.modules())
         n8 = sum(isinstance(m, Int8Linear) for m in model.modules())
         return f"{quant}: weight-only ({n4} int4, {n8} int8 layers), rest {dtype}"
-    return f"none: {dtype}" if quant == "none" else f"auto as none: {dtype}"
+    return f"none: {dtype}"
+
+
+def load_model(name: str, quant: str, dtype: str, n_gpu_layers: int = 0, progress: bool = True):
+    """(model, tokenizer, quant, dtype) for a target or a draft: `quant` auto|gguf|int8|int4|none (auto: the file's
+    own precision, see `resolve_quant`), `dtype` auto|bf16|fp16|fp32, the first `n_gpu_layers` on the GPU."""
+    quant = resolve_quant(quant, name)
+    dt = resolve_dtype(dtype, quant=quant)
+    if quant == "gguf":  # the file's own blocks through the GGUF kernels (no 16/32-bit weight copies)
+        from specdec.models.gguf_quantized import load_gguf_quantized
+        model, tok = load_gguf_quantized(resolve_gguf(name, progress), dt)
+    else:
+        model, tok = load_checkpoint(resolve_model(name, progress), dt)
+    _offload(model, n_gpu_layers)
+    if quant in ("int8", "int4"):
+        quantize_(model, quant)  # weight-only, the layers left on the CPU
+    return model, tok, quant, dt
 
 
 def _offload(model, n_gpu_layers: int) -> None:

@@ -69,13 +69,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("-md", "--model-draft", dest="draft", help="draft model (same tokenizer as the target)")
     g.add_argument("-c", "--ctx-size", dest="context", type=_positive_int, default=4096, help="context length (default 4096)")
     g.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
-                   help="compute dtype; auto = bf16 on CPUs with native bf16, else fp32")
+                   help="compute dtype; auto = fp32 for a gguf model on the CPU (its kernels take fp32), else bf16 "
+                   "on CPUs with native bf16, else fp32")
     g.add_argument("--quant", choices=["auto", "gguf", "int8", "int4", "none"], default="auto",
-                   help="target weights: gguf = the GGUF file's own quantized blocks (Q4_K/Q5_0/Q6_K/Q8_0) through "
-                   "CPU kernels, other types dequantized to --dtype (needs a GGUF file or a model pack); int8 / "
-                   "int4 = weight-only as --draft-quant (lossless against that quantized target, not the "
-                   "unquantized one); none = dequantized to --dtype; auto (default) = none for now, later the "
-                   "file's own precision")
+                   help="target weights: auto (default) = gguf for a model pack or GGUF file, none for a checkpoint "
+                   "directory; gguf = the GGUF file's own blocks (Q4_K/Q5_0/Q6_K/Q8_0) through CPU kernels (on "
+                   "AVX-512 repacked at load, 16 outputs at a time), other types dequantized to --dtype; int8 / "
+                   "int4 = weight-only (lossless against that quantized target, not the unquantized one); none = "
+                   "dequantized to --dtype")
     g.add_argument("-t", "--threads", type=_positive_int, help="CPU threads (default: torch's choice)")
     g.add_argument("-ngl", "--n-gpu-layers", dest="n_gpu_layers", type=_layers, metavar="N",
                    help="target layers on the GPU (N or all): embeddings and the first N layers (norm and head "

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from specdec.runtime import kernels as K
-from specdec.runtime.gguf_linear import GGUFConcatLinear, GGUFLinear
+from specdec.runtime.gguf_linear import GGUFConcatLinear, GGUFLinear, for_this_cpu
 
 gguf = pytest.importorskip("gguf")
 
@@ -134,6 +134,36 @@ def test_parts_in_one_call_equal_each_part(path, lib, monkeypatch):
         assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max())), rows
         if rows != 40:  # 40 rows: kernel or dequantize, as calibrated for this path
             assert cat.last_path == ("dequant" if rows == 300 else K.best_path())
+
+
+@pytest.mark.parametrize("name", list(K.TYPES))
+def test_x16_layout_is_the_same_weight(name, lib):
+    """Repacked 16 outputs at a time: the same values (dequantized exactly equal, any row range), and the AVX-512
+    kernel on it equals the reference at 1 to 200 rows; other paths refuse the layout (None), never misread it."""
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    qt = K.TYPES[name]
+    for out, inp in ((48, 256), (32, 1536), (16, 8960)):
+        blocks = random_blocks(qt, out, inp, rng)
+        lin = GGUFLinear.from_blocks(blocks, name, (out, inp))
+        x16 = lin.repacked()
+        assert x16.qtype == qt + K.X16 and x16.type_name == f"{name} x16"
+        assert torch.equal(x16.dequantize(torch.float32), lin.dequantize(torch.float32))
+        assert torch.equal(x16.dequantize(torch.float32, slice(5, 21)), lin.dequantize(torch.float32, slice(5, 21)))
+        w = lin.dequantize(torch.float64)
+        for rows in ROWS:
+            x = rng.standard_normal((rows, inp)).astype(np.float32)
+            y = x16._kernel(torch.from_numpy(x))
+            if K.best_path() != "avx512":
+                assert y is None
+                continue
+            assert x16.last_path == "avx512"
+            quant = torch.from_numpy(int8_rows(x, K.BLOCK[qt][0])) @ w.T
+            assert rel(y, quant) < 1e-4, (name, out, inp, rows)
+        assert x16._kernel(torch.randn(2, inp), K.PATHS["avx2"]) is None
+    lin = GGUFLinear.from_blocks(random_blocks(qt, 40, 256, rng), name, (40, 256))
+    assert for_this_cpu(lin) is lin  # 40 outputs: not a multiple of 16, kept as is
+    if K.best_path() == "avx512":
+        assert for_this_cpu(GGUFLinear.from_blocks(random_blocks(qt, 32, 256, rng), name, (32, 256))).qtype == qt + K.X16
 
 
 def test_forward_shapes_dtypes_bias_and_prefill(lib):

@@ -26,7 +26,7 @@ from specdec.models.config import ModelConfig
 from specdec.models.gguf_convert import config_from_gguf, hf_name, open_gguf, unpermute
 from specdec.models.transformer import FUSED, Transformer
 from specdec.runtime import kernels as K
-from specdec.runtime.gguf_linear import GGUFConcatLinear, GGUFLinear
+from specdec.runtime.gguf_linear import GGUFConcatLinear, GGUFLinear, for_this_cpu
 
 
 class GGUFEmbedding(nn.Module):
@@ -39,10 +39,8 @@ class GGUFEmbedding(nn.Module):
         self.register_buffer("weight", torch.empty(0, dtype=dtype), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        flat = tokens.reshape(-1)
-        rows = GGUFLinear(self.table.qweight.index_select(0, flat), self.table.qtype, self.table.in_features,
-                          flat.numel())
-        return rows.dequantize(self.dtype).reshape(*tokens.shape, self.table.in_features)
+        rows = [self.table.dequantize(self.dtype, slice(t, t + 1)) for t in tokens.reshape(-1).tolist()]
+        return torch.cat(rows).reshape(*tokens.shape, self.table.in_features)
 
 
 def _linear(t, cfg: ModelConfig, bias: torch.Tensor | None = None) -> GGUFLinear:
@@ -51,7 +49,7 @@ def _linear(t, cfg: ModelConfig, bias: torch.Tensor | None = None) -> GGUFLinear
     if cfg.model_type == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
         data = np.ascontiguousarray(unpermute(data, cfg.num_heads if "attn_q" in t.name else cfg.num_kv_heads))
     blocks = torch.from_numpy(data) if data.flags.writeable else _readonly_view(data)
-    return GGUFLinear(blocks, int(t.tensor_type), inp, out, bias)
+    return for_this_cpu(GGUFLinear(blocks, int(t.tensor_type), inp, out, bias))
 
 
 def _readonly_view(a: np.ndarray) -> torch.Tensor:
@@ -143,10 +141,15 @@ def quantize_from_gguf(model: Transformer, gguf_path: Path | str, dtype: torch.d
 
 
 def describe(model: nn.Module) -> str:
-    """Which path a model from `quantize_from_gguf` runs, e.g. 'gguf: Q4_K/Q5_0/Q6_K/Q8_0 kernel path avx2', plus
-    '; Q4_1 dequantized to float32' for matrices of types the kernels do not take."""
-    kinds = sorted({m.type_name for m in model.modules() if isinstance(m, GGUFLinear)})
+    """Which path a model from `quantize_from_gguf` runs, e.g. 'gguf: Q4_K/Q5_0/Q6_K/Q8_0 kernel path avx512, x16
+    layout' (x16: repacked at load for the AVX-512 kernel), plus '; Q4_1 dequantized to float32' for matrices of
+    types the kernels do not take."""
+    lins = [m for m in model.modules() if isinstance(m, GGUFLinear)]
+    kinds = sorted({m.type_name.removesuffix(" x16") for m in lins})
     text = f"gguf: {'/'.join(kinds)} {K.describe()}" if kinds else "gguf: no kernel types"
+    repacked = sum(bool(m.qtype & K.X16) for m in lins)
+    if repacked:
+        text += ", x16 layout" if repacked == len(lins) else f", x16 layout ({repacked} of {len(lins)} matrices)"
     dense = getattr(model, "gguf_dense_types", [])
     if dense:
         dtype = str(model.model.norm.weight.dtype).removeprefix("torch.")

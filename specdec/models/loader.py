@@ -22,7 +22,11 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
+def resolve_dtype(name: str, device: str = "cpu", quant: str = "none") -> torch.dtype:
+    """auto: float32 for a `gguf` target on the CPU (the kernels take and give float32: bf16 activations only add
+    conversions, measured 29 vs 37 tok/s on the 1.5B), else bf16 where the device computes it natively."""
+    if name == "auto" and quant == "gguf" and device == "cpu":
+        return torch.float32
     if name == "auto":
         return torch.bfloat16 if device.startswith("cuda") or cpu_has_bf16() else torch.float32
     if name not in DTYPES:
@@ -44,7 +48,19 @@ def resolve_model(name_or_path: str, progress: bool = True) -> Path:
     return converted_gguf(p, progress)
 
 
-TARGET_QUANT = ("auto", "gguf", "int8", "int4", "none")
+QUANT_CHOICES = ("auto", "gguf", "int8", "int4", "none")  # --quant (target) and --draft-quant
+
+
+def resolve_quant(quant: str, name_or_path: str) -> str:
+    """`auto` -> the file's own precision: `gguf` for a model pack or a GGUF file (its blocks through the kernels),
+    `none` for a checkpoint directory (its safetensors' dtype). Other choices pass through."""
+    if quant != "auto":
+        return quant
+    from specdec.models import packs
+
+    if name_or_path in packs.PACKS:
+        return "gguf"
+    return "none" if packs.local_path(name_or_path).is_dir() else "gguf"
 
 
 def resolve_gguf(name_or_path: str, progress: bool = True) -> Path:

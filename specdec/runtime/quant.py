@@ -79,9 +79,6 @@ class Int4Linear(nn.Module):
         return y.reshape(*shape[:-1], -1)
 
 
-QUANT = ("int8", "int4", "none")
-
-
 def quantize_(model: nn.Module, kind: str) -> nn.Module:
     """Weight-only quantization of every nn.Linear on the CPU in `model`, in place: int8, or int4 where the
     layer allows it (bf16, inputs a multiple of 64; int8 otherwise); `none` leaves the model as it is."""

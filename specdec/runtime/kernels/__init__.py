@@ -34,7 +34,10 @@ PATH_NAMES = {v: k for k, v in PATHS.items()}
 # GGML type ids the kernels take
 Q5_0, Q8_0, Q4_K, Q6_K = 6, 8, 12, 14
 TYPES = {"Q5_0": Q5_0, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q6_K": Q6_K}
-BLOCK = {Q5_0: (32, 22), Q8_0: (32, 34), Q4_K: (256, 144), Q6_K: (256, 210)}  # type -> (elements, bytes)
+X16 = 256  # added to a type: its blocks repacked 16 outputs at a time (`gq_repack`; AVX-512 kernel only)
+REPACKABLE = (Q4_K, Q6_K, Q8_0, Q5_0)
+BLOCK = {Q5_0: (32, 22), Q8_0: (32, 34), Q4_K: (256, 144), Q6_K: (256, 210),  # type -> (elements, bytes per output)
+         X16 + Q5_0: (32, 22), X16 + Q8_0: (32, 34), X16 + Q4_K: (256, 148), X16 + Q6_K: (256, 210)}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -114,6 +117,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gq_matmul_parts.restype = i32
     lib.gq_dequantize.argtypes = [i32, p, i64, i64, i64, p, i32, i32]
     lib.gq_dequantize.restype = i32
+    lib.gq_repack.argtypes = [i32, p, i64, i64, p, i32]
+    lib.gq_repack.restype = i32
     lib.gq_best_path.argtypes = []
     lib.gq_best_path.restype = i32
     return lib

@@ -36,21 +36,42 @@
 #endif
 
 enum { GQ_Q5_0 = 6, GQ_Q8_0 = 8, GQ_Q4_K = 12, GQ_Q6_K = 14 };
+/* GQ_X16 + Q4_K / Q6_K: the same blocks repacked 16 outputs at a time (gq_repack, layouts below), for the
+ * AVX-512 kernel. Addressed like the file's layout with 256 inputs and X16_BYTES / 16 bytes per output and
+ * block, so output o's data starts at W + o * rowbytes when o is a multiple of 16. */
+enum { GQ_X16 = 256 };
+/* Q4_K x16, per 16 outputs x 256 inputs (2368 bytes): [0, 2048) quants, 32 lines of 64 bytes: line L, dword t
+ * (output t), byte j: low nibble = input 4L + j, high nibble = input 128 + 4L + j; [2048, 2080) d of the 16
+ * outputs (fp16); [2080, 2112) dmin (fp16); [2112, 2240) scales, sc[g][t] (6-bit, uint8); [2240, 2368) mins. */
+enum { X4_D = 2048, X4_DMIN = 2080, X4_SC = 2112, X4_M = 2240, X4_BYTES = 2368 };
+/* Q6_K x16 (3360 bytes): [0, 2048) low 4 bits as Q4_K x16's quants; [2048, 3072) high 2 bits, 16 lines of 64
+ * bytes: line h, dword t, byte j, bits 2c, 2c + 1 = bits 4-5 of input 4(h + 16c) + j; [3072, 3328) scales
+ * sc[g][t] (int8, 16 groups of 16); [3328, 3360) d (fp16). */
+enum { X6_HB = 2048, X6_SC = 3072, X6_D = 3328, X6_BYTES = 3360 };
+/* Q8_0 x16, per 16 outputs x 32 inputs (544 bytes): [0, 512) quants + 128 (unsigned), 8 lines of 64 bytes: line k,
+ * dword t, byte j = input 4k + j; [512, 544) d (fp16). Q5_0 x16 (352 bytes): [0, 256) low 4 bits of the unsigned
+ * quants (q + 16), 4 lines: line L, dword t, byte j: low nibble = input 4L + j, high nibble = input 16 + 4L + j;
+ * [256, 320) bit 4, as 8 64-bit masks: mask k, bit 4t + j = input 4k + j of output t; [320, 352) d (fp16). */
+enum { X8_D = 512, X8_BYTES = 544, X5_HB = 256, X5_D = 320, X5_BYTES = 352 };
 enum { PATH_AUTO = 0, PATH_SCALAR = 1, PATH_AVX2 = 2, PATH_AVX512 = 3 };
 #define RT 64 /* rows per tile: accumulators of one output for RT rows stay in L1 */
 
-static int block_elems(int type) { return (type == GQ_Q4_K || type == GQ_Q6_K) ? 256 : 32; }
+static int block_elems(int type) { return (type & ~GQ_X16) == GQ_Q4_K || (type & ~GQ_X16) == GQ_Q6_K ? 256 : 32; }
 static int block_bytes(int type) {
     switch (type) {
     case GQ_Q8_0: return 34;
     case GQ_Q5_0: return 22;
     case GQ_Q4_K: return 144;
     case GQ_Q6_K: return 210;
+    case GQ_X16 + GQ_Q4_K: return X4_BYTES / 16;
+    case GQ_X16 + GQ_Q6_K: return X6_BYTES / 16;
+    case GQ_X16 + GQ_Q8_0: return X8_BYTES / 16;
+    case GQ_X16 + GQ_Q5_0: return X5_BYTES / 16;
     default: return 0;
     }
 }
 /* activation-sum group: the size of a weight group with its own offset constant */
-static int sum_group(int type) { return type == GQ_Q6_K ? 16 : 32; }
+static int sum_group(int type) { return (type & ~GQ_X16) == GQ_Q6_K ? 16 : 32; }
 
 static float fp16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -136,6 +157,92 @@ INL int unpack_block(int type, const uint8_t *b, int8_t *q, float *gs, float *gm
     }
     }
     return 0;
+}
+
+/* Output t (0-15) of an x16 superblock P -> signed values q and group scales, as unpack_block gives them. */
+INL int unpack_x16(int type, const uint8_t *P, int t, int8_t *q, float *gs, float *gm) {
+    if (type == GQ_X16 + GQ_Q8_0 || type == GQ_X16 + GQ_Q5_0) {
+        const int q8 = type == GQ_X16 + GQ_Q8_0;
+        for (int i = 0; i < 32; i++) {
+            const int at = 4 * t + i % 4;
+            if (q8) q[i] = (int8_t)(P[64 * (i / 4) + at] - 128);
+            else q[i] = (int8_t)((((P[64 * ((i % 16) / 4) + at] >> (i >= 16 ? 4 : 0)) & 0xF) |
+                                  (((P[X5_HB + 8 * (i / 4) + at / 8] >> (at % 8)) & 1) << 4)) - 16);
+        }
+        gs[0] = rdh(P + (q8 ? X8_D : X5_D) + 2 * t);
+        gm[0] = 0;
+        return 32;
+    }
+    for (int i = 0; i < 256; i++) {
+        const int k = i / 4, at = 4 * t + i % 4;
+        int v = (P[64 * (k % 32) + at] >> (k >= 32 ? 4 : 0)) & 0xF;
+        if (type == GQ_X16 + GQ_Q6_K) v = (v | (((P[X6_HB + 64 * (k % 16) + at] >> (2 * (k / 16))) & 3) << 4)) - 32;
+        q[i] = (int8_t)v;
+    }
+    if (type == GQ_X16 + GQ_Q4_K) {
+        const float d = rdh(P + X4_D + 2 * t), dmin = rdh(P + X4_DMIN + 2 * t);
+        for (int g = 0; g < 8; g++) {
+            gs[g] = d * P[X4_SC + 16 * g + t];
+            gm[g] = -dmin * P[X4_M + 16 * g + t];
+        }
+        return 32;
+    }
+    const float d = rdh(P + X6_D + 2 * t);
+    for (int g = 0; g < 16; g++) {
+        gs[g] = d * (int8_t)P[X6_SC + 16 * g + t];
+        gm[g] = 0;
+    }
+    return 16;
+}
+
+static int x16_bytes(int type) { return 16 * block_bytes(GQ_X16 + type); }
+
+/* Blocks of one 16-output group (16 rows of the file's layout, rowbytes apart) -> x16 superblocks at dst. */
+static void repack_group(int type, const uint8_t *W, int64_t rowbytes, int64_t nbk, uint8_t *dst) {
+    const int bb = block_bytes(type), sb = x16_bytes(type), be = block_elems(type);
+    for (int64_t b = 0; b < nbk; b++) {
+        uint8_t *P = dst + b * sb;
+        memset(P, 0, (size_t)sb);
+        for (int t = 0; t < 16; t++) {
+            const uint8_t *blk = W + t * rowbytes + b * bb;
+            int8_t q[256] = {0};
+            float gs[16], gm[16];
+            unpack_block(type, blk, q, gs, gm);
+            for (int i = 0; i < be; i++) {
+                const int k = i / 4, at = 4 * t + i % 4;
+                switch (type) {
+                case GQ_Q8_0: P[64 * k + at] = (uint8_t)(q[i] + 128); break;
+                case GQ_Q5_0:
+                    P[64 * ((i % 16) / 4) + at] |= (uint8_t)(((q[i] + 16) & 0xF) << (i >= 16 ? 4 : 0));
+                    P[X5_HB + 8 * k + at / 8] |= (uint8_t)((((q[i] + 16) >> 4) & 1) << (at % 8));
+                    break;
+                default: { /* K-quants: unsigned quant */
+                    const int u = type == GQ_Q6_K ? q[i] + 32 : q[i];
+                    P[64 * (k % 32) + at] |= (uint8_t)((u & 0xF) << (k >= 32 ? 4 : 0));
+                    if (type == GQ_Q6_K) P[X6_HB + 64 * (k % 16) + at] |= (uint8_t)((u >> 4) << (2 * (k / 16)));
+                }
+                }
+            }
+            switch (type) {
+            case GQ_Q8_0: memcpy(P + X8_D + 2 * t, blk, 2); break;
+            case GQ_Q5_0: memcpy(P + X5_D + 2 * t, blk, 2); break;
+            case GQ_Q4_K: {
+                uint8_t sc[8], m[8];
+                q4k_scales(blk + 4, sc, m);
+                memcpy(P + X4_D + 2 * t, blk, 2);
+                memcpy(P + X4_DMIN + 2 * t, blk + 2, 2);
+                for (int g = 0; g < 8; g++) {
+                    P[X4_SC + 16 * g + t] = sc[g];
+                    P[X4_M + 16 * g + t] = m[g];
+                }
+                break;
+            }
+            default:
+                for (int g = 0; g < 16; g++) P[X6_SC + 16 * g + t] = blk[192 + g];
+                memcpy(P + X6_D + 2 * t, blk + 208, 2);
+            }
+        }
+    }
 }
 
 /* ---- activations: int8 per group of G inputs, scale d; S-group sums pre-multiplied by d ---- */
@@ -649,6 +756,131 @@ T512 static void ktile16_avx512(int type, const uint8_t *w, int64_t rowbytes, in
     case GQ_Q5_0: ktile16_body(GQ_Q5_0, w, rowbytes, nt, A, r0, nr, y, ystride, b0, b1, accum); break;
     }
 }
+
+/* ---- AVX-512, x16 layout: 16 outputs in the lanes, any row count ----
+ * The repacked quants load straight into dword lanes (one zmm = 4 inputs x 16 outputs, a nibble shift apart
+ * from the next 4), so each row needs one vpdpbusd per 4 inputs for 16 outputs and nothing is transposed. */
+T512 static inline __attribute__((always_inline)) __m512 x16_scales(const uint8_t *p, int is_signed) { /* 16 scale bytes -> floats */
+    const __m128i v = _mm_loadu_si128((const __m128i *)p);
+    return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
+}
+
+T512 static inline __attribute__((always_inline)) void kx16_body(int type, const uint8_t *W, const act_t *A,
+                                                                 int64_t r0, int nr, float *y, int64_t ystride,
+                                                                 int64_t b0, int64_t b1, int accum) {
+    const int q6 = type == GQ_X16 + GQ_Q6_K;
+    const int64_t sb = q6 ? X6_BYTES : X4_BYTES, in = A->in, ng = in / A->G, ns = in / A->S, npb = q6 ? 16 : 8;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(0x03), zero = _mm512_setzero_si512();
+    __m512 acc[RT], bacc[RT];
+    for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = b0; b < b1; b++) {
+        const uint8_t *P = W + b * sb;
+        prefetch_weights(P, (int)sb);
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(P + (q6 ? X6_D : X4_D))));
+        const __m512 mv = q6 ? _mm512_mul_ps(dv, _mm512_set1_ps(-32.0f))
+                             : _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(P + X4_DMIN))),
+                                             _mm512_set1_ps(-1.0f));
+        for (int r = 0; r < nr; r++) bacc[r] = _mm512_setzero_ps();
+        /* 8 steps, each two groups: Q4_K groups j and j + 4 (32 inputs: 8 dwords, lines 8j..8j+7, low and high
+         * nibbles); Q6_K groups 4h + j and 8 + 4h + j (16 inputs: 4 dwords, lines 16h + 4j + i) */
+        for (int step = 0; step < (q6 ? 8 : 4); step++) {
+            const int K = q6 ? 4 : 8, h = step / 4, j = step % 4;
+            const int g0 = q6 ? 4 * h + j : j, g1 = q6 ? 8 + 4 * h + j : j + 4, line0 = q6 ? 16 * h + 4 * j : 8 * j;
+            __m512i lo[8], hi[8];
+            for (int i = 0; i < K; i++) {
+                const __m512i v = _mm512_loadu_si512(P + 64 * (line0 + i));
+                lo[i] = _mm512_and_si512(v, m4);
+                hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                if (q6) {
+                    const __m512i hb = _mm512_loadu_si512(P + X6_HB + 64 * (4 * j + i));
+                    lo[i] = _mm512_or_si512(lo[i], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 2 * h), m3), 4));
+                    hi[i] = _mm512_or_si512(hi[i], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 4 + 2 * h), m3), 4));
+                }
+            }
+            const __m512 s0 = _mm512_mul_ps(x16_scales(P + (q6 ? X6_SC : X4_SC) + 16 * g0, q6), dv);
+            const __m512 s1 = _mm512_mul_ps(x16_scales(P + (q6 ? X6_SC : X4_SC) + 16 * g1, q6), dv);
+            const __m512 o0 = q6 ? _mm512_mul_ps(s0, _mm512_set1_ps(-32.0f)) : _mm512_mul_ps(x16_scales(P + X4_M + 16 * g0, 0), mv);
+            const __m512 o1 = q6 ? _mm512_mul_ps(s1, _mm512_set1_ps(-32.0f)) : _mm512_mul_ps(x16_scales(P + X4_M + 16 * g1, 0), mv);
+            for (int r = 0; r < nr; r++) {
+                const int32_t *a = (const int32_t *)(const void *)(A->q + (r0 + r) * in + b * 256);
+                const float *sr = A->s + (r0 + r) * ns + b * npb;
+                __m512i i0 = zero, i1 = zero;
+                for (int i = 0; i < K; i++) {
+                    i0 = _mm512_dpbusd_epi32(i0, lo[i], _mm512_set1_epi32(a[K * g0 + i]));
+                    i1 = _mm512_dpbusd_epi32(i1, hi[i], _mm512_set1_epi32(a[K * g1 + i]));
+                }
+                bacc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), s0, bacc[r]);
+                bacc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), s1, bacc[r]);
+                acc[r] = _mm512_fmadd_ps(o0, _mm512_set1_ps(sr[g0]), acc[r]);
+                acc[r] = _mm512_fmadd_ps(o1, _mm512_set1_ps(sr[g1]), acc[r]);
+            }
+        }
+        for (int r = 0; r < nr; r++) acc[r] = _mm512_fmadd_ps(bacc[r], _mm512_set1_ps(A->d[(r0 + r) * ng + b]), acc[r]);
+    }
+    for (int r = 0; r < nr; r++) {
+        __m512 v = acc[r];
+        if (accum) v = _mm512_add_ps(v, _mm512_loadu_ps(y + r * ystride));
+        _mm512_storeu_ps(y + r * ystride, v);
+    }
+}
+
+/* Q8_0 / Q5_0 x16: 16 outputs x 32 inputs per superblock, 8 vpdpbusd per row; activation scale per block */
+T512 static inline __attribute__((always_inline)) void kx16_body32(int type, const uint8_t *W, const act_t *A,
+                                                                   int64_t r0, int nr, float *y, int64_t ystride,
+                                                                   int64_t b0, int64_t b1, int accum) {
+    const int q8 = type == GQ_X16 + GQ_Q8_0;
+    const int64_t sb = q8 ? X8_BYTES : X5_BYTES, in = A->in, ng = in / A->G;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), b4 = _mm512_set1_epi8(0x10), zero = _mm512_setzero_si512();
+    __m512 acc[RT];
+    for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = b0; b < b1; b++) {
+        const uint8_t *P = W + b * sb;
+        prefetch_weights(P, (int)sb);
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(P + (q8 ? X8_D : X5_D))));
+        const __m512 ov = _mm512_mul_ps(dv, _mm512_set1_ps(q8 ? -128.0f : -16.0f));
+        __m512i wz[8];
+        for (int k = 0; k < 8; k++) {
+            if (q8) {
+                wz[k] = _mm512_loadu_si512(P + 64 * k);
+            } else {
+                const __m512i v = _mm512_loadu_si512(P + 64 * (k % 4));
+                const __m512i nib = _mm512_and_si512(k < 4 ? v : _mm512_srli_epi16(v, 4), m4);
+                __mmask64 hb;
+                memcpy(&hb, P + X5_HB + 8 * k, 8);
+                wz[k] = _mm512_or_si512(nib, _mm512_maskz_mov_epi8(hb, b4));
+            }
+        }
+        for (int r = 0; r < nr; r++) {
+            const int32_t *a = (const int32_t *)(const void *)(A->q + (r0 + r) * in + b * 32);
+            __m512i isum = zero;
+            for (int k = 0; k < 8; k++) isum = _mm512_dpbusd_epi32(isum, wz[k], _mm512_set1_epi32(a[k]));
+            const float ad = A->d[(r0 + r) * ng + b], as = A->s[(r0 + r) * ng + b]; /* S = G = 32 */
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dv, _mm512_set1_ps(ad)), acc[r]);
+            acc[r] = _mm512_fmadd_ps(ov, _mm512_set1_ps(as), acc[r]);
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        __m512 v = acc[r];
+        if (accum) v = _mm512_add_ps(v, _mm512_loadu_ps(y + r * ystride));
+        _mm512_storeu_ps(y + r * ystride, v);
+    }
+}
+
+T512 static void kx16_avx512(int type, const uint8_t *W, const act_t *A, int64_t r0, int nr, float *y,
+                             int64_t ystride, int64_t b0, int64_t b1, int accum) {
+    switch (type) { /* one row (decode) gets its own copy: the row loop unrolled away */
+#define KX16_CASE(T, BODY)                                                                                   \
+    case T:                                                                                                  \
+        if (nr == 1) BODY(T, W, A, r0, 1, y, ystride, b0, b1, accum);                                        \
+        else BODY(T, W, A, r0, nr, y, ystride, b0, b1, accum);                                               \
+        break;
+    KX16_CASE(GQ_X16 + GQ_Q4_K, kx16_body)
+    KX16_CASE(GQ_X16 + GQ_Q6_K, kx16_body)
+    KX16_CASE(GQ_X16 + GQ_Q8_0, kx16_body32)
+    KX16_CASE(GQ_X16 + GQ_Q5_0, kx16_body32)
+#undef KX16_CASE
+    }
+}
 #endif /* GQ_X86 */
 
 /* ------------------------------------------ API ------------------------------------------ */
@@ -696,6 +928,7 @@ int gq_matmul_parts(int nparts, const int *types, const uint8_t *const *Ws, cons
         const int be = block_elems(types[p]), bb = block_bytes(types[p]);
         if (bb == 0) return -1;
         if (in % be != 0 || outs[p] <= 0) return -2;
+        if (types[p] & GQ_X16 && outs[p] % 16 != 0) return -2;
         rowbytes[p] = (in / be) * bb;
         col[p + 1] = col[p] + outs[p];
         task0[p + 1] = task0[p] + (outs[p] + OC - 1) / OC;
@@ -703,6 +936,8 @@ int gq_matmul_parts(int nparts, const int *types, const uint8_t *const *Ws, cons
     const int64_t ystride = col[nparts];
     const int best = gq_best_path();
     if (path == PATH_AUTO || path > best) path = best;
+    for (int p = 0; p < nparts; p++)
+        if (types[p] & GQ_X16 && path != PATH_AVX512) return -4; /* the x16 layout has an AVX-512 kernel only */
     if (nthreads < 1) nthreads = 1;
     if (rows == 0) return path;
     /* activations quantized once per (block size, sum group): parts of the same kind share them */
@@ -768,6 +1003,14 @@ int gq_matmul_parts(int nparts, const int *types, const uint8_t *const *Ws, cons
             for (int64_t b0 = 0; b0 < nbk; b0 += kc) {
                 const int64_t b1 = b0 + kc < nbk ? b0 + kc : nbk;
 #ifdef GQ_X86
+                if (type & GQ_X16) {
+                    for (int64_t o = oa; o < oe; o += 16)
+                        for (int64_t r0 = 0; r0 < rows; r0 += RT) {
+                            const int nr = (int)(rows - r0 < RT ? rows - r0 : RT);
+                            kx16_avx512(type, W + o * rb, A, r0, nr, yp + r0 * ystride + o, ystride, b0, b1, b0 > 0);
+                        }
+                    continue;
+                }
                 if (tiled) {
                     for (int64_t o = oa; o < oe; o += 16) {
                         const int nt = (int)(oe - o < 16 ? oe - o : 16);
@@ -814,7 +1057,9 @@ INL uint16_t f32_to_bf16(float f) {
     return (uint16_t)r;
 }
 
-INL void dequant_rows(int type, const uint8_t *W, int64_t in, int64_t o0, int64_t o1, void *dst, int bf16) {
+/* rows [o0, o1) of W (absolute) -> dst rows o - obase */
+INL void dequant_rows(int type, const uint8_t *W, int64_t in, int64_t o0, int64_t o1, int64_t obase, void *dst,
+                      int bf16) {
     const int be = block_elems(type), bb = block_bytes(type), per = 256 / be; /* blocks per 256 inputs */
     const int64_t nb = in / be, rowbytes = nb * bb;
     for (int64_t o = o0; o < o1; o++) {
@@ -823,11 +1068,13 @@ INL void dequant_rows(int type, const uint8_t *W, int64_t in, int64_t o0, int64_
             float gs[16], gm[16], v[256];
             const int nblk = (int)(nb - b0 < per ? nb - b0 : per), n = nblk * be;
             for (int k = 0; k < nblk; k++) {
-                const int gsz = unpack_block(type, W + o * rowbytes + (b0 + k) * bb, q, gs, gm);
+                const int gsz = type & GQ_X16 ? unpack_x16(type, W + (o / 16 * 16) * rowbytes + (b0 + k) * 16 * bb, (int)(o % 16),
+                                                           q, gs, gm)
+                                              : unpack_block(type, W + o * rowbytes + (b0 + k) * bb, q, gs, gm);
                 for (int g = 0; g < be / gsz; g++)
                     for (int i = 0; i < gsz; i++) v[k * be + g * gsz + i] = gs[g] * (float)q[g * gsz + i] + gm[g];
             }
-            const int64_t at = o * in + b0 * be; /* dst row 0 is row o0 of W (the caller offsets W) */
+            const int64_t at = (o - obase) * in + b0 * be;
             if (bf16) {
                 uint16_t *d16 = (uint16_t *)dst + at;
                 for (int i = 0; i < n; i++) d16[i] = f32_to_bf16(v[i]);
@@ -846,17 +1093,24 @@ INL void dequant_rows(int type, const uint8_t *W, int64_t in, int64_t o0, int64_
     case GQ_Q6_K: { const int type_ = GQ_Q6_K; CALL; } break;                                                \
     case GQ_Q5_0: { const int type_ = GQ_Q5_0; CALL; } break;                                                \
     case GQ_Q8_0: { const int type_ = GQ_Q8_0; CALL; } break;                                                \
+    case GQ_X16 + GQ_Q4_K: { const int type_ = GQ_X16 + GQ_Q4_K; CALL; } break;                              \
+    case GQ_X16 + GQ_Q6_K: { const int type_ = GQ_X16 + GQ_Q6_K; CALL; } break;                              \
+    case GQ_X16 + GQ_Q8_0: { const int type_ = GQ_X16 + GQ_Q8_0; CALL; } break;                              \
+    case GQ_X16 + GQ_Q5_0: { const int type_ = GQ_X16 + GQ_Q5_0; CALL; } break;                              \
     }
-static void dequant_any(int type, const uint8_t *W, int64_t in, int64_t o0, int64_t o1, void *dst, int bf16) {
-    TYPE_SWITCH(dequant_rows(type_, W, in, o0, o1, dst, bf16))
+static void dequant_any(int type, const uint8_t *W, int64_t in, int64_t o0, int64_t o1, int64_t obase, void *dst,
+                            int bf16) {
+    TYPE_SWITCH(dequant_rows(type_, W, in, o0, o1, obase, dst, bf16))
 }
 static void quant_any(const float *x, int64_t r0, int64_t r1, act_t *A) { quantize_rows(x, r0, r1, A); }
 #ifdef GQ_X86
-T256 static void dequant_256(int type, const uint8_t *W, int64_t in, int64_t o0, int64_t o1, void *dst, int bf16) {
-    TYPE_SWITCH(dequant_rows(type_, W, in, o0, o1, dst, bf16))
+T256 static void dequant_256(int type, const uint8_t *W, int64_t in, int64_t o0, int64_t o1, int64_t obase, void *dst,
+                            int bf16) {
+    TYPE_SWITCH(dequant_rows(type_, W, in, o0, o1, obase, dst, bf16))
 }
-T512 static void dequant_512(int type, const uint8_t *W, int64_t in, int64_t o0, int64_t o1, void *dst, int bf16) {
-    TYPE_SWITCH(dequant_rows(type_, W, in, o0, o1, dst, bf16))
+T512 static void dequant_512(int type, const uint8_t *W, int64_t in, int64_t o0, int64_t o1, int64_t obase, void *dst,
+                            int bf16) {
+    TYPE_SWITCH(dequant_rows(type_, W, in, o0, o1, obase, dst, bf16))
 }
 T256 static void quant_256(const float *x, int64_t r0, int64_t r1, act_t *A) { quantize_rows(x, r0, r1, A); }
 T512 static void quant_512(const float *x, int64_t r0, int64_t r1, act_t *A) { quantize_rows(x, r0, r1, A); }
@@ -878,17 +1132,28 @@ int gq_dequantize(int type, const uint8_t *W, int64_t in, int64_t o0, int64_t o1
     if (in % be != 0 || o1 < o0) return -2;
     if (nthreads < 1) nthreads = 1;
     const int path = gq_best_path();
-    const int64_t rowbytes = in / be * bb;
-    const uint8_t *W0 = W + o0 * rowbytes;
-    const int64_t n = o1 - o0, chunk = 16;
+    const int64_t chunk = 16;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t c = 0; c < n; c += chunk) {
-        const int64_t e = c + chunk < n ? c + chunk : n;
+    for (int64_t c = o0; c < o1; c += chunk) {
+        const int64_t e = c + chunk < o1 ? c + chunk : o1;
 #ifdef GQ_X86
-        if (path == PATH_AVX512) { dequant_512(type, W0, in, c, e, dst, bf16); continue; }
-        if (path == PATH_AVX2) { dequant_256(type, W0, in, c, e, dst, bf16); continue; }
+        if (path == PATH_AVX512) { dequant_512(type, W, in, c, e, o0, dst, bf16); continue; }
+        if (path == PATH_AVX2) { dequant_256(type, W, in, c, e, o0, dst, bf16); continue; }
 #endif
-        dequant_any(type, W0, in, c, e, dst, bf16);
+        dequant_any(type, W, in, c, e, o0, dst, bf16);
     }
+    return 0;
+}
+
+/* Q4_K / Q6_K / Q8_0 / Q5_0 blocks [out][in] in the file's layout -> the x16 layout (GQ_X16 + type) at dst
+ * (out / 16 groups of in / block_elems superblocks: out * in / block_elems * block_bytes(GQ_X16 + type) bytes). out
+ * must be a multiple of 16. Returns 0 or a negative error. */
+int gq_repack(int type, const uint8_t *W, int64_t out, int64_t in, uint8_t *dst, int nthreads) {
+    if (type != GQ_Q4_K && type != GQ_Q6_K && type != GQ_Q8_0 && type != GQ_Q5_0) return -1;
+    if (in % block_elems(type) != 0 || out % 16 != 0 || in <= 0) return -2;
+    if (nthreads < 1) nthreads = 1;
+    const int64_t nbk = in / block_elems(type), rowbytes = nbk * block_bytes(type), sb = x16_bytes(type);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t g = 0; g < out / 16; g++) repack_group(type, W + g * 16 * rowbytes, rowbytes, nbk, dst + g * nbk * sb);
     return 0;
 }
