@@ -42,7 +42,7 @@ class LLM:
     def __init__(self, model: str | None = None, draft: str | None = None, spec_type: str | None = None,
                  context: int = 4096, dtype: str = "auto", threads: int | None = None, draft_max: int = 16,
                  draft_min: int = 0, draft_p_min: float = 0.0, ngram_n: int = 3, ngram_m: int = 16,
-                 draft_quant: str = "int4", progress: bool = True, adaptive: bool = True,
+                 draft_quant: str = "auto", progress: bool = True, adaptive: bool = True,
                  draft_branch_p: float = 0.0, ngram_min_hits: int = 1,
                  ngram_mod_pool_mb: float = 16.0, suffix_max_requests: int = 64, suffix_factor: float = FACTOR,
                  suffix_min_prob: float = 0.1, synth_rates: list[float] | None = None, synth_len: int = 8,

@@ -103,9 +103,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--draft-p-min", type=_unit_float, default=0.0,
                    help="stop drafting when the draft's largest probability at the next position falls below this "
                    "(decided before drawing, so sampling stays lossless; default 0)")
-    s.add_argument("--draft-quant", choices=["int8", "int4", "none"], default="int4",
-                   help="weights of the draft model: int4 (groups of 64, bf16 layers; int8 elsewhere) or int8 (per "
-                   "channel), weight-only, faster on CPU; the output stays the target's; or none (default int4)")
+    s.add_argument("--draft-quant", choices=["auto", "gguf", "int8", "int4", "none"], default="auto",
+                   help="weights of the draft model, as --quant: auto (default) = gguf for a pack or GGUF file (its "
+                   "own blocks through the kernels), none for a checkpoint directory; int4 (groups of 64, bf16 "
+                   "layers; int8 elsewhere) or int8 (per channel) weight-only; the output stays the target's")
     s.add_argument("--spec-ngram-size-n", dest="ngram_n", type=_positive_int, default=3,
                    help="ngram-*: tokens to match (default 3)")
     s.add_argument("--spec-ngram-size-m", dest="ngram_m", type=_positive_int, default=16,
