@@ -220,7 +220,7 @@ def test_no_compiler_falls_back(monkeypatch, tmp_path, capsys):
         lin = GGUFLinear.from_blocks(blocks, "Q5_0", (8, 64))
         x = torch.randn(3, 64)
         w = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q5_0).reshape(8, 64)
-        assert torch.allclose(lin(x), x @ torch.from_numpy(w).T, rtol=1e-4, atol=1e-4)
+        assert rel(lin(x), x.double() @ torch.from_numpy(w).double().T) < 1e-2  # bf16 where the CPU has it
         assert lin.last_path == "dequant"
         assert not list((tmp_path / "kernels").glob("*.so"))
     finally:

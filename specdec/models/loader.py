@@ -10,16 +10,9 @@ from specdec.models.config import ModelConfig
 from specdec.models.tokenizer import Tokenizer
 from specdec.models.transformer import Transformer, fuse_projections
 from specdec.paths import home
+from specdec.runtime.cpu import has_bf16
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def resolve_dtype(name: str, device: str = "cpu", quant: str = "none") -> torch.dtype:
@@ -28,7 +21,7 @@ def resolve_dtype(name: str, device: str = "cpu", quant: str = "none") -> torch.
     if name == "auto" and quant == "gguf" and device == "cpu":
         return torch.float32
     if name == "auto":
-        return torch.bfloat16 if device.startswith("cuda") or cpu_has_bf16() else torch.float32
+        return torch.bfloat16 if device.startswith("cuda") or has_bf16() else torch.float32
     if name not in DTYPES:
         raise SpecdecError(f"unknown dtype {name!r} (choose auto, bf16, fp16 or fp32)")
     return DTYPES[name]

@@ -12,6 +12,7 @@ from specdec.plan.recommend import Recommendation, recommend, task
 from specdec.plan.specs import ModelSpec, load_spec
 from specdec.plan.speed import StepTime, best_k, break_even_alpha, step_time
 from specdec.plan.units import parse_bandwidth, parse_size
+from specdec.runtime.cpu import has_bf16
 from specdec.runtime.placement import ALL_LAYERS, Placement, place_layers
 
 DEFAULT_GPU_BW = 500e9
@@ -173,11 +174,7 @@ def _runtime_dtype(name: str, has_gpu: bool) -> str:
         return name
     if has_gpu:
         return "bf16"
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return "fp32"
-    return "bf16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "fp32"
+    return "bf16" if has_bf16() else "fp32"
 
 
 def _format(fmt: str, kv: str, quant: str, has_gpu: bool) -> Format:

@@ -1,13 +1,14 @@
-"""A linear layer that computes from a GGUF tensor's quantized blocks as they are in the file.
+"""A linear layer that computes from a GGUF tensor's quantized blocks.
 
-`GGUFLinear` holds the raw block bytes ([out, bytes_per_row] uint8, e.g. a view of the file's
-memory map) plus the GGML type id; no 16/32-bit copy of the weight is kept. Small row counts
-(decode, verification, ragged server batches: up to `kernel_max_rows()`, measured per CPU) go
-through the C kernels in `specdec/runtime/kernels/ggml_q.c` (int8-quantized activations, integer
-dot products; AVX-512 VNNI / AVX2 / scalar chosen at run time). Larger ones (prefill) dequantize
-the weight in chunks of output rows to bf16 or fp32 (x's dtype) into a reused buffer and use
-torch's matmul, which is compute-bound there and uses oneDNN/AMX where available. Without the
-compiled library both dequantize, through the `gguf` package (slow but correct).
+`GGUFLinear` holds block bytes ([out, bytes_per_row] uint8) plus the GGML type id; no 16/32-bit copy of the
+weight is kept. The bytes are the file's own (a view of its memory map) or, where the AVX-512 kernels run, the
+same blocks repacked at load 16 outputs at a time (`repacked`, "x16": the same values, no unpacking or
+transposing per call). Row counts up to `kernel_max_rows()` (measured per CPU: decode, verification, ragged
+server batches, and on AVX-512 whole prefill chunks) go through the C kernels in
+`specdec/runtime/kernels/ggml_q.c` (int8-quantized activations, integer dot products; AVX-512 VNNI / AVX2 /
+scalar chosen at run time). Larger ones dequantize the weight in chunks of output rows (bf16 where the CPU has
+native bf16, else fp32) into a reused buffer for torch's matmul. Without the compiled library both dequantize
+through the `gguf` package (slow but correct).
 
 Types: Q4_K, Q5_0, Q6_K, Q8_0 (what Q4_K_M packs hold).
 """
@@ -23,20 +24,22 @@ import torch
 from torch import nn
 
 from specdec.runtime import kernels as K
+from specdec.runtime.cpu import has_bf16
 
 DEQUANT_CHUNK_BYTES = 32 << 20  # dequantized weight held at once in the prefill path
-CALIBRATION_ROWS = (16, 32, 64, 128, 256)
+CALIBRATION_ROWS = (16, 32, 64, 128, 256, 512)  # 512: a whole prefill chunk (runner.PREFILL_CHUNK)
 _max_rows: dict[tuple[torch.dtype, int], int] = {}
 
 
 def kernel_max_rows(dtype: torch.dtype) -> int:
     """Rows up to which the int8-activation kernel beats dequantize + torch matmul for inputs of `dtype`.
 
-    Where the crossover lies depends on the CPU and dtype more than on the layer (measured on a Zen 5
-    with AVX512-BF16, 1 thread: 16 rows for bf16 inputs, 256 or more for fp32; AMX would move bf16 lower).
-    So it is measured once per process, dtype and thread count, on a 1024x2048 Q4_K layer, at 16, 32, ..., 256
-    rows (about 0.1-0.3 s): the largest row count up to which the kernel was faster at every step (at least 8,
-    at most 256). SPECDEC_GGUF_KERNEL_ROWS=N sets it instead."""
+    Where the crossover lies depends on the CPU and the layout more than on the layer (Zen 5 with AVX512-BF16,
+    2 threads, Q4_K 8960x1536: the x16 kernel 15.8 ms at 512 rows against 16.0 ms dequantized to bf16 and 74 ms
+    to fp32; the file-layout kernels on AVX2 lose earlier). So it is measured once per process, dtype and thread
+    count, on a 1024x2048 Q4_K layer in this CPU's layout, at 16, 32, ..., 512 rows (well under a second): the
+    largest row count up to which the kernel was faster at every step (at least 8). SPECDEC_GGUF_KERNEL_ROWS=N
+    sets it instead."""
     env = os.environ.get("SPECDEC_GGUF_KERNEL_ROWS")
     if env:
         return int(env)
@@ -163,7 +166,7 @@ class GGUFLinear(nn.Module):
         return kernel_matmul([self], x2, path)
 
     def _dequant_matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        dtype = x2.dtype if x2.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        dtype = torch.bfloat16 if x2.dtype == torch.bfloat16 or has_bf16() else torch.float32  # native bf16: ~4x fp32
         xd = x2.to(dtype)
         step = min(self.out_features, max(64, DEQUANT_CHUNK_BYTES // (self.in_features * xd.element_size())))
         self.last_path = "dequant"
