@@ -15,6 +15,7 @@ from torch import nn
 
 from specdec.models.config import ModelConfig
 from specdec.models.rope import Rotary, apply_rotary
+from specdec.runtime.attention import attention
 from specdec.runtime.kv_cache import KVCache
 
 
@@ -56,9 +57,8 @@ class Attention(nn.Module):
         k = apply_rotary(k, batch.cos, batch.sin)
         cache.write(self.layer, batch.slots, batch.cache_index, k, v, batch.write_span)
         keys, values = cache.read(self.layer, batch.slots, batch.kv_len)  # [B, kv_heads, S, hd]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask,
-                                             enable_gqa=c.num_heads != c.num_kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, c.num_heads * hd))
+        out = attention(q, keys, values, batch.mask)  # [B, T, heads, hd]
+        return self.o_proj(out.reshape(B, T, c.num_heads * hd))
 
 
 class MLP(nn.Module):

@@ -1,6 +1,7 @@
-"""Build (once per source, compiler, flags and CPU) and load the GGUF block kernels in `ggml_q.c`.
+"""Build (once per source, compiler, flags and CPU) and load the CPU kernels: GGUF block matmuls (`ggml_q.c`)
+and the attention of decode and verification steps (`attention.c`).
 
-The C file is compiled at first use with the system C compiler into
+The C files are compiled at first use with the system C compiler into
 `$SPECDEC_HOME/kernels/ggml_q-HASH.so`, HASH covering the source, the compiler's version, the flags
 and the CPU's model and feature flags, so a build is never reused on another CPU. The library is
 written under a temp name and renamed into place (concurrent builders are harmless). Without a
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from specdec.paths import home
 
-SOURCE = Path(__file__).with_name("ggml_q.c")
+SOURCES = [Path(__file__).with_name(f) for f in ("ggml_q.c", "attention.c")]
 CFLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno"]
 PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
 PATH_NAMES = {v: k for k, v in PATHS.items()}
@@ -71,7 +72,7 @@ def _cc_version(cc: str) -> str:
 
 def lib_path(cc: str, flags: list[str] | None = None) -> Path:
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), _cc_version(cc).encode(), " ".join(flags or CFLAGS).encode(),
+    for part in (*(f.read_bytes() for f in SOURCES), _cc_version(cc).encode(), " ".join(flags or CFLAGS).encode(),
                  _cpu_signature().encode(), platform.machine().encode()):
         h.update(part)
         h.update(b"\0")
@@ -83,7 +84,7 @@ def _build(cc: str, dest: Path, flags: list[str]) -> None:
     fd, tmp = tempfile.mkstemp(prefix=dest.stem + ".", suffix=".tmp.so", dir=dest.parent)
     os.close(fd)
     try:
-        r = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+        r = subprocess.run([cc, *flags, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True, timeout=300)
         if r.returncode != 0:
             raise RuntimeError(f"{cc} failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
         os.replace(tmp, dest)
@@ -119,6 +120,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gq_dequantize.restype = i32
     lib.gq_repack.argtypes = [i32, p, i64, i64, p, i32]
     lib.gq_repack.restype = i32
+    lib.gq_attention.argtypes = [p, p, p, i64, i64, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, i32, i32]
+    lib.gq_attention.restype = i32
     lib.gq_best_path.argtypes = []
     lib.gq_best_path.restype = i32
     return lib

@@ -1,0 +1,45 @@
+"""Attention over the KV cache: the C kernel (`kernels/attention.c`) for decode and verification steps on the
+CPU in float32, torch's fused attention elsewhere (prefill, bf16, GPU).
+
+The kernel computes every query row on its own, keys in cache order, so a token's output is the same bits
+decoded alone or verified among drafted tokens: plain and speculative greedy decoding stay token-identical
+even where int8-quantized activations (the GGUF kernels) would turn last-bit differences into flipped tokens.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from specdec.runtime import kernels as K
+
+KERNEL_ROWS = 64  # query rows per sequence up to which the kernel runs (a draft tree's size; prefill chunks: SDPA)
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """q [B, H, T, hd], keys / values [B, kv_heads, S, hd], mask [B, 1, T, S] bool (True = attend) or None (every
+    key) -> [B, T, H, hd]."""
+    out = _kernel(q, keys, values, mask)
+    if out is None:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                             enable_gqa=q.shape[1] != keys.shape[1]).transpose(1, 2)
+    return out
+
+
+def _kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
+    B, H, T, hd = q.shape
+    S, kvh = keys.shape[2], keys.shape[1]
+    usable = (T <= KERNEL_ROWS and q.device.type == "cpu" and keys.device.type == "cpu"
+              and q.dtype == keys.dtype == values.dtype == torch.float32 and keys.stride() == values.stride()
+              and keys.stride(-1) == 1 and keys.stride(-2) == hd and H % kvh == 0)
+    lib = K.library() if usable else None
+    if lib is None:
+        return None
+    qc = q.contiguous()
+    m = None if mask is None else mask.expand(B, 1, T, S).contiguous()
+    out = torch.empty(B, T, H, hd, dtype=torch.float32)
+    rc = lib.gq_attention(qc.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1),
+                          None if m is None else m.data_ptr(), B, H, kvh, T, S, hd, 1.0 / math.sqrt(hd),
+                          out.data_ptr(), torch.get_num_threads(), K.requested_path())
+    return out if rc == 0 else None

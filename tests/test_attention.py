@@ -1,0 +1,60 @@
+"""The C attention of decode and verification steps (specdec/runtime/attention.py): it matches torch's SDPA,
+and a query row's output is the same bits however many rows (and masked keys) share the call."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec.runtime import kernels as K
+from specdec.runtime.attention import _kernel, attention
+
+
+@pytest.fixture(autouse=True)
+def lib():
+    if K.library() is None:
+        pytest.skip(f"kernel library not built here: {K.build_error}")
+
+
+def _cache(B=2, kvh=2, S=40, hd=64, spare=8):
+    k = torch.randn(B, kvh, S + spare, hd)[:, :, :S]  # a view of a longer cache, as KVCache.read gives
+    v = torch.randn(B, kvh, S + spare, hd)[:, :, :S]
+    return k, v
+
+
+@pytest.mark.parametrize("path", ["scalar", "avx2", "avx512"])
+def test_matches_sdpa_with_mask_and_gqa(path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_KERNEL_PATH", path)
+    torch.manual_seed(0)
+    k, v = _cache()
+    q = torch.randn(2, 6, 5, 64)
+    mask = torch.rand(2, 1, 5, 40) > 0.3
+    mask[..., 0] = True  # every row sees a key
+    out = _kernel(q, k, v, mask)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+    assert out is not None and out.shape == (2, 5, 6, 64)
+    assert torch.allclose(out, ref, atol=2e-6, rtol=1e-5)
+    none = _kernel(q[:, :, :1], k, v, None)  # no mask: every key
+    ref = F.scaled_dot_product_attention(q[:, :, :1], k, v, enable_gqa=True).transpose(1, 2)
+    assert torch.allclose(none, ref, atol=2e-6, rtol=1e-5)
+
+
+def test_a_row_is_the_same_bits_alone_or_among_drafts():
+    """Decode (one row, keys up to its position) and verification (rows after it, causal mask over more keys)."""
+    torch.manual_seed(1)
+    k, v = _cache(B=1, S=30)
+    q = torch.randn(1, 6, 7, 64)
+    pos = 22  # row 0 sits at position 22: it sees keys 0..22
+    alone = attention(q[:, :, :1], k[:, :, :pos + 1], v[:, :, :pos + 1], None)
+    causal = (torch.arange(30)[None, :] <= torch.arange(pos, pos + 7)[:, None])[None, None]  # [1, 1, 7, 30]
+    among = attention(q, k, v, causal)
+    assert torch.equal(alone[:, 0], among[:, 0])
+
+
+def test_falls_back_to_sdpa_where_the_kernel_does_not_apply():
+    k, v = _cache(B=1)
+    q = torch.randn(1, 6, 3, 64)
+    assert _kernel(q.bfloat16(), k.bfloat16(), v.bfloat16(), None) is None
+    assert _kernel(torch.randn(1, 6, 100, 64), k, v, None) is None  # a prefill chunk
+    out = attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), None)
+    assert out.shape == (1, 3, 6, 64) and out.dtype == torch.bfloat16
