@@ -74,7 +74,7 @@ class LLM:
                 draft = packs.DEFAULT_DRAFT
         target, self.tokenizer, self.quant, self.dtype = load_model(model, quant, dtype, n_gpu_layers, progress)
         self._dtype_name, self._ngld = dtype, n_gpu_layers_draft
-        self.quant_info = describe_quant(target, quant)  # which path the target runs, for stats and reports
+        self.quant_info = describe_quant(target, self.quant)  # which path the target runs, for stats and reports
         context = min(context, target.config.max_position_embeddings)
         self.parallel = parallel  # KV cache slots: sequences that can run at once
         self.runner = ModelRunner(target, num_slots=parallel, context=context)

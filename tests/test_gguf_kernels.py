@@ -166,6 +166,20 @@ def test_x16_layout_is_the_same_weight(name, lib):
         assert for_this_cpu(GGUFLinear.from_blocks(random_blocks(qt, 32, 256, rng), name, (32, 256))).qtype == qt + K.X16
 
 
+@pytest.mark.parametrize("name", list(K.TYPES))
+def test_x16_row_is_the_same_bits_at_any_row_count(name, lib):
+    """Decode (1 row) and verification (17 or 40 rows) give a row the same bits: greedy speculative decoding can
+    then equal plain decoding exactly on a quantized target."""
+    if K.best_path() != "avx512":
+        pytest.skip("the x16 layout runs on AVX-512 only")
+    rng = np.random.default_rng(9)
+    x16 = GGUFLinear.from_blocks(random_blocks(K.TYPES[name], 32, 8960, rng), name, (32, 8960)).repacked()
+    x = torch.randn(40, 8960)
+    alone = x16._kernel(x[:1])
+    for rows in (2, 17, 40):
+        assert torch.equal(x16._kernel(x[:rows])[:1], alone), rows
+
+
 def test_forward_shapes_dtypes_bias_and_prefill(lib):
     rng = np.random.default_rng(4)
     blocks = random_blocks(K.Q6_K, 48, 512, rng)

@@ -107,6 +107,48 @@ def test_smollm_pack_gguf_greedy_lossless(smollm_dir):
     assert plain.stats.new_tokens == 24 or plain.finish_reason == "stop"
 
 
+@pytest.fixture(scope="module")
+def smollm_q8(smollm_dir, tmp_path_factory):
+    """The SmolLM2-135M pack's GGUF with its Q4_1 matrices (not a kernel type) requantized to Q8_0 by the gguf
+    package: a real model whose every matrix runs through the kernels."""
+    from specdec.models.packs import pack_gguf
+
+    src = gguf.GGUFReader(pack_gguf("smollm2-135m", progress=False))
+    out = tmp_path_factory.mktemp("smollm-q8") / "smollm2-135m-q8_0.gguf"
+    w = gguf.GGUFWriter(str(out), src.fields["general.architecture"].contents())
+    for f in src.fields.values():
+        if not f.name.startswith("GGUF.") and f.name not in ("general.architecture", "general.alignment"):
+            w.add_key_value(f.name, f.contents(), f.types[0], f.types[-1] if len(f.types) > 1 else None)
+    Q41, Q8 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
+    for t in src.tensors:
+        if t.tensor_type == Q41:
+            w.add_tensor(t.name, gguf.quants.quantize(gguf.quants.dequantize(t.data, Q41), Q8), raw_dtype=Q8)
+        else:
+            w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+@pytest.mark.real
+def test_real_model_through_the_kernels_greedy_identical(smollm_q8):
+    """SmolLM2-135M in Q8_0 blocks, the default `--quant auto` (gguf, fp32 activations): every spec type, the
+    draft model (itself) and a draft tree give exactly plain decoding's tokens (on AVX-512: x16 kernels at every
+    row count, attention per row)."""
+    llm = LLM(str(smollm_q8), draft=str(smollm_q8), spec_type="none", progress=False)
+    assert llm.quant == "gguf" and llm.dtype == torch.float32
+    assert llm.quant_info.startswith("gguf: Q8_0 ") and "dequantized" not in llm.quant_info
+    prompt = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n" \
+             "def factorial(n):\n"
+    plain = llm.generate(prompt, max_tokens=40, spec_type="none")
+    for spec in ("ngram-simple", "suffix", "suffix-tree", "draft"):
+        r = llm.generate(prompt, max_tokens=40, spec_type=spec)
+        assert r.token_ids == plain.token_ids, spec
+    assert r.stats.target_forwards < plain.stats.target_forwards  # the draft (the model itself) was accepted
+
+
 @pytest.mark.real
 def test_generate_json_reports_quant(smollm_dir):
     res = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "-m", "smollm2-135m", "--quant", "gguf",

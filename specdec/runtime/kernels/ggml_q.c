@@ -1,4 +1,4 @@
-/* Low-bit CPU matmul on GGUF blocks, as stored in the file: y[rows, out] = x[rows, in] @ W^T.
+/* Low-bit CPU matmul on GGUF blocks: y[rows, out] = x[rows, in] @ W^T.
  *
  * W is `out` rows of `in / block` blocks, each exactly the GGUF bytes of one block:
  *   Q8_0 (34 B / 32):  f16 d, int8 q[32]                              w = d * q
@@ -16,7 +16,10 @@
  * it to every row (tile1_avx512 / row_avx2 / row_scalar). From 3 rows on (AVX-512; tile_min_rows) blocks
  * of 16 outputs are unpacked and transposed so that the lanes are outputs and one vpdpbusd covers
  * 4 inputs x 16 outputs of a row (ktile16_avx512): about 5.5 vector ops per row, output and 256 inputs
- * instead of ~19. Beyond 16 rows the inputs are walked in chunks of 2048 (activations stay in L2).
+ * instead of ~19. The inputs are walked in chunks of 2048 (activations stay in L2).
+ * On AVX-512 the loader repacks the blocks once (gq_repack, "x16": 16 outputs interleaved per block, the same
+ * values) and kx16_avx512 serves every row count: a row's result is then the same bits however many rows share
+ * the call. Several matrices with the same input (fused q/k/v, gate/up) go in one call (gq_matmul_parts).
  * Threads (OpenMP, count passed in) split the outputs in tasks of 32, each thread one contiguous range.
  *
  * One build runs on any x86-64: the AVX2 and AVX-512 paths carry function-level target attributes
@@ -983,10 +986,10 @@ int gq_matmul_parts(int nparts, const int *types, const uint8_t *const *Ws, cons
         }
         /* Tasks of OC outputs of one part, split statically: each thread reads one contiguous stretch of the
          * weights. (A dynamic schedule, tasks handed out in turn, interleaved the threads' reads and halved the
-         * memory throughput at one row: Q4_K 8960x1536 from DRAM, 2 threads, 0.41 vs 0.22 ms.) Beyond 16 rows
-         * the inputs are walked in chunks of 2048 so that the activations of one chunk (rows x 2048 bytes) stay
-         * in L2 while every output of the task uses them; without this, re-reading all rows' activations once
-         * per output made the cost per row grow past ~16 rows. */
+         * memory throughput at one row: Q4_K 8960x1536 from DRAM, 2 threads, 0.41 vs 0.22 ms.) The inputs are
+         * walked in chunks of 2048 so that the activations of one chunk (rows x 2048 bytes) stay in L2 while
+         * every output of the task uses them (without this the cost per row grew past ~16 rows); at every row
+         * count, so that a row's sums are added in the same order however many rows share the call. */
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < task0[nparts]; task++) {
             if (!off) continue;
@@ -996,7 +999,7 @@ int gq_matmul_parts(int nparts, const int *types, const uint8_t *const *Ws, cons
             const act_t *A = &acts[act_of[p]];
             const uint8_t *W = Ws[p];
             const int64_t rb = rowbytes[p], out = outs[p], nbk = in / block_elems(type);
-            const int64_t kc = rows > 16 ? 2048 / block_elems(type) : nbk;
+            const int64_t kc = 2048 / block_elems(type); /* the same for every row count (see above) */
             const int64_t oa = (task - task0[p]) * OC, oe = oa + OC < out ? oa + OC : out;
             float *yp = y + col[p];
             const int tiled = path == PATH_AVX512 && rows >= tile_min_rows;
