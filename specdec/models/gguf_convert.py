@@ -10,6 +10,7 @@ removed by the next conversion.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -22,6 +23,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 
@@ -60,10 +62,29 @@ def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def open_gguf(path: Path):
+@functools.cache
+def fast_reader_class():
+    """gguf.GGUFReader parsing a plain ndarray view of its memory map (`.memmap` keeps the map): slicing a
+    numpy.memmap builds a memmap object per field part, and a 151K-token vocabulary has 1.8M of them (the 1.5B
+    pack: 10 s and 0.5 GB of transient memory to open; 1.6 s and none this way)."""
     import gguf
+    import numpy as np
+
+    class FastGGUFReader(gguf.GGUFReader):
+        @property
+        def data(self):
+            return self._plain
+
+        @data.setter
+        def data(self, mm):
+            self.memmap, self._plain = mm, mm.view(np.ndarray)
+
+    return FastGGUFReader
+
+
+def open_gguf(path: Path):
     try:
-        return gguf.GGUFReader(path)
+        return fast_reader_class()(path)
     except Exception as e:  # the reader raises a variety of types on bad files
         raise SpecdecError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
 
@@ -230,8 +251,11 @@ def _save_tokenizer(gguf_path: Path, out: Path) -> None:
 
     hf_logging.set_verbosity_error()
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    import gguf
+
     try:
-        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        with mock.patch.object(gguf, "GGUFReader", fast_reader_class()):  # what transformers opens the file with
+            tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception as e:
         raise SpecdecError(f"{gguf_path}: cannot build its tokenizer ({type(e).__name__}: {e})") from None
     tok.save_pretrained(str(out))

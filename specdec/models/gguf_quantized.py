@@ -15,6 +15,7 @@ which path runs (reported in `--json` stats and bench metadata).
 """
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -43,13 +44,29 @@ class GGUFEmbedding(nn.Module):
         return torch.cat(rows).reshape(*tokens.shape, self.table.in_features)
 
 
-def _linear(t, cfg: ModelConfig, bias: torch.Tensor | None = None) -> GGUFLinear:
+def _linear(t, cfg: ModelConfig, reader, bias: torch.Tensor | None = None) -> GGUFLinear:
     out, inp = int(t.shape[1]), int(t.shape[0])  # GGUF lists ne0 (the row length) first
     data = t.data.reshape(out, -1)
     if cfg.model_type == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
         data = np.ascontiguousarray(unpermute(data, cfg.num_heads if "attn_q" in t.name else cfg.num_kv_heads))
     blocks = torch.from_numpy(data) if data.flags.writeable else _readonly_view(data)
-    return for_this_cpu(GGUFLinear(blocks, int(t.tensor_type), inp, out, bias))
+    lin = for_this_cpu(GGUFLinear(blocks, int(t.tensor_type), inp, out, bias))
+    if lin.qweight.data_ptr() != blocks.data_ptr():
+        _release(reader, t)
+    return lin
+
+
+def _release(reader, t) -> None:
+    """Drop tensor t's file pages from this process once a repacked copy replaced them (they stay in the page
+    cache; were they touched again they would be read back), so loading never holds the file and its copy whole."""
+    mm = getattr(getattr(reader, "memmap", reader.data), "_mmap", None)  # the mmap under the reader's numpy.memmap
+    if mm is None:
+        return
+    start = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+    try:
+        mm.madvise(mmap.MADV_DONTNEED, start, t.data_offset + t.n_bytes - start)
+    except (OSError, ValueError, AttributeError):  # no madvise here: the pages go when the file is closed
+        pass
 
 
 def _readonly_view(a: np.ndarray) -> torch.Tensor:
@@ -95,7 +112,7 @@ def quantize_from_gguf(model: Transformer, gguf_path: Path | str, dtype: torch.d
             owner_name, attr = fused.split(".")
             owner = getattr(layer, owner_name)
             if all(quantized(n) for n in names):
-                lins = [_linear(tensors[n], cfg, bias_of(n[:-len("weight")] + "bias")) for n in names]
+                lins = [_linear(tensors[n], cfg, reader, bias_of(n[:-len("weight")] + "bias")) for n in names]
                 setattr(owner, attr, GGUFConcatLinear(lins))
             else:  # dense in dtype, fused as the checkpoint loader does
                 for kind in ("weight", "bias"):
@@ -106,7 +123,8 @@ def quantize_from_gguf(model: Transformer, gguf_path: Path | str, dtype: torch.d
             name = f"{pre}{sub}.weight"
             owner_name, attr = sub.split(".")
             if quantized(name):
-                setattr(getattr(layer, owner_name), attr, _linear(tensors[name], cfg, bias_of(f"{pre}{sub}.bias")))
+                setattr(getattr(layer, owner_name), attr,
+                        _linear(tensors[name], cfg, reader, bias_of(f"{pre}{sub}.bias")))
             else:
                 state[name] = _dense(tensors[name], cfg, dtype)
                 if f"{pre}{sub}.bias" in tensors:
@@ -117,14 +135,14 @@ def quantize_from_gguf(model: Transformer, gguf_path: Path | str, dtype: torch.d
 
     emb = "model.embed_tokens.weight"
     if quantized(emb):
-        table = _linear(tensors[emb], cfg)
+        table = _linear(tensors[emb], cfg, reader)
         model.model.embed_tokens = GGUFEmbedding(table, dtype)
     else:
         state[emb] = _dense(tensors[emb], cfg, dtype)
         table = None
     head = "lm_head.weight" if "lm_head.weight" in tensors else emb  # tied: the embedding table
     if quantized(head):
-        model.lm_head = table if head == emb else _linear(tensors[head], cfg)
+        model.lm_head = table if head == emb else _linear(tensors[head], cfg, reader)
     else:
         state["lm_head.weight"] = state[emb] if head == emb else _dense(tensors[head], cfg, dtype)
     state["model.norm.weight"] = _dense(tensors["model.norm.weight"], cfg, dtype)

@@ -254,5 +254,6 @@ def _scratch(dtype: torch.dtype, numel: int) -> torch.Tensor:
         bufs = _local.bufs = {}
     b = bufs.get(dtype)
     if b is None or b.numel() < numel:
-        b = bufs[dtype] = torch.empty(numel, dtype=dtype)
+        with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode alike
+            b = bufs[dtype] = torch.empty(numel, dtype=dtype)
     return b[:numel]
