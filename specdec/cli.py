@@ -268,11 +268,13 @@ def _add_plan_parser(sub) -> None:
     m.add_argument("-np", "--parallel", type=_positive_int, default=1, help="parallel slots (default 1)")
     m.add_argument("--dtype", default="file",
                    help="weight format: file (each tensor as stored: a GGUF's own quant types, what llama.cpp "
-                   "loads; default), auto|bf16|fp16|fp32 (specdec's runtime: params x dtype bytes, draft linears "
-                   "int8), or a GGML type such as q8_0, q4_k, iq4_xs (requantized)")
+                   "and specdec generate's default load; default), auto|bf16|fp16|fp32 (specdec's dense runtime, "
+                   "generate --quant none: params x dtype bytes, draft linears --draft-quant), or a GGML type such "
+                   "as q8_0, q4_k, iq4_xs (requantized)")
     m.add_argument("--draft-dtype", help="weight format of the draft (default: --dtype)")
     m.add_argument("--draft-quant", choices=["int8", "int4", "none"], default="int4",
-                   help="specdec runtime formats: draft linear weights int4 (default, as in generate), int8 or none")
+                   help="dense runtime formats (--dtype auto|bf16|fp16|fp32, generate --quant none): draft linear "
+                   "weights int4 (default), int8 or none; generate's default GGUF blocks are planned by --dtype file")
     m.add_argument("--kv-dtype", default="auto",
                    help="KV cache type: auto (f16; the runtime dtype with --dtype auto|bf16|fp16|fp32), f32, f16, "
                    "bf16, q8_0, q4_0...")

@@ -43,7 +43,7 @@ def kernel_max_rows(dtype: torch.dtype) -> int:
     env = os.environ.get("SPECDEC_GGUF_KERNEL_ROWS")
     if env:
         return int(env)
-    key = (dtype, torch.get_num_threads())
+    key = (dtype, torch.get_num_threads(), K.requested_path())
     if key not in _max_rows:
         _max_rows[key] = _calibrate(dtype) if K.library() is not None else 0
     return _max_rows[key]
@@ -154,7 +154,7 @@ class GGUFLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         rows = x2.shape[0]
         y = None
-        if rows <= 8 or rows <= kernel_max_rows(x2.dtype):
+        if use_kernel([self], rows, x2.dtype):
             y = self._kernel(x2)
         if y is None:
             y = self._dequant_matmul(x2)
@@ -214,12 +214,24 @@ class GGUFConcatLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         rows = x2.shape[0]
-        y = kernel_matmul(list(self.parts), x2) if rows <= 8 or rows <= kernel_max_rows(x2.dtype) else None
+        y = kernel_matmul(list(self.parts), x2) if use_kernel(self.parts, rows, x2.dtype) else None
         if y is None:
             return torch.cat([p(x) for p in self.parts], dim=-1)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+
+EXACT_ROWS = 64  # x16 layout: rows that always take the kernel (runtime.attention.KERNEL_ROWS, a tree's size)
+
+
+def use_kernel(parts, rows: int, dtype: torch.dtype) -> bool:
+    """Whether `rows` rows go through the kernels: up to the measured crossover, and for the x16 layout always up
+    to EXACT_ROWS, so that decode and verification run the same per-row arithmetic (a noisy calibration must not
+    send a verify step to dequantize + matmul while decoding takes the kernel: the tokens would differ at
+    near-ties). At least 8 rows on any layout."""
+    floor = EXACT_ROWS if all(p.qtype & K.X16 for p in parts) else 8
+    return rows <= floor or rows <= kernel_max_rows(dtype)
 
 
 def kernel_matmul(parts: list[GGUFLinear], x2: torch.Tensor, path: int | None = None) -> torch.Tensor | None:
