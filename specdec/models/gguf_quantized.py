@@ -177,9 +177,7 @@ def describe(model: nn.Module) -> str:
 
 def load_gguf_quantized(path: Path | str, dtype: torch.dtype = torch.float32):
     """(model, tokenizer) straight from a GGUF file, quantized tensors kept as blocks (no fp32 conversion)."""
-    import tempfile
-
-    from specdec.models.gguf_convert import _save_tokenizer
+    from specdec.models.loader import gguf_tokenizer
     from specdec.models.tokenizer import Tokenizer
 
     path = Path(path)
@@ -188,7 +186,4 @@ def load_gguf_quantized(path: Path | str, dtype: torch.dtype = torch.float32):
     with torch.device("meta"):
         model = Transformer(cfg)
     quantize_from_gguf(model, path, dtype, reader)
-    with tempfile.TemporaryDirectory() as d:
-        _save_tokenizer(path, Path(d))
-        tok = Tokenizer(Path(d))
-    return model, tok
+    return model, Tokenizer(gguf_tokenizer(path))
