@@ -69,6 +69,18 @@ def test_gguf_target_loads_and_speculation_is_lossless(tiny_gguf):
         assert r.stats.target_forwards <= plain.stats.target_forwards
 
 
+def test_gguf_tokenizer_is_built_once_per_file(tiny_gguf, tmp_path, monkeypatch):
+    from specdec.models import gguf_convert
+    from specdec.models.loader import gguf_tokenizer
+
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    first = gguf_tokenizer(tiny_gguf)
+    assert (first / "tokenizer.json").exists() and first.parent == tmp_path / "tokenizers"
+    monkeypatch.setattr(gguf_convert, "_save_tokenizer", lambda *a: pytest.fail("built again"))
+    assert gguf_tokenizer(tiny_gguf) == first
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temp folder left
+
+
 def test_unknown_quant_is_refused(tiny_gguf):
     with pytest.raises(SpecdecError, match="unknown target quantization"):
         LLM(str(tiny_gguf), quant="q4", progress=False)
