@@ -1,8 +1,9 @@
 /* Attention of a few query rows over a KV cache (float32), for decode and verification steps.
  *
  * Each (sequence, query row, head) is computed on its own, keys in cache order: scores q.k * scale, their
- * maximum, exponentials, sum, and the weighted sum of values. Nothing in it depends on how many query rows
- * or how many keys beyond its own are computed in the same call, so a token's attention output is the same
+ * maximum, exponentials, sum, and the weighted sum of values (the heads that share a KV head are computed side by
+ * side, each key's K and V rows loaded once for them). Nothing in it depends on how many query rows or how many
+ * keys beyond its own are computed in the same call, so a token's attention output is the same
  * bits whether it is decoded alone or verified among drafted tokens. (torch's fused attention blocks keys and
  * queries by the call's shape, and with int8-quantized activations downstream those last-bit differences
  * grew to logit differences of 0.2 between plain and speculative decoding.)
@@ -70,74 +71,91 @@ INL v16f ld16(const float *p) {
     return v;
 }
 
-/* one (b, t, h); sc: scratch of S + 16 floats, idx: of S ints */
-INL void att_one(const att_t *a, int64_t b, int64_t t, int64_t h, float *sc, int32_t *idx) {
-    const int64_t hd = a->hd, nv = hd / 16, g = h / (a->H / a->kvh);
-    const float *q = a->q + ((b * a->H + h) * a->T + t) * hd;
+/* Heads h0..h0+NB-1 (NB a constant: their accumulators stay in registers) of one (b, t) over the visible keys
+ * idx[0..n): each key's K and V rows are loaded once for the NB heads. Per head the arithmetic is fixed: the dot
+ * product's chain over the head dimension in order, softmax over the keys in order, the weighted sum of values in
+ * four partial sums (key j into sum j % 4) added as (0 + 1) + (2 + 3). sc: NB x sp floats. */
+INL void att_block(const att_t *a, int64_t b, int64_t t, int64_t h0, const int NB, const float *K, const float *V,
+                   const int32_t *idx, int32_t n, float *sc, int64_t sp) {
+    const int64_t hd = a->hd, nv = hd / 16;
+    const float *q[4];
+    float *o[4];
+    for (int h = 0; h < NB; h++) {
+        q[h] = a->q + ((b * a->H + h0 + h) * a->T + t) * hd;
+        o[h] = a->out + ((b * a->T + t) * a->H + h0 + h) * hd;
+    }
+    for (int32_t j = 0; j < n; j++) {
+        const float *kr = K + (int64_t)idx[j] * hd;
+        v16f acc[4];
+        const v16f k0 = ld16(kr);
+        for (int h = 0; h < NB; h++) acc[h] = ld16(q[h]) * k0;
+        for (int64_t c = 1; c < nv; c++) {
+            const v16f kc = ld16(kr + 16 * c);
+            for (int h = 0; h < NB; h++) acc[h] += ld16(q[h] + 16 * c) * kc;
+        }
+        for (int h = 0; h < NB; h++) sc[h * sp + j] = hsum16(acc[h]) * a->scale;
+    }
+    const v16f zero = {0};
+    float inv[4];
+    for (int h = 0; h < NB; h++) {
+        float *s = sc + h * sp, mx = -INFINITY;
+        for (int32_t j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+        for (int32_t j = n; j < (n + 15) / 16 * 16; j++) s[j] = -INFINITY; /* padding: e^-inf = 0 below */
+        v16f tot = zero;
+        for (int32_t j = 0; j < n; j += 16) {
+            const v16f e = exp_neg16(ld16(s + j) - mx);
+            memcpy(s + j, &e, 64);
+            tot += e;
+        }
+        inv[h] = 1.0f / hsum16(tot);
+    }
+    for (int64_t c = 0; c < nv; c++) { /* 16 output dims at a time */
+        const float *vc = V + 16 * c;
+        v16f p[4][4];
+        for (int h = 0; h < NB; h++) p[h][0] = p[h][1] = p[h][2] = p[h][3] = zero;
+        int32_t j = 0;
+        for (; j + 4 <= n; j += 4)
+            for (int r = 0; r < 4; r++) {
+                const v16f v = ld16(vc + (int64_t)idx[j + r] * hd);
+                for (int h = 0; h < NB; h++) p[h][r] += sc[h * sp + j + r] * v;
+            }
+        for (; j < n; j++) {
+            const v16f v = ld16(vc + (int64_t)idx[j] * hd);
+            for (int h = 0; h < NB; h++) p[h][0] += sc[h * sp + j] * v;
+        }
+        for (int h = 0; h < NB; h++) {
+            const v16f r = ((p[h][0] + p[h][1]) + (p[h][2] + p[h][3])) * inv[h];
+            memcpy(o[h] + 16 * c, &r, 64);
+        }
+    }
+}
+
+/* the query heads of kv head g for one (b, t); sc: scratch of 4 x sp floats, idx: of S ints */
+INL void att_group(const att_t *a, int64_t b, int64_t t, int64_t g, float *sc, int32_t *idx) {
+    const int64_t G = a->H / a->kvh, sp = (a->S + 15) / 16 * 16;
     const float *K = a->k + b * a->sb + g * a->sh, *V = a->v + b * a->sb + g * a->sh;
     const uint8_t *m = a->mask ? a->mask + (b * a->T + t) * a->S : NULL;
-    float *o = a->out + ((b * a->T + t) * a->H + h) * hd;
     int32_t n = 0;
     for (int64_t s = 0; s < a->S; s++)
         if (!m || m[s]) idx[n++] = (int32_t)s;
     if (n == 0) {
-        memset(o, 0, sizeof(float) * (size_t)hd);
+        for (int64_t h = g * G; h < (g + 1) * G; h++)
+            memset(a->out + ((b * a->T + t) * a->H + h) * a->hd, 0, sizeof(float) * (size_t)a->hd);
         return;
     }
-    v16f qv[MAX_HD / 16];
-    for (int64_t c = 0; c < nv; c++) qv[c] = ld16(q + 16 * c);
-    int32_t j = 0;
-    for (; j + 4 <= n; j += 4) { /* four keys at a time: four independent chains, each key computed as alone */
-        const float *k0 = K + (int64_t)idx[j] * hd, *k1 = K + (int64_t)idx[j + 1] * hd;
-        const float *k2 = K + (int64_t)idx[j + 2] * hd, *k3 = K + (int64_t)idx[j + 3] * hd;
-        v16f a0 = qv[0] * ld16(k0), a1 = qv[0] * ld16(k1), a2 = qv[0] * ld16(k2), a3 = qv[0] * ld16(k3);
-        for (int64_t c = 1; c < nv; c++) {
-            a0 += qv[c] * ld16(k0 + 16 * c);
-            a1 += qv[c] * ld16(k1 + 16 * c);
-            a2 += qv[c] * ld16(k2 + 16 * c);
-            a3 += qv[c] * ld16(k3 + 16 * c);
-        }
-        sc[j] = hsum16(a0) * a->scale;
-        sc[j + 1] = hsum16(a1) * a->scale;
-        sc[j + 2] = hsum16(a2) * a->scale;
-        sc[j + 3] = hsum16(a3) * a->scale;
+    int64_t h = g * G;
+    for (; h + 4 <= (g + 1) * G; h += 4) att_block(a, b, t, h, 4, K, V, idx, n, sc, sp);
+    if (h + 2 <= (g + 1) * G) {
+        att_block(a, b, t, h, 2, K, V, idx, n, sc, sp);
+        h += 2;
     }
-    for (; j < n; j++) {
-        const float *kr = K + (int64_t)idx[j] * hd;
-        v16f acc = qv[0] * ld16(kr);
-        for (int64_t c = 1; c < nv; c++) acc += qv[c] * ld16(kr + 16 * c);
-        sc[j] = hsum16(acc) * a->scale;
-    }
-    float mx = -INFINITY;
-    for (j = 0; j < n; j++) mx = sc[j] > mx ? sc[j] : mx;
-    for (j = n; j < (n + 15) / 16 * 16; j++) sc[j] = -INFINITY; /* padding: e^-inf = 0 below */
-    const v16f zero = {0};
-    v16f tot = zero;
-    for (j = 0; j < n; j += 16) {
-        const v16f e = exp_neg16(ld16(sc + j) - mx);
-        memcpy(sc + j, &e, 64);
-        tot += e;
-    }
-    const float inv = 1.0f / hsum16(tot);
-    for (int64_t c = 0; c < nv; c++) { /* 16 output dims at a time; keys j = 4i + r go to partial sum r */
-        const float *vc = V + 16 * c;
-        v16f p0 = zero, p1 = zero, p2 = zero, p3 = zero;
-        for (j = 0; j + 4 <= n; j += 4) {
-            p0 += sc[j] * ld16(vc + (int64_t)idx[j] * hd);
-            p1 += sc[j + 1] * ld16(vc + (int64_t)idx[j + 1] * hd);
-            p2 += sc[j + 2] * ld16(vc + (int64_t)idx[j + 2] * hd);
-            p3 += sc[j + 3] * ld16(vc + (int64_t)idx[j + 3] * hd);
-        }
-        for (; j < n; j++) p0 += sc[j] * ld16(vc + (int64_t)idx[j] * hd);
-        const v16f r = ((p0 + p1) + (p2 + p3)) * inv;
-        memcpy(o + 16 * c, &r, 64);
-    }
+    if (h < (g + 1) * G) att_block(a, b, t, h, 1, K, V, idx, n, sc, sp);
 }
 
 INL void att_range(const att_t *a, int64_t t0, int64_t t1, float *sc, int32_t *idx) {
-    for (int64_t task = t0; task < t1; task++) { /* task = (b * T + t) * H + h */
-        const int64_t h = task % a->H, bt = task / a->H;
-        att_one(a, bt / a->T, bt % a->T, h, sc, idx);
+    for (int64_t task = t0; task < t1; task++) { /* task = (b * T + t) * kvh + g */
+        const int64_t g = task % a->kvh, bt = task / a->kvh;
+        att_group(a, bt / a->T, bt % a->T, g, sc, idx);
     }
 }
 
@@ -163,11 +181,11 @@ int gq_attention(const float *q, const float *k, const float *v, int64_t sb, int
     if (path == 0 || path > best) path = best;
     if (nthreads < 1) nthreads = 1;
     const att_t a = {q, k, v, sb, sh, mask, B, H, kvh, T, S, hd, scale, out};
-    const int64_t tasks = B * T * H;
+    const int64_t tasks = B * T * kvh;
     int err = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *sc = (float *)malloc(sizeof(float) * (size_t)(S + 16));
+        float *sc = (float *)malloc(sizeof(float) * (size_t)(4 * (S + 16)));
         int32_t *idx = (int32_t *)malloc(sizeof(int32_t) * (size_t)S);
         if (!sc || !idx) {
 #pragma omp atomic write
