@@ -1,0 +1,80 @@
+"""Where one forward of the target goes: each GGUF kernel call (by matrix shape and type) and the attention, timed
+in place, the rest ("everything else": norms, rotary, KV writes, residuals, Python) by difference.
+
+    python scripts/profile_step.py                      # default target, 500-token context, 1 and 8 rows
+    python scripts/profile_step.py -m qwen2.5-coder-0.5b --context 1000 --rows 1,4,16
+
+Prints one Markdown table per row count (docs/benchmarks.md run 10 shows its output)."""
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+from pathlib import Path
+
+import specdec.models.transformer as T
+from specdec.api import LLM
+from specdec.runtime import gguf_linear as GL
+
+FORWARDS = 30
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--context", type=int, default=500, help="tokens in the KV cache before the timed forwards")
+    ap.add_argument("--rows", default="1,8", help="query rows per forward (1 = decode, more = verification)")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    a = ap.parse_args()
+    llm = LLM(a.model, spec_type="none", threads=a.threads, progress=False)
+    runner = llm.runner
+    text = Path(__file__).resolve().parent.parent.joinpath("README.md").read_text()
+    ids = (llm.tokenizer.encode(text) * 8)[:a.context]
+    runner.prefill(ids, 0)
+    spent: dict[str, float] = collections.defaultdict(float)
+    calls: collections.Counter = collections.Counter()
+    kernel, attention = GL.kernel_matmul, T.attention
+
+    def timed_kernel(parts, x2, path=None):
+        t0 = time.perf_counter()
+        y = kernel(parts, x2, path)
+        name = "+".join(p.type_name for p in parts) + f" {sum(p.out_features for p in parts)}x{parts[0].in_features}"
+        spent[name] += time.perf_counter() - t0
+        calls[name] += 1
+        return y
+
+    def timed_attention(*args):
+        t0 = time.perf_counter()
+        y = attention(*args)
+        spent["attention"] += time.perf_counter() - t0
+        calls["attention"] += 1
+        return y
+
+    def median_forward(rows: int, n: int, instrument: bool) -> float:
+        GL.kernel_matmul, T.attention = (timed_kernel, timed_attention) if instrument else (kernel, attention)
+        spent.clear()
+        calls.clear()
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            runner.forward([[100] * rows], [len(ids)], [0])
+            ts.append(time.perf_counter() - t0)
+        GL.kernel_matmul, T.attention = kernel, attention
+        return sorted(ts)[n // 2]
+
+    print(f"{a.model}: {llm.quant_info}; context {len(ids)}, {a.threads} threads, medians of {FORWARDS} forwards")
+    for rows in (int(r) for r in a.rows.split(",")):
+        median_forward(rows, 3, False)
+        plain = median_forward(rows, FORWARDS, False)
+        inst = median_forward(rows, FORWARDS, True)
+        print(f"\n### {rows} row(s): forward {plain * 1e3:.1f} ms (instrumented {inst * 1e3:.1f})\n")
+        print("| part | ms per forward | calls per forward |\n|---|---|---|")
+        total = 0.0
+        for name, s in sorted(spent.items(), key=lambda kv: -kv[1]):
+            total += s / FORWARDS
+            print(f"| {name} | {s / FORWARDS * 1e3:.2f} | {calls[name] // FORWARDS} |")
+        print(f"| everything else | {(inst - total) * 1e3:.2f} | |")
+
+
+if __name__ == "__main__":
+    main()
