@@ -13,7 +13,7 @@
  * are applied as float products of per-group weight constants with per-group activation sums.
  *
  * Kernels: 1-2 rows (decode) walk each output's blocks, unpack each block once into registers and apply
- * it to every row (tile1_avx512 / row_avx2 / row_scalar). From 3 rows on (AVX-512; tile_min_rows) blocks
+ * it to every row (tile1_avx512 / row_avx2 / row_scalar). From 3 rows on (AVX-512; TILE_MIN_ROWS) blocks
  * of 16 outputs are unpacked and transposed so that the lanes are outputs and one vpdpbusd covers
  * 4 inputs x 16 outputs of a row (ktile16_avx512): about 5.5 vector ops per row, output and 256 inputs
  * instead of ~19. The inputs are walked in chunks of 2048 (activations stay in L2).
@@ -904,13 +904,7 @@ int gq_best_path(void) {
     return PATH_SCALAR;
 }
 
-int gq_block_bytes(int type) { return block_bytes(type); }
-int gq_block_elems(int type) { return block_elems(type); }
-
-/* y[rows][out] (float32) = x[rows][in] (float32) @ W^T. path: 0 auto, 1 scalar, 2 avx2, 3 avx512 (a path the
- * CPU lacks is lowered to the best it has). Returns the path used, or a negative error. */
-static int tile_min_rows = 3; /* AVX-512 K-quants: from this many rows on, the 16-outputs-in-lanes kernel */
-void gq_set_tile_min_rows(int n) { tile_min_rows = n; }
+#define TILE_MIN_ROWS 3 /* AVX-512, file layout: from this many rows on, the 16-outputs-in-lanes kernel */
 
 #define MAXPARTS 8
 
@@ -1002,7 +996,7 @@ int gq_matmul_parts(int nparts, const int *types, const uint8_t *const *Ws, cons
             const int64_t kc = 2048 / block_elems(type); /* the same for every row count (see above) */
             const int64_t oa = (task - task0[p]) * OC, oe = oa + OC < out ? oa + OC : out;
             float *yp = y + col[p];
-            const int tiled = path == PATH_AVX512 && rows >= tile_min_rows;
+            const int tiled = path == PATH_AVX512 && rows >= TILE_MIN_ROWS;
             for (int64_t b0 = 0; b0 < nbk; b0 += kc) {
                 const int64_t b1 = b0 + kc < nbk ? b0 + kc : nbk;
 #ifdef GQ_X86
