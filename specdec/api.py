@@ -173,7 +173,8 @@ def load_model(name: str, quant: str, dtype: str, n_gpu_layers: int = 0, progres
     dt = resolve_dtype(dtype, quant=quant)
     if quant == "gguf":  # the file's own blocks through the GGUF kernels (no 16/32-bit weight copies)
         from specdec.models.gguf_quantized import load_gguf_quantized
-        model, tok = load_gguf_quantized(resolve_gguf(name, progress), dt)
+        pinned = packs.PACKS[name].sha256 if name in packs.PACKS else None  # resolve_gguf checked the pack
+        model, tok = load_gguf_quantized(resolve_gguf(name, progress), dt, pinned)
     else:
         model, tok = load_checkpoint(resolve_model(name, progress), dt)
     _offload(model, n_gpu_layers)

@@ -175,8 +175,9 @@ def describe(model: nn.Module) -> str:
     return text
 
 
-def load_gguf_quantized(path: Path | str, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) straight from a GGUF file, quantized tensors kept as blocks (no fp32 conversion)."""
+def load_gguf_quantized(path: Path | str, dtype: torch.dtype = torch.float32, sha: str | None = None):
+    """(model, tokenizer) straight from a GGUF file, quantized tensors kept as blocks (no fp32 conversion); `sha`:
+    the file's SHA-256 when already known (keys the tokenizer cache)."""
     from specdec.models.loader import gguf_tokenizer
     from specdec.models.tokenizer import Tokenizer
 
@@ -186,4 +187,4 @@ def load_gguf_quantized(path: Path | str, dtype: torch.dtype = torch.float32):
     with torch.device("meta"):
         model = Transformer(cfg)
     quantize_from_gguf(model, path, dtype, reader)
-    return model, Tokenizer(gguf_tokenizer(path))
+    return model, Tokenizer(gguf_tokenizer(path, sha))
