@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Micro-benchmark: one projection (default the 1.5B target's MLP shapes 1536x8960 and 8960x1536),
 ms per call (median of many) at several row counts, for the GGUF block kernels (each type, each
-instruction-set path the CPU has) and torch's candidates: bf16 and fp32 matmul of the dequantized
+instruction-set path the CPU has on the file's layout, and the x16 layout the loader repacks to on AVX-512) and
+torch's candidates: bf16 and fp32 matmul of the dequantized
 weight, `_weight_int8pack_mm` (int8 weight-only) and FBGEMM dynamic int8 (quantize_dynamic).
 Prints the CPU flags, the measured read bandwidth and one Markdown table per shape.
 
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specdec.runtime import kernels as K  # noqa: E402
-from specdec.runtime.gguf_linear import GGUFLinear  # noqa: E402
+from specdec.runtime.gguf_linear import GGUFLinear, for_this_cpu  # noqa: E402
 
 
 def timeit(fn, min_time: float = 0.25, min_calls: int = 7, max_calls: int = 400) -> float:
@@ -135,6 +136,10 @@ def bench_shape(out: int, inp: int, rows_list: list[int], paths: list[str], type
         for p in paths:
             pid = K.PATHS[p]
             row(f"GGUF {t} kernel ({p})", lays, lambda lay, r, pid=pid: lay._kernel(xs[r], pid), blocks.numel())
+        x16 = [for_this_cpu(lay) for lay in lays]  # the layout the loader picks here (x16 on AVX-512)
+        if x16[0] is not lays[0]:
+            row(f"GGUF {t} x16 kernel (avx512, the default here)", x16, lambda lay, r: lay._kernel(xs[r]),
+                x16[0].qweight.numel())
         row(f"GGUF {t} dequant+bf16 matmul", lays[:1], lambda lay, r: lay._dequant_matmul(xb[r]))
     row("bf16 matmul (dense)", copies(lambda: w.to(torch.bfloat16), w.numel() * 2, cold),
         lambda wb, r: F.linear(xb[r], wb), w.numel() * 2)
