@@ -149,6 +149,7 @@ def test_x16_layout_is_the_same_weight(name, lib):
         assert x16.qtype == qt + K.X16 and x16.type_name == f"{name} x16"
         assert torch.equal(x16.dequantize(torch.float32), lin.dequantize(torch.float32))
         assert torch.equal(x16.dequantize(torch.float32, slice(5, 21)), lin.dequantize(torch.float32, slice(5, 21)))
+        assert torch.equal(x16.dequantize(torch.float16, slice(3, 4)), lin.dequantize(torch.float32)[3:4].half())
         w = lin.dequantize(torch.float64)
         for rows in ROWS:
             x = rng.standard_normal((rows, inp)).astype(np.float32)

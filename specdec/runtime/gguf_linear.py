@@ -134,19 +134,23 @@ class GGUFLinear(nn.Module):
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: slice | None = None) -> torch.Tensor:
         """The weight (or output rows `rows`) as a dense [out, in] tensor."""
         o0, o1, _ = (rows or slice(None)).indices(self.out_features)
-        if self.qweight.device.type != "cpu":  # the C code reads host memory only
-            host = GGUFLinear(self.qweight[o0:o1].cpu(), self.qtype, self.in_features, o1 - o0)
-            return host.dequantize(dtype).to(self.qweight.device)
-        lib = K.library()
-        if lib is not None and dtype in (torch.float32, torch.bfloat16):
-            dst = torch.empty(o1 - o0, self.in_features, dtype=dtype)
-            rc = lib.gq_dequantize(self.qtype, self.qweight.data_ptr(), self.in_features, o0, o1, dst.data_ptr(),
-                                   int(dtype == torch.bfloat16), torch.get_num_threads())
-            if rc == 0:
-                return dst
-        import gguf
+        if self.qweight.device.type != "cpu":  # the C code reads host memory only: copy the rows' blocks over
+            a, b = (o0 // 16 * 16, -(-o1 // 16) * 16) if self.qtype & K.X16 else (o0, o1)  # x16: whole groups
+            host = GGUFLinear(self.qweight[a:b].cpu(), self.qtype, self.in_features, b - a)
+            return host.dequantize(dtype, slice(o0 - a, o1 - a)).to(self.qweight.device)
+        dst = torch.empty(o1 - o0, self.in_features, dtype=dtype if dtype == torch.bfloat16 else torch.float32)
+        if self._dequantize_c(o0, o1, dst):
+            return dst.to(dtype)
+        import gguf  # no kernel library (so the file's own layout): the gguf package's dequantizer
         w = gguf.quants.dequantize(self.qweight[o0:o1].numpy(), gguf.GGMLQuantizationType(self.qtype))
         return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).reshape(o1 - o0, self.in_features).to(dtype)
+
+    def _dequantize_c(self, o0: int, o1: int, dst: torch.Tensor) -> bool:
+        """Rows [o0, o1) into dst (float32 or bfloat16, [o1 - o0, in]) through the C library; False without it."""
+        lib = K.library()
+        return lib is not None and lib.gq_dequantize(self.qtype, self.qweight.data_ptr(), self.in_features, o0, o1,
+                                                     dst.data_ptr(), int(dst.dtype == torch.bfloat16),
+                                                     torch.get_num_threads()) == 0
 
     # -- forward -----------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -183,13 +187,8 @@ class GGUFLinear(nn.Module):
         return y.to(x2.dtype)
 
     def _dequantize_into(self, buf: torch.Tensor, o0: int, o1: int) -> torch.Tensor:
-        lib = K.library()
         w = buf.view(o1 - o0, self.in_features)
-        if lib is not None and lib.gq_dequantize(self.qtype, self.qweight.data_ptr(), self.in_features, o0, o1,
-                                                 w.data_ptr(), int(w.dtype == torch.bfloat16),
-                                                 torch.get_num_threads()) == 0:
-            return w
-        return w.copy_(self.dequantize(w.dtype, slice(o0, o1)))
+        return w if self._dequantize_c(o0, o1, w) else w.copy_(self.dequantize(w.dtype, slice(o0, o1)))
 
 
 class GGUFConcatLinear(nn.Module):
