@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
-from specdec.drafters import LOSSY_TYPES, parse_spec_type
+from specdec.drafters import LOSSY_TYPES, Drafter, parse_spec_type
 from specdec.engine.scheduler import EngineStopped, QueueFull, Request, Scheduler
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
@@ -28,6 +28,7 @@ from specdec.server.protocol import APIError, ChatRequest, CompletionRequest
 from specdec.server.serve import MAX_BODY
 
 log = logging.getLogger(__name__)
+_Body = CompletionRequest | ChatRequest
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
@@ -48,130 +49,140 @@ class ServerConfig:
 
 def create_app(llm, scheduler: Scheduler, cfg: ServerConfig) -> FastAPI:
     """`llm` is a specdec.LLM with `parallel` slots; `scheduler` drives its engine."""
-    metrics = Metrics(scheduler)
-
-    @asynccontextmanager
-    async def lifespan(_app: FastAPI):
-        scheduler.start()
-        yield
-        await asyncio.to_thread(scheduler.stop, False, cfg.graceful_s)
-
-    app = FastAPI(title="specdec", version="0.1.0", lifespan=lifespan, openapi_url=None, docs_url=None,
+    h = _Handler(llm, scheduler, cfg)
+    app = FastAPI(title="specdec", version="0.1.0", lifespan=h.lifespan, openapi_url=None, docs_url=None,
                   redoc_url=None)
     if not cfg.api_keys and "*" not in cfg.allowed_hosts:
-        app.add_middleware(_HostGuard, allowed={_host_name(h) for h in (cfg.host, *LOOPBACK_HOSTS, *cfg.allowed_hosts)})
+        app.add_middleware(_HostGuard, allowed={_host_name(n) for n in (cfg.host, *LOOPBACK_HOSTS, *cfg.allowed_hosts)})
     app.add_middleware(_BodyLimit, limit=cfg.max_body)
-    digests = [_digest(k.encode()) for k in cfg.api_keys]
+    for exc, handler in _ERROR_HANDLERS.items():
+        app.add_exception_handler(exc, handler)
 
-    @app.exception_handler(APIError)
-    async def _api_error(_req, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_req, e: RequestValidationError):
-        err = e.errors()[0] if e.errors() else {}
-        loc = ".".join(str(x) for x in err.get("loc", ())[1:]) or None
-        msg = f"{loc}: {err.get('msg')}" if loc else str(err.get("msg", "invalid request"))
-        return JSONResponse(APIError(400, msg, loc).body(), status_code=400)
-
-    @app.exception_handler(HTTPException)
-    async def _http(_req, e: HTTPException):
-        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_req, e: Exception):
-        err = _internal("req-" + uuid.uuid4().hex[:24], f"{type(e).__name__}: {e}")
-        return JSONResponse(err.body(), status_code=err.status)
-
-    async def auth(req: HTTPRequest) -> int | None:
-        """Check the API key (when the server has keys); return the request's drafter-memory scope: the
-        key's index, or None (one scope for all) without keys or with shared memory."""
-        if not cfg.api_keys:
-            return None
-        scheme, _, token = req.headers.get("authorization", "").partition(" ")
-        hits = [hmac.compare_digest(_digest(token.encode("latin-1")), d) for d in digests]  # every key, no early exit
-        if scheme.lower() != "bearer" or not any(hits):
-            raise APIError(401, "invalid or missing API key (Authorization: Bearer KEY)", code="invalid_api_key")
-        return None if cfg.shared_memory else hits.index(True)
-
-    @app.get("/openapi.json", dependencies=[Depends(auth)], include_in_schema=False)
+    @app.get("/openapi.json", dependencies=[Depends(h.auth)], include_in_schema=False)
     async def openapi():
         return app.openapi()
 
     @app.get("/health")
     async def health():
-        if scheduler.fatal:
-            return JSONResponse({"status": "error", "error": "the engine has stopped", **scheduler.load}, 503)
-        return {"status": "ok", **scheduler.load}
+        return h.health()
 
-    @app.get("/v1/models", dependencies=[Depends(auth)])
+    @app.get("/v1/models", dependencies=[Depends(h.auth)])
     async def models():
-        return {"object": "list", "data": [{"id": cfg.model_id, "object": "model", "created": 0,
-                                            "owned_by": "specdec", "max_model_len": llm.context}]}
+        return h.models()
 
-    @app.get("/metrics", dependencies=[Depends(auth)])
+    @app.get("/metrics", dependencies=[Depends(h.auth)])
     async def prometheus():
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+        return h.prometheus()
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, http: HTTPRequest, scope: int | None = Depends(auth)):
-        if body.echo:
-            raise APIError(400, "echo is not supported", "echo")
-        ids = await asyncio.to_thread(_prompt_ids, llm, body.prompt)  # off the event loop: prompts can be long
-        return await _serve(http, body, ids, chat=False, top=body.logprobs or 0, want_lp=body.logprobs is not None,
-                            max_tokens=body.max_tokens, scope=scope)
+    async def completions(body: CompletionRequest, http: HTTPRequest, scope: int | None = Depends(h.auth)):
+        return await h.completions(body, http, scope)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, http: HTTPRequest, scope: int | None = Depends(auth)):
+    async def chat(body: ChatRequest, http: HTTPRequest, scope: int | None = Depends(h.auth)):
+        return await h.chat(body, http, scope)
+
+    return app
+
+
+class _Handler:
+    """The server's state and its work, one method per concern; the routes of `create_app` only call it."""
+
+    def __init__(self, llm, scheduler: Scheduler, cfg: ServerConfig):
+        self.llm, self.scheduler, self.cfg = llm, scheduler, cfg
+        self.metrics = Metrics(scheduler)
+        self.digests = [_digest(k.encode()) for k in cfg.api_keys]
+
+    @asynccontextmanager
+    async def lifespan(self, _app: FastAPI) -> AsyncIterator[None]:
+        """Run the engine thread while the app runs; on shutdown, finish in-flight work for `graceful_s`."""
+        self.scheduler.start()
+        yield
+        await asyncio.to_thread(self.scheduler.stop, False, self.cfg.graceful_s)
+
+    # -- auth and scope ---------------------------------------------------------------------
+    async def auth(self, req: HTTPRequest) -> int | None:
+        """Check the API key (when the server has keys); return the request's drafter-memory scope: the
+        key's index, or None (one scope for all) without keys or with shared memory."""
+        if not self.cfg.api_keys:
+            return None
+        scheme, _, token = req.headers.get("authorization", "").partition(" ")
+        presented = _digest(token.encode("latin-1"))
+        hits = [hmac.compare_digest(presented, d) for d in self.digests]  # every key, no early exit
+        if scheme.lower() != "bearer" or not any(hits):
+            raise APIError(401, "invalid or missing API key (Authorization: Bearer KEY)", code="invalid_api_key")
+        return None if self.cfg.shared_memory else hits.index(True)
+
+    # -- plain endpoints --------------------------------------------------------------------
+    def health(self) -> dict | JSONResponse:
+        if self.scheduler.fatal:
+            return JSONResponse({"status": "error", "error": "the engine has stopped", **self.scheduler.load}, 503)
+        return {"status": "ok", **self.scheduler.load}
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.cfg.model_id, "object": "model", "created": 0,
+                                            "owned_by": "specdec", "max_model_len": self.llm.context}]}
+
+    def prometheus(self) -> PlainTextResponse:
+        return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    # -- request parsing --------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest, http: HTTPRequest,
+                          scope: int | None) -> dict | StreamingResponse:
+        if body.echo:
+            raise APIError(400, "echo is not supported", "echo")
+        ids = await asyncio.to_thread(self._prompt_ids, body.prompt)  # off the event loop: prompts can be long
+        return await self._serve(http, body, ids, chat=False, top=body.logprobs or 0,
+                                 want_lp=body.logprobs is not None, max_tokens=body.max_tokens, scope=scope)
+
+    async def chat(self, body: ChatRequest, http: HTTPRequest, scope: int | None) -> dict | StreamingResponse:
         try:
-            ids = await asyncio.to_thread(llm.encode_chat, body.chat_messages())
+            ids = await asyncio.to_thread(self.llm.encode_chat, body.chat_messages())
         except SpecdecError as e:
             raise APIError(400, str(e), "messages") from None
-        return await _serve(http, body, ids, chat=True, top=body.top_logprobs or 0, want_lp=body.logprobs,
-                            max_tokens=body.max_completion_tokens or body.max_tokens, scope=scope)
+        return await self._serve(http, body, ids, chat=True, top=body.top_logprobs or 0, want_lp=body.logprobs,
+                                 max_tokens=body.max_completion_tokens or body.max_tokens, scope=scope)
 
-    async def _serve(http: HTTPRequest, body, ids: list[int], chat: bool, top: int, want_lp: bool,
-                     max_tokens: int | None, scope: int | None):
-        if body.model is not None and body.model != cfg.model_id:
-            raise APIError(404, f"the model `{body.model}` does not exist (this server has `{cfg.model_id}`)",
+    def _prompt_ids(self, prompt: str | list[int] | list[str]) -> list[int]:
+        """A completion's prompt (text, a one-element list of text, or token ids) as token ids."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise APIError(400, "only one prompt per request is supported", "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise APIError(400, "prompt is empty", "prompt")
+            return self.llm.encode(prompt)
+        vocab = self.llm.runner.vocab_size
+        if not prompt or not all(0 <= t < vocab for t in prompt):
+            raise APIError(400, f"prompt token ids must be a non-empty list in [0, {vocab})", "prompt")
+        return list(prompt)
+
+    def _params(self, body: _Body, ids: list[int], chat: bool, max_tokens: int | None) -> SamplingParams:
+        """The request's sampling parameters, once its model, parameters and prompt length are known good."""
+        if body.model is not None and body.model != self.cfg.model_id:
+            raise APIError(404, f"the model `{body.model}` does not exist (this server has `{self.cfg.model_id}`)",
                            "model", "model_not_found")
-        params = body.sampling(cfg.defaults, max_tokens)
+        params = body.sampling(self.cfg.defaults, max_tokens)
+        self._check(ids, params, chat)
+        return params
+
+    def _check(self, ids: list[int], params: SamplingParams, chat: bool) -> None:
+        """What the engine refuses at admission, answered 400 before the request is queued (on the engine
+        thread the same failure would be a 500)."""
         try:
             params.validate()
         except SpecdecError as e:
             raise APIError(400, str(e)) from None
-        if len(ids) >= llm.context:
-            raise APIError(400, f"the prompt has {len(ids)} tokens but the context is {llm.context} tokens per "
+        if len(ids) >= self.llm.context:
+            raise APIError(400, f"the prompt has {len(ids)} tokens but the context is {self.llm.context} tokens per "
                            "slot (at least one free position is needed)", "messages" if chat else "prompt",
                            "context_length_exceeded")
-        drafter, draft_max = await _speculation(body.speculative, scope)
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        sent = [0]  # logprobs entries already sent
 
-        def on_text(delta: str) -> None:  # engine thread: snapshot the new tokens' logprobs with the text
-            seq, i = req.seq, sent[0]
-            lps = seq.logprobs[i:] if seq.logprobs is not None else []
-            sent[0] += len(lps)
-            loop.call_soon_threadsafe(events.put_nowait, (delta, seq.output_ids[i:i + len(lps)], lps))
-
-        req = Request(ids, params, drafter, draft_max, want_lp, top, on_text,
-                      on_done=lambda _r: loop.call_soon_threadsafe(events.put_nowait, None))
-        try:
-            scheduler.submit(req)
-        except QueueFull as e:
-            metrics.rejected += 1
-            raise APIError(429, str(e), code="queue_full") from None
-        except EngineStopped as e:
-            raise APIError(503, str(e), code="engine_stopped") from None
-        fmt = _Formatter(llm, cfg.model_id, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], chat)
-        if body.stream:
-            usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(_sse(req, events, fmt, usage), media_type="text/event-stream")
-        return await _wait(http, req, events, fmt)
-
-    async def _speculation(spec, scope: int | None) -> tuple[object | None, int | None]:
+    # -- speculation ------------------------------------------------------------------------
+    async def _speculation(self, spec, scope: int | None) -> tuple[Drafter | None, int | None]:
         """(drafter, draft_max) for the `speculative` field; drafters that learn across requests are per scope."""
+        llm = self.llm
         if spec is None or spec is True:
             return await asyncio.to_thread(llm.drafter_for, llm.spec_type, scope), None
         if spec is False:
@@ -191,24 +202,51 @@ def create_app(llm, scheduler: Scheduler, cfg: ServerConfig) -> FastAPI:
         except SpecdecError as e:
             raise APIError(400, str(e), "speculative.type") from None
 
-    async def _wait(http: HTTPRequest, req: Request, events: asyncio.Queue, fmt: "_Formatter"):
-        async def watch() -> None:  # the body is read: the next ASGI message is the client leaving
-            while (await http.receive())["type"] != "http.disconnect":
-                pass
-            scheduler.cancel(req)
+    # -- serving ----------------------------------------------------------------------------
+    async def _serve(self, http: HTTPRequest, body: _Body, ids: list[int], chat: bool, top: int, want_lp: bool,
+                     max_tokens: int | None, scope: int | None) -> dict | StreamingResponse:
+        """Queue the request and answer it, streamed or whole."""
+        params = self._params(body, ids, chat, max_tokens)
+        drafter, draft_max = await self._speculation(body.speculative, scope)
+        req = Request(ids, params, drafter, draft_max, want_lp, top)
+        events = _Events(req)
+        self._submit(req)
+        fmt = _Formatter(self.llm, self.cfg.model_id, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], chat)
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(self._stream(req, events, fmt, usage), media_type="text/event-stream")
+        return await self._respond(http, req, events, fmt)
 
-        watcher = asyncio.create_task(watch())
+    def _submit(self, req: Request) -> None:
+        try:
+            self.scheduler.submit(req)
+        except QueueFull as e:
+            self.metrics.rejected += 1
+            raise APIError(429, str(e), code="queue_full") from None
+        except EngineStopped as e:
+            raise APIError(503, str(e), code="engine_stopped") from None
+
+    async def _respond(self, http: HTTPRequest, req: Request, events: _Events, fmt: _Formatter) -> dict:
+        """The whole completion, once the request is done; a client that leaves first cancels it."""
+        watcher = asyncio.create_task(self._cancel_on_disconnect(http, req))
         try:
             while await events.get() is not None:
                 pass
         finally:
             watcher.cancel()
-        metrics.finished(req)
+        self.metrics.finished(req)
         if err := _failure(req, fmt.rid):
             raise err
         return fmt.response(req)
 
-    async def _sse(req: Request, events: asyncio.Queue, fmt: "_Formatter", usage: bool) -> AsyncIterator[str]:
+    async def _cancel_on_disconnect(self, http: HTTPRequest, req: Request) -> None:
+        """The body is read: the next ASGI message is the client leaving."""
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+        self.scheduler.cancel(req)
+
+    async def _stream(self, req: Request, events: _Events, fmt: _Formatter, usage: bool) -> AsyncIterator[str]:
+        """Server-sent events: the text as it comes, then the stats (and usage) or the error, then [DONE]."""
         done = False
         try:
             if fmt.chat:
@@ -220,7 +258,7 @@ def create_app(llm, scheduler: Scheduler, cfg: ServerConfig) -> FastAPI:
                     break
                 delta, toks, lps = ev
                 yield _data(fmt.chunk({"content": delta} if fmt.chat else delta, toks, lps, None))
-            metrics.finished(req)
+            self.metrics.finished(req)
             if err := _failure(req, fmt.rid):
                 yield _data(err.body())
             else:
@@ -230,9 +268,56 @@ def create_app(llm, scheduler: Scheduler, cfg: ServerConfig) -> FastAPI:
             yield "data: [DONE]\n\n"
         finally:
             if not done:  # the client went away: free the slot
-                scheduler.cancel(req)
+                self.scheduler.cancel(req)
 
-    return app
+
+class _Events:
+    """Carries one request's progress from the engine thread to the event loop: (text, token ids, logprobs)
+    for each piece of new text, then None when it is done. Hooks itself into `req`'s callbacks."""
+
+    def __init__(self, req: Request):
+        self.req, self.sent = req, 0  # sent: logprobs entries already passed on
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        req.on_text, req.on_done = self._on_text, self._on_done
+
+    async def get(self) -> tuple[str, list[int], list] | None:
+        return await self.queue.get()
+
+    def _on_text(self, delta: str) -> None:
+        """Engine thread: snapshot the new tokens' logprobs with the text."""
+        seq, i = self.req.seq, self.sent
+        lps = seq.logprobs[i:] if seq.logprobs is not None else []
+        self.sent += len(lps)
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (delta, seq.output_ids[i:i + len(lps)], lps))
+
+    def _on_done(self, _req: Request) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
+
+
+async def _api_error(_req, e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+async def _invalid(_req, e: RequestValidationError) -> JSONResponse:
+    """A body that does not fit the schema: 400, naming the first bad field."""
+    err = e.errors()[0] if e.errors() else {}
+    loc = ".".join(str(x) for x in err.get("loc", ())[1:]) or None
+    msg = f"{loc}: {err.get('msg')}" if loc else str(err.get("msg", "invalid request"))
+    return JSONResponse(APIError(400, msg, loc).body(), status_code=400)
+
+
+async def _http(_req, e: HTTPException) -> JSONResponse:
+    return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+
+async def _unexpected(_req, e: Exception) -> JSONResponse:
+    err = _internal("req-" + uuid.uuid4().hex[:24], f"{type(e).__name__}: {e}")
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+_ERROR_HANDLERS = {APIError: _api_error, RequestValidationError: _invalid, HTTPException: _http,
+                   Exception: _unexpected}
 
 
 def _data(obj: dict) -> str:
@@ -312,20 +397,6 @@ class _BodyLimit:
     def _too_large(self) -> HTTPException:
         """Raised from `receive`: FastAPI passes it to the app's handler, which answers in OpenAI's format."""
         return HTTPException(413, f"the request body is larger than {self.limit} bytes (the server's --max-body)")
-
-
-def _prompt_ids(llm, prompt) -> list[int]:
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        if len(prompt) != 1:
-            raise APIError(400, "only one prompt per request is supported", "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise APIError(400, "prompt is empty", "prompt")
-        return llm.encode(prompt)
-    if not prompt or not all(0 <= t < llm.runner.vocab_size for t in prompt):
-        raise APIError(400, f"prompt token ids must be a non-empty list in [0, {llm.runner.vocab_size})", "prompt")
-    return list(prompt)
 
 
 class _Formatter:
