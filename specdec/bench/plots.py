@@ -1,11 +1,11 @@
 """Bench plots (matplotlib, Agg): speedup and acceptance length by category, acceptance by draft
-position, tokens/s per method with the min-max spread."""
+position, tokens/s per method with the min-max spread. A leaf: report.py imports from here (the summary's
+`ALL` entry and category order too), never the other way."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from specdec.bench.report import ALL, categories
-
+ALL = "all"  # the summary's entry over every category
 PLAIN = ("none", "hf-plain", "llama-none")  # each engine's baseline: speedup 1 by definition
 
 
@@ -25,6 +25,11 @@ def write_plots(out_dir: Path, summary: dict) -> list[str]:
         fig.savefig(out_dir / name, dpi=110)
         plt.close(fig)
     return list(plots)
+
+
+def categories(summary: dict) -> list[str]:
+    """The summary's categories in workload order, then "all"."""
+    return list(dict.fromkeys(c for per in summary.values() for c in per if c != ALL)) + [ALL]
 
 
 def _style(summary: dict, m: str) -> dict:

@@ -10,7 +10,8 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-ALL = "all"
+from specdec.bench.plots import ALL, categories, write_plots
+
 LIKELY_BUG_GAP = 0.5  # a divergence where the plain run's top-2 logit gap is at least this is not rounding
 
 
@@ -121,11 +122,6 @@ def _fmt(x, spec: str = ".2f", suffix: str = "") -> str:
     return "-" if x is None else format(x, spec) + suffix
 
 
-def categories(summary: dict) -> list[str]:
-    """The summary's categories in workload order, then "all"."""
-    return list(dict.fromkeys(c for per in summary.values() for c in per if c != ALL)) + [ALL]
-
-
 def _by_category(summary: dict, key: str, spec: str, suffix: str = "") -> list[str]:
     cats = categories(summary)
     rows = [f"| method | {' | '.join(cats)} |", "|---" * (len(cats) + 1) + "|"]
@@ -192,8 +188,6 @@ def render_report(summary: dict, records: list[dict], meta: dict, notes: list[st
 
 def write_outputs(out_dir: Path, records: list[dict], summary: dict, meta: dict, notes: list[str]) -> None:
     """results.json, report.md and the plots; each file replaced whole, so a killed run leaves valid files."""
-    from specdec.bench.plots import write_plots
-
     plots = write_plots(out_dir, summary)
     write_atomic(out_dir / "results.json", json.dumps({"runs": records, "summary": summary,
                                                  "meta": {**meta, "notes": notes}}, indent=1))
