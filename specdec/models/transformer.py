@@ -171,8 +171,10 @@ class Transformer(nn.Module):
         tokens, positions: [B, T]; slots: [B]; cache_index: [B, T] (defaults to positions);
         mask: [B, 1, T, S] bool, default causal over cache positions; logits_index: [B, T'] which
         of the T positions to project to logits (default all).
-        Returns logits [B, T', V] in float32 and {layer: hidden [B, T, H]} for `hidden_layers`
-        (layer i = output of decoder layer i; -1 = after the final norm).
+        Returns logits [B, T', V] in float32 and {i: hidden [B, T, H]} for i in `hidden_layers`, all T rows:
+        hidden i = the residual stream entering decoder layer i (0 = the token embeddings, i = output of
+        layer i - 1), and i = num_layers = the input of the final norm (the last hidden state, pre-norm).
+        The tensors are the forward's own activations (no copies).
         """
         cache_index = positions if cache_index is None else cache_index
         kv_len = int(cache_index.max()) + 1
@@ -189,15 +191,15 @@ class Transformer(nn.Module):
                 dev = cache.k[i].device
                 x = x.to(dev)
                 batch = batches.setdefault(dev, batch.to(dev))
-            x = layer(x, batch, cache)
             if i in hidden_layers:
                 hidden[i] = x
+            x = layer(x, batch, cache)
         if self.split:
             x = x.to(self.lm_head.weight.device)
             logits_index = None if logits_index is None else logits_index.to(x.device)
+        if len(self.model.layers) in hidden_layers:
+            hidden[len(self.model.layers)] = x
         x = self.model.norm(x)
-        if -1 in hidden_layers:
-            hidden[-1] = x
         if logits_index is not None:
             x = torch.gather(x, 1, logits_index[:, :, None].expand(-1, -1, x.shape[-1]))
         return self.lm_head(x).float(), hidden

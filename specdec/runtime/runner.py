@@ -1,5 +1,11 @@
-"""ModelRunner: a model plus its KV cache, driven by (slot, start, tokens) chunks."""
+"""ModelRunner: a model plus its KV cache, driven by (slot, start, tokens) chunks.
+
+Drafters that read the target's hidden states (EAGLE-3 heads, DFlash-style block drafters) get them from the
+forwards that run anyway: set `ModelRunner.capture` once, then read `ModelRunner.features` after each call.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -11,6 +17,57 @@ PREFILL_CHUNK = 512
 HEADROOM = 1  # a spare cache row past the context: padding of ragged batches is written there
 
 
+@dataclass(frozen=True)
+class FeatureSpec:
+    """Which target hidden states to capture on every forward.
+
+    `layers`: decoder-layer indices i, 0 <= i < num_layers; feature i is the residual stream ENTERING layer i
+    (the token embeddings for i = 0, else the output of layer i - 1), i.e. `hidden_states[i]` of Hugging
+    Face's `output_hidden_states=True`. vLLM / SGLang EAGLE-3 `aux_hidden_state_layers` (default
+    (2, N // 2, N - 3)) use this convention as is; ids given as "output of layer j" (HF `hidden_states[j + 1]`,
+    e.g. DFlash `target_layer_ids`) map to j + 1, except j = N - 1: that one is `Features.final`.
+    The final pre-norm hidden state (input of the final norm) is always captured as `Features.final`;
+    `model.model.norm(final)` gives the post-norm one (HF's `hidden_states[N]`).
+    """
+    layers: tuple[int, ...] = ()
+
+    @classmethod
+    def eagle3(cls, num_layers: int) -> "FeatureSpec":
+        """vLLM's default EAGLE-3 auxiliary layers for an N-layer target: (2, N // 2, N - 3)."""
+        return cls((2, num_layers // 2, num_layers - 3))
+
+
+@dataclass
+class Features:
+    """Target hidden states of the tokens one call processed, one row per token in input (node) order;
+    on the CPU in the model's activation dtype."""
+    layers: torch.Tensor  # [T, L, H], L = len(FeatureSpec.layers), in that order
+    final: torch.Tensor   # [T, H] input of the final norm
+
+    def __len__(self) -> int:
+        return self.final.shape[0]
+
+    def rows(self, index: list[int]) -> "Features":
+        """The given rows, in that order (a copy)."""
+        idx = torch.tensor(index, dtype=torch.long)
+        return Features(self.layers.index_select(0, idx), self.final.index_select(0, idx))
+
+    def accepted(self, path: list[int]) -> "Features":
+        """From the features of a verify over [last committed token] + draft: the rows of the tokens now
+        committed, row 0 (the last committed token) then the accepted draft nodes of `path` in path order.
+
+        `path`: node indices as `keep_path` takes them (tree: node j = tokens[j + 1] of `verify_tree`; chain:
+        the first k draft tokens are path range(k)). The bonus/correction token has no row (not processed yet).
+        Returns len(path) + 1 rows.
+        """
+        return self.rows([0] + [1 + node for node in path])
+
+    @staticmethod
+    def cat(parts: list["Features"]) -> "Features":
+        """Rows of several calls, one after another."""
+        return Features(torch.cat([p.layers for p in parts]), torch.cat([p.final for p in parts]))
+
+
 class ModelRunner:
     def __init__(self, model: Transformer, num_slots: int, context: int):
         cfg = model.config
@@ -19,6 +76,38 @@ class ModelRunner:
         self.cache = KVCache.allocate(cfg.num_layers, num_slots, cfg.num_kv_heads, context + HEADROOM,
                                       cfg.head_dim, dtype, model.layer_devices)
         self.device = model.device  # inputs go here; logits come back on the CPU
+        self._capture: FeatureSpec | None = None
+        self.features: list[Features] | None = None  # per sequence, from the last forward call (see `capture`)
+
+    @property
+    def capture(self) -> FeatureSpec | None:
+        """Hidden states every forward path captures; None (default) = none, at no cost.
+
+        With a spec set, after `forward` (per sequence: its real rows, not padding, also with last_only),
+        `prefill` (one entry: every chunk's rows concatenated) and `verify_tree` (one entry: rows in node
+        order), `features` holds one `Features` per sequence of that call, for every token it processed.
+        """
+        return self._capture
+
+    @capture.setter
+    def capture(self, spec: FeatureSpec | None) -> None:
+        n = self.model.config.num_layers
+        if spec is not None and not all(0 <= i < n for i in spec.layers):
+            raise SpecdecError(f"feature layers {spec.layers} outside 0..{n - 1}")
+        self._capture, self.features = spec, None
+
+    def _hidden_layers(self) -> tuple[int, ...]:
+        """Indices for `Transformer.forward`: the captured layers, then the final norm's input."""
+        return () if self._capture is None else self._capture.layers + (self.model.config.num_layers,)
+
+    def _collect(self, hidden: dict[int, torch.Tensor], lens: list[int]) -> list[Features] | None:
+        """Per sequence b the first lens[b] rows of the captured states (hidden i: [B, T, H])."""
+        if self._capture is None:
+            return None
+        final = hidden[self.model.config.num_layers]
+        parts = [hidden[i].to(final.device) for i in self._hidden_layers()]
+        stacked = torch.stack(parts, dim=2).cpu()  # [B, T, L+1, H]
+        return [Features(stacked[b, :n, :-1], stacked[b, :n, -1]) for b, n in enumerate(lens)]
 
     @property
     def vocab_size(self) -> int:
@@ -30,7 +119,7 @@ class ModelRunner:
 
         Chunks are padded to the longest; padding writes at most up to the spare row past the context, so
         a long draft beside a sequence near the end of its context stays inside the cache.
-        Returns per sequence logits [T_i, V] (or [1, V] with last_only), float32.
+        Returns per sequence logits [T_i, V] (or [1, V] with last_only), float32; sets `features` (`capture`).
         """
         lens = [len(c) for c in chunks]
         if any(s + n > self.context for s, n in zip(starts, lens)):
@@ -42,20 +131,27 @@ class ModelRunner:
         positions = torch.tensor(starts)[:, None] + torch.arange(T)[None, :]  # [B, T]
         cache_index = positions.clamp(max=self.cache.max_len - 1)  # real positions are below the context
         logits_index = torch.tensor([[n - 1] for n in lens]) if last_only else None
-        logits, _ = self.model(tokens.to(self.device), positions.to(self.device), torch.tensor(slots).to(self.device),
-                               self.cache, cache_index.to(self.device),
-                               logits_index=None if logits_index is None else logits_index.to(self.device))
+        logits, hidden = self.model(tokens.to(self.device), positions.to(self.device),
+                                    torch.tensor(slots).to(self.device), self.cache, cache_index.to(self.device),
+                                    logits_index=None if logits_index is None else logits_index.to(self.device),
+                                    hidden_layers=self._hidden_layers())
+        self.features = self._collect(hidden, lens)
         logits = logits.cpu()
         if last_only:
             return [logits[i] for i in range(len(chunks))]
         return [logits[i, :n] for i, n in enumerate(lens)]
 
     def prefill(self, tokens: list[int], slot: int, start: int = 0) -> torch.Tensor:
-        """Feed a long run of tokens in chunks; return the last position's logits [V]."""
-        logits = None
+        """Feed a long run of tokens in chunks; return the last position's logits [V].
+        With `capture`, `features` is one entry with a row per token of the whole run."""
+        logits, parts = None, []
         for off in range(0, len(tokens), PREFILL_CHUNK):
             chunk = tokens[off:off + PREFILL_CHUNK]
             logits = self.forward([chunk], [start + off], [slot], last_only=True)[0]
+            if self.features is not None:
+                parts.append(self.features[0])
+        if len(parts) > 1:  # one chunk: forward already set it
+            self.features = [Features.cat(parts)]
         return logits[-1]
 
     def verify_tree(self, slot: int, start: int, tokens: list[int], parents: list[int]) -> torch.Tensor:
@@ -63,7 +159,8 @@ class ModelRunner:
 
         tokens [N+1] (tokens[0] committed, at position `start`), parents [N] for nodes 1..N (-1 = the
         committed token). Nodes are written to cache rows start..start+N, get RoPE position
-        start + depth, and attend to the prefix plus their own ancestors. Returns logits [N+1, V].
+        start + depth, and attend to the prefix plus their own ancestors. Returns logits [N+1, V];
+        sets `features` (`capture`): one entry, rows in node order (row 0 = the committed token).
         """
         n = len(tokens)
         depth, anc = [0] * n, torch.eye(n, dtype=torch.bool)  # anc[i, j]: j is i or an ancestor of i
@@ -76,9 +173,11 @@ class ModelRunner:
         mask = torch.ones(1, 1, n, start + n, dtype=torch.bool)  # [1, 1, N+1, S]
         mask[0, 0, :, start:] = anc
         positions = torch.tensor([start + d for d in depth])[None]  # [1, N+1]
-        logits, _ = self.model(torch.tensor([tokens], device=self.device), positions.to(self.device),
-                               torch.tensor([slot], device=self.device), self.cache,
-                               cache_index=cache_index.to(self.device), mask=mask.to(self.device))
+        logits, hidden = self.model(torch.tensor([tokens], device=self.device), positions.to(self.device),
+                                    torch.tensor([slot], device=self.device), self.cache,
+                                    cache_index=cache_index.to(self.device), mask=mask.to(self.device),
+                                    hidden_layers=self._hidden_layers())
+        self.features = self._collect(hidden, [n])
         return logits[0].cpu()
 
     def keep_path(self, slot: int, start: int, path: list[int]) -> None:
