@@ -18,6 +18,7 @@ from specdec.plan.report import render
 from specdec.plan.specs import load_spec, read_checkpoint, read_config, read_gguf
 from specdec.plan.speed import best_k, break_even_alpha, expected_tokens, speedup
 from specdec.plan.units import parse_bandwidth, parse_size
+from specdec.runtime import kernels as K
 from specdec.runtime.kv_cache import KVCache
 from specdec.runtime.placement import ALL_LAYERS, offload_notice, place_layers
 
@@ -83,6 +84,12 @@ def cli(capsys, *args):
         rc = e.code
     out = capsys.readouterr()
     return rc, out.out, out.err
+
+
+def held_bytes(model) -> int:
+    """Bytes of a loaded model's tensors (parameters and buffers, each once)."""
+    seen = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    return sum(t.numel() * t.element_size() for t in seen.values())
 
 
 def one_line_error(rc, err, needle):
@@ -211,17 +218,13 @@ def test_weight_bytes_equal_loaded_model(tiny_dir, family, quant):
     from specdec.models.loader import load_checkpoint
     from specdec.runtime.quant import quantize_
 
-    def held(model):
-        seen = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
-        return sum(t.numel() * t.element_size() for t in seen.values())
-
     d = tiny_dir(family)
     model, _ = load_checkpoint(d, torch.bfloat16)
     p = plan(model=str(d), draft=str(d), dtype="bf16", context=64, spec_type="draft", draft_quant=quant)
-    assert p.target.weights == held(model)
+    assert p.target.weights == held_bytes(model)
     assert p.draft is not None and p.draft.fmt.quant == quant
     quantize_(model, quant)
-    assert p.draft.weights == held(model)
+    assert p.draft.weights == held_bytes(model)
 
 
 def test_config_json_matches_checkpoint_tensors(tiny_dir):
@@ -244,7 +247,10 @@ def test_gguf_tensor_sizes_match_gguf_reader(tmp_path):
         assert [(t.name, t.file_type, t.file_bytes) for t in spec.tensors] == \
             [(t.name, t.tensor_type.name, int(t.n_bytes)) for t in ref.tensors]
         assert spec.dims.num_layers == 2 and spec.dims.vocab == 96 and spec.dims.tied == (qtype != "Q4_0")
-        p = plan(model=str(path), context=128)
+        # the numpy views gguf's reader makes (what opening the file costs the runtime's loader)
+        assert spec.reader_parts == sum(len(f.parts) for f in ref.fields.values()) + \
+            sum(len(t.field.parts) for t in ref.tensors)
+        p = plan(model=str(path), dtype="file", context=128)
         assert p.target.weights == spec.file_bytes == sum(int(t.n_bytes) for t in ref.tensors)
         # KV in llama.cpp's layout: layers x kv_heads x (k + v dims) x context x f16
         assert p.target.kv == 2 * 2 * (16 + 16) * 128 * 2
@@ -268,7 +274,7 @@ def test_real_gguf_weight_bytes_are_the_files_tensor_sizes(smollm_dir):
         assert 0 <= start - end < align  # only alignment padding between tensors
     assert path.stat().st_size - ends[-1][1] < align
     assert sum(e - s for s, e in ends) == spec.file_bytes
-    p = plan(model="smollm2-135m", context=2048)
+    p = plan(model="smollm2-135m", dtype="file", context=2048)
     assert p.target.weights == spec.file_bytes
     assert spec.type_summary().startswith("Q4_1")
 
@@ -280,10 +286,167 @@ def test_real_pack_kv_and_weights_equal_runtime(smollm_dir):
 
     model, _ = load_checkpoint(smollm_dir, torch.bfloat16)
     runner = ModelRunner(model, num_slots=2, context=1000)
-    p = plan(model="smollm2-135m", dtype="bf16", context=1000, slots=2)
+    p = plan(model="smollm2-135m", dtype="bf16", quant="none", context=1000, slots=2)
     assert p.target.kv == runner.cache.nbytes()
     held = {id(t): t for t in model.parameters()}
     assert p.target.weights == sum(t.numel() * t.element_size() for t in held.values())
+
+
+# ------------------------------------------------------------------ specdec's gguf runtime (exact)
+
+def write_mixed_gguf(path, tied=False):
+    """A 2-layer qwen2 GGUF with every case the gguf runtime tells apart: Q4_K matrices (x16: 148 bytes per 256
+    weights instead of 144), Q6_K/Q5_0/Q8_0 (the same size), a Q4_K table of 300 rows (not 16-row groups: kept
+    as stored), a q/k/v with an F16 part (dense as a whole), q/k/v biases (a quantized q/k/v holds them twice)."""
+    import gguf
+
+    from test_gguf_kernels import random_blocks
+
+    rng = np.random.default_rng(3)
+    H, F, V = 256, 512, 300
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    for add, v in ((w.add_block_count, 2), (w.add_context_length, 256), (w.add_embedding_length, H),
+                   (w.add_feed_forward_length, F), (w.add_head_count, 4), (w.add_head_count_kv, 2),
+                   (w.add_rope_freq_base, 1e4), (w.add_layer_norm_rms_eps, 1e-6)):
+        add(v)
+
+    def q(name, kind, out, inp):
+        if kind == "F16":
+            w.add_tensor(name, rng.standard_normal((out, inp)).astype(np.float16))
+        else:
+            w.add_tensor(name, random_blocks(K.TYPES[kind], out, inp, rng), raw_dtype=gguf.GGMLQuantizationType[kind])
+
+    q("token_embd.weight", "Q4_K", V, H)
+    for i, (qkv, o, gate_up, down) in enumerate(((("Q4_K", "Q4_K", "Q6_K"), "Q5_0", ("Q4_K", "Q4_K"), "Q6_K"),
+                                                 (("Q8_0", "Q4_K", "F16"), "Q8_0", ("Q4_K", "Q8_0"), "Q5_0"))):
+        p = f"blk.{i}."
+        for n in ("attn_norm", "ffn_norm"):
+            w.add_tensor(p + n + ".weight", np.ones(H, np.float32))
+        for part, kind, out in zip(("attn_q", "attn_k", "attn_v"), qkv, (H, 128, 128)):
+            q(p + part + ".weight", kind, out, H)
+            w.add_tensor(p + part + ".bias", rng.standard_normal(out).astype(np.float32))
+        q(p + "attn_output.weight", o, H, H)
+        for part, kind in zip(("ffn_gate", "ffn_up"), gate_up):
+            q(p + part + ".weight", kind, F, H)
+        q(p + "ffn_down.weight", down, H, F)
+    w.add_tensor("output_norm.weight", np.ones(H, np.float32))
+    if not tied:
+        q("output.weight", "Q6_K", V, H)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def gguf_runtime_bytes(path, x16: bool) -> int:
+    """The GGUF's tensor sizes (gguf.GGUFReader) as the gguf runtime holds them, worked out apart from the plan:
+    kernel-type matrices as stored, Q4_K x 148/144 where repacked (x16, rows in 16-row groups); other tensors and
+    fused groups with a part of another type dense in fp32; a quantized q/k/v's biases twice."""
+    import gguf
+
+    ref = gguf.GGUFReader(path)
+    by = {t.name: t for t in ref.tensors}
+    layers = 1 + max(int(n.split(".")[1]) for n in by if n.startswith("blk."))
+    dense, bias_copies = set(), 0
+    for i in range(layers):
+        for group in (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up")):
+            names = [f"blk.{i}.{g}.weight" for g in group]
+            if any(by[n].tensor_type.name not in K.TYPES for n in names):
+                dense.update(names)
+            else:
+                bias_copies += sum(int(by[b].n_bytes) for g in group if (b := f"blk.{i}.{g}.bias") in by)
+    total = 0
+    for t in ref.tensors:
+        rows = int(t.shape[1]) if len(t.shape) > 1 else 1  # GGUF shapes list the row length first
+        if t.tensor_type.name in K.TYPES and rows > 1 and t.name not in dense:
+            repacked = x16 and t.tensor_type.name == "Q4_K" and rows % 16 == 0
+            total += int(t.n_bytes) // 144 * 148 if repacked else int(t.n_bytes)
+        else:
+            total += int(t.n_elements) * 4
+    return total + bias_copies
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_gguf_runtime_weights_are_the_tensor_sizes_with_x16(tmp_path, tied):
+    """--quant gguf: the plan's weights equal the GGUF's tensor sizes with the x16 adjustment, exactly, and
+    what `quantize_from_gguf` holds on this CPU."""
+    from specdec.models.gguf_convert import config_from_gguf, open_gguf
+    from specdec.models.gguf_quantized import quantize_from_gguf
+    from specdec.models.transformer import Transformer
+
+    path = write_mixed_gguf(tmp_path / "mixed.gguf", tied)
+    for x16 in (True, False):
+        p = plan(model=str(path), context=64, avx512=x16)
+        assert p.target.fmt == Format("fp32", "F32", "gguf", x16)
+        assert p.target.weights == gguf_runtime_bytes(path, x16)
+    assert gguf_runtime_bytes(path, True) > gguf_runtime_bytes(path, False)
+    reader = open_gguf(path)
+    with torch.device("meta"):
+        model = Transformer(config_from_gguf(reader, path))
+    quantize_from_gguf(model, path, torch.float32, reader)
+    here = plan(model=str(path), context=64, avx512=K.best_path() == "avx512")
+    assert here.target.weights == held_bytes(model)
+    assert any("F16 matrices (and a q/k/v or gate/up they are fused with) are held dense in fp32" in n
+               for n in here.notes)
+
+
+def test_real_pack_gguf_runtime_weights(tmp_path):
+    """The same on a real pack's GGUF (the default draft, all four kernel types), when it is cached."""
+    from specdec.models import packs
+    from specdec.models.gguf_quantized import load_gguf_quantized
+
+    path = packs.gguf_path("qwen2.5-coder-0.5b")
+    if not path.exists():
+        pytest.skip("qwen2.5-coder-0.5b is not pulled")
+    for x16 in (True, False):
+        assert plan(model=str(path), context=64, avx512=x16).target.weights == gguf_runtime_bytes(path, x16)
+    model, _ = load_gguf_quantized(path, torch.float32, packs.PACKS["qwen2.5-coder-0.5b"].sha256)
+    assert plan(model=str(path), context=64, avx512=K.best_path() == "avx512").target.weights == held_bytes(model)
+
+
+def test_gguf_runtime_kv_and_rss_phases(tmp_path):
+    """Loading holds the reader's objects, the weights and, at the end, a repacked tensor's file pages or the
+    tokenizer; a token-embedding table left in the file's layout is a mapped view, only its looked-up rows read."""
+    from specdec.plan.memory import GGUF_READER_PER_PART, SPECDEC_BASE, tokenizer_bytes
+
+    path = write_mixed_gguf(tmp_path / "mixed.gguf")
+    p = plan(model=str(path), draft=str(path), context=100, spec_type="draft", avx512=True)
+    t = p.target
+    assert t.kv == 2 * 2 * (64 + 64) * 101 * 4  # fp32 KV, context + HEADROOM rows
+    in_rss = t.weights - t.embed  # the 300-row Q4_K table is not repacked (16-row groups): a view of the file
+    assert p.rss.parts["target weights"] == in_rss
+    largest_repacked = 512 * 256 // 256 * 144  # a 512 x 256 Q4_K gate/up: its file pages beside its copy
+    loading = GGUF_READER_PER_PART * t.spec.reader_parts + in_rss + max(largest_repacked, tokenizer_bytes(t.spec))
+    assert p.rss.phases["loading the target"] == SPECDEC_BASE + loading
+    assert p.rss.phases["loading the draft"] == SPECDEC_BASE + in_rss + t.kv + tokenizer_bytes(t.spec) + loading
+    assert p.rss.peak == max(p.rss.phases.values()) and "GGUF reader" in p.rss.load_note
+    tied = plan(model=str(write_mixed_gguf(tmp_path / "tied.gguf", tied=True)), context=100, avx512=True)
+    assert tied.rss.parts["target weights"] == tied.target.weights  # the table is the LM head: read whole
+
+
+def test_quant_flags_map_onto_generate(tmp_path, tiny_dir, capsys):
+    """--quant/--draft-quant resolve as generate's; --dtype file (or a llama.cpp/Ollama export) plans llama.cpp."""
+    g = write_mixed_gguf(tmp_path / "m.gguf")
+    ck = tiny_dir("qwen2")
+    p = plan(model=str(g), draft=str(ck), spec_type="draft", avx512=True)
+    assert (p.target.fmt.quant, p.draft.fmt.quant) == ("gguf", "none")  # auto: GGUF file / checkpoint directory
+    assert p.target.fmt.path == "gguf kernels, x16 layout, fp32 compute"
+    assert plan(model=str(g), draft=str(g), draft_quant="int4", spec_type="draft").draft.fmt.quant == "int4"
+    assert plan(model=str(ck / "config.json")).target.fmt.quant == "none"
+    assert plan(model=str(g), export="llama.cpp").target.fmt == Format("file", "F16")
+    assert plan(model=str(g), cpu="cpu-ddr5-12ch").target.fmt.x16
+    with pytest.raises(SpecdecError, match="--quant gguf needs a GGUF file or a model pack"):
+        plan(model=str(ck), quant="gguf")
+    with pytest.raises(SpecdecError, match="--dtype file plans the file as llama.cpp loads it"):
+        plan(model=str(g), dtype="file", draft_quant="int8")
+    rc, out, _ = cli(capsys, "-m", str(g), "--gpu", "none", "--avx512", "no", "--json")
+    fmt = json.loads(out)["target"]["format"]
+    assert rc == 0 and fmt["path"] == "gguf kernels, file layout, fp32 compute" and not fmt["x16"]
+    rc, out, _ = cli(capsys, "-m", str(g), "--gpu", "none", "--avx512", "yes", "--quant", "gguf")
+    assert rc == 0 and "target gguf kernels, x16 layout, fp32 compute" in out and "loading the target" in out
+    rc, _, err = cli(capsys, "-m", str(g), "--quant", "int3")
+    assert rc == 2 and "invalid choice" in err
 
 
 def test_unknown_quant_type_in_gguf(tmp_path, capsys):
@@ -399,12 +562,12 @@ def test_runtime_rss_parts(tiny_dir):
     p = plan(model=str(d), draft=str(d), dtype="fp32", context=128, spec_type="draft")
     assert p.rss is not None and p.rss.steady == sum(p.rss.parts.values())
     assert p.rss.peak >= p.rss.steady and p.rss.phases["loading the target"] > p.target.weights
-    assert plan(model=str(d), context=128).rss is None  # file format: no specdec runtime section
+    assert plan(model=str(d), dtype="file", context=128).rss is None  # llama.cpp's loading: no specdec section
 
 
 def test_json_and_text_outputs(tmp_path, capsys):
     path = write_gguf(tmp_path / "m.gguf")
-    rc, out, err = cli(capsys, "-m", str(path), "-md", str(path), "--gpu", "rtx4090", "--json")
+    rc, out, err = cli(capsys, "-m", str(path), "-md", str(path), "--gpu", "rtx4090", "--dtype", "file", "--json")
     assert rc == 0, err
     d = json.loads(out)
     assert d["target"]["memory"]["weights"] == read_gguf(path).file_bytes
@@ -421,7 +584,7 @@ def test_json_and_text_outputs(tmp_path, capsys):
 def test_exports(tmp_path, tiny_dir):
     t = write_gguf(tmp_path / "t.gguf", layers=4)
     d = write_gguf(tmp_path / "d.gguf", layers=2)
-    p = plan(model=str(t), draft=str(d), gpu="rtx4090", context=200, slots=2, spec_type="draft")
+    p = plan(model=str(t), draft=str(d), gpu="rtx4090", context=200, slots=2, spec_type="draft", export="llama.cpp")
     cmd = export(p, "llama.cpp")
     for piece in (f"-m {t}", f"-md {d}", "-ngl 5", "-ngld 3", "-c 400", "-cd 400", "-np 2",
                   "--spec-type draft-simple", f"--spec-draft-n-max {p.k}"):

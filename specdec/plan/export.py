@@ -110,8 +110,8 @@ def llama_cpp(plan: Plan) -> str:
         notes.append("# builds before the --spec-draft-* names: --draft-max/--draft-min for --spec-draft-n-max/-n-min"
                      + (", and -md alone selects the draft model" if _uses_draft(plan) else ""))
     if t.fmt.runtime:
-        notes.append("# layer counts come from a specdec-runtime plan (--dtype bf16...); `specdec plan --dtype file` "
-                     "sizes them for llama.cpp")
+        notes.append("# layer counts come from a specdec-runtime plan (--dtype auto|bf16...); `specdec plan --dtype "
+                     "file` sizes them for llama.cpp")
     if plan.hw.gpu is None:
         notes.append("# CPU only: -ngl 0")
     notes.append(f"# -c is the total over -np {slots} slot(s): {t.context} tokens each")
@@ -131,6 +131,15 @@ def ollama(plan: Plan) -> str:
     lines += [f"# parallel requests: OLLAMA_NUM_PARALLEL={plan.inputs.slots} (each gets num_ctx)",
               "ollama create specdec-plan -f Modelfile && ollama run specdec-plan"]
     return "\n".join(lines)
+
+
+def _hf_dtype(plan: Plan) -> str | None:
+    """The torch dtype name for engines that load the Hugging Face weights: the plan's compute dtype when specdec's
+    runtime holds them dense or int8/int4 (a gguf plan's fp32 is the CPU kernels' choice: None, the engine's own)."""
+    f = plan.target.fmt
+    if not f.runtime or f.quant == "gguf":
+        return None
+    return {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[f.weights]
 
 
 HF_MARGIN = 2 * 2**30  # CUDA context, CUDA graphs and activation peaks in hub-loading engines (approximate)
@@ -167,8 +176,9 @@ def vllm(plan: Plan) -> str:
     t, d = plan.target, plan.draft
     model, notes = _hf(t.spec)
     args = ["vllm", "serve", model, "--max-model-len", str(t.context), "--max-num-seqs", str(plan.inputs.slots)]
-    if t.fmt.runtime:
-        args += ["--dtype", {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[t.fmt.weights]]
+    dtype = _hf_dtype(plan)
+    if dtype:
+        args += ["--dtype", dtype]
     frac = _gpu_fraction(plan)
     if frac is not None:
         args += ["--gpu-memory-utilization", f"{frac:.2f}"]
@@ -216,9 +226,7 @@ def tgi(plan: Plan) -> str:
 def transformers(plan: Plan) -> str:
     t, d = plan.target, plan.draft
     model, notes = _hf(t.spec)
-    dtype = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32"}.get(t.fmt.weights,
-                                                                                            "torch.bfloat16")
-    load = f"dtype={dtype}"
+    load = f"dtype=torch.{_hf_dtype(plan) or 'bfloat16'}"
     if plan.hw.gpu is not None:
         mem = {0: f"{plan.hw.gpu_mem // 2**30}GiB", "cpu": f"{plan.hw.ram // 2**30}GiB"}
         load += f', device_map="auto", max_memory={mem!r}'

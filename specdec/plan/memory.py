@@ -1,9 +1,13 @@
 """Memory of one model under a plan: weights per tensor and per layer, KV cache, compute buffers.
 
+Weights as llama.cpp holds them (the file's types, or requantized) or as specdec's runtime does: `gguf` (matrices
+of a kernel type stay GGUF blocks, on AVX-512 repacked to the x16 layout; the rest dense in the compute dtype),
+`int8`/`int4` (`specdec.runtime.quant`) or `none` (dense).
+
 KV cache = layers x kv_heads x (k_dim + v_dim) x rows x bytes x slots, where rows per slot are
-`context + HEADROOM` in specdec's runtime (exactly what `ModelRunner` allocates) and `context`
-in llama.cpp. Compute buffers are estimates (stated in `compute_note`); overheads live in
-`OVERHEADS` with where each figure comes from.
+`context + HEADROOM` in specdec's runtime (exactly what `ModelRunner` allocates) and `context` in llama.cpp.
+Compute buffers are estimates (stated in `compute_note`); the overhead constants below say where each figure
+comes from.
 """
 from __future__ import annotations
 
@@ -14,10 +18,12 @@ from specdec.plan.formats import RUNTIME_DTYPES, type_bytes
 from specdec.plan.specs import ModelSpec, TensorSpec
 from specdec.runtime.placement import Placement
 
-# Stated overheads (bytes). specdec figures were measured on this repo's machine (docs/planning.md):
-# VmRSS of `python -c "import torch, specdec.api"` and the growth when one tokenizer.json is loaded.
-SPECDEC_BASE = 225 * 10**6          # Python + torch + specdec imports
+# Stated overheads (bytes). specdec figures were measured on this repo's machine (docs/planning.md, "specdec's own
+# process"): VmRSS after the imports, the first model build and the kernel library; the growth when one
+# tokenizer.json is loaded; the growth when `gguf.GGUFReader` opens a GGUF, per numpy view it makes.
+SPECDEC_BASE = 312 * 10**6          # Python + torch + specdec; the first model build imports torch._dynamo + sympy
 SPECDEC_TOKENIZER_PER_TOKEN = 600   # bytes of RSS per vocabulary entry (92 MB for Qwen2.5's 151,936)
+GGUF_READER_PER_PART = 313          # bytes per view (238 MB for the 760,735 of the Qwen2.5 packs' headers)
 LLAMA_HOST = 256 * 2**20            # llama.cpp process, tokenizer, host output buffers (approximate)
 GPU_CONTEXT = 512 * 2**20           # CUDA context + cuBLAS workspace per process (approximate)
 # llama-quantize's type for rows that do not fill the requested type's 256-element blocks
@@ -30,9 +36,10 @@ UBATCH = 512                        # llama.cpp's default -ub; specdec's PREFILL
 @dataclass(frozen=True)
 class Format:
     """How one model's weights and KV are held."""
-    weights: str          # 'file' | 'bf16'/'fp16'/'fp32' (specdec runtime) | GGML type
+    weights: str          # llama.cpp: 'file' | GGML type; specdec runtime: its compute dtype 'bf16'/'fp16'/'fp32'
     kv: str               # GGML type name of the KV cache
-    quant: str = "none"   # specdec runtime: draft linear weights int8 | int4 | none (specdec.runtime.quant)
+    quant: str = "none"   # specdec runtime: gguf | int8 | int4 | none (as generate's --quant, resolved)
+    x16: bool = False     # gguf: matrices repacked at load to the AVX-512 x16 layout
 
     @property
     def runtime(self) -> bool:
@@ -41,6 +48,17 @@ class Format:
     @property
     def style(self) -> str:
         return "specdec" if self.runtime else "llama.cpp"
+
+    @property
+    def path(self) -> str:
+        """How the engine (`style`) holds the weights, e.g. 'gguf kernels, x16 layout, fp32 compute'."""
+        if not self.runtime:
+            return "as stored in the file" if self.weights == "file" else f"requantized to {self.weights}"
+        if self.quant == "gguf":
+            return f"gguf kernels, {'x16' if self.x16 else 'file'} layout, {self.weights} compute"
+        if self.quant in ("int8", "int4"):
+            return f"{self.quant} linears, rest {self.weights}"
+        return f"dense {self.weights}"
 
 
 @dataclass
@@ -125,9 +143,11 @@ def _runtime_linear(n: int, rows: int, row_len: int, fmt: Format) -> tuple[int, 
     return n * rb, n * rb
 
 
-def tensor_bytes(t: TensorSpec, fmt: Format) -> int:
-    """Bytes of one tensor in format `fmt` (see formats.py for what each format means)."""
-    return _tensor_sizes(t, fmt)[0]
+def _sizes(spec: ModelSpec, fmt: Format) -> dict[str, tuple[int, int]]:
+    """(resident, read per decode step) of every tensor in format `fmt` (formats.py says what each means)."""
+    if fmt.quant == "gguf":
+        return _gguf_sizes(spec, fmt)
+    return {t.name: _tensor_sizes(t, fmt) for t in spec.tensors}
 
 
 def _tensor_sizes(t: TensorSpec, fmt: Format) -> tuple[int, int]:
@@ -155,6 +175,80 @@ def _ggml_bytes(t: TensorSpec, fmt: Format) -> int:
     return t.n_elements * 2
 
 
+def _gguf_sizes(spec: ModelSpec, fmt: Format) -> dict[str, tuple[int, int]]:
+    """What `quantize_from_gguf` holds: matrices of a kernel type as blocks (`_blocks`), everything else dense in
+    the compute dtype. A fused q/k/v or gate/up with a part of another type is dense as a whole; a quantized one
+    keeps its parts' biases and their concatenation (`GGUFConcatLinear.bias`), read once per step."""
+    rb = RUNTIME_DTYPES[fmt.weights]
+    kept = block_tensors(spec, fmt)
+    out = {t.name: (_blocks(t, fmt.x16) if t.name in kept else t.n_elements * rb,) * 2 for t in spec.tensors}
+    for weights, biases in _fused(spec):
+        if all(w.name in kept for w in weights):
+            for b in biases:
+                out[b.name] = (2 * b.n_elements * rb, b.n_elements * rb)
+    return out
+
+
+def block_tensors(spec: ModelSpec, fmt: Format) -> set[str]:
+    """Names of the tensors the gguf runtime keeps as blocks: matrices of a kernel type (Q4_K, Q5_0, Q6_K, Q8_0)
+    whose fused group (q/k/v, gate/up), if any, is all of kernel types."""
+    from specdec.runtime import kernels as K
+
+    kept = {t.name for t in spec.tensors if t.rows > 1 and t.file_type in K.TYPES}
+    for weights, _ in _fused(spec):
+        if not all(w.name in kept for w in weights):
+            kept -= {w.name for w in weights}
+    return kept
+
+
+def dense_matrix_types(spec: ModelSpec, fmt: Format) -> list[str]:
+    """gguf runtime: the stored types of matrices the kernels do not take (held dense, as `describe` reports)."""
+    from specdec.runtime import kernels as K
+
+    if fmt.quant != "gguf":
+        return []
+    return sorted({t.file_type for t in spec.tensors if t.rows > 1 and t.file_type not in K.TYPES})
+
+
+def _repacked(t: TensorSpec, x16: bool) -> bool:
+    """Whether the loader repacks this kernel-type matrix 16 output rows at a time (`gguf_linear.for_this_cpu`)."""
+    from specdec.runtime import kernels as K
+
+    return x16 and K.TYPES[t.file_type] in K.REPACKABLE and t.rows % 16 == 0
+
+
+def _blocks(t: TensorSpec, x16: bool) -> int:
+    """Bytes of a kernel-type matrix as the runtime holds it: the file's blocks, or repacked (x16; Q4_K 148 bytes
+    per 256 weights instead of 144, the other types the same)."""
+    from specdec.runtime import kernels as K
+
+    if not _repacked(t, x16):
+        return t.file_bytes
+    elems, size = K.BLOCK[K.X16 + K.TYPES[t.file_type]]  # per output row
+    return t.rows * (t.row_len // elems) * size
+
+
+def _fused(spec: ModelSpec) -> list[tuple[list[TensorSpec], list[TensorSpec]]]:
+    """(weights, biases) of every group the loader fuses into one linear (`transformer.FUSED`), per layer."""
+    from specdec.models.gguf_convert import hf_name
+    from specdec.models.transformer import FUSED
+
+    by_name = {}
+    for t in spec.tensors:
+        try:
+            by_name[hf_name(t.name)] = t
+        except SpecdecError:  # Hugging Face names already, or a tensor our runtime does not load
+            by_name[t.name] = t
+    groups = []
+    for i in range(spec.dims.num_layers):
+        for parts in FUSED.values():
+            weights = [by_name.get(f"model.layers.{i}.{p}.weight") for p in parts]
+            biases = [by_name.get(f"model.layers.{i}.{p}.bias") for p in parts]
+            if all(weights):
+                groups.append((weights, [b for b in biases if b is not None]))
+    return groups
+
+
 def kv_rows(context: int, style: str) -> int:
     from specdec.runtime.runner import HEADROOM
     return context + HEADROOM if style == "specdec" else context
@@ -173,7 +267,7 @@ def kv_layer_bytes(spec: ModelSpec, kv_type: str, rows: int, slots: int) -> int:
 
 def model_memory(spec: ModelSpec, fmt: Format, context: int, slots: int, draft_max: int = 16) -> ModelMemory:
     d = spec.dims
-    both = {t.name: _tensor_sizes(t, fmt) for t in spec.tensors}
+    both = _sizes(spec, fmt)
     sizes = {k: v[0] for k, v in both.items()}
     layers, reads = [0] * d.num_layers, [0] * d.num_layers
     embed = head = head_read = other = 0
@@ -192,12 +286,12 @@ def model_memory(spec: ModelSpec, fmt: Format, context: int, slots: int, draft_m
     emb = next((t for t in spec.tensors if t.role == "embed"), None)
     head_gpu_extra = 0
     if d.tied and emb is not None:
-        if fmt.runtime and fmt.quant != "none":  # the quantized LM head is its own copy of the tied matrix
+        if fmt.quant in ("int8", "int4"):  # the quantized LM head is its own copy of the tied matrix
             b, r = _runtime_linear(emb.n_elements, emb.rows, emb.row_len, fmt)
             head += b
             head_read += r
         else:
-            head_read += embed  # the shared matrix (llama.cpp: or its GPU copy) is read as the LM head
+            head_read += embed  # the shared matrix (llama.cpp: or its GPU copy; gguf: its blocks) is the LM head
             if not fmt.runtime:
                 head_gpu_extra = embed
     rows = kv_rows(context, fmt.style)
@@ -229,32 +323,64 @@ class RuntimeRSS:
     peak: int
     parts: dict[str, int]
     phases: dict[str, int]
+    load_note: str        # what loading holds beyond the steady parts
+
+
+def tokenizer_bytes(spec: ModelSpec) -> int:
+    return SPECDEC_TOKENIZER_PER_TOKEN * spec.dims.vocab
+
+
+def reader_bytes(spec: ModelSpec) -> int:
+    """The Python objects of `gguf.GGUFReader` over this file's header (alive while the runtime loads it)."""
+    return GGUF_READER_PER_PART * spec.reader_parts
 
 
 def runtime_rss(target: ModelMemory, draft: ModelMemory | None) -> RuntimeRSS:
-    """What `specdec generate` holds: weights at the compute dtype (draft linears int8/int4), KV, buffers,
-    torch + tokenizers. The load peak adds the checkpoint that `load_checkpoint` reads through mmap:
-    all of its pages are resident until the file is closed, beside the converted weights."""
-    def tok(m: ModelMemory) -> int:
-        return SPECDEC_TOKENIZER_PER_TOKEN * m.spec.dims.vocab
-
-    def ckpt(m: ModelMemory) -> int:  # GGUF/packs are converted to float32 safetensors; checkpoints as stored
-        return m.spec.file_bytes if m.spec.kind in ("checkpoint", "config") else m.spec.params * 4
-
-    def loaded(m: ModelMemory) -> int:  # right after load_checkpoint, before quantization
-        rb = RUNTIME_DTYPES[m.fmt.weights]
-        return m.spec.params * rb
-
-    parts = {"torch + Python": SPECDEC_BASE, "target weights": target.weights, "target KV": target.kv,
-             "target buffers": target.compute, "target tokenizer": tok(target)}
+    """What `specdec generate` holds: torch + Python, then per model weights, KV, buffers and tokenizer. The target
+    loads first (with its tokenizer and KV), then the draft; each load holds more for a while (`_loading`)."""
+    parts = {"torch + Python": SPECDEC_BASE, **_model_parts("target", target)}
     steady_t = sum(parts.values())
-    phases = {"loading the target": SPECDEC_BASE + ckpt(target) + loaded(target)}
+    phases = {"loading the target": SPECDEC_BASE + _loading(target)}
     if draft is not None:
-        parts.update({"draft weights": draft.weights, "draft KV": draft.kv, "draft buffers": draft.compute,
-                      "draft tokenizer": tok(draft)})
-        before = steady_t - target.compute
-        phases["loading the draft"] = before + ckpt(draft) + loaded(draft)
+        parts.update(_model_parts("draft", draft))
+        phases["loading the draft"] = steady_t - target.compute + _loading(draft)
     steady = sum(parts.values())
     phases["generating"] = steady
-    return RuntimeRSS(steady, max(v for k, v in phases.items() if k != "generating"), max(phases.values()), parts,
-                      phases)
+    load_peak = max(v for k, v in phases.items() if k != "generating")
+    note = "; ".join(dict.fromkeys(_LOAD_NOTES[m.fmt.quant == "gguf"] for m in (target, draft) if m is not None))
+    return RuntimeRSS(steady, load_peak, max(phases.values()), parts, phases, note)
+
+
+_LOAD_NOTES = {True: "the GGUF reader's header objects and a repacked tensor's file pages beside its copy",
+               False: "the mmap'd checkpoint beside the converted weights"}
+
+
+def _model_parts(role: str, m: ModelMemory) -> dict[str, int]:
+    return {f"{role} weights": _resident_weights(m), f"{role} KV": m.kv, f"{role} buffers": m.compute,
+            f"{role} tokenizer": tokenizer_bytes(m.spec)}
+
+
+def _resident_weights(m: ModelMemory) -> int:
+    """Weights in RSS. A gguf token-embedding table left in the file's layout is a view of the mapped file, of
+    which only the looked-up rows' pages are read in (unless it is the tied LM head too, read whole every step)."""
+    if m.fmt.quant != "gguf" or m.spec.dims.tied:
+        return m.weights
+    emb = next((t for t in m.spec.tensors if t.role == "embed"), None)
+    if emb is None or emb.name not in block_tensors(m.spec, m.fmt) or _repacked(emb, m.fmt.x16):
+        return m.weights
+    return m.weights - m.embed
+
+
+def _loading(m: ModelMemory) -> int:
+    """RSS `load_model` adds while it loads m, at its highest.
+
+    gguf: the reader's objects stay alive to the end of `load_gguf_quantized` (the tokenizer is built last), beside
+    the weights; while a tensor is repacked its file pages are resident too until `_release` drops them.
+    Dense: `load_checkpoint` reads the checkpoint through mmap (a GGUF or pack converted once to float32
+    safetensors) and every page stays resident beside the converted weights until the file is closed."""
+    if m.fmt.quant == "gguf":
+        kept = block_tensors(m.spec, m.fmt)
+        pages = max((t.file_bytes for t in m.spec.tensors if t.name in kept and _repacked(t, m.fmt.x16)), default=0)
+        return reader_bytes(m.spec) + _resident_weights(m) + max(pages, tokenizer_bytes(m.spec))
+    ckpt = m.spec.file_bytes if m.spec.kind in ("checkpoint", "config") else m.spec.params * 4
+    return ckpt + m.spec.params * RUNTIME_DTYPES[m.fmt.weights]

@@ -6,18 +6,17 @@ from dataclasses import dataclass, field
 from specdec.errors import SpecdecError
 from specdec.plan import devices as dev
 from specdec.plan.formats import is_runtime_format, kv_type, weight_format
-from specdec.plan.memory import (GPU_CONTEXT, LLAMA_HOST, SPECDEC_BASE, SPECDEC_TOKENIZER_PER_TOKEN, Format,
-                                 ModelMemory, RuntimeRSS, model_memory, runtime_rss)
+from specdec.plan.memory import (GPU_CONTEXT, LLAMA_HOST, SPECDEC_BASE, Format, ModelMemory, RuntimeRSS,
+                                 dense_matrix_types, model_memory, runtime_rss, tokenizer_bytes)
 from specdec.plan.recommend import Recommendation, recommend, task
 from specdec.plan.specs import ModelSpec, load_spec
 from specdec.plan.speed import StepTime, best_k, break_even_alpha, step_time
 from specdec.plan.units import parse_bandwidth, parse_size
-from specdec.runtime.cpu import has_bf16
 from specdec.runtime.placement import ALL_LAYERS, Placement, place_layers
 
 DEFAULT_GPU_BW = 500e9
 DEFAULT_CONTEXT = 4096  # as `specdec generate -c`
-DRAFT_QUANT = ("int8", "int4", "none")  # as `--draft-quant` in generate
+LLAMA_CPP_ENGINES = ("llama.cpp", "ollama")  # exports whose plan defaults to --dtype file (the engine's own loading)
 
 
 @dataclass
@@ -26,9 +25,10 @@ class PlanInputs:
     draft: str | None = None
     context: int | None = None        # default: DEFAULT_CONTEXT capped at the model's maximum
     draft_context: int | None = None  # default: the target's (capped at the draft's maximum)
-    dtype: str = "file"
+    dtype: str | None = None          # default: auto (specdec's runtime), file when exporting to llama.cpp/Ollama
     draft_dtype: str | None = None    # default: --dtype
-    draft_quant: str = "int4"         # specdec runtime formats only: int8 | int4 | none
+    quant: str = "auto"               # specdec runtime (as generate's --quant): auto | gguf | int8 | int4 | none
+    draft_quant: str = "auto"         # the same for the draft (generate's --draft-quant)
     kv_dtype: str = "auto"
     slots: int = 1
     gpu: str | None = None            # a named GPU, 'none', or None = detect
@@ -44,6 +44,8 @@ class PlanInputs:
     accept: float | None = None
     draft_max: int = 16
     spec_type: str | None = None      # force the exported spec type (default: the recommendation)
+    export: str | None = None         # the engine the plan is exported to (decides the default --dtype)
+    avx512: bool | None = None        # the planned CPU runs the AVX-512 kernels (None: the --cpu profile / this CPU)
 
 
 @dataclass
@@ -55,6 +57,7 @@ class Hardware:
     pcie_bw: float | None
     ram: int
     ram_bw: float
+    avx512: bool                      # the GGUF kernels' AVX-512 path (and so the x16 layout) runs
     sources: dict[str, str]
 
 
@@ -166,21 +169,55 @@ def resolve_hardware(i: PlanInputs) -> Hardware:
     else:
         cpu = dev.cpu_device(i.cpu or dev.DEFAULT_CPU)
         ram_bw, src["ram_bw"] = cpu.bw, f"{cpu.name} profile ({cpu.note})" + ("" if i.cpu else ", default")
-    return Hardware(gpu_name, unified, gpu_mem, gpu_bw, pcie, ram, ram_bw, src)
+    avx512, src["avx512"] = _cpu_avx512(i, unified)
+    return Hardware(gpu_name, unified, gpu_mem, gpu_bw, pcie, ram, ram_bw, avx512, src)
 
 
-def _runtime_dtype(name: str, has_gpu: bool) -> str:
-    if name != "auto":
-        return name
-    if has_gpu:
-        return "bf16"
-    return "bf16" if has_bf16() else "fp32"
+def _cpu_avx512(i: PlanInputs, unified: bool) -> tuple[bool, str]:
+    """Whether the planned CPU runs the GGUF kernels' AVX-512 path (x16 layout), and where that comes from."""
+    if i.avx512 is not None:
+        return i.avx512, "--avx512"
+    if unified:
+        return False, "Apple silicon (unified memory)"
+    said = dev.cpu_device(i.cpu).avx512 if i.cpu else None
+    if said is not None:
+        return said, f"{i.cpu} profile"
+    return dev.this_cpu_avx512(), "this CPU's flags"
 
 
-def _format(fmt: str, kv: str, quant: str, has_gpu: bool) -> Format:
-    rt = _runtime_dtype("auto" if fmt == "auto" else (fmt if is_runtime_format(fmt) else "bf16"), has_gpu)
-    weights = rt if is_runtime_format(fmt) else fmt
-    return Format(weights, kv_type(kv, fmt, rt), quant if is_runtime_format(fmt) else "none")
+def default_dtype(export: str | None) -> str:
+    """--dtype when not given: specdec's runtime as `generate` runs it, or the file as llama.cpp loads it when the
+    plan is exported to llama.cpp or Ollama."""
+    return "file" if export in LLAMA_CPP_ENGINES else "auto"
+
+
+def _runtime_quant(quant: str, name: str, spec: ModelSpec, flag: str) -> str:
+    """generate's `--quant` for this model: `resolve_quant` (auto: gguf for packs and GGUF files, none for checkpoint
+    directories); a bare config.json is planned as the checkpoint it describes."""
+    from specdec.models.loader import resolve_quant
+
+    q = "none" if quant == "auto" and spec.kind == "config" else resolve_quant(quant, name)
+    if q == "gguf" and spec.kind in ("checkpoint", "config"):
+        raise SpecdecError(f"{flag} gguf needs a GGUF file or a model pack; {spec.label} is a checkpoint "
+                           "(plan it with none, int8 or int4)")
+    return q
+
+
+def _runtime_dtype(name: str, quant: str, has_gpu: bool) -> str:
+    """generate's `--dtype` for a model of this quant (`resolve_dtype`: auto is fp32 for gguf, whose kernels run on
+    the CPU, else bf16 where the device computes it natively); a GPU plan's dense models get the GPU's bf16."""
+    from specdec.models.loader import DTYPES, resolve_dtype
+
+    dtype = resolve_dtype(name, "cuda" if has_gpu and quant != "gguf" else "cpu", quant)
+    return next(k for k, v in DTYPES.items() if v == dtype)
+
+
+def _format(fmt: str, kv: str, quant: str, hw: Hardware) -> Format:
+    """One model's Format: llama.cpp's (`file`, a GGML type) or specdec's runtime with its resolved quant."""
+    if not is_runtime_format(fmt):
+        return Format(fmt, kv_type(kv, fmt, "fp32"))
+    rt = _runtime_dtype(fmt, quant, hw.gpu is not None)
+    return Format(rt, kv_type(kv, fmt, rt), quant, hw.avx512 and quant == "gguf")
 
 
 def _check_context(spec: ModelSpec, ctx: int, flag: str) -> None:
@@ -206,7 +243,7 @@ class _Planner:
 
     def host_overhead(self, t: ModelMemory, d: ModelMemory | None) -> int:
         if t.fmt.runtime:
-            return SPECDEC_BASE + sum(SPECDEC_TOKENIZER_PER_TOKEN * m.spec.dims.vocab for m in (t, d) if m)
+            return SPECDEC_BASE + sum(tokenizer_bytes(m.spec) for m in (t, d) if m)
         return LLAMA_HOST
 
     @staticmethod
@@ -288,8 +325,9 @@ class _Planner:
         return lo
 
 
-def make_plan(i: PlanInputs) -> Plan:
-    from specdec.models import packs
+def _check_inputs(i: PlanInputs) -> None:
+    """Numbers and choices that need no model."""
+    from specdec.models.loader import QUANT_CHOICES
 
     if i.slots < 1:
         raise SpecdecError(f"--parallel must be >= 1 (got {i.slots})")
@@ -297,17 +335,39 @@ def make_plan(i: PlanInputs) -> Plan:
         raise SpecdecError(f"--draft-max must be >= 1 (got {i.draft_max})")
     if i.accept is not None and not 0 <= i.accept < 1:
         raise SpecdecError(f"--accept must be in [0, 1) (got {i.accept})")
-    if i.draft_quant not in DRAFT_QUANT:
-        raise SpecdecError(f"unknown draft quantization {i.draft_quant!r} (choose {', '.join(DRAFT_QUANT)})")
+    for flag, q in (("--quant", i.quant), ("--draft-quant", i.draft_quant)):
+        if q not in QUANT_CHOICES:
+            raise SpecdecError(f"unknown {flag} {q!r} (choose {', '.join(QUANT_CHOICES)})")
     for flag, n in (("-ngl", i.ngl), ("-ngld", i.ngld)):
         if n is not None and n < 0:
             raise SpecdecError(f"{flag} must be >= 0 or 'all' (got {n})")
-    t_task = task(i.task)
-    fmt = weight_format(i.dtype)
-    dfmt_name = weight_format(i.draft_dtype) if i.draft_dtype else fmt
-    if is_runtime_format(fmt) != is_runtime_format(dfmt_name):
+
+
+def _formats(i: PlanInputs, model: str, draft: str | None, tspec: ModelSpec, dspec: ModelSpec | None,
+             hw: Hardware) -> tuple[Format, Format | None]:
+    """The target's and draft's Format from --dtype/--draft-dtype, --quant/--draft-quant and the planned CPU."""
+    fmt = weight_format(i.dtype or default_dtype(i.export))
+    dfmt = weight_format(i.draft_dtype) if i.draft_dtype else fmt
+    runtime = is_runtime_format(fmt)
+    if runtime != is_runtime_format(dfmt):
         raise SpecdecError("--dtype and --draft-dtype must both be specdec runtime dtypes (auto/bf16/fp16/fp32) "
                            "or both file/GGML types: one engine runs both models")
+    if not runtime and (i.quant, i.draft_quant) != ("auto", "auto"):
+        raise SpecdecError(f"--quant/--draft-quant plan specdec's runtime; --dtype {fmt} plans the file as llama.cpp "
+                           "loads it (use --dtype auto|bf16|fp16|fp32 with them)")
+    tquant = _runtime_quant(i.quant, model, tspec, "--quant") if runtime else "none"
+    tfmt = _format(fmt, i.kv_dtype, tquant, hw)
+    if dspec is None or draft is None:
+        return tfmt, None
+    dquant = _runtime_quant(i.draft_quant, draft, dspec, "--draft-quant") if runtime else "none"
+    return tfmt, _format(dfmt, i.kv_dtype, dquant, hw)
+
+
+def make_plan(i: PlanInputs) -> Plan:
+    from specdec.models import packs
+
+    _check_inputs(i)
+    t_task = task(i.task)
     model, draft = i.model, i.draft
     if model is None:
         model = packs.DEFAULT_TARGET
@@ -327,8 +387,7 @@ def make_plan(i: PlanInputs) -> Plan:
             raise SpecdecError(f"draft {dspec.label} has a vocabulary of {dspec.dims.vocab}, the target "
                                f"{tspec.dims.vocab}: a draft model must share the target's tokenizer")
     has_gpu = hw.gpu is not None
-    tfmt = _format(fmt, i.kv_dtype, "none", has_gpu)
-    dformat = _format(dfmt_name, i.kv_dtype, i.draft_quant, has_gpu) if dspec else None
+    tfmt, dformat = _formats(i, model, draft, tspec, dspec, hw)
     pl = _Planner(i, hw, tspec, dspec, tfmt, dformat)
     t, d = pl.memories(i.context, dctx)
 
@@ -370,11 +429,16 @@ def make_plan(i: PlanInputs) -> Plan:
     rss = runtime_rss(t, d if pl.use_draft else None) if tfmt.runtime else None
     plan = Plan(i, hw, t, d, with_draft, alone, alpha, alpha_src, cost, draft_k, draft_gain, k, gain, be,
                 draft_pays, why_not, rec, spec_type, max_gpu, max_any, per_1k, per_1k_layers, rss)
-    for s in (tspec, dspec):
-        if s is not None:
+    for m in (t, d):
+        if m is not None:
+            s = m.spec
             plan.notes += [f"{s.label}: {n}" for n in s.notes]
             if tfmt.runtime and not s.runtime_supported:
                 plan.notes.append(f"{s.label}: architecture {s.dims.arch!r} is not one specdec's runtime runs")
+            dense = dense_matrix_types(m.spec, m.fmt)
+            if dense:
+                plan.notes.append(f"{s.label}: {'/'.join(dense)} matrices (and a q/k/v or gate/up they are fused "
+                                  f"with) are held dense in {m.fmt.weights}: the kernels take Q4_K, Q5_0, Q6_K, Q8_0")
     if tfmt.runtime and "draft" in spec_type.split(","):
         plan.notes.append("specdec picks each step's draft length itself (--spec-adaptive on, up to --draft-max) "
                           "from measured costs; the k above is for fixed-length engines (llama.cpp, vLLM)")

@@ -10,14 +10,7 @@ ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 
 def _fmt_desc(m: ModelMemory) -> str:
-    f = m.fmt
-    if f.weights == "file":
-        w = "as stored in the file"
-    elif f.runtime:
-        w = f"{f.weights} (specdec runtime)" + (f", linears {f.quant}" if f.quant != "none" else "")
-    else:
-        w = f"requantized to {f.weights}"
-    return f"weights {w}, KV {f.kv.lower()}"
+    return f"{m.fmt.path}, KV {m.fmt.kv.lower()}"
 
 
 def _range(values: list[int]) -> str:
@@ -36,7 +29,8 @@ def _model_dict(m: ModelMemory) -> dict:
         "params": s.params, "layers": d.num_layers, "kv_heads": d.num_kv_heads, "head_dim": d.head_dim_k,
         "hidden": d.hidden, "vocab": d.vocab, "max_context": d.max_ctx, "tied_embeddings": d.tied,
         "file_bytes": s.file_bytes, "stored_types": s.type_summary(), "runtime_supported": s.runtime_supported,
-        "format": {"weights": m.fmt.weights, "kv": m.fmt.kv, "quantized_linears": m.fmt.quant},
+        "format": {"engine": m.fmt.style, "path": m.fmt.path, "weights": m.fmt.weights, "kv": m.fmt.kv,
+                   "quant": m.fmt.quant, "x16": m.fmt.x16},
         "context": m.context, "kv_rows_per_slot": m.kv_rows,
         "memory": {"weights": m.weights, "per_layer": m.layer_weights, "embeddings": m.embed, "head": m.head,
                    "other": m.other, "kv": m.kv, "kv_per_layer": m.kv_layer, "kv_per_token": m.kv_per_token,
@@ -59,7 +53,8 @@ def to_dict(plan: Plan) -> dict:
     hw = plan.hw
     out = {
         "hardware": {"gpu": hw.gpu, "unified_memory": hw.unified, "gpu_mem": hw.gpu_mem, "gpu_bw": hw.gpu_bw,
-                     "pcie_bw": hw.pcie_bw, "ram": hw.ram, "ram_bw": hw.ram_bw, "sources": hw.sources,
+                     "pcie_bw": hw.pcie_bw, "ram": hw.ram, "ram_bw": hw.ram_bw, "avx512": hw.avx512,
+                     "sources": hw.sources,
                      "gpu_overhead": GPU_CONTEXT if hw.gpu else 0},
         "target": _model_dict(plan.target),
         "draft": _model_dict(plan.draft) if plan.draft else None,
@@ -80,7 +75,7 @@ def to_dict(plan: Plan) -> dict:
         "spec_type": plan.spec_type,
         "specdec_runtime_rss": None if plan.rss is None else {
             "steady": plan.rss.steady, "load_peak": plan.rss.load_peak, "peak": plan.rss.peak,
-            "parts": plan.rss.parts, "phases": plan.rss.phases},
+            "parts": plan.rss.parts, "phases": plan.rss.phases, "load_note": plan.rss.load_note},
         "notes": plan.notes,
     }
     return out
@@ -98,14 +93,16 @@ def _table(plan: Plan) -> list[dict]:
 def render(plan: Plan) -> str:
     t, d, s, hw = plan.target, plan.draft, plan.chosen, plan.hw
     L: list[str] = []
-    L.append(f"specdec plan · {plan.inputs.slots} slot(s) · {_fmt_desc(t)}")
+    engine = "specdec's runtime" if t.fmt.runtime else "llama.cpp"
+    L.append(f"specdec plan · {plan.inputs.slots} slot(s) · {engine} · target {_fmt_desc(t)}"
+             + (f" · draft {_fmt_desc(d)}" if d else ""))
     if hw.gpu:
         gpu = (f"GPU {hw.gpu}: {fmt_bytes(hw.gpu_mem or 0)} ({hw.sources.get('gpu_mem')}), "
                f"{fmt_bw(hw.gpu_bw or 0)}" + (f", link {fmt_bw(hw.pcie_bw)}" if hw.pcie_bw else ", unified"))
     else:
         gpu = "no GPU"
     L.append(f"hardware: {gpu} · RAM {fmt_bytes(hw.ram)} ({hw.sources.get('ram')}) at {fmt_bw(hw.ram_bw)} "
-             f"({hw.sources.get('ram_bw')})")
+             f"({hw.sources.get('ram_bw')}) · AVX-512 {'yes' if hw.avx512 else 'no'} ({hw.sources.get('avx512')})")
     L.append("")
     models = [("target", t)] + ([("draft", d)] if d else [])
     L.append(f"{'model':24} {'role':6} {'arch':7} {'params':>7} {'layers':>6} {'kv heads x dim':>14} "
@@ -172,7 +169,9 @@ def render(plan: Plan) -> str:
     if plan.rss is not None:
         L.append("")
         L.append(f"specdec runtime on the CPU (predicted RSS): steady {fmt_bytes(plan.rss.steady)}, peak "
-                 f"{fmt_bytes(plan.rss.peak)} while loading (the mmap'd checkpoint beside the converted weights)")
+                 f"{fmt_bytes(plan.rss.peak)} ({plan.rss.peak / 1e6:,.0f} MB)")
+        L.append("  " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in plan.rss.phases.items())
+                 + f"; loading holds {plan.rss.load_note}")
         L.append("  " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in plan.rss.parts.items()))
     for n in plan.notes:
         L.append(f"note: {n}")

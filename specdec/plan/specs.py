@@ -7,6 +7,7 @@ checkpoint directory (config.json + safetensors headers, no weights loaded) or a
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from specdec.errors import SpecdecError
 from specdec.models.gguf_convert import meta_number
-from specdec.plan.formats import SAFETENSORS_DTYPES, type_bytes
+from specdec.plan.formats import SAFETENSORS_DTYPES, quant_sizes, type_bytes
 
 # Hugging Face repositories of the packs' models (for exports to engines that load from the hub).
 PACK_HF_REPOS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
@@ -64,6 +65,7 @@ class ModelSpec:
     gguf_path: Path | None = None
     hf_repo: str | None = None
     notes: list[str] = field(default_factory=list)
+    reader_parts: int = 0       # GGUF: numpy views `gguf.GGUFReader` makes of the header (memory.reader_bytes)
 
     @property
     def params(self) -> int:
@@ -128,26 +130,32 @@ def load_spec(name_or_path: str) -> ModelSpec:
 
 def read_gguf(path: Path) -> ModelSpec:
     """Tensor list (name, type, shape, bytes) and metadata of a GGUF file; no tensor data is read."""
-    meta, infos = read_gguf_header(path)
+    header = read_gguf_header(path)
     tensors = []
-    for name, shape, qtype in infos:
+    for name, shape, qtype in header.tensors:
         role, layer = role_of(name)
-        n = 1
-        for x in shape:
-            n *= x
+        n = math.prod(shape)
         row_len = shape[0] if shape else 1
         tensors.append(TensorSpec(name, role, layer, n, n // max(row_len, 1), row_len, qtype,
                                   type_bytes(qtype, n, row_len)))
-    dims = _gguf_dims(meta, path, tensors)
-    return ModelSpec(path.name, "gguf", path, dims, tensors, gguf_path=path)
+    dims = _gguf_dims(header.meta, path, tensors)
+    return ModelSpec(path.name, "gguf", path, dims, tensors, gguf_path=path, reader_parts=header.reader_parts)
 
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+_KEEP_MAX = 4096  # numeric metadata arrays up to this many entries are kept, longer ones skipped
 
 
-def read_gguf_header(path: Path) -> tuple[dict, list[tuple[str, list[int], str]]]:
-    """(metadata, [(tensor name, shape ne0.., GGML type name)]) of a GGUF v2/v3 file.
+@dataclass
+class GGUFHeader:
+    meta: dict
+    tensors: list[tuple[str, list[int], str]]  # (name, shape ne0.., GGML type name)
+    reader_parts: int                          # numpy views `gguf.GGUFReader` makes of the same header
+
+
+def read_gguf_header(path: Path) -> GGUFHeader:
+    """Metadata and tensor table of a GGUF v2/v3 file.
 
     A small reader instead of `gguf.GGUFReader`, which decodes every tokenizer string in Python
     (20 s for a 150k-token vocabulary); quant types and sizes still come from the `gguf` package.
@@ -155,86 +163,122 @@ def read_gguf_header(path: Path) -> tuple[dict, list[tuple[str, list[int], str]]
     """
     import mmap
 
-    import gguf
-
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            if mm[:4] != b"GGUF":
-                raise ValueError("no GGUF magic")
-            version, n_tensors, n_kv = struct.unpack_from("<IQQ", mm, 4)
-            if version not in (2, 3):
-                raise ValueError(f"GGUF version {version} (2 and 3 are supported)")
-            off = 24
-
-            def string(o: int) -> tuple[str, int]:
-                (n,) = struct.unpack_from("<Q", mm, o)
-                if o + 8 + n > len(mm):
-                    raise ValueError("string runs past the end of the file")
-                return mm[o + 8:o + 8 + n].decode("utf-8", "replace"), o + 8 + n
-
-            def value(vtype: int, o: int, keep: bool) -> tuple[object, int]:
-                if vtype in _SCALARS:
-                    fmt = _SCALARS[vtype]
-                    return struct.unpack_from(fmt, mm, o)[0], o + struct.calcsize(fmt)
-                if vtype == _STRING:
-                    return string(o)
-                if vtype == _ARRAY:
-                    etype, count = struct.unpack_from("<IQ", mm, o)
-                    o += 12
-                    if etype in _SCALARS:
-                        size = struct.calcsize(_SCALARS[etype])
-                        vals = list(struct.unpack_from(f"<{count}{_SCALARS[etype][1]}", mm, o)) \
-                            if keep and count <= 4096 else None
-                        return vals, o + size * count
-                    if etype == _STRING and not (keep and count <= 4096):
-                        for _ in range(count):  # skip without decoding (tokenizer vocabularies)
-                            o += 8 + struct.unpack_from("<Q", mm, o)[0]
-                        if o > len(mm):
-                            raise ValueError("string array runs past the end of the file")
-                        return None, o
-                    items = []
-                    for _ in range(count):
-                        v, o = value(etype, o, keep and count <= 4096)
-                        if keep and count <= 4096:
-                            items.append(v)
-                    return (items if keep and count <= 4096 else None), o
-                raise ValueError(f"unknown metadata value type {vtype}")
-
-            meta: dict = {}
-            for _ in range(n_kv):
-                key, off = string(off)
-                (vtype,) = struct.unpack_from("<I", mm, off)
-                meta[key], off = value(vtype, off + 4, not key.startswith("tokenizer."))
-            infos = []
-            for _ in range(n_tensors):
-                name, off = string(off)
-                (n_dims,) = struct.unpack_from("<I", mm, off)
-                shape = list(struct.unpack_from(f"<{n_dims}Q", mm, off + 4))
-                raw_type, data_off = struct.unpack_from("<IQ", mm, off + 4 + 8 * n_dims)
-                off += 4 + 8 * n_dims + 12
-                try:
-                    qtype = gguf.GGMLQuantizationType(raw_type)
-                except ValueError:
-                    raise SpecdecError(f"{path}: tensor {name} has unknown quant type id {raw_type} (the "
-                                       "installed gguf package does not know it; upgrade `gguf`)") from None
-                if qtype not in gguf.GGML_QUANT_SIZES:
-                    raise SpecdecError(f"{path}: tensor {name} has quant type {qtype.name} with no known block "
-                                       "size (upgrade `gguf`)")
-                infos.append((name, shape, qtype.name, data_off))
-            align = int(meta.get("general.alignment", 32) or 32)
-            data_start = (off + align - 1) // align * align
-            for name, shape, qtype, data_off in infos:
-                n = 1
-                for x in shape:
-                    n *= x
-                block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
-                if data_start + data_off + n // block * size > len(mm):
-                    raise ValueError(f"tensor {name} runs past the end of the file (truncated?)")
+            return _parse_header(mm, path)
     except SpecdecError:
         raise
     except (OSError, ValueError, struct.error, IndexError, OverflowError, MemoryError) as e:
         raise SpecdecError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-    return meta, [(name, shape, qtype) for name, shape, qtype, _ in infos]
+
+
+def _parse_header(mm, path: Path) -> GGUFHeader:
+    if mm[:4] != b"GGUF":
+        raise ValueError("no GGUF magic")
+    c = _Cursor(mm, 4)
+    version, n_tensors, n_kv = c.unpack("<IQQ")
+    c.parts += 3
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} (2 and 3 are supported)")
+    meta: dict = {}
+    for _ in range(n_kv):
+        key = c.string()
+        (vtype,) = c.unpack("<I")
+        c.parts += 1
+        meta[key] = c.value(vtype, not key.startswith("tokenizer."))
+    infos = [c.tensor_info(path) for _ in range(n_tensors)]
+    align = int(meta.get("general.alignment", 32) or 32)
+    _check_extent(len(mm), (c.off + align - 1) // align * align, infos)
+    return GGUFHeader(meta, [(name, shape, qtype) for name, shape, qtype, _ in infos], c.parts)
+
+
+class _Cursor:
+    """Reads a GGUF header from a memory map and counts the numpy views `gguf.GGUFReader` makes for it (one per
+    number, two per string: its length and its bytes), what opening the file costs the runtime's loader."""
+
+    def __init__(self, mm, off: int):
+        self.mm, self.off, self.parts = mm, off, 0
+
+    def unpack(self, fmt: str) -> tuple:
+        vals = struct.unpack_from(fmt, self.mm, self.off)
+        self.off += struct.calcsize(fmt)
+        return vals
+
+    def string(self) -> str:
+        (n,) = self.unpack("<Q")
+        if self.off + n > len(self.mm):
+            raise ValueError("string runs past the end of the file")
+        self.off += n
+        self.parts += 2
+        return self.mm[self.off - n:self.off].decode("utf-8", "replace")
+
+    def value(self, vtype: int, keep: bool) -> object:
+        if vtype in _SCALARS:
+            self.parts += 1
+            return self.unpack(_SCALARS[vtype])[0]
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            return self.array(keep)
+        raise ValueError(f"unknown metadata value type {vtype}")
+
+    def array(self, keep: bool) -> list | None:
+        """The array's values when `keep` and it is short; long or unwanted string arrays are skipped undecoded."""
+        etype, count = self.unpack("<IQ")
+        self.parts += 2
+        keep = keep and count <= _KEEP_MAX
+        if etype in _SCALARS:
+            fmt = _SCALARS[etype]
+            vals = list(struct.unpack_from(f"<{count}{fmt[1]}", self.mm, self.off)) if keep else None
+            self.off += struct.calcsize(fmt) * count
+            self.parts += count
+            return vals
+        if etype == _STRING and not keep:
+            self.skip_strings(count)
+            return None
+        items = [self.value(etype, keep) for _ in range(count)]
+        return items if keep else None
+
+    def skip_strings(self, count: int) -> None:
+        """Skip `count` strings without decoding them (tokenizer vocabularies)."""
+        o = self.off
+        for _ in range(count):
+            o += 8 + struct.unpack_from("<Q", self.mm, o)[0]
+        if o > len(self.mm):
+            raise ValueError("string array runs past the end of the file")
+        self.off = o
+        self.parts += 2 * count
+
+    def tensor_info(self, path: Path) -> tuple[str, list[int], str, int]:
+        """(name, shape ne0.., GGML type name, data offset) of the next tensor in the table."""
+        name = self.string()
+        (n_dims,) = self.unpack("<I")
+        shape = list(self.unpack(f"<{n_dims}Q"))
+        raw_type, data_off = self.unpack("<IQ")
+        self.parts += 4  # n_dims, dims, type, offset
+        return name, shape, _type_name(path, name, raw_type), data_off
+
+
+def _type_name(path: Path, tensor: str, raw_type: int) -> str:
+    import gguf
+
+    try:
+        qtype = gguf.GGMLQuantizationType(raw_type)
+    except ValueError:
+        raise SpecdecError(f"{path}: tensor {tensor} has unknown quant type id {raw_type} (the "
+                           "installed gguf package does not know it; upgrade `gguf`)") from None
+    if qtype not in gguf.GGML_QUANT_SIZES:
+        raise SpecdecError(f"{path}: tensor {tensor} has quant type {qtype.name} with no known block "
+                           "size (upgrade `gguf`)")
+    return qtype.name
+
+
+def _check_extent(file_size: int, data_start: int, infos: list[tuple[str, list[int], str, int]]) -> None:
+    """Every tensor's data lies inside the file (a truncated download fails here, not at load)."""
+    for name, shape, qtype, data_off in infos:
+        block, size = quant_sizes()[qtype]
+        if data_start + data_off + math.prod(shape) // block * size > file_size:
+            raise ValueError(f"tensor {name} runs past the end of the file (truncated?)")
 
 
 def _gguf_field(meta: dict, key: str, default=None):
@@ -318,9 +362,7 @@ def read_config(path: Path) -> ModelSpec:
 
 
 def _hf_tensor(name: str, shape: tuple[int, ...], ftype: str, size: int) -> TensorSpec:
-    n = 1
-    for s in shape:
-        n *= s
+    n = math.prod(shape)
     role, layer = role_of(name)
     row_len = shape[-1] if shape else 1
     return TensorSpec(name, role, layer, n, n // max(row_len, 1), row_len, ftype, n * size)
