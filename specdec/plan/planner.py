@@ -121,21 +121,10 @@ class Plan:
 
 def resolve_hardware(i: PlanInputs) -> Hardware:
     src: dict[str, str] = {}
-    gpu_name, unified, gpu_mem, gpu_bw, pcie = None, False, None, None, None
-    profile = None
-    if i.gpu and i.gpu.lower() != "none":
-        profile = dev.gpu_device(i.gpu)
-        gpu_name, src["gpu"] = profile.name, "--gpu"
-    elif i.gpu is None and i.gpu_mem is None:
-        found = dev.detect_gpu()
-        if found:
-            gpu_name, gpu_mem = found
-            profile = dev.match_gpu_name(gpu_name)
-            src["gpu"] = src["gpu_mem"] = "detected"
-    elif i.gpu is None:
-        gpu_name, src["gpu"] = "gpu", "--gpu-mem"
+    gpu_name, gpu_mem, profile = _which_gpu(i, src)
+    unified = profile is not None and profile.kind == "unified"
+    gpu_bw = pcie = None
     if profile is not None:
-        unified = profile.kind == "unified"
         if gpu_mem is None:
             gpu_mem = int(profile.mem * dev.UNIFIED_GPU_SHARE) if unified else profile.mem
             src["gpu_mem"] = f"{profile.name} profile" + (f" ({dev.UNIFIED_GPU_SHARE:.0%} of unified memory)"
@@ -153,24 +142,48 @@ def resolve_hardware(i: PlanInputs) -> Hardware:
             gpu_bw, src["gpu_bw"] = DEFAULT_GPU_BW, "default (set --gpu-bw)"
         if pcie is None and not unified:
             pcie, src["pcie_bw"] = dev.PCIE4, "default PCIe 4.0 x16"
-    if i.ram is not None:
-        ram, src["ram"] = parse_size(i.ram, "--ram"), "--ram"
-    elif unified and profile is not None:
-        ram, src["ram"] = profile.mem, f"{profile.name} unified memory"
-    else:
-        found_ram = dev.detect_ram()
-        if found_ram is None:
-            raise SpecdecError("cannot detect the RAM size here; give --ram (e.g. --ram 64GiB)")
-        ram, src["ram"] = found_ram, "detected"
-    if i.ram_bw is not None:
-        ram_bw, src["ram_bw"] = parse_bandwidth(i.ram_bw, "--ram-bw"), "--ram-bw"
-    elif unified and profile is not None:
-        ram_bw, src["ram_bw"] = profile.bw, f"{profile.name} unified memory"
-    else:
-        cpu = dev.cpu_device(i.cpu or dev.DEFAULT_CPU)
-        ram_bw, src["ram_bw"] = cpu.bw, f"{cpu.name} profile ({cpu.note})" + ("" if i.cpu else ", default")
+    ram, ram_bw = _ram(i, profile if unified else None, src)
     avx512, src["avx512"] = _cpu_avx512(i, unified)
     return Hardware(gpu_name, unified, gpu_mem, gpu_bw, pcie, ram, ram_bw, avx512, src)
+
+
+def _which_gpu(i: PlanInputs, src: dict[str, str]) -> tuple[str | None, int | None, dev.Device | None]:
+    """(name, detected memory, profile) of the planned GPU: --gpu, else CUDA's device 0, else --gpu-mem alone."""
+    if i.gpu and i.gpu.lower() != "none":
+        profile = dev.gpu_device(i.gpu)
+        src["gpu"] = "--gpu"
+        return profile.name, None, profile
+    if i.gpu is None and i.gpu_mem is None:
+        found = dev.detect_gpu()
+        if found:
+            src["gpu"] = src["gpu_mem"] = "detected"
+            return found[0], found[1], dev.match_gpu_name(found[0])
+    elif i.gpu is None:
+        src["gpu"] = "--gpu-mem"
+        return "gpu", None, None
+    return None, None, None
+
+
+def _ram(i: PlanInputs, pool: dev.Device | None, src: dict[str, str]) -> tuple[int, float]:
+    """(RAM bytes, RAM bytes/s): the flags, else a unified-memory device's pool, else detected / the --cpu profile."""
+    if i.ram is not None:
+        ram, src["ram"] = parse_size(i.ram, "--ram"), "--ram"
+    elif pool is not None:
+        ram, src["ram"] = pool.mem, f"{pool.name} unified memory"
+    else:
+        found = dev.detect_ram()
+        if found is None:
+            raise SpecdecError("cannot detect the RAM size here; give --ram (e.g. --ram 64GiB)")
+        ram, src["ram"] = found, "detected"
+    if i.ram_bw is not None:
+        src["ram_bw"] = "--ram-bw"
+        return ram, parse_bandwidth(i.ram_bw, "--ram-bw")
+    if pool is not None:
+        src["ram_bw"] = f"{pool.name} unified memory"
+        return ram, pool.bw
+    cpu = dev.cpu_device(i.cpu or dev.DEFAULT_CPU)
+    src["ram_bw"] = f"{cpu.name} profile ({cpu.note})" + ("" if i.cpu else ", default")
+    return ram, cpu.bw
 
 
 def _cpu_avx512(i: PlanInputs, unified: bool) -> tuple[bool, str]:
@@ -363,88 +376,120 @@ def _formats(i: PlanInputs, model: str, draft: str | None, tspec: ModelSpec, dsp
     return tfmt, _format(dfmt, i.kv_dtype, dquant, hw)
 
 
+@dataclass
+class _Verdict:
+    """Whether the draft model pays at the planned acceptance (all None without a draft model)."""
+    cost: float | None = None        # c = draft step / target step
+    k: int | None = None             # best draft length
+    gain: float | None = None        # its speedup at the bound
+    break_even: float | None = None  # acceptance below which drafting k tokens is slower
+    pays: bool = False
+    why_not: str | None = None
+
+
+def _judge_draft(alpha: float, alone: Setup, with_draft: Setup | None, draft_max: int) -> _Verdict:
+    """The draft model against the target alone with all the GPU memory."""
+    if with_draft is None or with_draft.draft_step is None:
+        return _Verdict()
+    cost = with_draft.draft_step.seconds / with_draft.target_step.seconds
+    k, gain = best_k(alpha, cost, draft_max)
+    v = _Verdict(cost, k, gain, break_even_alpha(cost, k))
+    tps_draft = with_draft.target_step.tokens_per_s * gain
+    tps_alone = alone.target_step.tokens_per_s
+    if gain <= 1:
+        v.why_not = f"x{gain:.2f} at acceptance {alpha:.0%}; it pays above {v.break_even:.0%}"
+    elif tps_draft <= tps_alone:
+        moved = alone.ngl - with_draft.ngl
+        v.why_not = (f"it pushes {moved} target layers off the GPU: {tps_draft:.1f} tok/s with it vs "
+                     f"{tps_alone:.1f} without")
+    elif not with_draft.fits and alone.fits:
+        v.why_not = f"target + draft do not fit ({with_draft.why})"
+    else:
+        v.pays = True
+    return v
+
+
+def _contexts(i: PlanInputs, tspec: ModelSpec, dspec: ModelSpec | None) -> int | None:
+    """Sets the target's context (default: DEFAULT_CONTEXT capped at the model's) and returns the draft's."""
+    if i.context is None:
+        i.context = min(DEFAULT_CONTEXT, tspec.dims.max_ctx)
+    _check_context(tspec, i.context, "-c")
+    if dspec is None:
+        return i.draft_context
+    dctx = i.draft_context if i.draft_context is not None else min(i.context, dspec.dims.max_ctx)
+    _check_context(dspec, dctx, "-cd")
+    if dspec.dims.vocab and tspec.dims.vocab and abs(dspec.dims.vocab - tspec.dims.vocab) > 1024:
+        raise SpecdecError(f"draft {dspec.label} has a vocabulary of {dspec.dims.vocab}, the target "
+                           f"{tspec.dims.vocab}: a draft model must share the target's tokenizer")
+    return dctx
+
+
+def _context_room(pl: _Planner, t: ModelMemory, d: ModelMemory | None) -> tuple[int | None, int | None, int,
+                                                                                 float | None]:
+    """(largest context all on the GPU, largest that fits, KV bytes of 1k more context, in target layers)."""
+    has_gpu = pl.hw.gpu is not None
+    max_gpu = pl.largest_context(True) if has_gpu else None
+    per_1k = (t.kv_per_token + (d.kv_per_token if d and pl.use_draft else 0)) * 1024 * pl.i.slots
+    avg_layer = (sum(t.layer_weights) + t.kv) / t.spec.dims.num_layers
+    return max_gpu, pl.largest_context(False), per_1k, per_1k / avg_layer if has_gpu else None
+
+
+def _notes(plan: Plan) -> list[str]:
+    """What the figures leave out: per-model notes, the runtime's own choices."""
+    runtime, drafting = plan.target.fmt.runtime, "draft" in plan.spec_type.split(",")
+    notes = []
+    for m in (plan.target, plan.draft):
+        if m is None:
+            continue
+        s = m.spec
+        notes += [f"{s.label}: {n}" for n in s.notes]
+        if runtime and not s.runtime_supported:
+            notes.append(f"{s.label}: architecture {s.dims.arch!r} is not one specdec's runtime runs")
+        dense = dense_matrix_types(s, m.fmt)
+        if dense:
+            notes.append(f"{s.label}: {'/'.join(dense)} matrices (and a q/k/v or gate/up they are fused with) are "
+                         f"held dense in {m.fmt.weights}: the kernels take Q4_K, Q5_0, Q6_K, Q8_0")
+    if runtime and drafting:
+        notes.append("specdec picks each step's draft length itself (--spec-adaptive on, up to --draft-max) "
+                     "from measured costs; the k above is for fixed-length engines (llama.cpp, vLLM)")
+    if runtime and plan.hw.gpu is not None:
+        notes.append("specdec's runtime accepts -ngl/-ngld but does not offload to a GPU yet; "
+                     "the placement shown is what the flags would do")
+    return notes
+
+
 def make_plan(i: PlanInputs) -> Plan:
+    """Formats, memory, placement and speed of the target (+ draft), whether the draft pays, the recommendation."""
     from specdec.models import packs
 
     _check_inputs(i)
     t_task = task(i.task)
     model, draft = i.model, i.draft
     if model is None:
-        model = packs.DEFAULT_TARGET
-        draft = draft or packs.DEFAULT_DRAFT
+        model, draft = packs.DEFAULT_TARGET, draft or packs.DEFAULT_DRAFT
     hw = resolve_hardware(i)
     tspec = load_spec(model)
     dspec = load_spec(draft) if draft else None
-    if i.context is None:
-        i.context = min(DEFAULT_CONTEXT, tspec.dims.max_ctx)
-    _check_context(tspec, i.context, "-c")
-    dctx = i.draft_context
-    if dspec is not None:
-        if dctx is None:
-            dctx = min(i.context, dspec.dims.max_ctx)
-        _check_context(dspec, dctx, "-cd")
-        if dspec.dims.vocab and tspec.dims.vocab and abs(dspec.dims.vocab - tspec.dims.vocab) > 1024:
-            raise SpecdecError(f"draft {dspec.label} has a vocabulary of {dspec.dims.vocab}, the target "
-                               f"{tspec.dims.vocab}: a draft model must share the target's tokenizer")
-    has_gpu = hw.gpu is not None
-    tfmt, dformat = _formats(i, model, draft, tspec, dspec, hw)
-    pl = _Planner(i, hw, tspec, dspec, tfmt, dformat)
+    dctx = _contexts(i, tspec, dspec)
+    tfmt, dfmt = _formats(i, model, draft, tspec, dspec, hw)
+    pl = _Planner(i, hw, tspec, dspec, tfmt, dfmt)
     t, d = pl.memories(i.context, dctx)
-
     alone = pl.setup(t, None, i.ngl)
     with_draft = pl.setup(t, d, i.ngl, i.ngld) if d is not None else None
     alpha = i.accept if i.accept is not None else t_task.alpha
     alpha_src = "--accept" if i.accept is not None else f"assumed for --task {t_task.name}"
-    cost = k = gain = be = None
-    draft_pays, why_not = False, None
-    if with_draft is not None and with_draft.draft_step is not None:
-        cost = with_draft.draft_step.seconds / with_draft.target_step.seconds
-        k, gain = best_k(alpha, cost, i.draft_max)
-        be = break_even_alpha(cost, k)
-        tps_draft = with_draft.target_step.tokens_per_s * gain
-        tps_alone = alone.target_step.tokens_per_s
-        if gain <= 1:
-            why_not = f"x{gain:.2f} at acceptance {alpha:.0%}; it pays above {be:.0%}"
-        elif tps_draft <= tps_alone:
-            moved = alone.ngl - with_draft.ngl
-            why_not = (f"it pushes {moved} target layers off the GPU: {tps_draft:.1f} tok/s with it vs "
-                       f"{tps_alone:.1f} without")
-        elif not with_draft.fits and alone.fits:
-            why_not = f"target + draft do not fit ({with_draft.why})"
-        else:
-            draft_pays = True
-    rec = recommend(t_task, d is not None, draft_pays, k or i.draft_max, gain or 1.0, i.draft_max, why_not)
+    v = _judge_draft(alpha, alone, with_draft, i.draft_max)
+    rec = recommend(t_task, d is not None, v.pays, v.k or i.draft_max, v.gain or 1.0, i.draft_max, v.why_not)
     spec_type = i.spec_type or rec.spec_type
-    if "draft" in spec_type.split(",") and d is None:
+    drafting = "draft" in spec_type.split(",")
+    if drafting and d is None:
         raise SpecdecError(f"spec type {spec_type} needs a draft model (-md)")
-    draft_k, draft_gain = k, gain
-    if k is None or "draft" not in spec_type.split(","):
-        k, gain = i.draft_max, 1.0
-    pl.use_draft = d is not None and "draft" in spec_type.split(",")
-    max_gpu = pl.largest_context(True) if has_gpu else None
-    max_any = pl.largest_context(False)
-    per_1k = (t.kv_per_token + (d.kv_per_token if d and pl.use_draft else 0)) * 1024 * i.slots
-    avg_layer = (sum(t.layer_weights) + t.kv) / tspec.dims.num_layers
-    per_1k_layers = per_1k / avg_layer if has_gpu else None
+    k, gain = (v.k, v.gain) if v.k is not None and v.gain is not None and drafting else (i.draft_max, 1.0)
+    pl.use_draft = d is not None and drafting
     rss = runtime_rss(t, d if pl.use_draft else None) if tfmt.runtime else None
-    plan = Plan(i, hw, t, d, with_draft, alone, alpha, alpha_src, cost, draft_k, draft_gain, k, gain, be,
-                draft_pays, why_not, rec, spec_type, max_gpu, max_any, per_1k, per_1k_layers, rss)
-    for m in (t, d):
-        if m is not None:
-            s = m.spec
-            plan.notes += [f"{s.label}: {n}" for n in s.notes]
-            if tfmt.runtime and not s.runtime_supported:
-                plan.notes.append(f"{s.label}: architecture {s.dims.arch!r} is not one specdec's runtime runs")
-            dense = dense_matrix_types(m.spec, m.fmt)
-            if dense:
-                plan.notes.append(f"{s.label}: {'/'.join(dense)} matrices (and a q/k/v or gate/up they are fused "
-                                  f"with) are held dense in {m.fmt.weights}: the kernels take Q4_K, Q5_0, Q6_K, Q8_0")
-    if tfmt.runtime and "draft" in spec_type.split(","):
-        plan.notes.append("specdec picks each step's draft length itself (--spec-adaptive on, up to --draft-max) "
-                          "from measured costs; the k above is for fixed-length engines (llama.cpp, vLLM)")
-    if tfmt.runtime and has_gpu:
-        plan.notes.append("specdec's runtime accepts -ngl/-ngld but does not offload to a GPU yet; "
-                          "the placement shown is what the flags would do")
+    plan = Plan(i, hw, t, d, with_draft, alone, alpha, alpha_src, v.cost, v.k, v.gain, k, gain, v.break_even, v.pays,
+                v.why_not, rec, spec_type, *_context_room(pl, t, d), rss)
+    plan.notes = _notes(plan)
     return plan
 
 

@@ -1,7 +1,7 @@
 """A plan as a human-readable report or as one JSON-able dict."""
 from __future__ import annotations
 
-from specdec.plan.memory import GPU_CONTEXT, ModelMemory
+from specdec.plan.memory import GPU_CONTEXT, ModelMemory, RuntimeRSS
 from specdec.plan.planner import Plan, Setup
 from specdec.plan.speed import best_k, speedup
 from specdec.plan.units import fmt_bw, fmt_bytes
@@ -91,30 +91,42 @@ def _table(plan: Plan) -> list[dict]:
 
 
 def render(plan: Plan) -> str:
-    t, d, s, hw = plan.target, plan.draft, plan.chosen, plan.hw
-    L: list[str] = []
+    models = [("target", plan.target)] + ([("draft", plan.draft)] if plan.draft else [])
+    sections = [_header(plan), _models_table(models), _memory_table(models),
+                [_placement_line(plan, plan.chosen), _context_line(plan)], _speed_lines(plan),
+                _recommendation_lines(plan)]
+    if plan.rss is not None:
+        sections.append(_rss_lines(plan.rss))
+    lines = [line for sec in sections for line in sec + [""]][:-1]  # sections apart by a blank line
+    return "\n".join(lines + [f"note: {n}" for n in plan.notes]) + "\n"
+
+
+def _header(plan: Plan) -> list[str]:
+    t, d, hw = plan.target, plan.draft, plan.hw
     engine = "specdec's runtime" if t.fmt.runtime else "llama.cpp"
-    L.append(f"specdec plan · {plan.inputs.slots} slot(s) · {engine} · target {_fmt_desc(t)}"
-             + (f" · draft {_fmt_desc(d)}" if d else ""))
     if hw.gpu:
         gpu = (f"GPU {hw.gpu}: {fmt_bytes(hw.gpu_mem or 0)} ({hw.sources.get('gpu_mem')}), "
                f"{fmt_bw(hw.gpu_bw or 0)}" + (f", link {fmt_bw(hw.pcie_bw)}" if hw.pcie_bw else ", unified"))
     else:
         gpu = "no GPU"
-    L.append(f"hardware: {gpu} · RAM {fmt_bytes(hw.ram)} ({hw.sources.get('ram')}) at {fmt_bw(hw.ram_bw)} "
-             f"({hw.sources.get('ram_bw')}) · AVX-512 {'yes' if hw.avx512 else 'no'} ({hw.sources.get('avx512')})")
-    L.append("")
-    models = [("target", t)] + ([("draft", d)] if d else [])
-    L.append(f"{'model':24} {'role':6} {'arch':7} {'params':>7} {'layers':>6} {'kv heads x dim':>14} "
-             f"{'max ctx':>7}  stored as")
+    return [f"specdec plan · {plan.inputs.slots} slot(s) · {engine} · target {_fmt_desc(t)}"
+            + (f" · draft {_fmt_desc(d)}" if d else ""),
+            f"hardware: {gpu} · RAM {fmt_bytes(hw.ram)} ({hw.sources.get('ram')}) at {fmt_bw(hw.ram_bw)} "
+            f"({hw.sources.get('ram_bw')}) · AVX-512 {'yes' if hw.avx512 else 'no'} ({hw.sources.get('avx512')})"]
+
+
+def _models_table(models: list[tuple[str, ModelMemory]]) -> list[str]:
+    L = [f"{'model':24} {'role':6} {'arch':7} {'params':>7} {'layers':>6} {'kv heads x dim':>14} {'max ctx':>7}  "
+         "stored as"]
     for role, m in models:
         sp = m.spec
         L.append(f"{sp.label[:24]:24} {role:6} {sp.dims.arch[:7]:7} {_n(sp.params):>7} {sp.dims.num_layers:>6} "
                  f"{f'{sp.dims.num_kv_heads} x {sp.dims.head_dim_k}':>14} {sp.dims.max_ctx:>7}  "
                  f"{sp.type_summary()} ({fmt_bytes(sp.file_bytes)})")
-    L.append("")
-    head = f"{'memory':30}" + "".join(f"{r:>18}" for r, _ in models)
-    L.append(head)
+    return L
+
+
+def _memory_table(models: list[tuple[str, ModelMemory]]) -> list[str]:
     rows = [("weights", lambda m: fmt_bytes(m.weights)),
             ("  per layer", lambda m: _range(m.layer_weights)),
             ("  embeddings, head", lambda m: f"{fmt_bytes(m.embed)}, {fmt_bytes(m.head)}"),
@@ -122,60 +134,67 @@ def render(plan: Plan) -> str:
             ("  rows per slot x slots", lambda m: f"{m.kv_rows} x {m.slots}"),
             ("compute buffers (estimate)", lambda m: fmt_bytes(m.compute)),
             ("total", lambda m: fmt_bytes(m.total))]
-    for label, fn in rows:
-        L.append(f"{label:30}" + "".join(f"{fn(m):>18}" for _, m in models))
-    L.append("")
-    L.append(_placement_line(plan, s))
-    ctx_bits = []
+    return ([f"{'memory':30}" + "".join(f"{r:>18}" for r, _ in models)]
+            + [f"{label:30}" + "".join(f"{fn(m):>18}" for _, m in models) for label, fn in rows])
+
+
+def _context_line(plan: Plan) -> str:
+    bits = []
     if plan.max_context_gpu is not None:
-        ctx_bits.append(f"all on the GPU up to {plan.max_context_gpu}")
-    elif hw.gpu:
-        ctx_bits.append("never all on the GPU")
+        bits.append(f"all on the GPU up to {plan.max_context_gpu}")
+    elif plan.hw.gpu:
+        bits.append("never all on the GPU")
     forced = " with the given -ngl/-ngld" if plan.inputs.ngl is not None or plan.inputs.ngld is not None else ""
-    ctx_bits.append(f"fits{forced} up to {plan.max_context}" if plan.max_context
-                    else f"does not fit{forced} at any context")
+    bits.append(f"fits{forced} up to {plan.max_context}" if plan.max_context
+                else f"does not fit{forced} at any context")
     per = f"each +1k context: +{fmt_bytes(plan.per_1k_bytes)}"
     if plan.per_1k_layers is not None:
         per += f" = the GPU room of {plan.per_1k_layers:.2f} target layers"
     both = " (same for both models)" if plan.uses_draft else ""
-    L.append(f"context{both}: {', '.join(ctx_bits)} (model max {t.spec.dims.max_ctx}); {per}")
-    L.append("")
-    L.append(f"speed bound (decode, bandwidth): target {s.target_step.tokens_per_s:.1f} tok/s at empty context, "
-             f"{s.target_step_full.tokens_per_s:.1f} at {t.context}"
-             + (f"; draft {s.draft_step.tokens_per_s:.1f} tok/s" if s.draft_step else ""))
+    return f"context{both}: {', '.join(bits)} (model max {plan.target.spec.dims.max_ctx}); {per}"
+
+
+def _speed_lines(plan: Plan) -> list[str]:
+    s = plan.chosen
+    L = [f"speed bound (decode, bandwidth): target {s.target_step.tokens_per_s:.1f} tok/s at empty context, "
+         f"{s.target_step_full.tokens_per_s:.1f} at {plan.target.context}"
+         + (f"; draft {s.draft_step.tokens_per_s:.1f} tok/s" if s.draft_step else "")]
     if s.target_step.link_s and s.target_step.cpu_s:
         L.append(f"  split cost per step: GPU {s.target_step.gpu_s * 1e3:.2f} ms + CPU {s.target_step.cpu_s * 1e3:.2f}"
                  f" ms + link {s.target_step.link_s * 1e3:.3f} ms")
     if plan.cost_ratio is not None:
-        c = plan.cost_ratio
-        L.append(f"speculative, draft model: c = draft/target step = {c:.3f}; acceptance {plan.alpha:.0%} "
-                 f"({plan.alpha_source})")
-        k, g = best_k(plan.alpha, c, plan.inputs.draft_max)
-        L.append(f"  best draft length {k}: E[tokens/step] = (1-a^(k+1))/(1-a) = "
-                 f"{g * (k * c + 1):.2f}, speedup = E/(k c + 1) = x{g:.2f}; pays above acceptance "
-                 f"{plan.break_even:.0%} at this k, above {c:.0%} at k=1")
-        L.append("  acceptance  " + "".join(f"{a:>6.0%}" for a in ALPHAS))
-        tab = _table(plan)
-        L.append("  best k      " + "".join(f"{r['best_k']:>6}" for r in tab))
-        L.append("  speedup     " + "".join(f"{r['speedup']:>6.2f}" for r in tab))
-        if plan.why_not:
-            L.append(f"  the draft model does not pay: {plan.why_not}")
+        L += _draft_lines(plan, plan.cost_ratio)
     L.append(f"expected: {plan.expected_tps:.1f} tok/s with --spec-type {plan.spec_type} (bound x speedup)")
-    L.append("")
+    return L
+
+
+def _draft_lines(plan: Plan, c: float) -> list[str]:
+    """The draft model's cost ratio, best length, speedup and the table over acceptance rates."""
+    k, g = best_k(plan.alpha, c, plan.inputs.draft_max)
+    tab = _table(plan)
+    L = [f"speculative, draft model: c = draft/target step = {c:.3f}; acceptance {plan.alpha:.0%} "
+         f"({plan.alpha_source})",
+         f"  best draft length {k}: E[tokens/step] = (1-a^(k+1))/(1-a) = {g * (k * c + 1):.2f}, speedup = "
+         f"E/(k c + 1) = x{g:.2f}; pays above acceptance {plan.break_even:.0%} at this k, above {c:.0%} at k=1",
+         "  acceptance  " + "".join(f"{a:>6.0%}" for a in ALPHAS),
+         "  best k      " + "".join(f"{r['best_k']:>6}" for r in tab),
+         "  speedup     " + "".join(f"{r['speedup']:>6.2f}" for r in tab)]
+    if plan.why_not:
+        L.append(f"  the draft model does not pay: {plan.why_not}")
+    return L
+
+
+def _recommendation_lines(plan: Plan) -> list[str]:
     r = plan.recommendation
     flag = f"--spec-type {r.spec_type}" + (f" --draft-max {r.draft_max}" if r.spec_type != "none" else "")
-    L.append(f"recommendation: {flag}")
-    L.append(f"  {r.reason}")
-    if plan.rss is not None:
-        L.append("")
-        L.append(f"specdec runtime on the CPU (predicted RSS): steady {fmt_bytes(plan.rss.steady)}, peak "
-                 f"{fmt_bytes(plan.rss.peak)} ({plan.rss.peak / 1e6:,.0f} MB)")
-        L.append("  " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in plan.rss.phases.items())
-                 + f"; loading holds {plan.rss.load_note}")
-        L.append("  " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in plan.rss.parts.items()))
-    for n in plan.notes:
-        L.append(f"note: {n}")
-    return "\n".join(L) + "\n"
+    return [f"recommendation: {flag}", f"  {r.reason}"]
+
+
+def _rss_lines(rss: RuntimeRSS) -> list[str]:
+    return [f"specdec runtime on the CPU (predicted RSS): steady {fmt_bytes(rss.steady)}, peak {fmt_bytes(rss.peak)} "
+            f"({rss.peak / 1e6:,.0f} MB)",
+            "  " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in rss.phases.items()) + f"; loading holds {rss.load_note}",
+            "  " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in rss.parts.items())]
 
 
 def _placement_line(plan: Plan, s: Setup) -> str:
