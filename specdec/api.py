@@ -1,25 +1,25 @@
 """Python API: `LLM(model, draft=..., spec_type=...).generate(prompt, ...)`."""
 from __future__ import annotations
 
+import argparse
+import sys
 import threading
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Any, Hashable
 
 import torch
 
-from specdec.drafters import Drafter, parse_spec_type
-from specdec.drafters.chain import CHAIN_MODES, ChainDrafter
-from specdec.drafters.factory import MODEL_FREE, ModelFreeSettings, make_model_free
-from specdec.drafters.suffix import FACTOR
-from specdec.engine.engine import Engine, SpecConfig, StreamCallback
-from specdec.engine.stats import Stats
+from specdec.config import Config
+from specdec.drafters import REGISTRY, BuildContext, Drafter, parse_spec_type
+from specdec.drafters.chain import assemble
+from specdec.engine.engine import Engine, StreamCallback
 from specdec.errors import SpecdecError
 from specdec.models import packs
-from specdec.models.loader import (QUANT_CHOICES, load_checkpoint, resolve_dtype, resolve_gguf, resolve_model,
-                                   resolve_quant)
+from specdec.models.loader import load_checkpoint, resolve_dtype, resolve_gguf, resolve_model, resolve_quant
 from specdec.runtime.quant import quantize_
 from specdec.runtime.runner import ModelRunner
 from specdec.sampling import SamplingParams
+from specdec.stats import Stats
 
 
 @dataclass
@@ -37,92 +37,69 @@ class Result:
 
 
 class LLM:
-    """A target model, optionally with a drafter. With no model, the default Qwen2.5-Coder pair."""
+    """A target model, optionally with a drafter. With no model, the default Qwen2.5-Coder pair.
+
+    Keywords are `Config` fields (context, dtype, quant, draft_max, ...) and drafter options by their registry
+    names (ngram_n, suffix_factor, draft_p_min, ...); or pass a whole `config`."""
 
     def __init__(self, model: str | None = None, draft: str | None = None, spec_type: str | None = None,
-                 context: int = 4096, dtype: str = "auto", threads: int | None = None, draft_max: int = 16,
-                 draft_min: int = 0, draft_p_min: float = 0.0, ngram_n: int = 3, ngram_m: int = 16,
-                 draft_quant: str = "auto", progress: bool = True, adaptive: bool = True,
-                 draft_branch_p: float = 0.0, ngram_min_hits: int = 1,
-                 ngram_mod_pool_mb: float = 16.0, suffix_max_requests: int = 64, suffix_factor: float = FACTOR,
-                 suffix_min_prob: float = 0.1, synth_rates: list[float] | None = None, synth_len: int = 8,
-                 parallel: int = 1, chain_mode: str = "first", n_gpu_layers: int = 0, n_gpu_layers_draft: int = 0,
-                 quant: str = "auto"):
-        spec_type = spec_type or ("draft" if draft or model is None else "none")
-        self.spec_type = ",".join(parse_spec_type(spec_type))
-        _check_positive(context=context, draft_max=draft_max, parallel=parallel)
-        if draft_min < 0 or draft_min > draft_max:
-            raise SpecdecError("draft_min must be between 0 and draft_max")
-        if not 0 <= draft_p_min <= 1:
-            raise SpecdecError("draft_p_min must be in [0, 1]")
-        if not 0 <= draft_branch_p <= 1:
-            raise SpecdecError("draft_branch_p must be in [0, 1]")
-        for what, q in (("draft", draft_quant), ("target", quant)):
-            if q not in QUANT_CHOICES:
-                raise SpecdecError(f"unknown {what} quantization {q!r} (choose {', '.join(QUANT_CHOICES)})")
-        self._model_free = ModelFreeSettings(ngram_n, ngram_m, ngram_min_hits, ngram_mod_pool_mb, suffix_max_requests,
-                                             suffix_factor, suffix_min_prob, tuple(synth_rates or [0.8]), synth_len)
-        if chain_mode not in CHAIN_MODES:
-            raise SpecdecError(f"unknown chain mode {chain_mode!r} (choose {', '.join(CHAIN_MODES)})")
-        self._chain_mode = chain_mode
-        if threads is not None:
-            _check_positive(threads=threads)
-            torch.set_num_threads(threads)
-        if model is None:
-            model = packs.DEFAULT_TARGET
-            if "draft" in self.spec_type.split(",") and draft is None:
-                draft = packs.DEFAULT_DRAFT
-        target, self.tokenizer, self.quant, self.dtype = load_model(model, quant, dtype, n_gpu_layers, progress)
-        self._dtype_name, self._ngld = dtype, n_gpu_layers_draft
+                 config: Config | None = None, **options: Any):
+        cfg = config or Config.make(model=model, draft=draft, spec_type=spec_type, **options)
+        self.config = cfg
+        self.spec_type = cfg.spec_type
+        if cfg.threads is not None:
+            torch.set_num_threads(cfg.threads)
+        target, self.tokenizer, self.quant, self.dtype = load_model(cfg.model, cfg.quant, cfg.dtype, cfg.n_gpu_layers,
+                                                                    cfg.progress)
         self.quant_info = describe_quant(target, self.quant)  # which path the target runs, for stats and reports
-        context = min(context, target.config.max_position_embeddings)
-        self.parallel = parallel  # KV cache slots: sequences that can run at once
-        self.runner = ModelRunner(target, num_slots=parallel, context=context)
-        self._draft_name, self._p_min, self._branch_p = draft, draft_p_min, draft_branch_p
-        self._draft_quant = draft_quant
-        self._spec = SpecConfig(draft_max, draft_min, adaptive)
-        self._progress = progress
+        self.parallel = cfg.parallel
+        self.runner = ModelRunner(target, num_slots=cfg.parallel,
+                                  context=min(cfg.context, target.config.max_position_embeddings))
         self._drafters: dict[tuple[str, Hashable], Drafter | None] = {}  # by (spec type or chain, scope)
         self._drafters_lock = threading.RLock()  # server requests ask from several threads; chains nest
-        self.engine = Engine(self.runner, self.tokenizer, self._spec)
-        self.drafter = self.drafter_for(spec_type)
+        self.engine = Engine(self.runner, self.tokenizer, cfg.spec)
+        self.drafter = self.drafter_for(self.spec_type)
 
     def drafter_for(self, spec_type: str, scope: Hashable = None) -> Drafter | None:
-        """The drafter for one spec type or chain (None for 'none'), made once per LLM and `scope`. Model-free
-        drafters (and chains with one) get an instance per scope, so what they learn across requests (the
-        ngram-mod pool, the suffix memory) stays within it (e.g. one API key); scope None is the LLM's own.
-        The draft model keeps nothing across requests: one serves every scope."""
+        """The drafter for one spec type or chain (None for 'none'), made once per LLM and `scope`. Types that
+        learn across requests (the ngram-mod pool, the suffix memory; chains with one) get an instance per scope
+        (e.g. one API key); scope None is the LLM's own. The others (the draft model) serve every scope."""
         parts = parse_spec_type(spec_type)
-        key = (",".join(parts), scope if any(p in MODEL_FREE for p in parts) else None)
+        per_scope = any(p != "none" and REGISTRY.get(p).per_scope for p in parts)
+        key = (",".join(parts), scope if per_scope else None)
         if key not in self._drafters:
             with self._drafters_lock:  # made once, however many requests ask at the same time (a draft model loads)
                 if key not in self._drafters:
-                    members = [self.drafter_for(p, scope) for p in parts] if len(parts) > 1 else None
-                    self._drafters[key] = (ChainDrafter(members, self._chain_mode) if members
-                                           else self._make_drafter(key[0]))
+                    self._drafters[key] = assemble(parts, lambda p: self._make_drafter(p, scope, len(parts) > 1),
+                                                   self.config.chain_mode)
         return self._drafters[key]
 
     def reset_drafters(self) -> None:
         """Forget what drafters learned across requests (ngram-mod pool, suffix memory), e.g. between repeats."""
         for d in self._drafters.values():
-            if hasattr(d, "reset"):
+            if d is not None:
                 d.reset()
 
-    def _make_drafter(self, spec_type: str) -> Drafter | None:
-        if spec_type in MODEL_FREE:
-            return make_model_free(spec_type, self._model_free)
-        if spec_type == "draft":
-            from specdec.drafters.draft_model import DraftModelDrafter
-            if self._draft_name is None:
-                raise SpecdecError("spec type 'draft' needs a draft model (-md)")
-            dmodel, dtok, _, _ = load_model(self._draft_name, self._draft_quant, self._dtype_name, self._ngld,
-                                            self._progress)
-            if not dtok.same_vocab(self.tokenizer):
-                raise SpecdecError(f"draft model {self._draft_name} uses a different tokenizer than the target; "
-                                   "a draft model must share the target's vocabulary")
-            return DraftModelDrafter(ModelRunner(dmodel, self.parallel, self.context), self.runner.vocab_size, self._p_min,
-                                     self._branch_p)
-        return None
+    def _make_drafter(self, spec_type: str, scope: Hashable, member: bool) -> Drafter | None:
+        """A chain member is the scope's own drafter of that type (shared with it); else a new one."""
+        if spec_type == "none":
+            return None
+        if member:
+            return self.drafter_for(spec_type, scope)
+        t = REGISTRY.get(spec_type)
+        if t.verify_hook is not None:
+            self.engine.verify_hooks[spec_type] = t.verify_hook
+        return t.build(BuildContext(self.config.drafter, self.runner, self._load_draft))
+
+    def _load_draft(self) -> ModelRunner:
+        cfg = self.config
+        if cfg.draft is None:
+            raise SpecdecError("this spec type needs a draft model (-md)")
+        dmodel, dtok, _, _ = load_model(cfg.draft, cfg.draft_quant, cfg.dtype, cfg.n_gpu_layers_draft, cfg.progress)
+        if not dtok.same_vocab(self.tokenizer):
+            raise SpecdecError(f"draft model {cfg.draft} uses a different tokenizer than the target; "
+                               "a draft model must share the target's vocabulary")
+        return ModelRunner(dmodel, self.parallel, self.context)
 
     @property
     def context(self) -> int:
@@ -173,8 +150,8 @@ def load_model(name: str, quant: str, dtype: str, n_gpu_layers: int = 0, progres
     dt = resolve_dtype(dtype, quant=quant)
     if quant == "gguf":  # the file's own blocks through the GGUF kernels (no 16/32-bit weight copies)
         from specdec.models.gguf_quantized import load_gguf_quantized
-        pinned = packs.PACKS[name].sha256 if name in packs.PACKS else None  # resolve_gguf checked the pack
-        model, tok = load_gguf_quantized(resolve_gguf(name, progress), dt, pinned)
+        pack_sha = packs.PACKS[name].sha256 if name in packs.PACKS else None  # resolve_gguf checked the pack
+        model, tok = load_gguf_quantized(resolve_gguf(name, progress), dt, pack_sha)
     else:
         model, tok = load_checkpoint(resolve_model(name, progress), dt)
     _offload(model, n_gpu_layers)
@@ -190,7 +167,11 @@ def _offload(model, n_gpu_layers: int) -> None:
         model.place(place_layers(model.config.num_layers, n_gpu_layers).module_devices())
 
 
-def _check_positive(**values: int) -> None:
-    for name, v in values.items():
-        if v < 1:
-            raise SpecdecError(f"{name} must be >= 1 (got {v})")
+def build_llm(args: argparse.Namespace, progress: bool = True, **override: Any) -> LLM:
+    """An LLM from parsed CLI flags (`specdec generate|serve|bench`); `override`: Config fields to replace."""
+    from specdec.runtime.placement import offload_notice
+
+    notice = offload_notice(getattr(args, "n_gpu_layers", None), getattr(args, "n_gpu_layers_draft", None))
+    if notice:
+        print(notice, file=sys.stderr)
+    return LLM(config=Config.from_namespace(args, progress=progress, **override))

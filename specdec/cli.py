@@ -22,13 +22,6 @@ def _positive_int(s: str) -> int:
     return v
 
 
-def _unit_float(s: str) -> float:
-    v = float(s)
-    if not 0 <= v <= 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {s}")
-    return v
-
-
 def _spec_type(s: str) -> str:
     """A spec type or a comma-separated chain of them, normalized ('ngram-mod, draft' -> 'ngram-mod,draft')."""
     from specdec.drafters import parse_spec_type
@@ -37,16 +30,6 @@ def _spec_type(s: str) -> str:
         return ",".join(parse_spec_type(s))
     except SpecdecError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _rates(s: str) -> list[float]:
-    try:
-        rates = [float(x) for x in s.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from None
-    if not all(0 <= r <= 1 for r in rates):
-        raise argparse.ArgumentTypeError(f"rates must be in [0, 1], got {s}")
-    return rates
 
 
 def _layers(s: str) -> int:
@@ -61,17 +44,22 @@ def _layers(s: str) -> int:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that loads models."""
-    from specdec.drafters import SPEC_TYPES
+    from specdec.config import DTYPES, Config
+    from specdec.drafters import REGISTRY, spec_types
+    from specdec.drafters.chain import CHAIN_MODES
+    from specdec.models.loader import QUANT_CHOICES
 
+    D = Config  # defaults live on the Config class
     g = p.add_argument_group("models")
     g.add_argument("-m", "--model", help="target: model pack name, GGUF file or checkpoint directory "
                    "(default: qwen2.5-coder-1.5b with draft qwen2.5-coder-0.5b)")
     g.add_argument("-md", "--model-draft", dest="draft", help="draft model (same tokenizer as the target)")
-    g.add_argument("-c", "--ctx-size", dest="context", type=_positive_int, default=4096, help="context length (default 4096)")
-    g.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
+    g.add_argument("-c", "--ctx-size", dest="context", type=_positive_int, default=D.context,
+                   help=f"context length (default {D.context})")
+    g.add_argument("--dtype", choices=DTYPES, default=D.dtype,
                    help="compute dtype; auto = fp32 for a gguf model on the CPU (its kernels take fp32), else bf16 "
                    "on CPUs with native bf16, else fp32")
-    g.add_argument("--quant", choices=["auto", "gguf", "int8", "int4", "none"], default="auto",
+    g.add_argument("--quant", choices=QUANT_CHOICES, default=D.quant,
                    help="target weights: auto (default) = gguf for a model pack or GGUF file, none for a checkpoint "
                    "directory; gguf = the GGUF file's own blocks (Q4_K/Q5_0/Q6_K/Q8_0) through CPU kernels (on "
                    "AVX-512 repacked at load, 16 outputs at a time), other types dequantized to --dtype; int8 / "
@@ -86,52 +74,40 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="draft-model layers on the GPU (N or all), as -ngl; GPU layers of the draft stay unquantized")
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--spec-type", type=_spec_type, metavar="TYPE[,TYPE...]",
-                   help=f"drafter: {' | '.join(SPEC_TYPES)}; a comma list is a chain, the first that drafts wins "
+                   help=f"drafter: {' | '.join(spec_types())}; a comma list is a chain, the first that drafts wins "
                    "(default: draft with -md or no -m, else none)")
-    s.add_argument("--spec-chain", dest="chain_mode", choices=["first", "gain"], default="first",
+    s.add_argument("--spec-chain", dest="chain_mode", choices=CHAIN_MODES, default=D.chain_mode,
                    help="with a chain a,b: first = the first drafter that drafts (llama.cpp); gain = the draft with "
                    "the most expected accepted tokens by each drafter's measured acceptance (default first)")
-    s.add_argument("--draft-max", type=_positive_int, default=16, help="max drafted tokens per step (default 16)")
-    s.add_argument("--draft-min", type=int, default=0, help="skip drafts shorter than this (default 0)")
-    s.add_argument("--draft-branch-p", type=_unit_float, default=0.0,
-                   help="draft model: where its largest probability is below this, also propose its second "
-                   "choice (sampling: a second draw) as a sibling (a token tree verified in one forward); "
-                   "0 = chains only (default 0)")
-    s.add_argument("--spec-adaptive", choices=["on", "off"], default="on",
+    s.add_argument("--draft-max", type=_positive_int, default=D.draft_max,
+                   help=f"max drafted tokens per step (default {D.draft_max})")
+    s.add_argument("--draft-min", type=int, default=D.draft_min, help="skip drafts shorter than this (default 0)")
+    s.add_argument("--spec-adaptive", choices=["on", "off"], default="on" if D.adaptive else "off",
                    help="choose each step's draft length (<= --draft-max) by measured costs and acceptance, "
                    "0 when no draft pays, with a one-token probe now and then (default on); off = always --draft-max")
-    s.add_argument("--draft-p-min", type=_unit_float, default=0.0,
-                   help="stop drafting when the draft's largest probability at the next position falls below this "
-                   "(decided before drawing, so sampling stays lossless; default 0)")
-    s.add_argument("--draft-quant", choices=["auto", "gguf", "int8", "int4", "none"], default="auto",
+    s.add_argument("--draft-quant", choices=QUANT_CHOICES, default=D.draft_quant,
                    help="weights of the draft model, as --quant: auto (default) = gguf for a pack or GGUF file (its "
                    "own blocks through the kernels), none for a checkpoint directory; int4 (groups of 64, bf16 "
                    "layers; int8 elsewhere) or int8 (per channel) weight-only; the output stays the target's")
-    s.add_argument("--spec-ngram-size-n", dest="ngram_n", type=_positive_int, default=3,
-                   help="ngram-*: tokens to match (default 3)")
-    s.add_argument("--spec-ngram-size-m", dest="ngram_m", type=_positive_int, default=16,
-                   help="ngram-*: max tokens to propose after a match (default 16)")
-    s.add_argument("--spec-ngram-min-hits", dest="ngram_min_hits", type=_positive_int, default=1,
-                   help="ngram-map-k/k4v/k-tree: hits a continuation needs before it is drafted (default 1)")
-    s.add_argument("--spec-ngram-mod-pool-mb", dest="ngram_mod_pool_mb", type=float, default=16.0,
-                   help="ngram-mod: size of the hash pool shared by all sequences, in MB (default 16)")
-    s.add_argument("--spec-suffix-max-requests", dest="suffix_max_requests", type=int, default=64,
-                   help="suffix: past requests whose outputs are remembered, oldest evicted; 0 = none (default 64)")
-    s.add_argument("--spec-suffix-factor", dest="suffix_factor", type=float, default=4.0,
-                   help="suffix, suffix-tree: draft at most factor x match length tokens (default 4)")
-    s.add_argument("--spec-suffix-min-prob", dest="suffix_min_prob", type=_unit_float, default=0.1,
-                   help="suffix: stop drafting below this empirical continuation probability; suffix-tree: cut "
-                   "nodes whose path probability is below it (default 0.1)")
-    s.add_argument("--spec-synth-rates", dest="synth_rates", type=_rates, default=[0.8],
-                   help="synthetic: acceptance probability per draft position, e.g. 0.9,0.8,0.6 (the last one "
-                   "repeats); output is NOT valid text (default 0.8)")
-    s.add_argument("--spec-synth-len", dest="synth_len", type=_positive_int, default=8,
-                   help="synthetic: tokens per fake draft (default 8)")
+    for o in REGISTRY.options.values():  # every drafter's own options, from the registry
+        s.add_argument(o.flag, dest=o.name, type=_option_type(o), default=o.default, help=o.help)
+
+
+def _option_type(o):
+    """argparse type for a drafter option: its parser and rule, errors as one line."""
+    def parse(text: str):
+        try:
+            return o.check(text)
+        except (SpecdecError, ValueError) as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    parse.__name__ = o.name  # argparse names the type in "invalid <name> value"
+    return parse
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("-n", "--n-predict", dest="max_tokens", type=_positive_int, default=128, help="max new tokens (default 128)")
+    g.add_argument("-n", "--n-predict", dest="max_tokens", type=_positive_int, default=128,
+                   help="max new tokens (default 128)")
     g.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default 0)")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0)
@@ -140,40 +116,24 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
-def build_llm(a: argparse.Namespace, progress: bool = True):
-    from specdec.api import LLM
-    from specdec.runtime.placement import offload_notice
-
-    notice = offload_notice(getattr(a, "n_gpu_layers", None), getattr(a, "n_gpu_layers_draft", None))
-    if notice:
-        print(notice, file=sys.stderr)
-
-    return LLM(a.model, draft=a.draft, spec_type=a.spec_type, context=a.context, dtype=a.dtype, threads=a.threads,
-               draft_max=a.draft_max, draft_min=a.draft_min, draft_p_min=a.draft_p_min, ngram_n=a.ngram_n,
-               ngram_m=a.ngram_m, draft_quant=a.draft_quant, adaptive=a.spec_adaptive == "on",
-               draft_branch_p=a.draft_branch_p, progress=progress, ngram_min_hits=a.ngram_min_hits,
-               ngram_mod_pool_mb=a.ngram_mod_pool_mb, suffix_max_requests=a.suffix_max_requests,
-               suffix_factor=a.suffix_factor, suffix_min_prob=a.suffix_min_prob, synth_rates=a.synth_rates,
-               synth_len=a.synth_len, parallel=getattr(a, "parallel", 1), chain_mode=a.chain_mode,
-               n_gpu_layers=a.n_gpu_layers or 0, n_gpu_layers_draft=a.n_gpu_layers_draft or 0,
-               quant=getattr(a, "quant", "auto"))
-
-
-def cmd_generate(a: argparse.Namespace) -> int:
-    if (a.prompt is None) == (a.file is None):
+def cmd_generate(args: argparse.Namespace) -> int:
+    if (args.prompt is None) == (args.file is None):
         raise SpecdecError("give exactly one of -p PROMPT or -f FILE")
-    if a.file is not None:
+    if args.file is not None:
         try:
-            prompt = Path(a.file).read_text()
+            prompt = Path(args.file).read_text()
         except OSError as e:
-            raise SpecdecError(f"cannot read prompt file {a.file}: {e.strerror}") from None
+            raise SpecdecError(f"cannot read prompt file {args.file}: {e.strerror}") from None
     else:
-        prompt = a.prompt
-    llm = build_llm(a, progress=not a.json)
-    stream = None if a.json else lambda s: print(s, end="", flush=True)
-    r = llm.generate(prompt, max_tokens=a.max_tokens, temperature=a.temp, top_k=a.top_k, top_p=a.top_p,
-                     min_p=a.min_p, seed=a.seed, stop=a.stop, chat=a.chat, system=a.system, on_text=stream)
-    if a.json:
+        prompt = args.prompt
+    from specdec.api import build_llm
+
+    llm = build_llm(args, progress=not args.json)
+    stream = None if args.json else lambda s: print(s, end="", flush=True)
+    r = llm.generate(prompt, max_tokens=args.max_tokens, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
+                     min_p=args.min_p, seed=args.seed, stop=args.stop, chat=args.chat, system=args.system,
+                     on_text=stream)
+    if args.json:
         keys = ("new_tokens", "target_forwards", "drafted", "accepted", "acceptance_rate", "mean_accept_len",
                 "tokens_per_s")
         d = r.stats.to_dict()
@@ -191,58 +151,59 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_models(a: argparse.Namespace) -> int:
+def cmd_models(args: argparse.Namespace) -> int:
     from specdec.models import packs
 
-    if a.action == "list":
+    if args.action == "list":
         for p in packs.PACKS.values():
             state = "pulled" if packs.is_pulled(p.name) else "not pulled"
             print(f"{p.name:22} {state:11} {p.description}")
         return 0
-    for name in a.names or []:
+    for name in args.names or []:
         print(f"{name}: {packs.pull(name)}")
-    if not a.names:
+    if not args.names:
         raise SpecdecError("models pull needs at least one NAME")
     return 0
 
 
-def cmd_bench(a: argparse.Namespace) -> int:
-    if a.what == "serve":
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "serve":
         from specdec.bench.serve_bench import run_serve_bench
 
-        run_serve_bench(a)
+        run_serve_bench(args)
         return 0
-    if a.what == "replay":
+    if args.what == "replay":
         from specdec.bench.replay import run_replay
 
-        run_replay(a)
+        run_replay(args)
         return 0
     from specdec.bench.runner import run_bench
 
-    run_bench(a)
+    run_bench(args)
     return 0
 
 
-def cmd_serve(a: argparse.Namespace) -> int:
+def cmd_serve(args: argparse.Namespace) -> int:
     from specdec.server.serve import run_server
 
-    return run_server(a, build_llm)
+    return run_server(args)
 
 
-def cmd_plan(a: argparse.Namespace) -> int:
+def cmd_plan(args: argparse.Namespace) -> int:
     from specdec.plan import PlanInputs, make_plan
     from specdec.plan.export import export
     from specdec.plan.report import render, to_dict
 
     plan = make_plan(PlanInputs(
-        model=a.model, draft=a.draft, context=a.context, draft_context=a.draft_context, dtype=a.dtype,
-        draft_dtype=a.draft_dtype, draft_quant=a.draft_quant, kv_dtype=a.kv_dtype, slots=a.parallel, gpu=a.gpu,
-        gpu_mem=a.gpu_mem, gpu_bw=a.gpu_bw, ram=a.ram, ram_bw=a.ram_bw, pcie_bw=a.pcie_bw, cpu=a.cpu,
-        ngl=a.n_gpu_layers, ngld=a.n_gpu_layers_draft, task=a.task, accept=a.accept, draft_max=a.draft_max,
-        spec_type=a.spec_type))
-    if a.export:
-        print(export(plan, a.export), end="")
-    elif a.json:
+        model=args.model, draft=args.draft, context=args.context, draft_context=args.draft_context,
+        dtype=args.dtype, draft_dtype=args.draft_dtype, quant=args.quant, draft_quant=args.draft_quant,
+        kv_dtype=args.kv_dtype, slots=args.parallel, gpu=args.gpu, gpu_mem=args.gpu_mem, gpu_bw=args.gpu_bw,
+        ram=args.ram, ram_bw=args.ram_bw, pcie_bw=args.pcie_bw, cpu=args.cpu, ngl=args.n_gpu_layers,
+        ngld=args.n_gpu_layers_draft, task=args.task, accept=args.accept, draft_max=args.draft_max,
+        spec_type=args.spec_type, export=args.export, avx512={"yes": True, "no": False}.get(args.avx512)))
+    if args.export:
+        print(export(plan, args.export), end="")
+    elif args.json:
         print(json.dumps(to_dict(plan), indent=2))
     else:
         print(render(plan), end="")
@@ -250,6 +211,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
 
 
 def _add_plan_parser(sub) -> None:
+    from specdec.models.loader import QUANT_CHOICES
     from specdec.plan.devices import CPUS, DEVICES
     from specdec.plan.export import ENGINES
     from specdec.plan.recommend import TASKS
@@ -266,18 +228,20 @@ def _add_plan_parser(sub) -> None:
     m.add_argument("-cd", "--ctx-size-draft", dest="draft_context", type=_positive_int,
                    help="draft context (default: -c, capped at the draft's maximum)")
     m.add_argument("-np", "--parallel", type=_positive_int, default=1, help="parallel slots (default 1)")
-    m.add_argument("--dtype", default="file",
-                   help="weight format: file (each tensor as stored: a GGUF's own quant types, what llama.cpp "
-                   "and specdec generate's default load; default), auto|bf16|fp16|fp32 (specdec's dense runtime, "
-                   "generate --quant none: params x dtype bytes, draft linears --draft-quant), or a GGML type such "
-                   "as q8_0, q4_k, iq4_xs (requantized)")
-    m.add_argument("--draft-dtype", help="weight format of the draft (default: --dtype)")
-    m.add_argument("--draft-quant", choices=["int8", "int4", "none"], default="int4",
-                   help="dense runtime formats (--dtype auto|bf16|fp16|fp32, generate --quant none): draft linear "
-                   "weights int4 (default), int8 or none; generate's default GGUF blocks are planned by --dtype file")
+    m.add_argument("--dtype",
+                   help="auto|bf16|fp16|fp32: specdec's runtime with this compute dtype, as generate --dtype "
+                   "(default: auto; weights per --quant/--draft-quant); file: each tensor as stored, what llama.cpp "
+                   "and Ollama load (default with --export llama.cpp|ollama); or a GGML type such as q8_0, q4_k, "
+                   "iq4_xs (the file requantized, loaded by llama.cpp)")
+    m.add_argument("--draft-dtype", help="the draft's --dtype (default: --dtype)")
+    for flag, who in (("--quant", "target"), ("--draft-quant", "draft")):
+        m.add_argument(flag, choices=QUANT_CHOICES, default="auto",
+                       help=f"specdec's runtime, as generate {flag}: the {who}'s weights as gguf (the file's blocks "
+                       "through the kernels; x16 layout on AVX-512), int8, int4 or none (dense); auto: gguf for "
+                       "packs and GGUF files, none for checkpoints (default)")
     m.add_argument("--kv-dtype", default="auto",
-                   help="KV cache type: auto (f16; the runtime dtype with --dtype auto|bf16|fp16|fp32), f32, f16, "
-                   "bf16, q8_0, q4_0...")
+                   help="KV cache type: auto (the runtime's compute dtype; f16 with --dtype file or a GGML type), "
+                   "f32, f16, bf16, q8_0, q4_0...")
     h = pl.add_argument_group("hardware")
     h.add_argument("--gpu", help=f"a named GPU ({', '.join(DEVICES)}) or none (default: detected with CUDA)")
     h.add_argument("--gpu-mem", help="GPU memory, e.g. 24GiB (default: the named or detected GPU's)")
@@ -285,6 +249,9 @@ def _add_plan_parser(sub) -> None:
     h.add_argument("--ram", help="system RAM, e.g. 64GiB (default: detected)")
     h.add_argument("--ram-bw", help="RAM bandwidth, e.g. 90GB/s (default: the --cpu profile)")
     h.add_argument("--cpu", help=f"CPU memory profile for --ram-bw: {', '.join(CPUS)} (default cpu-ddr5)")
+    h.add_argument("--avx512", choices=["auto", "yes", "no"], default="auto",
+                   help="whether the planned CPU runs the kernels' AVX-512 path (x16 layout); auto: the --cpu "
+                   "profile's when it says, else this CPU's")
     h.add_argument("--pcie-bw", help="GPU host link bandwidth (default: the GPU's PCIe generation, x16)")
     h.add_argument("-ngl", "--n-gpu-layers", dest="n_gpu_layers", type=_layers, metavar="N",
                    help="target layers on the GPU, N or all (default: as many as fit)")
@@ -303,7 +270,7 @@ def _add_plan_parser(sub) -> None:
 
 def make_parser() -> argparse.ArgumentParser:
     from specdec.bench.runner import all_methods
-    from specdec.drafters import LOSSLESS_TYPES
+    from specdec.drafters import spec_types
 
     p = _Parser(prog="specdec", description="Lossless speculative decoding for local LLMs.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -348,7 +315,7 @@ def make_parser() -> argparse.ArgumentParser:
                    help="sampled runs without a seed (rejection sampling); default: seeded, each token a function "
                    "of (seed, position) and verified by exact match")
     r = b.add_argument_group("methods and measurement")
-    r.add_argument("--methods", default=",".join((*LOSSLESS_TYPES, "hf-plain")),
+    r.add_argument("--methods", default=",".join((*spec_types(lossy=False), "hf-plain")),
                    help=f"comma-separated, or all: {', '.join(all_methods())} (default: ours and hf-plain)")
     r.add_argument("--repeat", type=_positive_int, default=1, help="runs per prompt and method (median reported)")
     r.add_argument("--llama-server", metavar="PATH|auto",

@@ -1,6 +1,7 @@
 """Adaptive draft length: the cost model picks long drafts when they pay and none when they don't."""
 import pytest
-from specdec.engine.adaptive import PROBE_EVERY, AcceptanceEstimate, CostModel, choose_draft_len
+from specdec.acceptance import AcceptanceEstimate
+from specdec.engine.adaptive import PROBE_EVERY, CostModel, choose_draft_len
 
 
 def _cost(draft_per_token, verify_slope=0.01):

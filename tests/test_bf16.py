@@ -2,7 +2,7 @@
 import pytest
 
 import specdec
-from specdec.engine.stats import first_divergence
+from specdec.stats import first_divergence
 
 # A k-token verify and a 1-token step round differently in bf16; logits are bf16 matmul outputs
 # (spacing 0.125 around |16-32|), so a flip needs the plain run's top-2 gap within a few ulps.

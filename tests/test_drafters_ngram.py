@@ -11,7 +11,7 @@ from specdec.drafters.ngram_index import ContinuationCounts, ranked, suffix_hash
 from specdec.drafters.ngram_map_k import NgramMapK4VDrafter, NgramMapKDrafter, NgramMapKTreeDrafter
 from specdec.drafters.ngram_mod import NgramModDrafter
 from specdec.drafters.suffix import MAX_ORDER, SuffixDrafter, SuffixTreeDrafter
-from specdec.engine.sequence import Sequence
+from specdec.sequence import Sequence
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
 
@@ -233,7 +233,7 @@ class _Fixed(Drafter):
     def __init__(self, name, tokens):
         self.name, self.tokens, self.calls = name, tokens, []
 
-    def propose(self, seq, max_tokens):
+    def propose(self, seq, max_tokens, min_path_prob=0.0):
         self.calls.append("propose")
         return Draft(self.tokens[:max_tokens])
 

@@ -2,9 +2,10 @@
 import pytest
 
 import specdec
+from specdec.drafters import REGISTRY
 
 PROMPTS_TINY = ["t5 t9 t12 t5 t9 t12 t5 t9", "t33 t2 t71", "t8 " * 20 + "t4", "t60"]
-MODEL_FREE = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-map-k-tree", "ngram-mod", "suffix", "suffix-tree")
+MODEL_FREE = tuple(n for n, t in REGISTRY.types.items() if not (t.lossy or t.draft_model or t.target_features))
 CHAIN = "ngram-mod,draft"
 SPECS = ("draft", *MODEL_FREE, CHAIN)
 
@@ -24,7 +25,7 @@ def _set_stop(llm, ids):
 @pytest.mark.parametrize("draft_seed", [None, 1])  # the target itself as draft (all accepted), a weak random draft
 def test_tiny_greedy_equality(tiny_dir, family, adaptive, draft_seed):
     llm = _tiny_llm(tiny_dir, family, draft_seed)
-    llm._spec.adaptive = adaptive
+    llm.engine.spec.adaptive = adaptive
     _set_stop(llm, [])
     for prompt in PROMPTS_TINY:
         for max_tokens in (1, 7, 40):
@@ -33,7 +34,7 @@ def test_tiny_greedy_equality(tiny_dir, family, adaptive, draft_seed):
             # length draft_max is only a cap, so the newer drafters sweep it only without
             for spec in ("draft", CHAIN) + (MODEL_FREE if draft_seed is None else ()):
                 for k in (1, 3, 8) if spec == "draft" or not adaptive else (8,):
-                    llm._spec.draft_max = k
+                    llm.engine.spec.draft_max = k
                     r = llm.generate(prompt, max_tokens=max_tokens, spec_type=spec)
                     assert r.token_ids == base.token_ids, (family, prompt, max_tokens, spec, k)
                     assert r.finish_reason == base.finish_reason
@@ -42,7 +43,7 @@ def test_tiny_greedy_equality(tiny_dir, family, adaptive, draft_seed):
 def test_tiny_model_free_with_misses(tiny_dir):
     """n = 1 and no probability cut: model-free drafters draft on most steps and are often wrong."""
     llm = _tiny_llm(tiny_dir, "llama", None, ngram_n=1, suffix_min_prob=0.0, suffix_factor=4.0)
-    llm._spec.adaptive, llm._spec.draft_max = False, 6
+    llm.engine.spec.adaptive, llm.engine.spec.draft_max = False, 6
     _set_stop(llm, [])
     bases = {p: llm.generate(p, max_tokens=40, spec_type="none").token_ids for p in PROMPTS_TINY}
     for spec in (*MODEL_FREE, "suffix,ngram-map-k"):
@@ -59,7 +60,7 @@ def test_tiny_model_free_with_misses(tiny_dir):
 
 def test_drafters_shared_within_an_llm(tiny_dir):
     llm = _tiny_llm(tiny_dir, "qwen2", None)
-    llm._spec.adaptive = False
+    llm.engine.spec.adaptive = False
     _set_stop(llm, [])
     mod = llm.drafter_for("ngram-mod")
     assert llm.drafter_for("ngram-mod, draft") is llm.drafter_for(CHAIN)
@@ -87,7 +88,7 @@ def test_tiny_runs_into_eos_and_context(tiny_dir):
     base = llm.generate(prompt, max_tokens=200, spec_type="none")
     assert base.finish_reason == "stop" and eos not in base.token_ids
     for spec in SPECS:
-        llm._spec.draft_max = 8
+        llm.engine.spec.draft_max = 8
         r = llm.generate(prompt, max_tokens=200, spec_type=spec)
         assert r.token_ids == base.token_ids and r.finish_reason == "stop"
     _set_stop(llm, [])
@@ -130,7 +131,7 @@ def test_smollm_greedy_equality(smollm_dir):
                                   ("ngram-map-k", 6, 0.0), ("ngram-map-k4v", 6, 0.0), ("ngram-map-k-tree", 6, 0.0),
                                   ("ngram-mod", 6, 0.0), ("suffix", 16, 0.0), ("suffix-tree", 16, 0.0),
                                   (CHAIN, 6, 0.0)):
-            llm._spec.draft_max, drafter.branch_p = k, branch_p
+            llm.engine.spec.draft_max, drafter.branch_p = k, branch_p
             r = llm.generate(prompt, max_tokens=48, chat=True, spec_type=spec)
             assert r.token_ids == base.token_ids, (prompt, spec, k, branch_p)
             accepted += r.stats.accepted
@@ -158,7 +159,7 @@ def test_smollm_gain_chains_equal_plain(smollm_dir):
 def test_tiny_gain_chains_equal_plain(tiny_dir, draft_seed):
     """--spec-chain gain: the draft with the most expected accepted tokens; output unchanged."""
     llm = _tiny_llm(tiny_dir, "llama", draft_seed, chain_mode="gain")
-    llm._spec.adaptive = False  # fixed lengths: which drafter wins depends on acceptance only, not timing
+    llm.engine.spec.adaptive = False  # fixed lengths: which drafter wins depends on acceptance only, not timing
     _set_stop(llm, [])
     used = 0
     for prompt in PROMPTS_TINY:

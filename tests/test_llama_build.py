@@ -194,17 +194,18 @@ class _Stop(Exception):
 @pytest.mark.parametrize("methods,built", [("llama-none", True), ("none", False)])
 def test_bench_llama_server_auto(monkeypatch, methods, built):
     """`--llama-server auto` builds (here: a stub) before any model loads, only when a llama-* method runs."""
+    import specdec.api as api
     import specdec.cli as cli
     from specdec.bench.runner import run_bench
 
     seen = {}
 
-    def fake_build_llm(a):
+    def fake_build_llm(a, **override):
         seen["llama_server"] = a.llama_server
         raise _Stop
 
     monkeypatch.setattr(lb, "ensure_llama_server", lambda: Path("/cache/llama-server"))
-    monkeypatch.setattr(cli, "build_llm", fake_build_llm)
+    monkeypatch.setattr(api, "build_llm", fake_build_llm)
     a = cli.make_parser().parse_args(["bench", "--quick", "--llama-server", "auto", "--methods", methods,
                                       "-m", "x.gguf", "-t", "1"])
     with pytest.raises(_Stop):

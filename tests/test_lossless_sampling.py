@@ -17,10 +17,9 @@ import pytest
 import torch
 
 from conftest import word_tokenizer
-from specdec.drafters import LOSSLESS_TYPES
+from specdec.drafters import REGISTRY, BuildContext, build_drafter, spec_types
 from specdec.drafters.chain import ChainDrafter
 from specdec.drafters.draft_model import DraftModelDrafter
-from specdec.drafters.factory import ModelFreeSettings, make_model_free
 from specdec.engine.engine import Engine, SpecConfig
 from specdec.models.tokenizer import Tokenizer
 from specdec.sampling import SamplingParams, probs_from_logits
@@ -52,6 +51,8 @@ DRAFT = _table(1, sure=2.5, noise=0.5)    # q(next in cycle) 0.55-0.9: often abo
 class MarkovRunner:
     """ModelRunner's interface over a Markov table: the logits after a token are table[previous, token].
     Its 'KV cache' is the token at each position of each slot."""
+
+    capture = features = None  # no target features
 
     def __init__(self, table: torch.Tensor, num_slots: int, context: int = 64):
         self.table, self.context = table, context
@@ -125,7 +126,7 @@ def _drafter(spec: str, p_min: float = P_MIN, branch_p: float = 0.0, mode: str =
         return ChainDrafter([_drafter(p, p_min, branch_p) for p in parts], mode)
     if spec == "draft":
         return DraftModelDrafter(MarkovRunner(DRAFT, BATCH), V, p_min=p_min, branch_p=branch_p)
-    return make_model_free(spec, ModelFreeSettings(ngram_n=2, ngram_m=4))
+    return build_drafter(spec, BuildContext(REGISTRY.option_values({"ngram_n": 2, "ngram_m": 4})))
 
 
 def _engine(tokenizer: Tokenizer) -> Engine:
@@ -184,7 +185,7 @@ def fit(samples: list[tuple[int, ...]], want: dict[tuple[int, ...], float]) -> t
 
 
 T1 = SamplingParams(temperature=1.0)
-CONFIGS = [(t, T1, {}) for t in LOSSLESS_TYPES if t != "none"] + [
+CONFIGS = [(t, T1, {}) for t in spec_types(lossy=False) if t != "none"] + [
     ("draft", T1, {"branch_p": 0.95}),                                    # tree from the draft model
     ("ngram-mod,draft", T1, {}),                                          # chain, first non-empty draft
     ("suffix-tree,draft", T1, {"mode": "gain", "branch_p": 0.95}),        # chain by expected gain, tree members

@@ -5,10 +5,9 @@ import pytest
 import torch
 
 from conftest import VOCAB, word_tokenizer
-from specdec.bench.replay import ReplayRunner, Turn, _drafter, replay_turn
+from specdec.bench.replay import ReplayRunner, Turn, replay_turn, replayable_types
 from specdec.cli import main
-from specdec.drafters import LOSSLESS_TYPES
-from specdec.drafters.factory import MODEL_FREE, ModelFreeSettings
+from specdec.drafters import REGISTRY, BuildContext, build_drafter
 from specdec.engine.adaptive import CostModel
 from specdec.engine.engine import Engine, SpecConfig
 from specdec.errors import SpecdecError
@@ -48,9 +47,10 @@ def test_replay_is_lossless_and_faster_where_drafts_hit(tmp_path):
     turn = Turn("t", [3] + span * 2 + [4], span + [30, 31] + span, stopped=True)  # the output copies the prompt
     runner = _runner()
     seconds = {}
-    for name in ["none", *[t for t in MODEL_FREE if t in LOSSLESS_TYPES], "ngram-mod+suffix"]:
+    ctx = BuildContext(REGISTRY.option_values())
+    for name in ["none", *replayable_types(), "ngram-mod,suffix"]:
         engine = Engine(runner, tok, SpecConfig(), clock=runner.clock)
-        out = replay_turn(engine, runner, turn, _drafter(name, ModelFreeSettings(), "first"), 0, name)
+        out = replay_turn(engine, runner, turn, build_drafter(name, ctx), 0, name)
         assert out.tokens == turn.output, name
         seconds[name] = out.seconds
         if name == "none":  # prefill (1 forward) + one forward per output token, the last one yielding the stop
@@ -68,7 +68,8 @@ def test_replay_catches_a_lossy_drafter(tmp_path):
     runner = _runner()
     turn = Turn("t", [3, 5, 6, 7], [8, 9, 10, 11, 12, 13], stopped=False)
     engine = Engine(runner, Tokenizer(tmp_path), SpecConfig(adaptive=False), clock=runner.clock)
-    synthetic = _drafter("synthetic", ModelFreeSettings(synth_rates=(1.0,), synth_len=4), "first")
+    synthetic = build_drafter("synthetic", BuildContext(REGISTRY.option_values({"synth_rates": [1.0], "synth_len": 4})))
+    engine.verify_hooks["synthetic"] = REGISTRY.get("synthetic").verify_hook
     with pytest.raises(SpecdecError, match=r"replayed output differs from the recording at token 1 "):
         replay_turn(engine, runner, turn, synthetic, 0, "synthetic")
 

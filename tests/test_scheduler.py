@@ -114,13 +114,13 @@ def test_a_failing_sequence_ends_alone(tiny_dir):
     sched.submit(good)
     sched.submit(bad)
     sched.run_once()  # both prefilled
-    real = llm.engine._accept
+    real = llm.engine._verify
 
-    def accept(seq, *args):
+    def verify(seq, *args):
         if seq is bad.seq:
             raise RuntimeError("probability tensor contains nan")
         return real(seq, *args)
-    llm.engine._accept = accept
+    llm.engine._verify = verify
     _run(sched, [good], submit=False)
     assert good.seq.output_ids == base and good.error is None
     assert bad.seq.finish_reason == "error" and "nan" in bad.error

@@ -39,7 +39,7 @@ class Garbage(Drafter):
     """Drafts `k` copies of one token (mostly rejected): long drafts on demand."""
     name = "garbage"
 
-    def propose(self, seq, max_tokens):
+    def propose(self, seq, max_tokens, min_path_prob=0.0):
         return Draft([7] * max_tokens)
 
 
@@ -50,7 +50,7 @@ class Raising(Drafter):
     def __init__(self, where: str):
         self.where = where
 
-    def propose(self, seq, max_tokens):
+    def propose(self, seq, max_tokens, min_path_prob=0.0):
         if self.where == "propose":
             raise RuntimeError("drafter broke")
         return Draft([])

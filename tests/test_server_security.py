@@ -133,7 +133,7 @@ def test_without_a_key_only_local_host_names_get_in(llm):
 class _Boom(Drafter):
     name = "boom"
 
-    def propose(self, seq, max_tokens):
+    def propose(self, seq, max_tokens, min_path_prob=0.0):
         raise RuntimeError("secret-internal-detail /home/user/model.py")
 
 

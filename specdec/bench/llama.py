@@ -192,24 +192,24 @@ def gguf_file(model: str | None) -> Path | None:
     return path if path.is_file() else None
 
 
-def llama_methods(names: list[str], a, context: int, stop_ids: set[int], log_dir: Path,
+def llama_methods(names: list[str], args, context: int, stop_ids: set[int], log_dir: Path,
                   notes: list[str], meta: dict) -> list[Llama]:
     """Start one server per requested `llama-*` method; skip them with a note when that cannot be done."""
     if not names:
         return []
-    if not a.llama_server:
+    if not args.llama_server:
         notes.append(f"skipped {', '.join(names)}: no --llama-server PATH given")
         return []
-    if not Path(a.llama_server).is_file():
-        raise SpecdecError(f"llama-server binary not found: {a.llama_server}")
-    target = gguf_file(a.model)
+    if not Path(args.llama_server).is_file():
+        raise SpecdecError(f"llama-server binary not found: {args.llama_server}")
+    target = gguf_file(args.model)
     if target is None:
         notes.append(f"skipped {', '.join(names)}: llama.cpp needs the target as a GGUF (-m pack name or .gguf)")
         return []
-    cfg = ServerConfig(a.llama_server, target, gguf_file(a.draft), a.threads, context, a.temp, a.draft_max,
-                       a.draft_min, a.draft_p_min, a.ngram_n, a.ngram_m)
-    help_text = server_help(a.llama_server)
-    meta["llama_server"] = {"binary": a.llama_server, "commands": {}}
+    cfg = ServerConfig(args.llama_server, target, gguf_file(args.draft), args.threads, context, args.temp,
+                       args.draft_max, args.draft_min, args.draft_p_min, args.ngram_n, args.ngram_m)
+    help_text = server_help(args.llama_server)
+    meta["llama_server"] = {"binary": args.llama_server, "commands": {}}
     started: list[Llama] = []
     try:
         for name in names:
@@ -221,7 +221,7 @@ def llama_methods(names: list[str], a, context: int, stop_ids: set[int], log_dir
             server = LlamaServer(name, cfg, help_text, log_dir / f"{name}.log")
             meta["llama_server"]["commands"][name] = " ".join(server.cmd)
             started.append(Llama(name, server, stop_ids))
-            if name in STATEFUL and a.repeat > 1:
+            if name in STATEFUL and args.repeat > 1:
                 notes.append(f"{name} keeps n-gram state across requests: only its first run of each prompt "
                              "counts in the summary")
     except BaseException:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.engine.stats import Stats
+from specdec.stats import Stats
 
 HF_METHODS = ("hf-plain", "hf-assisted", "hf-pld")
 HF_PLD_TOKENS = 10
@@ -69,6 +69,7 @@ class Method:
     name: str
     baseline: str               # the method whose greedy output this one must reproduce token for token
     fresh_repeats: bool = True  # False: keeps cross-request state that cannot be reset, so repeats are not first-seen
+    lossy: bool = False         # an opt-in lossy drafter: its output is not meant to match the baseline
 
     def generate(self, ids: list[int], max_tokens: int, temperature: float, seed: int | None) -> Output:
         raise NotImplementedError
@@ -77,12 +78,15 @@ class Method:
         """Release what the method holds (a server process)."""
 
 
-class Ours(Method):
-    """One of our spec types, or a chain `a+b` (spec type `a,b`); all share the target and its KV cache."""
+class EngineMethod(Method):
+    """One of specdec's spec types, or a chain `a+b` (spec type `a,b`); all share the target and its KV cache."""
 
     def __init__(self, llm, name: str):
+        from specdec.drafters import is_lossy
+
         self.name, self.baseline, self.llm = name, "none", llm
         self.spec_type = name.replace("+", ",")
+        self.lossy = is_lossy(self.spec_type)
         self.drafter = llm.drafter_for(self.spec_type)  # loads a draft model now, not while timing
 
     def generate(self, ids: list[int], max_tokens: int, temperature: float, seed: int | None) -> Output:

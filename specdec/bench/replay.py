@@ -26,10 +26,10 @@ from specdec.bench.methods import Method, engine_output, merge
 from specdec.bench.report import bench_meta, report_tables, run_stamp, summarize, write_outputs
 from specdec.bench.runner import compare_to_baselines, parse_methods, record
 from specdec.bench.workloads import Prompt, load_workload
-from specdec.drafters import LOSSY_TYPES
-from specdec.drafters.factory import MODEL_FREE, ModelFreeSettings, make_model_free
+from specdec.config import Config
+from specdec.drafters import REGISTRY, BuildContext, build_drafter
 from specdec.engine.adaptive import CostModel
-from specdec.engine.engine import Engine, SpecConfig
+from specdec.engine.engine import Engine
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
 
@@ -47,40 +47,40 @@ class Turn:
     stopped: bool       # True: ended by a stop token; False: by the token limit
 
 
-def run_replay(a: argparse.Namespace) -> Path | None:
+def run_replay(args: argparse.Namespace) -> Path | None:
     """`bench replay`: record (`--record`) or replay (`--from`)."""
-    if (a.record is None) == (a.replay_from is None):
+    if (args.record is None) == (args.replay_from is None):
         raise SpecdecError("bench replay needs exactly one of --record FILE or --from FILE")
-    if a.temp != 0:
+    if args.temp != 0:
         raise SpecdecError("bench replay replays greedy decoding only; drop --temp")
-    if a.spec_type is not None:
+    if args.spec_type is not None:
         raise SpecdecError("bench replay runs the spec types named by --methods; drop --spec-type")
-    if a.record is not None:
-        record_plain(a)
+    if args.record is not None:
+        record_plain(args)
         return None
-    return replay_file(a)
+    return replay_file(args)
 
 
 # --- recording -------------------------------------------------------------------------------------
 
-def record_plain(a: argparse.Namespace) -> None:
-    """Plain greedy decoding over the workload; write prompts, outputs and forward costs to `a.record`."""
-    from specdec.cli import build_llm
+def record_plain(args: argparse.Namespace) -> None:
+    """Plain greedy decoding over the workload; write prompts, outputs and forward costs to `args.record`."""
+    from specdec.api import build_llm
     from specdec.models.loader import resolve_model
     from specdec.models.packs import DEFAULT_TARGET
 
-    prompts = load_workload(a.workload, a.workload_dir, a.per_category, a.seed, a.categories)
-    a.model = a.model or DEFAULT_TARGET
-    model_path = resolve_model(a.model)
-    a.threads = a.threads or torch.get_num_threads()
-    llm = build_llm(argparse.Namespace(**{**vars(a), "spec_type": "none"}))
+    prompts = load_workload(args.workload, args.workload_dir, args.per_category, args.seed, args.categories)
+    args.model = args.model or DEFAULT_TARGET
+    model_path = resolve_model(args.model)
+    args.threads = args.threads or torch.get_num_threads()
+    llm = build_llm(args, spec_type="none")
     out = []
     for i, p in enumerate(prompts, 1):
         messages, turns = [], []
         for text in p.turns:
             messages.append({"role": "user", "content": text})
             ids = llm.encode_chat(messages)
-            r = llm.generate(ids, max_tokens=p.limit(a.max_tokens), spec_type="none")
+            r = llm.generate(ids, max_tokens=p.limit(args.max_tokens), spec_type="none")
             turns.append({"text": text, "prompt": ids, "output": r.token_ids, "stopped": r.finish_reason == "stop"})
             messages.append({"role": "assistant", "content": llm.tokenizer.decode(r.token_ids)})
         out.append({"id": p.id, "category": p.category, "turns": turns})
@@ -90,9 +90,9 @@ def record_plain(a: argparse.Namespace) -> None:
     tree_costs = measure_forward_costs(llm.runner, tuple(t for t in COST_SIZES if t <= TREE_SIZES_MAX), tree=True)
     target = {"path": str(model_path), "vocab_size": llm.runner.vocab_size,
               "eos_token_ids": list(llm.runner.model.config.eos_token_ids)}
-    path = Path(a.record)
+    path = Path(args.record)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"format": FORMAT, "meta": bench_meta(a, llm, prompts), "target": target,
+    path.write_text(json.dumps({"format": FORMAT, "meta": bench_meta(args, llm, prompts), "target": target,
                                 "forward_s": costs, "tree_forward_s": tree_costs, "prompts": out}))
     print(f"recorded {len(out)} prompts, forward costs {_costs_line(costs)} and tree verify costs "
           f"{_costs_line(tree_costs)} to {path}", file=sys.stderr)
@@ -127,6 +127,8 @@ class ReplayRunner:
     """Stands in for ModelRunner over one recorded turn at a time: row i of any forward is a one-hot of
     the recorded token after that position's context (zeros once the context has left the recording,
     where verification never looks), and every call adds its recorded cost to `virtual_s`."""
+
+    capture = features = None  # no target features (drafters that read them are not replayable)
 
     def __init__(self, costs: CostModel, vocab_size: int, context: int, eos_ids: list[int],
                  tree_costs: CostModel | None = None):
@@ -180,48 +182,48 @@ class Replayed(Method):
         self.name, self.baseline = name, "none"
 
 
-def replay_file(a: argparse.Namespace) -> Path:
+def replay_file(args: argparse.Namespace) -> Path:
     """Replay the spec types named by --methods against a recording; write the bench's result files."""
     from specdec.models.loader import resolve_model
     from specdec.models.tokenizer import Tokenizer
 
-    rec = load_recording(Path(a.replay_from))
-    names = parse_methods(a.methods)
-    lossless = [t for t in MODEL_FREE if t not in LOSSY_TYPES]
-    bad = [n for n in names if n != "none" and not all(p in lossless for p in n.split("+"))]
+    rec = load_recording(Path(args.replay_from))
+    names = parse_methods(args.methods)
+    replayable = replayable_types()
+    bad = [n for n in names if n != "none" and not all(p in replayable for p in n.split("+"))]
     if bad:
         raise SpecdecError(f"bench replay runs lossless model-free spec types only (not {', '.join(bad)}); "
-                           f"choose from none, {', '.join(lossless)}")
-    settings = ModelFreeSettings(a.ngram_n, a.ngram_m, a.ngram_min_hits, a.ngram_mod_pool_mb, a.suffix_max_requests,
-                                 a.suffix_factor, a.suffix_min_prob, tuple(a.synth_rates), a.synth_len)
+                           f"choose from none, {', '.join(replayable)}")
+    cfg = Config.from_namespace(args, spec_type="none")
+    ctx = BuildContext(cfg.drafter)
     recorded, target = rec["meta"], rec["target"]
     tokenizer = Tokenizer(Path(target["path"]) if Path(target["path"]).is_dir()
                           else resolve_model(recorded["models"]["target"]))
     costs, tree_costs = (CostModel(verify_s={int(t): s for t, s in rec[key].items()}, proportional_above=True)
                          if rec.get(key) else None for key in ("forward_s", "tree_forward_s"))
     runner = ReplayRunner(costs, target["vocab_size"], recorded["context"], target["eos_token_ids"], tree_costs)
-    spec = SpecConfig(a.draft_max, a.draft_min, a.spec_adaptive == "on")
-    engines = {n: Engine(runner, tokenizer, spec, clock=runner.clock) for n in names}  # one cost model each
+    engines = {n: Engine(runner, tokenizer, cfg.spec, clock=runner.clock) for n in names}  # one cost model each
     stop = min(engines[names[0]].stop_ids)
     records: list[dict] = []
     for p in rec["prompts"]:
         turns = [Turn(**t) for t in p["turns"]]
         prompt = Prompt(p["id"], p["category"], tuple(t.text for t in turns))
         done = []
-        for r in range(a.repeat):
+        for r in range(args.repeat):
             for name in names:  # a fresh drafter per turn, as `specdec bench` resets them
-                out = merge([replay_turn(engines[name], runner, turn, _drafter(name, settings, a.chain_mode), stop,
+                spec = name.replace("+", ",")
+                out = merge([replay_turn(engines[name], runner, turn, build_drafter(spec, ctx, cfg.chain_mode), stop,
                                          f"{name} on prompt {p['id']}") for turn in turns])
-                done.append((Replayed(name), record(prompt, Replayed(name), r, out, a.draft_max), out))
+                done.append((Replayed(name), record(prompt, Replayed(name), r, out, args.draft_max), out))
         compare_to_baselines(done)
         records += [rec_ for _, rec_, _ in done]
-    out_dir = Path(a.out or Path("bench-out") / datetime.now().strftime("replay-%Y%m%d-%H%M%S"))
+    out_dir = Path(args.out or Path("bench-out") / datetime.now().strftime("replay-%Y%m%d-%H%M%S"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    meta = {**recorded, **run_stamp(), "repeat": a.repeat, "draft_max": a.draft_max,
-            "recorded": {"file": a.replay_from, "command": recorded["command"], "date": recorded["date"]}}
+    meta = {**recorded, **run_stamp(), "repeat": args.repeat, "draft_max": args.draft_max,
+            "recorded": {"file": args.replay_from, "command": recorded["command"], "date": recorded["date"]}}
     trees = (f"; tree verifies {_costs_line(rec['tree_forward_s'])}" if rec.get("tree_forward_s")
              else "; tree verifies as chains")
-    notes = [f"replay of {a.replay_from} (recorded {recorded['date']}): virtual time, each target forward charged "
+    notes = [f"replay of {args.replay_from} (recorded {recorded['date']}): virtual time, each target forward charged "
              f"its recorded cost (chains {_costs_line(rec['forward_s'])}{trees}; above the largest, in proportion); "
              "drafting timed for real"]
     summary = summarize(records, names)
@@ -231,14 +233,10 @@ def replay_file(a: argparse.Namespace) -> Path:
     return out_dir
 
 
-def _drafter(name: str, settings: ModelFreeSettings, chain_mode: str):
-    if name == "none":
-        return None
-    parts = name.split("+")
-    if len(parts) == 1:
-        return make_model_free(name, settings)
-    from specdec.drafters.chain import ChainDrafter
-    return ChainDrafter([make_model_free(p, settings) for p in parts], chain_mode)
+def replayable_types() -> list[str]:
+    """Spec types a recording can replay: lossless, and needing nothing but the tokens (no draft model, no
+    target features)."""
+    return [n for n, t in REGISTRY.types.items() if not (t.lossy or t.draft_model or t.target_features)]
 
 
 def replay_turn(engine: Engine, runner: ReplayRunner, turn: Turn, drafter, stop: int, what: str):

@@ -15,7 +15,7 @@ from specdec.bench.plots import ALL, categories, write_plots
 LIKELY_BUG_GAP = 0.5  # a divergence where the plain run's top-2 logit gap is at least this is not rounding
 
 
-def bench_meta(a, llm, prompts) -> dict:
+def bench_meta(args, llm, prompts) -> dict:
     """What a reader needs to reproduce the run: command, date, machine, versions, settings."""
     import torch
     import transformers
@@ -25,10 +25,10 @@ def bench_meta(a, llm, prompts) -> dict:
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
                          "transformers": transformers.__version__},
             "dtype": str(llm.dtype).removeprefix("torch."), "quant": getattr(llm, "quant_info", None),
-            "threads": a.threads,
-            "models": {"target": a.model, "draft": a.draft}, "workload": a.workload, "prompts": len(prompts),
-            "max_tokens": a.max_tokens, "repeat": a.repeat, "temperature": a.temp, "seed": a.seed,
-            "unseeded": getattr(a, "unseeded", False), "draft_max": a.draft_max, "context": llm.context}
+            "threads": args.threads,
+            "models": {"target": args.model, "draft": args.draft}, "workload": args.workload, "prompts": len(prompts),
+            "max_tokens": args.max_tokens, "repeat": args.repeat, "temperature": args.temp, "seed": args.seed,
+            "unseeded": getattr(args, "unseeded", False), "draft_max": args.draft_max, "context": llm.context}
 
 
 def run_stamp() -> dict:

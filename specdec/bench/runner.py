@@ -8,105 +8,113 @@ from datetime import datetime
 from pathlib import Path
 
 from specdec.bench.llama import LLAMA_METHODS, llama_methods
-from specdec.bench.methods import HF_METHODS, Method, Output, Ours, hf_methods, merge
+from specdec.bench.methods import HF_METHODS, EngineMethod, Method, Output, hf_methods, merge
 from specdec.bench.report import LIKELY_BUG_GAP, bench_meta, report_tables, summarize, write_outputs
 from specdec.bench.workloads import Prompt, load_workload
-from specdec.drafters import LOSSY_TYPES
-from specdec.engine.stats import first_divergence
+from specdec.drafters import REGISTRY, is_lossy, spec_types
 from specdec.errors import SpecdecError
+from specdec.stats import first_divergence
 
 WARMUP = Prompt("warmup", "warmup", ("Say hello in one short sentence.",), max_tokens=16)
-NEEDS_DRAFT = ("draft", "hf-assisted", "llama-draft")
+PEERS_NEEDING_DRAFT = ("hf-assisted", "llama-draft")
 
 
 def all_methods() -> tuple[str, ...]:
-    from specdec.drafters import SPEC_TYPES
-    return tuple(SPEC_TYPES) + HF_METHODS + tuple(LLAMA_METHODS)
+    return spec_types() + HF_METHODS + tuple(LLAMA_METHODS)
+
+
+def _engine_parts(method: str) -> list[str]:
+    """Our spec types in a method name (`a+b` is the chain a,b); [] for a peer's method."""
+    parts = method.split("+")
+    return parts if all(p in spec_types() for p in parts) else []
+
+
+def needs_draft(method: str) -> bool:
+    return method in PEERS_NEEDING_DRAFT or any(p != "none" and REGISTRY.get(p).draft_model
+                                                for p in _engine_parts(method))
 
 
 def parse_methods(spec: str) -> list[str]:
     """`--methods` (comma list, or `all`) -> method names in the given order; `a+b` is our chain `a,b`."""
-    from specdec.drafters import LOSSY_TYPES, SPEC_TYPES
-
     known = all_methods()
     if spec.strip() == "all":  # every lossless method; lossy ones (synthetic) only when named
-        names = [m for m in known if m not in LOSSY_TYPES]
+        names = [m for m in known if not (_engine_parts(m) and is_lossy(m))]
     else:
         names = [m.strip() for m in spec.split(",") if m.strip()]
-    bad = [m for m in names if m not in known and not ("+" in m and all(p in SPEC_TYPES for p in m.split("+")))]
+    bad = [m for m in names if m not in known and not ("+" in m and _engine_parts(m))]
     if bad or not names:
         raise SpecdecError(f"unknown bench method(s) {', '.join(bad) or '(none given)'} (choose from "
                            f"{', '.join(known)}, or all; our spec types chain as a+b)")
     return list(dict.fromkeys(names))
 
 
-def run_bench(a: argparse.Namespace) -> Path:
+def run_bench(args: argparse.Namespace) -> Path:
     """Run the bench described by the CLI arguments; return the output folder."""
     import torch
 
-    from specdec.cli import build_llm
+    from specdec.api import build_llm
     from specdec.models.loader import resolve_model
     from specdec.models.packs import DEFAULT_DRAFT, DEFAULT_TARGET
 
-    if a.temp < 0:
+    if args.temp < 0:
         raise SpecdecError("--temp must be >= 0")
-    if a.spec_type is not None:
+    if args.spec_type is not None:
         raise SpecdecError("bench runs the spec types named by --methods; drop --spec-type")
-    prompts = load_workload(a.workload, a.workload_dir, a.per_category, a.seed, a.categories)
-    names = parse_methods(a.methods)
-    if a.model is None:
-        a.model, a.draft = DEFAULT_TARGET, a.draft or DEFAULT_DRAFT
-    need_draft = [m for m in names if m in NEEDS_DRAFT or "draft" in m.split("+")]
-    if a.draft is None and need_draft:
+    prompts = load_workload(args.workload, args.workload_dir, args.per_category, args.seed, args.categories)
+    names = parse_methods(args.methods)
+    if args.model is None:
+        args.model, args.draft = DEFAULT_TARGET, args.draft or DEFAULT_DRAFT
+    need_draft = [m for m in names if needs_draft(m)]
+    if args.draft is None and need_draft:
         raise SpecdecError(f"methods {', '.join(need_draft)} need a draft model (-md)")
-    if a.llama_server == "auto" and any(m in LLAMA_METHODS for m in names):  # before loading any model
+    if args.llama_server == "auto" and any(m in LLAMA_METHODS for m in names):  # before loading any model
         from specdec.bench.llama_build import ensure_llama_server
-        a.llama_server = str(ensure_llama_server())
-    a.threads = a.threads or torch.get_num_threads()  # fixed for every method, peers included
-    out_dir = Path(a.out or Path("bench-out") / datetime.now().strftime("%Y%m%d-%H%M%S"))
+        args.llama_server = str(ensure_llama_server())
+    args.threads = args.threads or torch.get_num_threads()  # fixed for every method, peers included
+    out_dir = Path(args.out or Path("bench-out") / datetime.now().strftime("%Y%m%d-%H%M%S"))
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    llm = build_llm(argparse.Namespace(**{**vars(a), "spec_type": "none"}))
+    llm = build_llm(args, spec_type="none")
     stop_ids = llm.engine.stop_ids
     notes: list[str] = []
-    meta = bench_meta(a, llm, prompts)
+    meta = bench_meta(args, llm, prompts)
     methods: list[Method] = []
     try:
-        methods += [Ours(llm, m) for m in names if m not in HF_METHODS and m not in LLAMA_METHODS]
+        methods += [EngineMethod(llm, m) for m in names if m not in HF_METHODS and m not in LLAMA_METHODS]
         hf = [m for m in names if m in HF_METHODS]
-        methods += hf_methods(hf, resolve_model(a.model), resolve_model(a.draft) if "hf-assisted" in hf else None,
+        methods += hf_methods(hf, resolve_model(args.model), resolve_model(args.draft) if "hf-assisted" in hf else None,
                               llm.dtype, stop_ids)
-        methods += llama_methods([m for m in names if m in LLAMA_METHODS], a, llm.context, stop_ids, out_dir,
+        methods += llama_methods([m for m in names if m in LLAMA_METHODS], args, llm.context, stop_ids, out_dir,
                                  notes, meta)
         methods.sort(key=lambda m: names.index(m.name))
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
-        _run_all(llm, methods, prompts, a, out_dir, meta, notes)
+        _run_all(llm, methods, prompts, args, out_dir, meta, notes)
     finally:
         for m in methods:
             m.close()
     return out_dir
 
 
-def _run_all(llm, methods: list[Method], prompts: list[Prompt], a: argparse.Namespace, out_dir: Path,
+def _run_all(llm, methods: list[Method], prompts: list[Prompt], args: argparse.Namespace, out_dir: Path,
              meta: dict, notes: list[str]) -> None:
     from tqdm import tqdm
 
-    greedy = a.temp == 0
-    seed = None if a.unseeded else a.seed
+    greedy = args.temp == 0
+    seed = None if args.unseeded else args.seed
     print(f"warming up ({', '.join(m.name for m in methods)})...", file=sys.stderr)
     for m in methods:
-        run_prompt(llm, m, WARMUP, WARMUP.limit(a.max_tokens), a.temp, seed)
+        run_prompt(llm, m, WARMUP, WARMUP.limit(args.max_tokens), args.temp, seed)
     records: list[dict] = []
     order = [m.name for m in methods]
-    bar = tqdm(total=len(prompts) * a.repeat * len(methods), unit="run", file=sys.stderr, dynamic_ncols=True)
+    bar = tqdm(total=len(prompts) * args.repeat * len(methods), unit="run", file=sys.stderr, dynamic_ncols=True)
     for p in prompts:
         done: list[tuple[Method, dict, Output]] = []
-        for r in range(a.repeat):
+        for r in range(args.repeat):
             for m in methods:  # interleaved (A B C A B C) so drift hits every method alike
                 bar.set_postfix_str(f"{p.category}/{p.id} {m.name}")
-                out = run_prompt(llm, m, p, p.limit(a.max_tokens), a.temp, seed)
-                done.append((m, record(p, m, r, out, a.draft_max), out))
+                out = run_prompt(llm, m, p, p.limit(args.max_tokens), args.temp, seed)
+                done.append((m, record(p, m, r, out, args.draft_max), out))
                 bar.update()
         if greedy:
             for warning in compare_to_baselines(done):
@@ -172,7 +180,7 @@ def compare_to_baselines(done: list[tuple[Method, dict, Output]]) -> list[str]:
     warnings = []
     for m, rec, out in done:
         base = first.get(m.baseline)
-        if base is None or m.name in LOSSY_TYPES:  # synthetic output is not meant to match
+        if base is None or m.lossy:  # synthetic output is not meant to match
             continue
         rec["matches_baseline"] = out.tokens == base.tokens
         if rec["matches_baseline"] or base.top2_gaps is None:

@@ -28,36 +28,36 @@ def _ints(s: str) -> list[int]:
     return vals
 
 
-def run_serve_bench(a: argparse.Namespace) -> Path:
+def run_serve_bench(args: argparse.Namespace) -> Path:
     import torch
 
-    from specdec.cli import build_llm
+    from specdec.api import build_llm
     from specdec.models.packs import DEFAULT_DRAFT, DEFAULT_TARGET
 
-    levels = _ints(a.concurrency)
-    modes = [m.strip() for m in a.modes.split(",")]
+    levels = _ints(args.concurrency)
+    modes = [m.strip() for m in args.modes.split(",")]
     if not modes or any(m not in MODES for m in modes):
         raise SpecdecError(f"--modes: choose from {', '.join(MODES)}")
-    prompts = load_workload(a.workload, a.workload_dir, a.per_category, a.seed, a.categories)
-    spec = a.spec_type or "draft"
-    if a.model is None:
-        a.model, a.draft = DEFAULT_TARGET, a.draft or DEFAULT_DRAFT
-    if "draft" in spec.split(",") and a.draft is None:
+    prompts = load_workload(args.workload, args.workload_dir, args.per_category, args.seed, args.categories)
+    spec = args.spec_type or "draft"
+    if args.model is None:
+        args.model, args.draft = DEFAULT_TARGET, args.draft or DEFAULT_DRAFT
+    if "draft" in spec.split(",") and args.draft is None:
         raise SpecdecError("spec type draft needs a draft model (-md)")
-    a.threads = a.threads or torch.get_num_threads()  # fixed for every mode
-    out_dir = Path(a.out or Path("bench-out") / datetime.now().strftime("serve-%Y%m%d-%H%M%S"))
+    args.threads = args.threads or torch.get_num_threads()  # fixed for every mode
+    out_dir = Path(args.out or Path("bench-out") / datetime.now().strftime("serve-%Y%m%d-%H%M%S"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    llm = build_llm(argparse.Namespace(**{**vars(a), "spec_type": spec, "parallel": max(levels)}))
+    llm = build_llm(args, spec_type=spec, parallel=max(levels))
     texts = [llm.encode_chat([{"role": "user", "content": p.turns[0]}]) for p in prompts]
-    meta = {**bench_meta(a, llm, prompts), "spec_type": spec, "concurrency": levels, "modes": modes}
+    meta = {**bench_meta(args, llm, prompts), "spec_type": spec, "concurrency": levels, "modes": modes}
     runs: list[dict] = []
     _level(llm, texts[:1], 1, "on", 1, 8)  # warm-up
     for c in levels:
-        n = a.requests or max(4, 2 * c)
+        n = args.requests or max(4, 2 * c)
         for mode in modes:  # interleaved per level so drift hits every mode alike
             print(f"concurrency {c}, {mode}: {n} requests...", file=sys.stderr)
             llm.reset_drafters()
-            res, report = _level(llm, texts, c, mode, n, a.max_tokens or 64)
+            res, report = _level(llm, texts, c, mode, n, args.max_tokens or 64)
             runs.append({"concurrency": c, "mode": mode, **_summary(res), "controller": report, "requests": res})
             _write(out_dir, runs, meta)
     print(render(runs, meta))

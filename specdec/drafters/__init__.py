@@ -1,20 +1,26 @@
-"""Drafters, one file each, all behind `Drafter.propose`."""
+"""Drafters, one file each, all behind `Drafter.propose`, registered here with one line per file."""
+from specdec.drafters import draft_model, ngram_map_k, ngram_mod, ngram_simple, suffix, synthetic
 from specdec.drafters.base import Draft, Drafter
+from specdec.drafters.chain import assemble
+from specdec.drafters.registry import REGISTRY, BuildContext, DrafterType, Option, register
 from specdec.errors import SpecdecError
 
-SPEC_TYPES = ("none", "draft", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-map-k-tree", "ngram-mod",
-              "suffix", "suffix-tree", "synthetic")
-LOSSY_TYPES = ("synthetic",)  # opt-in only: output is not the target's
-LOSSLESS_TYPES = tuple(t for t in SPEC_TYPES if t not in LOSSY_TYPES)
+for _module in (draft_model, ngram_simple, ngram_map_k, ngram_mod, suffix, synthetic):  # the registry lines
+    for _t in _module.TYPES:
+        register(_t)
+
+
+def spec_types(lossy: bool | None = None) -> tuple[str, ...]:
+    """'none' and every registered spec type (lossy False: the lossless ones; True: only the lossy ones)."""
+    return (() if lossy else ("none",)) + REGISTRY.names(lossy)
 
 
 def parse_spec_type(spec: str) -> list[str]:
     """'ngram-mod,draft' -> ['ngram-mod', 'draft'] (a chain); unknown names, 'none' in a chain and repeats fail."""
     parts = [p.strip() for p in spec.split(",")]
     for p in parts:
-        if p not in SPEC_TYPES:
-            raise SpecdecError(f"unknown spec type {p!r} (choose {', '.join(SPEC_TYPES)}, "
-                               "or a comma-separated chain such as ngram-mod,draft)")
+        if p != "none":
+            REGISTRY.get(p)
     if len(parts) > 1 and "none" in parts:
         raise SpecdecError(f"spec type chain {spec!r} cannot contain 'none'")
     if len(set(parts)) < len(parts):
@@ -22,4 +28,15 @@ def parse_spec_type(spec: str) -> list[str]:
     return parts
 
 
-__all__ = ["Draft", "Drafter", "LOSSLESS_TYPES", "LOSSY_TYPES", "SPEC_TYPES", "parse_spec_type"]
+def build_drafter(spec: str, ctx: BuildContext, chain_mode: str = "first") -> Drafter | None:
+    """A fresh drafter for a spec type or chain (None for 'none'), every member built from `ctx`."""
+    return assemble(parse_spec_type(spec), lambda p: None if p == "none" else REGISTRY.get(p).build(ctx), chain_mode)
+
+
+def is_lossy(spec: str) -> bool:
+    """Whether a spec type or chain includes an opt-in lossy drafter."""
+    return any(p != "none" and REGISTRY.get(p).lossy for p in parse_spec_type(spec))
+
+
+__all__ = ["REGISTRY", "BuildContext", "Draft", "Drafter", "DrafterType", "Option", "build_drafter", "is_lossy",
+           "parse_spec_type", "register", "spec_types"]

@@ -8,9 +8,14 @@ and a draft it samples (temperature > 0, unseeded) is then used whatever its len
 """
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Callable
+
+from specdec.acceptance import AcceptanceEstimate
 from specdec.drafters.base import Draft, Drafter
-from specdec.engine.adaptive import AcceptanceEstimate
-from specdec.engine.sequence import Sequence
+from specdec.errors import SpecdecError
+from specdec.runtime.runner import Features
+from specdec.sequence import Sequence
 
 CHAIN_MODES = ("first", "gain")
 
@@ -23,27 +28,29 @@ class ChainDrafter(Drafter):
         self.name = ",".join(m.name for m in members)
         self.acceptance: dict[int, list[AcceptanceEstimate]] = {}  # slot -> per member
         self.chosen: dict[int, int] = {}  # slot -> member whose draft was used last
+        for m in members:
+            if m.features is not None:
+                self.features = m.features.union(self.features)
 
-    def propose(self, seq: Sequence, max_tokens: int) -> Draft:
+    def propose(self, seq: Sequence, max_tokens: int, min_path_prob: float = 0.0) -> Draft:
         best, best_gain = Draft([]), 0.0
-        self.setup_s = 0.0
+        setup_s = 0.0  # every member's catch-up, whichever draft is used
         est = self.acceptance.setdefault(seq.slot, [AcceptanceEstimate() for _ in self.members])
         for i, m in enumerate(self.members):
             if self.mode == "gain" and m.confidence_stop and best_gain >= sum(est[i].survival(max_tokens)):
                 continue
-            m.min_path_prob = self.min_path_prob
-            draft = m.propose(seq, max_tokens)
-            self.setup_s += m.setup_s
+            draft = m.propose(seq, max_tokens, min_path_prob)
+            setup_s += draft.setup_s
             if not draft.tokens:
                 continue
             if self.mode == "first" or draft.probs is not None:
                 # A sampled draft is used once drawn: choosing by its (random) length would bias its tokens.
                 self.chosen[seq.slot] = i
-                return draft
+                return replace(draft, setup_s=setup_s)
             gain = sum(est[i].survival(draft.depth))  # expected accepted tokens
             if gain > best_gain:
                 best, best_gain, self.chosen[seq.slot] = draft, gain, i
-        return best
+        return replace(best, setup_s=setup_s)
 
     def update(self, seq: Sequence, drafted: int, accepted: int) -> None:
         who = self.chosen.pop(seq.slot, None)
@@ -52,8 +59,26 @@ class ChainDrafter(Drafter):
         for m in self.members:
             m.update(seq, drafted, accepted)
 
+    def observe_features(self, seq: Sequence, feats: Features) -> None:
+        for m in self.members:
+            if m.features is not None:
+                m.observe_features(seq, feats.columns(m.features.layers, self.features.layers))
+
     def release(self, seq: Sequence) -> None:
         self.acceptance.pop(seq.slot, None)
         self.chosen.pop(seq.slot, None)
         for m in self.members:
             m.release(seq)
+
+    def reset(self) -> None:
+        for m in self.members:
+            m.reset()
+
+
+def assemble(parts: list[str], member: Callable[[str], Drafter | None], mode: str = "first") -> Drafter | None:
+    """The drafter for spec types `parts` (one, or a chain of several), each made by `member`."""
+    if mode not in CHAIN_MODES:
+        raise SpecdecError(f"unknown chain mode {mode!r} (choose {', '.join(CHAIN_MODES)})")
+    if len(parts) == 1:
+        return member(parts[0])
+    return ChainDrafter([member(p) for p in parts], mode)

@@ -12,7 +12,8 @@ import time
 import torch
 
 from specdec.drafters.base import Draft, Drafter
-from specdec.engine.sequence import Sequence
+from specdec.drafters.registry import DrafterType, Option
+from specdec.sequence import Sequence
 from specdec.runtime.runner import ModelRunner
 from specdec.sampling import probs_from_logits, sample, seeded_scores
 
@@ -27,8 +28,8 @@ class DraftModelDrafter(Drafter):
     def __init__(self, runner: ModelRunner, target_vocab: int, p_min: float = 0.0, branch_p: float = 0.0):
         self.runner, self.target_vocab = runner, target_vocab
         self.p_min, self.branch_p = p_min, branch_p
-        self.fed: dict[int, list[int]] = {}  # slot -> tokens whose K/V the draft cache holds, in order
-        self.drafted_from: dict[int, int] = {}  # slot -> length of `fed` when the last draft began
+        self.cached: dict[int, list[int]] = {}  # slot -> tokens whose K/V the draft cache holds, in order
+        self.drafted_from: dict[int, int] = {}  # slot -> length of `cached` when the last draft began
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """[..., V_draft] -> [..., V_target]: drop or pad (with -inf) the padding rows."""
@@ -38,11 +39,11 @@ class DraftModelDrafter(Drafter):
         pad = logits.new_full((*logits.shape[:-1], self.target_vocab - v), float("-inf"))
         return torch.cat([logits, pad], dim=-1)
 
-    def _probs(self, logits: torch.Tensor, seq: Sequence) -> torch.Tensor | None:
+    def _probs(self, logits: torch.Tensor, seq: Sequence, min_path_prob: float) -> torch.Tensor | None:
         """logits [V] -> the draft's distribution q [V]; None when greedy and no rule reads it."""
         if not seq.params.greedy:
             return probs_from_logits(logits[None], seq.params)[0]
-        if self.p_min > 0 or self.branch_p > 0 or self.min_path_prob > 0:
+        if self.p_min > 0 or self.branch_p > 0 or min_path_prob > 0:
             return logits.softmax(-1)
         return None
 
@@ -61,15 +62,15 @@ class DraftModelDrafter(Drafter):
         tok = int(sample(q[None], seq.generator))
         return tok, int(sample(q[None], seq.generator)) if branch else None
 
-    def propose(self, seq: Sequence, max_tokens: int) -> Draft:
-        fed = self.fed.setdefault(seq.slot, [])
-        n = len(fed)
+    def propose(self, seq: Sequence, max_tokens: int, min_path_prob: float = 0.0) -> Draft:
+        cached = self.cached.setdefault(seq.slot, [])
+        n = len(cached)
         # Catch up on tokens the draft has not seen yet (prompt, accepted drafts, bonus token).
         t = time.perf_counter()
         logits = self.runner.prefill(seq.tokens[n:], seq.slot, start=n)
-        self.setup_s = time.perf_counter() - t if len(seq.tokens) - n > SETUP_TOKENS else 0.0
-        fed[n:] = seq.tokens[n:]
-        self.drafted_from[seq.slot] = len(fed)
+        setup_s = time.perf_counter() - t if len(seq.tokens) - n > SETUP_TOKENS else 0.0
+        cached[n:] = seq.tokens[n:]
+        self.drafted_from[seq.slot] = len(cached)
         tokens: list[int] = []
         parents: list[int] = []
         probs: list[torch.Tensor] = []  # per node, q it was drawn from (rejection sampling only)
@@ -79,11 +80,11 @@ class DraftModelDrafter(Drafter):
         path_prob = 1.0  # the draft's own estimate that the main chain so far is accepted
         while len(tokens) < max_tokens:
             logits = self._fit_vocab(logits)
-            q = self._probs(logits, seq)  # [V] or None
+            q = self._probs(logits, seq, min_path_prob)  # [V] or None
             top = 1.0 if q is None else float(q.max())
             # Whether to draft this position is decided before drawing its token (from q's largest
             # probability and the path so far): cutting on the drawn token would bias what is kept.
-            if top < self.p_min or (tokens and path_prob * top < self.min_path_prob):
+            if top < self.p_min or (tokens and path_prob * top < min_path_prob):
                 break
             tok, sibling = self._draw(logits, q, seq, len(seq.tokens) + depth, top < self.branch_p)
             path_prob *= 1.0 if q is None else float(q[tok])
@@ -97,23 +98,37 @@ class DraftModelDrafter(Drafter):
                 probs += [q] * (len(parents) - len(probs))
             if len(tokens) >= max_tokens:
                 break
-            logits = self.runner.forward([[tok]], [len(fed)], [seq.slot])[0][-1]
-            fed.append(tok)
+            logits = self.runner.forward([[tok]], [len(cached)], [seq.slot])[0][-1]
+            cached.append(tok)
         is_tree = any(p != i - 1 for i, p in enumerate(parents))
-        return Draft(tokens, torch.stack(probs) if probs else None, parents if is_tree else None)
+        return Draft(tokens, torch.stack(probs) if probs else None, parents if is_tree else None, setup_s)
 
     def update(self, seq: Sequence, drafted: int, accepted: int) -> None:
         # Keep the cache entries whose tokens were committed; the rest is stale (length pointer back).
-        # Only entries fed while drafting (from `drafted_from` on) can differ from the committed tokens;
+        # Only entries cached while drafting (from `drafted_from` on) can differ from the committed tokens;
         # in a chain the draft that was used may not be this drafter's.
-        fed = self.fed.get(seq.slot, [])
-        keep = min(len(fed), len(seq.tokens) - 1)
+        cached = self.cached.get(seq.slot, [])
+        keep = min(len(cached), len(seq.tokens) - 1)
         for i in range(self.drafted_from.pop(seq.slot, keep), keep):
-            if fed[i] != seq.tokens[i]:
+            if cached[i] != seq.tokens[i]:
                 keep = i
                 break
-        del fed[keep:]
+        del cached[keep:]
 
     def release(self, seq: Sequence) -> None:
-        self.fed.pop(seq.slot, None)
+        self.cached.pop(seq.slot, None)
         self.drafted_from.pop(seq.slot, None)
+
+
+OPTIONS = (
+    Option("draft_p_min", "--draft-p-min", 0.0, "stop drafting when the draft's largest probability at the next "
+           "position falls below this (decided before drawing, so sampling stays lossless; default 0)", float,
+           "in [0, 1]"),
+    Option("draft_branch_p", "--draft-branch-p", 0.0, "draft model: where its largest probability is below this, "
+           "also propose its second choice (sampling: a second draw) as a sibling (a token tree verified in one "
+           "forward); 0 = chains only (default 0)", float, "in [0, 1]"),
+)
+TYPES = (DrafterType("draft", lambda ctx: DraftModelDrafter(ctx.draft_runner(), ctx.target.vocab_size,
+                                                            ctx.options["draft_p_min"], ctx.options["draft_branch_p"]),
+                     "a smaller model with the target's tokenizer (-md)", OPTIONS, draft_model=True,
+                     per_scope=False),)

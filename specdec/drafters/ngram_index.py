@@ -10,10 +10,15 @@ from typing import Callable
 import numpy as np
 
 from specdec.drafters.base import Draft, Drafter
-from specdec.engine.sequence import Sequence
+from specdec.drafters.registry import Option
+from specdec.sequence import Sequence
 
 LCG_MUL = 6364136223846793005  # Knuth's MMIX LCG multiplier
 MASK64 = (1 << 64) - 1
+
+NGRAM_N = Option("ngram_n", "--spec-ngram-size-n", 3, "ngram-*: tokens to match (default 3)", int, ">= 1")
+NGRAM_M = Option("ngram_m", "--spec-ngram-size-m", 16, "ngram-*: max tokens to propose after a match (default 16)",
+                 int, ">= 1")
 
 
 def hash_step(h, tok):

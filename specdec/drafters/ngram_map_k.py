@@ -5,9 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specdec.drafters.base import Draft
-from specdec.drafters.ngram_index import (ContinuationCounts, IncrementalDrafter, SeqIndex, chain_lookups,
-                                          ranked, suffix_hashes, top, tree_lookups, window_hashes)
-from specdec.engine.sequence import Sequence
+from specdec.drafters.ngram_index import (NGRAM_M, NGRAM_N, ContinuationCounts, IncrementalDrafter, SeqIndex,
+                                          chain_lookups, ranked, suffix_hashes, top, tree_lookups, window_hashes)
+from specdec.drafters.registry import DrafterType, Option
+from specdec.sequence import Sequence
+
+MIN_HITS = Option("ngram_min_hits", "--spec-ngram-min-hits", 1,
+                  "ngram-map-k/k4v/k-tree: hits a continuation needs before it is drafted (default 1)", int, ">= 1")
 
 
 @dataclass
@@ -44,7 +48,7 @@ class NgramMapKDrafter(IncrementalDrafter):
         hs = suffix_hashes(ctx, self.n)
         return table.get(hs[-1]) if len(hs) == self.n else None
 
-    def propose(self, seq: Sequence, max_tokens: int) -> Draft:
+    def propose(self, seq: Sequence, max_tokens: int, min_path_prob: float = 0.0) -> Draft:
         table = self._catch_up(seq).table
 
         def step(ctx: list[int]) -> int | None:
@@ -73,10 +77,25 @@ class NgramMapKTreeDrafter(NgramMapKDrafter):
     name = "ngram-map-k-tree"
     BRANCH_MIN_PROB = 0.1
 
-    def propose(self, seq: Sequence, max_tokens: int) -> Draft:
+    def propose(self, seq: Sequence, max_tokens: int, min_path_prob: float = 0.0) -> Draft:
         table = self._catch_up(seq).table
 
         def candidates(ctx: list[int]) -> list[tuple[int, float]]:
             counts = self._counts(table, ctx)
             return ranked(counts, self.min_hits) if counts else []
         return tree_lookups(seq.tokens[-self.n:], min(self.m, max_tokens), candidates, self.BRANCH_MIN_PROB)
+
+
+def _builder(cls: type[NgramMapKDrafter]):
+    return lambda ctx: cls(ctx.options["ngram_n"], ctx.options["ngram_m"], min_hits=ctx.options["ngram_min_hits"])
+
+
+OPTIONS = (NGRAM_N, NGRAM_M, MIN_HITS)
+TYPES = (
+    DrafterType("ngram-map-k", _builder(NgramMapKDrafter), "per sequence, the last n tokens -> the most hit of up "
+                "to k next tokens", OPTIONS),
+    DrafterType("ngram-map-k4v", _builder(NgramMapK4VDrafter), "ngram-map-k, drafting only while the top "
+                "continuation clearly dominates", OPTIONS),
+    DrafterType("ngram-map-k-tree", _builder(NgramMapKTreeDrafter), "ngram-map-k as a token tree over every "
+                "continuation", OPTIONS),
+)

@@ -4,9 +4,13 @@ from __future__ import annotations
 import numpy as np
 
 from specdec.drafters.base import Draft
-from specdec.drafters.ngram_index import (IncrementalDrafter, SeqIndex, chain_lookups, suffix_hashes,
-                                          window_hashes)
-from specdec.engine.sequence import Sequence
+from specdec.drafters.ngram_index import (NGRAM_M, NGRAM_N, IncrementalDrafter, SeqIndex, chain_lookups,
+                                          suffix_hashes, window_hashes)
+from specdec.drafters.registry import DrafterType, Option
+from specdec.sequence import Sequence
+
+POOL_MB = Option("ngram_mod_pool_mb", "--spec-ngram-mod-pool-mb", 16.0,
+                 "ngram-mod: size of the hash pool shared by all sequences, in MB (default 16)", float, "in (0, 65536]")
 
 
 class NgramModDrafter(IncrementalDrafter):
@@ -54,7 +58,7 @@ class NgramModDrafter(IncrementalDrafter):
         region[:] = -1
         self.next_region = (r + 1) % self.REGIONS
 
-    def propose(self, seq: Sequence, max_tokens: int) -> Draft:
+    def propose(self, seq: Sequence, max_tokens: int, min_path_prob: float = 0.0) -> Draft:
         self._catch_up(seq)
 
         def step(ctx: list[int]) -> int | None:
@@ -72,3 +76,12 @@ class NgramModDrafter(IncrementalDrafter):
         self.pool.fill(-1)
         self.used, self.next_region = 0, 0
         self._seqs.clear()
+
+
+def _build(ctx) -> NgramModDrafter:
+    entries = max(1, int(ctx.options["ngram_mod_pool_mb"] * 2**20) // 4)  # int32 entries
+    return NgramModDrafter(ctx.options["ngram_n"], ctx.options["ngram_m"], pool_size=entries)
+
+
+TYPES = (DrafterType("ngram-mod", _build, "the last n tokens hashed into one pool of next tokens shared by all "
+                     "sequences (llama.cpp's ngram-mod)", (NGRAM_N, NGRAM_M, POOL_MB)),)

@@ -9,13 +9,23 @@ from typing import Callable, Iterator
 from specdec.drafters.base import Draft
 from specdec.drafters.ngram_index import (ContinuationCounts, IncrementalDrafter, SeqIndex, chain_lookups,
                                           ranked, suffix_hashes, top, tree_lookups, window_hashes)
-from specdec.engine.sequence import Sequence
+from specdec.drafters.registry import DrafterType, Option
+from specdec.sequence import Sequence
 
 MAX_ORDER = 8  # contexts of 1..MAX_ORDER tokens are indexed
 # Draft at most FACTOR x match length tokens. SuffixDecoding uses 1 with its deeper suffix-tree matches; ours
 # are shorter. Replayed on input-grounded prompts (docs/benchmarks.md, run 2e), suffix-tree with 1, 2, 4, 8:
 # 2.28x, 2.44x, 2.57x, 2.53x plain decoding.
 FACTOR = 4.0
+OPTIONS = (
+    Option("suffix_max_requests", "--spec-suffix-max-requests", 64, "suffix: past requests whose outputs are "
+           "remembered, oldest evicted; 0 = none (default 64)", int, ">= 0"),
+    Option("suffix_factor", "--spec-suffix-factor", FACTOR, "suffix, suffix-tree: draft at most factor x match "
+           "length tokens (default 4)", float, "> 0 and finite"),
+    Option("suffix_min_prob", "--spec-suffix-min-prob", 0.1, "suffix: stop drafting below this empirical "
+           "continuation probability; suffix-tree: cut nodes whose path probability is below it (default 0.1)",
+           float, "in [0, 1]"),
+)
 
 
 def contexts(tokens: list[int], start: int, stop: int) -> Iterator[tuple[list[int], int]]:
@@ -79,7 +89,7 @@ class SuffixDrafter(IncrementalDrafter):
                 return order, counts
         return 0, {}
 
-    def propose(self, seq: Sequence, max_tokens: int) -> Draft:
+    def propose(self, seq: Sequence, max_tokens: int, min_path_prob: float = 0.0) -> Draft:
         state = self._catch_up(seq)
         context = seq.tokens[-MAX_ORDER:]
         order, _ = self._lookup(state, context)
@@ -132,3 +142,16 @@ class SuffixTreeDrafter(SuffixDrafter):
         def candidates(ctx: list[int]) -> list[tuple[int, float]]:
             return ranked(self._lookup(state, ctx)[1])
         return tree_lookups(context, want, candidates, self.min_prob)
+
+
+def _builder(cls: type[SuffixDrafter]):
+    return lambda ctx: cls(factor=ctx.options["suffix_factor"], min_prob=ctx.options["suffix_min_prob"],
+                           max_requests=ctx.options["suffix_max_requests"])
+
+
+TYPES = (
+    DrafterType("suffix", _builder(SuffixDrafter), "SuffixDecoding-style: the request's own tokens and past "
+                "requests' outputs", OPTIONS),
+    DrafterType("suffix-tree", _builder(SuffixTreeDrafter), "suffix as a token tree over every continuation",
+                OPTIONS),
+)

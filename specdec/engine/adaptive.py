@@ -21,9 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-EMA = 0.2         # weight of a new observation
-PRIOR_ACCEPT = 0.7
-RELAX = 0.05      # per undrafted step, estimates drift back toward the prior (so drafting is retried)
+from specdec.acceptance import EMA, AcceptanceEstimate
+
 PROBE_EVERY = 32  # undrafted steps (per drafter, over all sequences) before a one-token probe
 
 
@@ -77,37 +76,6 @@ class CostModel:
             return self.verify_s[min(upper)]
         lo = max(lower)
         return self.verify_s[lo] * (tokens / lo if self.proportional_above else 1.0)
-
-
-@dataclass
-class AcceptanceEstimate:
-    rates: list[float] = field(default_factory=list)  # per draft position: P(accept | reached)
-
-    def rate(self, i: int) -> float:
-        """Unobserved positions are assumed like the deepest observed one, so longer drafts get tried."""
-        if i < len(self.rates):
-            return self.rates[i]
-        return self.rates[-1] if self.rates else PRIOR_ACCEPT
-
-    def survival(self, k: int) -> list[float]:
-        """For i < k: the chance that draft positions 0..i are all accepted."""
-        out, p = [], 1.0
-        for i in range(k):
-            p *= self.rate(i)
-            out.append(p)
-        return out
-
-    def relax(self) -> None:
-        self.rates = [r + RELAX * (PRIOR_ACCEPT - r) for r in self.rates]
-
-    def observe(self, drafted: int, accepted: int) -> None:
-        """Positions 0..accepted-1 were accepted, position `accepted` (if drafted) rejected."""
-        reached = min(drafted, accepted + 1)
-        if len(self.rates) < reached:
-            self.rates += [PRIOR_ACCEPT] * (reached - len(self.rates))
-        for i in range(reached):
-            x = 1.0 if i < accepted else 0.0
-            self.rates[i] += EMA * (x - self.rates[i])
 
 
 def choose_draft_len(cost: CostModel, acc: AcceptanceEstimate, k_min: int, k_max: int, drafter: str = "") -> int:

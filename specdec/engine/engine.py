@@ -7,17 +7,34 @@ from typing import Callable
 
 import torch
 
-from specdec.drafters.base import Draft, Drafter
+from specdec.drafters.base import Drafter
+from specdec.drafters.registry import VerifyHook
 from specdec.engine.adaptive import CostModel, choose_draft_len
-from specdec.engine.sequence import Sequence, StreamCallback
 from specdec.engine.stops import StopScan
 from specdec.errors import SpecdecError
 from specdec.models.tokenizer import Detokenizer, Tokenizer
-from specdec.runtime.runner import ModelRunner
+from specdec.runtime.runner import Features, ModelRunner
 from specdec.sampling import SamplingParams, probs_from_logits, sample, seeded_pick
+from specdec.sequence import Draft, Sequence, StreamCallback
 from specdec.verify import chain, verify_tree_greedy, verify_tree_sampling, verify_tree_seeded
 
 __all__ = ["Engine", "SpecConfig", "StreamCallback"]
+
+
+@dataclass
+class Proposal:
+    """One sequence's draft for a step."""
+    draft: Draft
+    asked: int  # the draft length asked for (the adaptive choice)
+
+
+@dataclass
+class Verdict:
+    """What verification decided for one sequence's draft."""
+    new: list[int]       # tokens to commit: the accepted draft tokens, then the target's own
+    path: list[int]      # accepted draft nodes, in order
+    rows: torch.Tensor   # [>= len(new), V] target logits each new token was chosen from
+    seconds: float       # time verification took (beyond the forward)
 
 
 @dataclass
@@ -40,6 +57,15 @@ class SpecConfig:
     adaptive: bool = True  # choose each step's draft length by expected tokens/s (engine/adaptive.py)
 
 
+class PromptTooLong(SpecdecError):
+    """A prompt that leaves no free position in the context."""
+
+    def __init__(self, tokens: int, context: int):
+        super().__init__(f"prompt has {tokens} tokens but the context is {context} "
+                         "(at least one free position is needed; raise -c)")
+        self.tokens, self.context = tokens, context
+
+
 class Engine:
     """Drives sequences through a target runner: prefill, then steps that draft for every running
     sequence, verify all of them in one batched target forward, and commit each on its own."""
@@ -50,19 +76,25 @@ class Engine:
         self.spec = spec or SpecConfig()
         self.clock = clock  # seconds; `bench replay` passes a virtual one
         self.cost = CostModel()  # measured target/draft costs, shared by every sequence
+        self.verify_hooks: dict[str, VerifyHook] = {}  # opt-in lossy drafters' verification, by spec type
         self.stop_ids = tokenizer.stop_ids(target.model.config.eos_token_ids)
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """What new_sequence refuses, as SpecdecError: bad sampling parameters, an empty prompt, a prompt
+        with no free position left in the context (PromptTooLong)."""
+        params.validate()
+        if not prompt_ids:
+            raise SpecdecError("empty prompt")
+        if len(prompt_ids) >= self.target.context:
+            raise PromptTooLong(len(prompt_ids), self.target.context)
 
     def new_sequence(self, prompt_ids: list[int], params: SamplingParams, slot: int = 0,
                      drafter: Drafter | None = None, draft_max: int | None = None,
                      on_text: StreamCallback | None = None, logprobs: bool = False, top_logprobs: int = 0) -> Sequence:
         """A sequence ready to prefill; bad prompts and parameters raise SpecdecError."""
-        params.validate()
-        context = self.target.context
-        if not prompt_ids:
-            raise SpecdecError("empty prompt")
-        if len(prompt_ids) >= context:
-            raise SpecdecError(f"prompt has {len(prompt_ids)} tokens but the context is {context} "
-                               f"(at least one free position is needed; raise -c)")
+        self.check(prompt_ids, params)
+        if drafter is not None and drafter.features is not None:  # from now on every forward captures them
+            self.target.capture = drafter.features.union(self.target.capture)
         unseeded = not params.greedy and params.seed is None  # the only sequences that draw from a generator
         return Sequence(list(prompt_ids), len(prompt_ids), slot=slot, params=params,
                         generator=params.generator() if unseeded else None, drafter=drafter,
@@ -96,6 +128,7 @@ class Engine:
         t = self.clock()
         end = len(seq.tokens) if chunk is None else min(len(seq.tokens), seq.prefilled + chunk)
         logits = self.target.prefill(seq.tokens[seq.prefilled:end], seq.slot, start=seq.prefilled)  # [V]
+        self._hand_features(seq, self.target.features)
         seq.prefilled = end
         seq.stats.prefill_s += self.clock() - t
         if end < len(seq.tokens):
@@ -107,23 +140,30 @@ class Engine:
     def step(self, seqs: list[Sequence], draft_cap: int | None = None) -> StepInfo:
         """One speculative step for every (prefilled, unfinished) sequence: draft up to `draft_cap`
         tokens each, run one target forward over each sequence's last token plus its draft (ragged
-        chains batched; trees one forward each), then verify, roll back and commit each on its own."""
+        chains batched; trees one forward each), then verify, roll back and commit each on its own.
+        A failure in one sequence ends that sequence ("error"), not the batch."""
         t0 = self.clock()
-        proposed = {id(s): self._guarded(s, self._propose, s, draft_cap) for s in seqs}
+        # 1. propose: each sequence's drafter drafts (timed; its catch-up on a new prompt counted apart)
+        proposals = {id(s): self._guarded(s, self._propose, s, draft_cap) for s in seqs}
         seqs = [s for s in seqs if s.error is None]
+        props = [proposals[id(s)] for s in seqs]
         before = sum(len(s.tokens) for s in seqs)
-        drafts = [proposed[id(s)][:2] for s in seqs]
-        setup_s = sum(proposed[id(s)][2] for s in seqs)
         t1 = self.clock()
-        logits = self._forward(seqs, drafts)
+        # 2. forward: one target pass over every sequence's last token + draft
+        logits, feats = self._forward(seqs, [p.draft for p in props])
         forward_s = self.clock() - t1
-        drafted = sum(len(d.tokens) for d, _ in drafts)
+        drafted = sum(len(p.draft.tokens) for p in props)
         if len(seqs) == 1:  # the cost model describes single-sequence steps
             self.cost.observe_verify(drafted + 1, forward_s)
-        for seq, (draft, k), lg in zip(seqs, drafts, logits):
-            self._guarded(seq, self._accept, seq, draft, k, lg, forward_s)
-        return StepInfo(len(seqs), sum(len(s.tokens) for s in seqs) - before, drafted, drafted + len(seqs),
-                        forward_s, t1 - t0 - setup_s, self.clock() - t0 - setup_s, setup_s)
+        for seq, prop, seq_logits, seq_feats in zip(seqs, props, logits, feats):
+            # 3. verify: the accepted path and the tokens to commit; 4. commit them, roll back the rest
+            verdict = self._guarded(seq, self._verify, seq, prop.draft, seq_logits)
+            if verdict is not None:
+                self._guarded(seq, self._commit_step, seq, prop, verdict, forward_s, seq_feats)
+        setup_s = sum(p.draft.setup_s for p in props)
+        return StepInfo(batch=len(seqs), committed=sum(len(s.tokens) for s in seqs) - before, drafted=drafted,
+                        forward_tokens=drafted + len(seqs), forward_s=forward_s, draft_s=t1 - t0 - setup_s,
+                        seconds=self.clock() - t0 - setup_s, setup_s=setup_s)
 
     def finish(self, seq: Sequence, reason: str | None = None) -> None:
         """Close a sequence (finished, or cancelled with `reason`): flush its stream, free drafter state."""
@@ -141,86 +181,102 @@ class Engine:
             return seeded_pick(logits[0], seq.params, len(seq.tokens))
         return int(sample(probs_from_logits(logits, seq.params), seq.generator)[0])
 
-    def _draft_len(self, seq: Sequence, cap: int | None) -> int:
-        """Drafts that can still matter: room in the context and in max_tokens, less the bonus token."""
+    def _draft_len(self, seq: Sequence, cap: int | None) -> tuple[int, float]:
+        """(tokens to ask the drafter for, the path probability below which it should stop by itself).
+        Only drafts that can still matter: room in the context and in max_tokens, less the bonus token."""
         room = min(self.target.context - len(seq.tokens), seq.params.max_tokens - len(seq.output_ids)) - 1
         k_max = min(self.spec.draft_max if seq.draft_max is None else seq.draft_max, room)
         if cap is not None:
             k_max = min(k_max, cap)
         k_max = max(0, k_max)
         if not self.spec.adaptive or k_max == 0:
-            return k_max
+            return k_max, 0.0
         drafter = seq.drafter
         k = choose_draft_len(self.cost, seq.acceptance, min(self.spec.draft_min, k_max), k_max, drafter.name)
         probe = k == 0
         if probe:  # drafting is not expected to pay: skip it, but now and then draft one token to re-measure
             seq.acceptance.relax()
             if not self.cost.probe_due(drafter.name):
-                return 0
+                return 0, 0.0
             k = min(k_max, max(1, self.spec.draft_min))
-        if drafter.confidence_stop:
-            # Draft one more token while its expected yield (the chance the path so far is accepted,
-            # times the target forward it saves) beats what drafting it costs.
-            draft_s = self.cost.draft_cost(drafter.name)
-            known = draft_s > 0 and self.cost.verify_s
-            drafter.min_path_prob = draft_s / self.cost.verify_cost(1) if known else 0.0
-            return k if probe else k_max
-        return k
+        if not drafter.confidence_stop:
+            return k, 0.0
+        # Draft one more token while its expected yield (the chance the path so far is accepted, times the
+        # target forward it saves) beats what drafting it costs.
+        draft_s = self.cost.draft_cost(drafter.name)
+        min_path_prob = draft_s / self.cost.verify_cost(1) if draft_s > 0 and self.cost.verify_s else 0.0
+        return (k if probe else k_max), min_path_prob
 
-    def _propose(self, seq: Sequence, cap: int | None) -> tuple[Draft, int, float]:
-        """(draft, the length asked for, the drafter's setup seconds); times the drafter."""
+    def _propose(self, seq: Sequence, cap: int | None) -> Proposal:
+        """The drafter's draft for this step, timed."""
         t = self.clock()
-        k = self._draft_len(seq, cap) if seq.drafter else 0
-        draft = seq.drafter.propose(seq, k) if k > 0 else Draft([])
+        k, min_path_prob = self._draft_len(seq, cap) if seq.drafter else (0, 0.0)
+        draft = seq.drafter.propose(seq, k, min_path_prob) if k > 0 else Draft([])
         if len(draft.tokens) < self.spec.draft_min and draft.probs is None:
-            draft = Draft([])  # a sampled draft is kept: dropping it by its length would bias its tokens
+            draft = Draft([], setup_s=draft.setup_s)  # a sampled draft is kept: dropping it by length biases it
         dt = self.clock() - t
         seq.stats.draft_s += dt
-        setup = seq.drafter.setup_s if k > 0 else 0.0
         if draft.tokens:  # the drafter's catch-up on a new prompt is not drafting
-            self.cost.observe_draft(len(draft.tokens), dt - setup, seq.drafter.name)
-        return draft, k, setup
+            self.cost.observe_draft(len(draft.tokens), dt - draft.setup_s, seq.drafter.name)
+        return Proposal(draft, k)
 
-    def _forward(self, seqs: list[Sequence], drafts: list[tuple[Draft, int]]) -> list[torch.Tensor]:
-        """Per sequence, target logits [1 + nodes, V] over its last committed token and its draft."""
+    def _forward(self, seqs: list[Sequence], drafts: list[Draft]) -> tuple[list[torch.Tensor], list[Features | None]]:
+        """Per sequence, target logits [1 + nodes, V] over its last committed token and its draft, and their
+        features (None unless a drafter asked for them)."""
         out: list[torch.Tensor | None] = [None] * len(seqs)
-        chains = [i for i, (d, _) in enumerate(drafts) if d.parents is None]
+        feats: list[Features | None] = [None] * len(seqs)
+        chains = [i for i, d in enumerate(drafts) if d.parents is None]
         if chains:
-            res = self.target.forward([[seqs[i].tokens[-1]] + drafts[i][0].tokens for i in chains],
+            res = self.target.forward([[seqs[i].tokens[-1]] + drafts[i].tokens for i in chains],
                                       [seqs[i].last_position for i in chains], [seqs[i].slot for i in chains])
-            for i, lg in zip(chains, res):
-                out[i] = lg
-        for i, (d, _) in enumerate(drafts):
+            for j, i in enumerate(chains):
+                out[i] = res[j]
+                feats[i] = self.target.features[j] if self.target.features else None
+        for i, d in enumerate(drafts):
             if d.parents is not None:
                 s = seqs[i]
                 out[i] = self.target.verify_tree(s.slot, s.last_position, [s.tokens[-1]] + d.tokens, d.parents)
-        return out
+                feats[i] = self.target.features[0] if self.target.features else None
+        return out, feats
 
-    def _accept(self, seq: Sequence, draft: Draft, k: int, logits: torch.Tensor, forward_s: float) -> None:
-        """Verify one sequence's draft against its target logits [N+1, V], roll back, commit."""
+    def _verify(self, seq: Sequence, draft: Draft, logits: torch.Tensor) -> Verdict:
+        """Which draft nodes the target accepts and what to commit, from its logits [N+1, V] (lossless; an opt-in
+        lossy drafter's hook may decide instead)."""
         t = self.clock()
+        decided = next((d for d in (h(seq, draft, logits) for h in self.verify_hooks.values()) if d is not None), None)
         parents = chain(len(draft.tokens)) if draft.parents is None else draft.parents
-        if draft.forced is not None:  # synthetic drafter: acceptance decided by its rates (output not valid)
-            seq.synthetic = True
-            path = list(range(draft.forced))
-            new = draft.tokens[:draft.forced] + [int(logits[draft.forced].argmax())]
+        if decided is not None:
+            new, path = decided
         elif seq.params.greedy:
             new, path = verify_tree_greedy(draft.tokens, parents, logits)
         elif seq.seeded:
             new, path = verify_tree_seeded(draft.tokens, parents, logits, seq.params, len(seq.tokens))
         else:
             new, path = verify_tree_sampling(draft.tokens, parents, draft.probs, logits, seq.params, seq.generator)
+        rows = logits if draft.parents is None else logits[[0] + [i + 1 for i in path]]
+        return Verdict(new, path, rows, self.clock() - t)
+
+    def _commit_step(self, seq: Sequence, prop: Proposal, verdict: Verdict, forward_s: float,
+                     feats: Features | None) -> None:
+        """Keep the accepted path's KV (trees: compacted), record the step, commit its tokens, tell the drafter
+        (and hand it the accepted rows' target features when it reads them)."""
+        draft, path = prop.draft, verdict.path
+        self._hand_features(seq, None if feats is None else [feats.accepted(path)])
         if draft.parents is not None:
             self.target.keep_path(seq.slot, seq.last_position, path)
-            logits = logits[[0] + [i + 1 for i in path]]  # rows the committed tokens were chosen from
-        seq.stats.verify_s += forward_s + self.clock() - t
-        depth = draft.depth
-        seq.stats.record_step(k, len(draft.tokens), len(path), depth)
+        seq.stats.verify_s += forward_s + verdict.seconds
+        seq.stats.record_step(prop.asked, len(draft.tokens), len(path), draft.depth)
         if draft.tokens:
-            seq.acceptance.observe(depth, len(path))
-        self._commit(seq, new, logits)
+            seq.acceptance.observe(draft.depth, len(path))
+        self._commit(seq, verdict.new, verdict.rows)
         if seq.drafter:
             seq.drafter.update(seq, len(draft.tokens), len(path))
+
+    def _hand_features(self, seq: Sequence, feats: list[Features] | None) -> None:
+        """Give a drafter that reads target features its own layers of `feats[0]` (rows of committed tokens)."""
+        d = seq.drafter
+        if feats and d is not None and d.features is not None:
+            d.observe_features(seq, feats[0].columns(d.features.layers, self.target.capture.layers))
 
     def _commit(self, seq: Sequence, new: list[int], logits: torch.Tensor) -> None:
         """Append verified tokens one by one, stopping at EOS, stop strings, max tokens or the context.

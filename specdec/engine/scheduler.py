@@ -12,7 +12,7 @@ from typing import Callable
 from specdec.drafters.base import Drafter
 from specdec.engine.engine import Engine
 from specdec.engine.load_control import LoadController
-from specdec.engine.sequence import Sequence, StreamCallback
+from specdec.sequence import Sequence, StreamCallback
 from specdec.errors import SpecdecError
 from specdec.runtime.runner import PREFILL_CHUNK
 from specdec.sampling import SamplingParams

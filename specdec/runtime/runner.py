@@ -6,12 +6,15 @@ forwards that run anyway: set `ModelRunner.capture` once, then read `ModelRunner
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from specdec.errors import SpecdecError
-from specdec.models.transformer import Transformer
 from specdec.runtime.kv_cache import KVCache
+
+if TYPE_CHECKING:  # the runner drives a model; models import runtime parts, not the runner
+    from specdec.models.transformer import Transformer
 
 PREFILL_CHUNK = 512
 HEADROOM = 1  # a spare cache row past the context: padding of ragged batches is written there
@@ -30,6 +33,10 @@ class FeatureSpec:
     `model.model.norm(final)` gives the post-norm one (HF's `hidden_states[N]`).
     """
     layers: tuple[int, ...] = ()
+
+    def union(self, other: "FeatureSpec | None") -> "FeatureSpec":
+        """Both specs' layers (what one capture must hold to serve two drafters)."""
+        return self if other is None else FeatureSpec(tuple(sorted(set(self.layers) | set(other.layers))))
 
     @classmethod
     def eagle3(cls, num_layers: int) -> "FeatureSpec":
@@ -61,6 +68,12 @@ class Features:
         Returns len(path) + 1 rows.
         """
         return self.rows([0] + [1 + node for node in path])
+
+    def columns(self, layers: tuple[int, ...], captured: tuple[int, ...]) -> "Features":
+        """The features of `layers` only, from a capture of `captured` (a superset, in its own order)."""
+        if layers == captured:
+            return self
+        return Features(self.layers[:, [captured.index(i) for i in layers]], self.final)
 
     @staticmethod
     def cat(parts: list["Features"]) -> "Features":

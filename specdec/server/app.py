@@ -19,13 +19,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
-from specdec.drafters import LOSSY_TYPES, Drafter, parse_spec_type
+from specdec.drafters import Drafter, is_lossy
+from specdec.engine.engine import PromptTooLong
 from specdec.engine.scheduler import EngineStopped, QueueFull, Request, Scheduler
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
 from specdec.server.metrics import Metrics
-from specdec.server.protocol import APIError, ChatRequest, CompletionRequest
-from specdec.server.serve import MAX_BODY
+from specdec.server.protocol import MAX_BODY, APIError, ChatRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
 _Body = CompletionRequest | ChatRequest
@@ -171,13 +171,13 @@ class _Handler:
         """What the engine refuses at admission, answered 400 before the request is queued (on the engine
         thread the same failure would be a 500)."""
         try:
-            params.validate()
+            self.llm.engine.check(ids, params)
+        except PromptTooLong as e:
+            raise APIError(400, f"the prompt has {e.tokens} tokens but the context is {e.context} tokens per slot "
+                           "(at least one free position is needed)", "messages" if chat else "prompt",
+                           "context_length_exceeded") from None
         except SpecdecError as e:
             raise APIError(400, str(e)) from None
-        if len(ids) >= self.llm.context:
-            raise APIError(400, f"the prompt has {len(ids)} tokens but the context is {self.llm.context} tokens per "
-                           "slot (at least one free position is needed)", "messages" if chat else "prompt",
-                           "context_length_exceeded")
 
     # -- speculation ------------------------------------------------------------------------
     async def _speculation(self, spec, scope: int | None) -> tuple[Drafter | None, int | None]:
@@ -191,10 +191,10 @@ class _Handler:
         if spec.type is None:
             return await asyncio.to_thread(llm.drafter_for, llm.spec_type, scope), draft_max
         try:
-            parts = parse_spec_type(spec.type)
+            lossy = is_lossy(spec.type)
         except SpecdecError as e:
             raise APIError(400, str(e), "speculative.type") from None
-        if any(p in LOSSY_TYPES for p in parts) and llm.spec_type != spec.type:
+        if lossy and llm.spec_type != spec.type:
             raise APIError(400, f"lossy spec type {spec.type!r} only when the server is started with it",
                            "speculative.type")
         try:

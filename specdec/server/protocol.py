@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from specdec.sampling import SEED_LIMIT, SamplingParams
 
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings per request, characters per stop string
+MAX_BODY = 4 << 20  # default --max-body (bytes)
 
 
 class APIError(Exception):

@@ -6,10 +6,10 @@ import json
 import sys
 
 from specdec.errors import SpecdecError
+from specdec.server.protocol import MAX_BODY
 
 # vLLM `--speculative-config` methods -> our spec types
 VLLM_METHODS = {"ngram": "ngram-simple", "draft_model": "draft", "suffix": "suffix"}
-MAX_BODY = 4 << 20  # default --max-body (bytes)
 
 
 def add_serve_args(p: argparse.ArgumentParser, positive_int) -> None:
@@ -43,12 +43,12 @@ def add_serve_args(p: argparse.ArgumentParser, positive_int) -> None:
                    f"{', '.join(VLLM_METHODS)} or any --spec-type; overrides --spec-type / --draft-max / -md")
 
 
-def apply_speculative_config(a: argparse.Namespace) -> None:
+def apply_speculative_config(args: argparse.Namespace) -> None:
     """Fold --speculative-config into the generate-style flags (spec_type, draft_max, draft, ngram sizes)."""
-    if not a.speculative_config:
+    if not args.speculative_config:
         return
     try:
-        cfg = json.loads(a.speculative_config)
+        cfg = json.loads(args.speculative_config)
     except json.JSONDecodeError as e:
         raise SpecdecError(f"--speculative-config is not valid JSON: {e.msg}") from None
     if not isinstance(cfg, dict) or "method" not in cfg:
@@ -59,62 +59,65 @@ def apply_speculative_config(a: argparse.Namespace) -> None:
         raise SpecdecError(f"--speculative-config: unsupported keys {', '.join(unknown)}")
     method = str(cfg["method"])
     from specdec.drafters import parse_spec_type
-    a.spec_type = ",".join(parse_spec_type(VLLM_METHODS.get(method, method)))
+    args.spec_type = ",".join(parse_spec_type(VLLM_METHODS.get(method, method)))
     if "num_speculative_tokens" in cfg:
         k = cfg["num_speculative_tokens"]
         if not isinstance(k, int) or k < 1:
             raise SpecdecError("--speculative-config: num_speculative_tokens must be an integer >= 1")
-        a.draft_max = k
+        args.draft_max = k
     if "model" in cfg:
-        a.draft = cfg["model"]
+        args.draft = cfg["model"]
     if "prompt_lookup_min" in cfg:  # vLLM matches n-grams of min..max tokens; we match exactly n
-        a.ngram_n = int(cfg["prompt_lookup_min"])
+        args.ngram_n = int(cfg["prompt_lookup_min"])
     if "prompt_lookup_max" in cfg:
-        a.ngram_n = int(cfg["prompt_lookup_max"])
+        args.ngram_n = int(cfg["prompt_lookup_max"])
 
 
-def api_keys(a: argparse.Namespace) -> tuple[str, ...]:
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     """The accepted API keys: --api-key, $SPECDEC_API_KEY and the lines of --api-key-file (empty: no key needed)."""
     import os
     from pathlib import Path
 
-    keys = [a.api_key, os.environ.get("SPECDEC_API_KEY")]
-    if a.api_key_file:
+    keys = [args.api_key, os.environ.get("SPECDEC_API_KEY")]
+    if args.api_key_file:
         try:
-            lines = Path(a.api_key_file).read_text().splitlines()
+            lines = Path(args.api_key_file).read_text().splitlines()
         except (OSError, UnicodeDecodeError) as e:
-            raise SpecdecError(f"--api-key-file: cannot read {a.api_key_file}: {e}") from None
+            raise SpecdecError(f"--api-key-file: cannot read {args.api_key_file}: {e}") from None
         file_keys = [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
         if not file_keys:
-            raise SpecdecError(f"--api-key-file {a.api_key_file} holds no keys")
+            raise SpecdecError(f"--api-key-file {args.api_key_file} holds no keys")
         keys += file_keys
     return tuple(dict.fromkeys(k for k in keys if k))
 
 
-def run_server(a: argparse.Namespace, build_llm) -> int:
+def run_server(args: argparse.Namespace) -> int:
     """Load the models, then serve until Ctrl-C / SIGTERM (in-flight requests finish or are cancelled)."""
     import uvicorn
+
+    from specdec.api import build_llm
 
     from specdec.engine.load_control import LoadController
     from specdec.engine.scheduler import Scheduler
     from specdec.sampling import SamplingParams
     from specdec.server.app import ServerConfig, create_app
 
-    apply_speculative_config(a)
-    if a.max_queue < 0:
+    apply_speculative_config(args)
+    if args.max_queue < 0:
         raise SpecdecError("--max-queue must be >= 0")
-    keys = api_keys(a)
-    defaults = SamplingParams(a.temp, a.top_k, a.top_p, a.min_p, None, a.max_tokens, []).validate()
-    llm = build_llm(a)
-    name = a.alias or _model_id(a.model)
-    controller = LoadController(a.draft_max) if a.spec_load_control == "on" else None
-    scheduler = Scheduler(llm.engine, llm.parallel, a.max_queue, controller)
-    cfg = ServerConfig(name, defaults, keys, host=a.host, allowed_hosts=tuple(a.allow_host),
-                       shared_memory=a.spec_shared_memory, max_body=a.max_body)
+    keys = api_keys(args)
+    defaults = SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, None, args.max_tokens, []).validate()
+    llm = build_llm(args)
+    name = args.alias or _model_id(args.model)
+    controller = LoadController(args.draft_max) if args.spec_load_control == "on" else None
+    scheduler = Scheduler(llm.engine, llm.parallel, args.max_queue, controller)
+    cfg = ServerConfig(name, defaults, keys, host=args.host, allowed_hosts=tuple(args.allow_host),
+                       shared_memory=args.spec_shared_memory, max_body=args.max_body)
     app = create_app(llm, scheduler, cfg)
-    print(f"specdec: serving {name} [{llm.spec_type}] on http://{a.host}:{a.port}/v1 with {llm.parallel} slots "
+    print(f"specdec: serving {name} [{llm.spec_type}] on http://{args.host}:{args.port}/v1 with {llm.parallel} slots "
           f"of {llm.context} tokens", file=sys.stderr)
-    server = _server_class()(uvicorn.Config(app, host=a.host, port=a.port, log_level="warning", timeout_graceful_shutdown=30))
+    server = _server_class()(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                            timeout_graceful_shutdown=30))
     scheduler.on_fatal = lambda: setattr(server, "should_exit", True)  # the engine thread died: stop serving
     server.run()
     if scheduler.fatal:

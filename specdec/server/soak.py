@@ -393,12 +393,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minutes", type=float, default=0.0, help="start no request after this long (default: no limit)")
     p.add_argument("--seed", type=int, default=0, help="seed of the request mix (default 0)")
     p.add_argument("--rss-limit-mb", type=float, default=64.0, help="allowed server RSS growth (default 64)")
-    a = p.parse_args(argv)
-    report = run(a.model, a.draft, a.requests, a.concurrency, a.parallel, a.context, a.minutes, a.seed)
+    args = p.parse_args(argv)
+    report = run(args.model, args.draft, args.requests, args.concurrency, args.parallel, args.context, args.minutes,
+                 args.seed)
     print(report.summary())
     for line in report.problems:
         print("problem:", line)
-    return 0 if report.ok(a.rss_limit_mb) else 1
+    return 0 if report.ok(args.rss_limit_mb) else 1
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""A sequence being generated: its tokens, budgets, drafter, sampler state and stats."""
+"""What the engine and the drafters share: a `Sequence` being generated and a `Draft` proposed for it.
+
+A leaf module (it imports no engine or drafter code), so drafters and the engine both depend on it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -6,15 +8,38 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from specdec.engine.adaptive import AcceptanceEstimate
-from specdec.engine.stats import Stats
+from specdec.acceptance import AcceptanceEstimate
 from specdec.sampling import SamplingParams
+from specdec.stats import Stats
 
 if TYPE_CHECKING:
     from specdec.drafters.base import Drafter
     from specdec.models.tokenizer import Detokenizer
 
 StreamCallback = Callable[[str], None]
+
+
+@dataclass
+class Draft:
+    """k draft tokens. A chain by default; with `parents`, a tree: node i continues node parents[i]
+    (-1 = the last committed token), parents come before children, siblings are distinct tokens
+    or independent samples from the same distribution."""
+    tokens: list[int]                  # [k]
+    probs: torch.Tensor | None = None  # [k, V] distributions the tokens were sampled from; None = one-hot
+    parents: list[int] | None = None   # [k] tree structure; None = chain (parents[i] = i - 1)
+    # Seconds of this `propose` spent catching up on a context the drafter had not seen (a new prompt): a
+    # one-off per sequence that the cost model and the load controller count apart from drafting.
+    setup_s: float = 0.0
+
+    @property
+    def depth(self) -> int:
+        """Tokens on the longest root-to-leaf path (the chain length for a chain)."""
+        if self.parents is None:
+            return len(self.tokens)
+        depth: list[int] = []
+        for p in self.parents:
+            depth.append(1 + (depth[p] if p >= 0 else 0))
+        return max(depth, default=0)
 
 
 @dataclass

@@ -1,0 +1,42 @@
+"""Per-sequence acceptance estimate: for each draft position, P(accepted | every earlier one was).
+
+A leaf module: sequences hold one, drafters (chains) and the adaptive draft length read it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+EMA = 0.2         # weight of a new observation
+PRIOR_ACCEPT = 0.7
+RELAX = 0.05      # per undrafted step, estimates drift back toward the prior (so drafting is retried)
+
+
+@dataclass
+class AcceptanceEstimate:
+    rates: list[float] = field(default_factory=list)  # per draft position: P(accept | reached)
+
+    def rate(self, i: int) -> float:
+        """Unobserved positions are assumed like the deepest observed one, so longer drafts get tried."""
+        if i < len(self.rates):
+            return self.rates[i]
+        return self.rates[-1] if self.rates else PRIOR_ACCEPT
+
+    def survival(self, k: int) -> list[float]:
+        """For i < k: the chance that draft positions 0..i are all accepted."""
+        out, p = [], 1.0
+        for i in range(k):
+            p *= self.rate(i)
+            out.append(p)
+        return out
+
+    def relax(self) -> None:
+        self.rates = [r + RELAX * (PRIOR_ACCEPT - r) for r in self.rates]
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """Positions 0..accepted-1 were accepted, position `accepted` (if drafted) rejected."""
+        reached = min(drafted, accepted + 1)
+        if len(self.rates) < reached:
+            self.rates += [PRIOR_ACCEPT] * (reached - len(self.rates))
+        for i in range(reached):
+            x = 1.0 if i < accepted else 0.0
+            self.rates[i] += EMA * (x - self.rates[i])
