@@ -89,7 +89,7 @@ class LLM:
         t = REGISTRY.get(spec_type)
         if t.verify_hook is not None:
             self.engine.verify_hooks[spec_type] = t.verify_hook
-        return t.build(BuildContext(self.config.drafter, self.runner, self._load_draft))
+        return t.build(BuildContext(self.config.drafter, self.runner, self.config.model, self._load_draft))
 
     def _load_draft(self) -> ModelRunner:
         cfg = self.config

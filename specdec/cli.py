@@ -315,8 +315,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="sampled runs without a seed (rejection sampling); default: seeded, each token a function "
                    "of (seed, position) and verified by exact match")
     r = b.add_argument_group("methods and measurement")
-    r.add_argument("--methods", default=",".join((*spec_types(lossy=False), "hf-plain")),
-                   help=f"comma-separated, or all: {', '.join(all_methods())} (default: ours and hf-plain)")
+    r.add_argument("--methods", default=",".join((*spec_types(lossy=False, heads=False), "hf-plain")),
+                   help=f"comma-separated, or all: {', '.join(all_methods())} (default: ours but trained heads, and "
+                   "hf-plain; all: every lossless method but trained heads)")
     r.add_argument("--repeat", type=_positive_int, default=1, help="runs per prompt and method (median reported)")
     r.add_argument("--llama-server", metavar="PATH|auto",
                    help="llama-server binary for the llama-* methods; auto: build it once (~20-30+ min on 2 cores; "

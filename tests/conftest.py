@@ -75,3 +75,9 @@ def smollm_dir() -> Path:
     """The real SmolLM2-135M pack (downloaded and converted once, cached under SPECDEC_HOME)."""
     from specdec.models.packs import pull
     return pull("smollm2-135m", progress=False)
+
+
+def untrained_spec_types() -> list[str]:
+    """Lossless spec types that need no trained head ('none' included); heads are tested with heads of their own."""
+    from specdec.drafters import spec_types
+    return list(spec_types(lossy=False, heads=False))

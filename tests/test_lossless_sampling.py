@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import word_tokenizer
-from specdec.drafters import REGISTRY, BuildContext, build_drafter, spec_types
+from conftest import untrained_spec_types, word_tokenizer
+from specdec.drafters import REGISTRY, BuildContext, build_drafter
 from specdec.drafters.chain import ChainDrafter
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.engine.engine import Engine, SpecConfig
@@ -185,7 +185,7 @@ def fit(samples: list[tuple[int, ...]], want: dict[tuple[int, ...], float]) -> t
 
 
 T1 = SamplingParams(temperature=1.0)
-CONFIGS = [(t, T1, {}) for t in spec_types(lossy=False) if t != "none"] + [
+CONFIGS = [(t, T1, {}) for t in untrained_spec_types() if t != "none"] + [
     ("draft", T1, {"branch_p": 0.95}),                                    # tree from the draft model
     ("ngram-mod,draft", T1, {}),                                          # chain, first non-empty draft
     ("suffix-tree,draft", T1, {"mode": "gain", "branch_p": 0.95}),        # chain by expected gain, tree members

@@ -2,14 +2,14 @@
 import pytest
 
 import specdec
-from specdec.drafters import spec_types
+from conftest import untrained_spec_types
 from specdec.engine.load_control import LoadController
 from specdec.engine.scheduler import Request, Scheduler
 from specdec.sampling import SamplingParams
 
 from test_scheduler import PROMPTS, _llm, _run
 
-SPECS = [t for t in spec_types(lossy=False) if t != "none"] + ["ngram-mod,draft", "suffix,draft"]
+SPECS = [t for t in untrained_spec_types() if t != "none"] + ["ngram-mod,draft", "suffix,draft"]
 
 
 def test_tiny_seeded_equal_for_every_spec_type(tiny_dir):

@@ -11,7 +11,7 @@ from specdec.bench.llama import LLAMA_METHODS, llama_methods
 from specdec.bench.methods import HF_METHODS, EngineMethod, Method, Output, hf_methods, merge
 from specdec.bench.report import LIKELY_BUG_GAP, bench_meta, report_tables, summarize, write_outputs
 from specdec.bench.workloads import Prompt, load_workload
-from specdec.drafters import REGISTRY, is_lossy, spec_types
+from specdec.drafters import REGISTRY, spec_types
 from specdec.errors import SpecdecError
 from specdec.stats import first_divergence
 
@@ -37,8 +37,8 @@ def needs_draft(method: str) -> bool:
 def parse_methods(spec: str) -> list[str]:
     """`--methods` (comma list, or `all`) -> method names in the given order; `a+b` is our chain `a,b`."""
     known = all_methods()
-    if spec.strip() == "all":  # every lossless method; lossy ones (synthetic) only when named
-        names = [m for m in known if not (_engine_parts(m) and is_lossy(m))]
+    if spec.strip() == "all":  # every lossless method; lossy ones (synthetic) and trained heads only when named
+        names = [m for m in known if m not in spec_types() or m in spec_types(lossy=False, heads=False)]
     else:
         names = [m.strip() for m in spec.split(",") if m.strip()]
     bad = [m for m in names if m not in known and not ("+" in m and _engine_parts(m))]

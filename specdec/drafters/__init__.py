@@ -1,18 +1,22 @@
 """Drafters, one file each, all behind `Drafter.propose`, registered here with one line per file."""
-from specdec.drafters import draft_model, ngram_map_k, ngram_mod, ngram_simple, suffix, synthetic
+from specdec.drafters import draft_model, eagle3, ngram_map_k, ngram_mod, ngram_simple, suffix, synthetic
 from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.chain import assemble
 from specdec.drafters.registry import REGISTRY, BuildContext, DrafterType, Option, register
 from specdec.errors import SpecdecError
 
-for _module in (draft_model, ngram_simple, ngram_map_k, ngram_mod, suffix, synthetic):  # the registry lines
+for _module in (draft_model, ngram_simple, ngram_map_k, ngram_mod, suffix, synthetic, eagle3):  # registry lines
     for _t in _module.TYPES:
         register(_t)
 
 
-def spec_types(lossy: bool | None = None) -> tuple[str, ...]:
-    """'none' and every registered spec type (lossy False: the lossless ones; True: only the lossy ones)."""
-    return (() if lossy else ("none",)) + REGISTRY.names(lossy)
+def spec_types(lossy: bool | None = None, heads: bool = True) -> tuple[str, ...]:
+    """'none' and every registered spec type (lossy False: the lossless ones; True: only the lossy ones; heads False:
+    without those that read target features, i.e. need a trained head)."""
+    names = REGISTRY.names(lossy)
+    if not heads:
+        names = tuple(n for n in names if not REGISTRY.types[n].target_features)
+    return (() if lossy else ("none",)) + names
 
 
 def parse_spec_type(spec: str) -> list[str]:

@@ -3,10 +3,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+import torch
+
 from specdec.runtime.runner import Features, FeatureSpec
+from specdec.sampling import probs_from_logits, sample, seeded_scores
 from specdec.sequence import Draft, Sequence
 
-__all__ = ["Draft", "Drafter"]
+__all__ = ["SETUP_TOKENS", "Draft", "Drafter", "draft_distribution", "draw"]
+
+SETUP_TOKENS = 32  # a catch-up longer than any draft: the prompt, counted as setup (not drafting)
 
 
 class Drafter(ABC):
@@ -36,3 +41,26 @@ class Drafter(ABC):
 
     def reset(self) -> None:
         """Forget what was learned across requests (e.g. between benchmark repeats)."""
+
+
+def draft_distribution(logits: torch.Tensor, seq: Sequence, needed: bool) -> torch.Tensor | None:
+    """A model drafter's logits [V] -> the distribution q [V] its token is drawn from (the sequence's sampling
+    settings); greedy: the softmax only when a stopping rule reads it (`needed`), else None."""
+    if not seq.params.greedy:
+        return probs_from_logits(logits[None], seq.params)[0]
+    return logits.softmax(-1) if needed else None
+
+
+def draw(logits: torch.Tensor, q: torch.Tensor | None, seq: Sequence, position: int,
+         branch: bool) -> tuple[int, int | None]:
+    """(token, sibling or None) for the draft position that is token `position` of the sequence.
+
+    Greedy: the two best. Seeded: the two best under the target's noise for that position.
+    Sampling: two independent draws from q (the verifier treats siblings as such)."""
+    if seq.params.greedy or seq.seeded:
+        scores = logits if seq.params.greedy else seeded_scores(logits, seq.params, position)  # [V]
+        top = scores.topk(2)
+        second_ok = branch and bool(torch.isfinite(top.values[1]))
+        return int(top.indices[0]), int(top.indices[1]) if second_ok else None
+    tok = int(sample(q[None], seq.generator))
+    return tok, int(sample(q[None], seq.generator)) if branch else None

@@ -11,14 +11,10 @@ import time
 
 import torch
 
-from specdec.drafters.base import Draft, Drafter
+from specdec.drafters.base import SETUP_TOKENS, Draft, Drafter, draft_distribution, draw
 from specdec.drafters.registry import DrafterType, Option
-from specdec.sequence import Sequence
 from specdec.runtime.runner import ModelRunner
-from specdec.sampling import probs_from_logits, sample, seeded_scores
-
-
-SETUP_TOKENS = 32  # a catch-up longer than any draft: the prompt, counted as setup
+from specdec.sequence import Sequence
 
 
 class DraftModelDrafter(Drafter):
@@ -39,29 +35,6 @@ class DraftModelDrafter(Drafter):
         pad = logits.new_full((*logits.shape[:-1], self.target_vocab - v), float("-inf"))
         return torch.cat([logits, pad], dim=-1)
 
-    def _probs(self, logits: torch.Tensor, seq: Sequence, min_path_prob: float) -> torch.Tensor | None:
-        """logits [V] -> the draft's distribution q [V]; None when greedy and no rule reads it."""
-        if not seq.params.greedy:
-            return probs_from_logits(logits[None], seq.params)[0]
-        if self.p_min > 0 or self.branch_p > 0 or min_path_prob > 0:
-            return logits.softmax(-1)
-        return None
-
-    @staticmethod
-    def _draw(logits: torch.Tensor, q: torch.Tensor | None, seq: Sequence, position: int,
-              branch: bool) -> tuple[int, int | None]:
-        """(token, sibling or None) for the draft position that is token `position` of the sequence.
-
-        Greedy: the two best. Seeded: the two best under the target's noise for that position.
-        Sampling: two independent draws from q (the verifier treats siblings as such)."""
-        if seq.params.greedy or seq.seeded:
-            scores = logits if seq.params.greedy else seeded_scores(logits, seq.params, position)  # [V]
-            top = scores.topk(2)
-            second_ok = branch and bool(torch.isfinite(top.values[1]))
-            return int(top.indices[0]), int(top.indices[1]) if second_ok else None
-        tok = int(sample(q[None], seq.generator))
-        return tok, int(sample(q[None], seq.generator)) if branch else None
-
     def propose(self, seq: Sequence, max_tokens: int, min_path_prob: float = 0.0) -> Draft:
         cached = self.cached.setdefault(seq.slot, [])
         n = len(cached)
@@ -80,13 +53,13 @@ class DraftModelDrafter(Drafter):
         path_prob = 1.0  # the draft's own estimate that the main chain so far is accepted
         while len(tokens) < max_tokens:
             logits = self._fit_vocab(logits)
-            q = self._probs(logits, seq, min_path_prob)  # [V] or None
+            q = draft_distribution(logits, seq, self.p_min > 0 or self.branch_p > 0 or min_path_prob > 0)  # [V]
             top = 1.0 if q is None else float(q.max())
             # Whether to draft this position is decided before drawing its token (from q's largest
             # probability and the path so far): cutting on the drawn token would bias what is kept.
             if top < self.p_min or (tokens and path_prob * top < min_path_prob):
                 break
-            tok, sibling = self._draw(logits, q, seq, len(seq.tokens) + depth, top < self.branch_p)
+            tok, sibling = draw(logits, q, seq, len(seq.tokens) + depth, top < self.branch_p)
             path_prob *= 1.0 if q is None else float(q[tok])
             tokens.append(tok)
             parents.append(last)
@@ -120,15 +93,13 @@ class DraftModelDrafter(Drafter):
         self.drafted_from.pop(seq.slot, None)
 
 
-OPTIONS = (
-    Option("draft_p_min", "--draft-p-min", 0.0, "stop drafting when the draft's largest probability at the next "
-           "position falls below this (decided before drawing, so sampling stays lossless; default 0)", float,
-           "in [0, 1]"),
-    Option("draft_branch_p", "--draft-branch-p", 0.0, "draft model: where its largest probability is below this, "
-           "also propose its second choice (sampling: a second draw) as a sibling (a token tree verified in one "
-           "forward); 0 = chains only (default 0)", float, "in [0, 1]"),
-)
+P_MIN = Option("draft_p_min", "--draft-p-min", 0.0, "draft, eagle3: stop drafting when the draft's largest "
+               "probability at the next position falls below this (decided before drawing, so sampling stays "
+               "lossless; default 0)", float, "in [0, 1]")
+BRANCH_P = Option("draft_branch_p", "--draft-branch-p", 0.0, "draft model: where its largest probability is below "
+                  "this, also propose its second choice (sampling: a second draw) as a sibling (a token tree "
+                  "verified in one forward); 0 = chains only (default 0)", float, "in [0, 1]")
 TYPES = (DrafterType("draft", lambda ctx: DraftModelDrafter(ctx.draft_runner(), ctx.target.vocab_size,
                                                             ctx.options["draft_p_min"], ctx.options["draft_branch_p"]),
-                     "a smaller model with the target's tokenizer (-md)", OPTIONS, draft_model=True,
+                     "a smaller model with the target's tokenizer (-md)", (P_MIN, BRANCH_P), draft_model=True,
                      per_scope=False),)

@@ -69,6 +69,7 @@ class BuildContext:
     """What a drafter may be built from."""
     options: Mapping[str, Any]                       # every registered option's value
     target: ModelRunner | None = None                # the target's runner (None in `bench replay`)
+    model: str | None = None                         # the target's name (a pack) or path
     load_draft: Callable[[], ModelRunner] | None = None  # the -md model in a runner of its own, loaded on call
 
     def draft_runner(self) -> ModelRunner:
