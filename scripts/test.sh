@@ -4,4 +4,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q --disable-pip-version-check torch==2.13.0
 python -m pip install -q --disable-pip-version-check -e '.[dev]'
+# test-only: speculators' EAGLE-3 model for tests/test_eagle3_conformance.py, without its declared dependencies (they
+# would move torch and transformers); just the modules its import needs
+python -m pip install -q --disable-pip-version-check --no-deps speculators==0.9.0 loguru==0.7.3 datasets==5.1.0 \
+    hs-connectors==0.9.0 pyarrow==26.0.1 pandas==3.1.1 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0
 python -m pytest -q "$@"

@@ -10,7 +10,8 @@ The pair fed at position P is (token[P+1], g[P]): a target feature goes with the
 it. Parameter names follow the HF / SpecForge / SGLang layout (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t` as
 offsets: target id = i + d2t[i], `t2d` as a mask over the target vocabulary), except that q/k/v and gate/up are
 fused here (one matmul each); `save_head` / `load_head` convert. Token embeddings are the target's (frozen,
-not part of the head).
+not part of the head). `save_speculators` writes the `speculators` layout that vLLM serves (`layers.0.*`, a
+`speculators_config`); `specdec/models/eagle3_gguf.py` writes llama.cpp's `eagle3` GGUF.
 """
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ from specdec.runtime.kv_cache import KVCache
 WEIGHTS = "model.safetensors"
 HF_FUSED = {"midlayer.self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
             "midlayer.mlp.gate_up_proj": ("gate_proj", "up_proj")}
+SPECULATORS_VERSION = "0.9.0"  # the `speculators` release whose layout `save_speculators` writes (tested against it)
+# speculators / EAGLE-3.1 variants this head does not implement (each False in the layout we read)
+UNSUPPORTED_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 
 @dataclass(frozen=True)
@@ -71,10 +75,31 @@ class Eagle3Config:
                 "hidden_act": "silu", "attention_bias": False,
                 "eagle_aux_hidden_state_layer_ids": list(self.aux_layers), "torch_dtype": "float32"}
 
+    def to_speculators(self, verifier: str, architectures: list[str], speculative_tokens: int,
+                       dtype: torch.dtype) -> dict:
+        """config.json of the `speculators` layout (`Eagle3SpeculatorConfig`, speculators 0.9.0)."""
+        layer = {k: v for k, v in self.to_hf().items()
+                 if k not in ("architectures", "draft_vocab_size", "target_hidden_size", "torch_dtype",
+                              "eagle_aux_hidden_state_layer_ids")}
+        proposal = {"proposal_type": "greedy", "speculative_tokens": speculative_tokens, "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0}
+        return {"architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3",
+                "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": layer,
+                "draft_vocab_size": self.draft_vocab_size, "target_hidden_size": self.target_hidden_size,
+                "eagle_aux_hidden_state_layer_ids": list(self.aux_layers), **dict.fromkeys(UNSUPPORTED_FLAGS, False),
+                "embed_requires_grad": False, "tie_word_embeddings": False,
+                "dtype": str(dtype).removeprefix("torch."),
+                "speculators_config": {"algorithm": "eagle3", "proposal_methods": [proposal],
+                                       "default_proposal_method": "greedy",
+                                       "verifier": {"name_or_path": verifier, "architectures": architectures}}}
+
     @classmethod
     def from_hf(cls, d: dict, num_target_layers: int | None = None) -> Eagle3Config:
+        """From an HF / SpecForge config.json, or a speculators one with `transformer_layer_config` merged in."""
         if d.get("num_hidden_layers", 1) != 1 or "draft_vocab_size" not in d:
             raise SpecdecError("not an EAGLE-3 head config (needs num_hidden_layers 1 and draft_vocab_size)")
+        if flags := [f for f in UNSUPPORTED_FLAGS if d.get(f)]:
+            raise SpecdecError(f"EAGLE-3 head variant not supported here ({', '.join(flags)} set)")
         aux = d.get("eagle_aux_hidden_state_layer_ids")
         if aux is None:
             if num_target_layers is None:
@@ -83,10 +108,20 @@ class Eagle3Config:
             n = num_target_layers
             aux = (2, n // 2, n - 3)
         h = d["hidden_size"]
+        theta, scaling = _rope(d)
         return cls(h, d["intermediate_size"], d["num_attention_heads"], d["num_key_value_heads"],
                    d.get("head_dim") or h // d["num_attention_heads"], d["vocab_size"], d["draft_vocab_size"],
                    d.get("target_hidden_size") or h, tuple(aux), d.get("rms_norm_eps", 1e-6),
-                   d.get("rope_theta", 10000.0), d.get("max_position_embeddings", 32768), d.get("rope_scaling"))
+                   theta, d.get("max_position_embeddings", 32768), scaling)
+
+
+def _rope(d: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling or None) from legacy keys or transformers 5's `rope_parameters`."""
+    params = d.get("rope_scaling") or d.get("rope_parameters") or {}
+    theta = float(d.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    kind = params.get("rope_type", params.get("type", "default"))
+    scaling = None if kind == "default" else {k: v for k, v in params.items() if k != "rope_theta"}
+    return theta, scaling
 
 
 class Eagle3Attention(nn.Module):
@@ -177,9 +212,32 @@ class Eagle3Head(nn.Module):
 
 def save_head(head: Eagle3Head, out: Path, manifest: dict | None = None) -> Path:
     """The HF / SpecForge layout: config.json + model.safetensors (q/k/v and gate/up unfused, d2t, t2d)."""
-    from safetensors.torch import save_file
+    _write(out, hf_state(head), head.config.to_hf(), manifest)
+    return out
 
-    out.mkdir(parents=True, exist_ok=True)
+
+def save_speculators(head: Eagle3Head, out: Path, verifier_name: str, speculative_tokens: int = 3,
+                     manifest: dict | None = None, embeddings: torch.Tensor | None = None) -> Path:
+    """The `speculators` layout (what `Eagle3DraftModel.from_pretrained` and vLLM load): `layers.0.*`, `d2t`/`t2d`
+    only with a reduced vocabulary. `verifier_name`: the target's HF id or path. `embeddings` (the target's token
+    embeddings [V, H]) are stored as `embed_tokens.weight`, as speculators' own checkpoints do; without them vLLM
+    shares the target's, but speculators 0.9.0 (under transformers 5.24) leaves its embedding uninitialized."""
+    c = head.config
+    state = {k.replace("midlayer.", "layers.0."): v for k, v in hf_state(head).items()}
+    if c.draft_vocab_size == c.vocab_size:  # speculators keeps no vocabulary map then (its d2t/t2d are None)
+        del state["d2t"], state["t2d"]
+    if embeddings is not None:
+        if embeddings.shape != (c.vocab_size, c.hidden_size):
+            raise SpecdecError(f"embeddings {tuple(embeddings.shape)}: the head needs "
+                               f"[{c.vocab_size}, {c.hidden_size}]")
+        state["embed_tokens.weight"] = embeddings.detach().to(head.fc.weight.dtype).contiguous()
+    cfg = c.to_speculators(verifier_name, _architectures(verifier_name), speculative_tokens, head.fc.weight.dtype)
+    _write(out, state, cfg, manifest)
+    return out
+
+
+def hf_state(head: Eagle3Head) -> dict[str, torch.Tensor]:
+    """The head's tensors under HF / SpecForge names (`midlayer.*`, q/k/v and gate/up unfused)."""
     state = {k: v.detach().contiguous() for k, v in head.state_dict().items()}
     c = head.config
     for fused, parts in HF_FUSED.items():
@@ -189,16 +247,29 @@ def save_head(head: Eagle3Head, out: Path, manifest: dict | None = None) -> Path
         owner = fused.rsplit(".", 1)[0]
         for name, part in zip(parts, w.split(sizes)):
             state[f"{owner}.{name}.weight"] = part.contiguous()
+    return state
+
+
+def _write(out: Path, state: dict[str, torch.Tensor], config: dict, manifest: dict | None) -> None:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / WEIGHTS))
-    (out / "config.json").write_text(json.dumps(c.to_hf(), indent=2))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     if manifest is not None:
         (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
-    return out
+
+
+def _architectures(verifier: str) -> list[str]:
+    """The verifier's `architectures` when it is a local HF directory, else none (speculators allows [])."""
+    cfg = Path(verifier) / "config.json"
+    return list(json.loads(cfg.read_text()).get("architectures") or []) if cfg.is_file() else []
 
 
 def load_head(path: Path, num_target_layers: int | None = None, dtype: torch.dtype = torch.float32) -> Eagle3Head:
     """A head saved by `save_head` or by SpecForge / SGLang (`midlayer.*`), or in the speculators layout
-    (`layers.0.*`, `draft_id_to_target_id`)."""
+    (`save_speculators`, `Eagle3DraftModel.save_pretrained`: `layers.0.*`, `d2t`/`t2d` or vLLM's
+    `draft_id_to_target_id`, the target's `embed_tokens` dropped)."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -223,8 +294,8 @@ def load_head(path: Path, num_target_layers: int | None = None, dtype: torch.dty
 
 
 def _to_ours(state: dict[str, torch.Tensor], head: Eagle3Head) -> dict[str, torch.Tensor]:
-    """Other layouts' names -> ours (speculators `layers.0.` and `draft_id_to_target_id`; unfused q/k/v, gate/up);
-    embeddings the head does not keep are dropped."""
+    """Other layouts' names -> ours (speculators `layers.0.`, vLLM's `draft_id_to_target_id`; unfused q/k/v,
+    gate/up); embeddings the head does not keep are dropped."""
     state = {k.replace("layers.0.", "midlayer."): v for k, v in state.items() if not k.startswith("embed_tokens")}
     if "draft_id_to_target_id" in state:
         state["d2t"] = state.pop("draft_id_to_target_id")
