@@ -154,7 +154,7 @@ def test_manifest_records_sources_rules_and_generation(cache, rules):
     gen = m["generation"]
     assert (gen["batch"], gen["max_new_tokens"], gen["sample_share"], gen["temperature"]) == (3, MAX_NEW, 0.5, 0.7)
     assert gen["end_of_turn_token"] == 0 and m["command"] == "test"
-    assert m["throughput"]["generate_tok_s"] > 0 and m["throughput"]["hours"] > 0
+    assert m["throughput"]["generate_tok_s"] > 0 and m["throughput"]["seconds"]["total"] > 0  # hours: 3 decimals
     assert [s["file"] for s in m["shards"]] == [f.name for f in cache.files]
     assert sorted(json.loads((cache.dir / "progress.json").read_text())["done"]) == sorted(c["index"] for c in cache)
 
