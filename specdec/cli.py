@@ -1,4 +1,4 @@
-"""`specdec generate | models | bench | serve | plan` with llama.cpp-style flags."""
+"""`specdec generate | models | bench | serve | plan | train` with llama.cpp-style flags."""
 from __future__ import annotations
 
 import argparse
@@ -268,6 +268,75 @@ def _add_plan_parser(sub) -> None:
     pl.set_defaults(func=cmd_plan)
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    import torch
+
+    from specdec.train.eagle3 import TrainConfig, train
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cache = args.cache
+    if cache is None:
+        from specdec.paths import home
+        from specdec.train.data import build_cache
+
+        name = f"{Path(args.model).name}-sharegpt-{args.prompts}x{args.max_new_tokens}"
+        cache = build_cache(args.model, home() / "train" / name, args.prompts, max_new_tokens=args.max_new_tokens,
+                            threads=args.threads, progress=not args.no_progress)
+    cfg = TrainConfig(draft_vocab=args.draft_vocab, intermediate=args.intermediate, ttt=args.ttt, epochs=args.epochs,
+                      lr=args.lr, max_len=args.max_len, batch_tokens=args.batch_tokens, max_hours=args.max_hours,
+                      device=args.device, autocast=args.autocast, val_share=args.val_share, save_dtype=args.save_dtype,
+                      checkpoint_minutes=args.checkpoint_minutes, progress=not args.no_progress)
+    m = train(args.model, cache, args.out, cfg, resume=args.resume, command=" ".join(["specdec", *sys.argv[1:]]))
+    v, t = m["validation"], m["training"]
+    print(f"{args.model}: validation tau {v['tau']} (acceptance per step {v['accept']}); {t['tokens']} tokens, "
+          f"{t['epochs']} epochs, {t['hours']} h, {t['tok_s']} tok/s", file=sys.stderr)
+    return 0
+
+
+def _add_train_parser(sub) -> None:
+    from specdec.train.eagle3 import TrainConfig
+
+    D = TrainConfig
+    t = sub.add_parser("train", help="train a drafter head on the target's own features (eagle3)")
+    t.add_argument("kind", choices=["eagle3"], help="the head to train")
+    t.add_argument("-m", "--model", required=True, help="target: model pack name, GGUF file or checkpoint directory")
+    t.add_argument("-t", "--threads", type=_positive_int, help="CPU threads (default: torch's)")
+    d = t.add_argument_group("data")
+    d.add_argument("--cache", help="a feature cache (specdec.train.data.build_cache); default: build or continue one "
+                   "under $SPECDEC_HOME/train from ShareGPT prompts (--prompts, --max-new-tokens)")
+    d.add_argument("--prompts", type=_positive_int, default=1000, help="conversations in the built cache (1000)")
+    d.add_argument("--max-new-tokens", type=_positive_int, default=128,
+                   help="the target's response length cap in the built cache (128)")
+    h = t.add_argument_group("head and training")
+    h.add_argument("--draft-vocab", type=_positive_int, default=D.draft_vocab,
+                   help=f"draft vocabulary: the most frequent response tokens ({D.draft_vocab})")
+    h.add_argument("--intermediate", type=_positive_int, help="the head's MLP width (default: the target's)")
+    h.add_argument("--ttt", type=int, default=D.ttt, help=f"training-time test: unrolled draft steps ({D.ttt})")
+    h.add_argument("--epochs", type=int, default=D.epochs, help=f"passes over the training split ({D.epochs})")
+    h.add_argument("--lr", type=float, default=D.lr, help=f"peak learning rate, cosine, 3%% warmup ({D.lr})")
+    h.add_argument("--max-len", type=_positive_int, default=D.max_len,
+                   help=f"tokens per packed row; longer conversations are cut ({D.max_len})")
+    h.add_argument("--batch-tokens", type=_positive_int, default=D.batch_tokens,
+                   help=f"tokens per optimizer step ({D.batch_tokens})")
+    h.add_argument("--max-hours", type=float, help="stop after this many hours over all runs of the checkpoint; the "
+                   "learning rate decays to zero by then")
+    h.add_argument("--val-share", type=float, default=D.val_share,
+                   help=f"share of conversations held out for validation ({D.val_share})")
+    h.add_argument("--device", choices=["cpu", "cuda"], default=D.device, help="where to train (the same code)")
+    h.add_argument("--autocast", choices=["auto", "bf16", "fp32"], default=D.autocast,
+                   help="bf16 autocast; auto: on a GPU or a CPU with bf16 instructions")
+    o = t.add_argument_group("output")
+    o.add_argument("--out", help="the head's directory (default $SPECDEC_HOME/heads/eagle3-TARGET, where "
+                   "--spec-type eagle3 finds it)")
+    o.add_argument("--save-dtype", choices=["fp32", "bf16"], default=D.save_dtype, help="the saved weights (fp32)")
+    o.add_argument("--checkpoint-minutes", type=float, default=D.checkpoint_minutes,
+                   help=f"checkpoint, validate and save the head this often ({D.checkpoint_minutes:g})")
+    o.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
+    o.add_argument("--no-progress", action="store_true", help="no progress bars")
+    t.set_defaults(func=cmd_train)
+
+
 def make_parser() -> argparse.ArgumentParser:
     from specdec.bench.runner import all_methods
     from specdec.drafters import spec_types
@@ -344,6 +413,7 @@ def make_parser() -> argparse.ArgumentParser:
     sv.set_defaults(func=cmd_serve)
 
     _add_plan_parser(sub)
+    _add_train_parser(sub)
     return p
 
 
