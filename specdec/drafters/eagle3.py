@@ -9,15 +9,14 @@ drafts take the head's best token; sampled drafts draw from q over the draft voc
 """
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import torch
 
-from specdec import paths
 from specdec.drafters.base import SETUP_TOKENS, Draft, Drafter, draft_distribution, draw
 from specdec.drafters.draft_model import P_MIN
+from specdec.drafters.heads import find_head
 from specdec.drafters.registry import BuildContext, DrafterType, Option
 from specdec.errors import SpecdecError
 from specdec.models.eagle3 import Eagle3Head, load_head
@@ -25,9 +24,6 @@ from specdec.models.transformer import Batch
 from specdec.runtime.kv_cache import KVCache
 from specdec.runtime.runner import HEADROOM, Features, FeatureSpec, ModelRunner
 from specdec.sequence import Sequence
-
-SHIPPED = Path(__file__).resolve().parent.parent / "heads"  # heads committed with the package
-
 
 class Eagle3Drafter(Drafter):
     name = "eagle3"
@@ -119,27 +115,9 @@ class Eagle3Drafter(Drafter):
             d.pop(seq.slot, None)
 
 
-def find_head(target: str | None) -> Path:
-    """The EAGLE-3 head trained for `target` (a pack name or model path): the newest under SPECDEC_HOME/heads,
-    else one shipped with specdec (a `manifest.json` whose `target` and `kind` match)."""
-    name = Path(target).name if target else ""
-    found = [m.parent for root in (paths.home() / "heads", SHIPPED) if root.is_dir()
-             for m in sorted(root.glob("*/manifest.json"), key=lambda f: f.stat().st_mtime, reverse=True)
-             if _manifest_matches(m, name)]
-    if not found:
-        raise SpecdecError(f"no EAGLE-3 head for {target!r} (train one: specdec train eagle3 -m {target}; or give "
-                           "--spec-eagle3-head DIR)")
-    return found[0]
-
-
-def _manifest_matches(path: Path, target: str) -> bool:
-    m = json.loads(path.read_text())
-    return m.get("kind") == "eagle3" and Path(str(m.get("target", ""))).name == target
-
-
 def _build(ctx: BuildContext) -> Eagle3Drafter:
     choice = ctx.options["eagle3_head"]
-    path = find_head(ctx.model) if choice == "auto" else Path(choice)
+    path = find_head(ctx.model, "eagle3", HEAD.flag) if choice == "auto" else Path(choice)
     target = ctx.target
     head = load_head(path, target.model.config.num_layers, target.model.model.norm.weight.dtype)
     if head.config.vocab_size != target.vocab_size or head.config.target_hidden_size != target.model.config.hidden_size:

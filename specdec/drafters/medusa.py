@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from specdec import paths
 from specdec.drafters.base import Draft, Drafter
-from specdec.drafters.eagle3 import SHIPPED
+from specdec.drafters.heads import find_head
 from specdec.drafters.registry import BuildContext, DrafterType, Option
 from specdec.errors import SpecdecError
 from specdec.models.medusa import MedusaHeads, load_heads
@@ -103,24 +101,6 @@ def best_first_tree(probs: list[list[float]], ids: list[list[int]], max_nodes: i
         push(len(tokens) - 1, depth + 1, -neg)
     is_chain = all(p == i - 1 for i, p in enumerate(parents))
     return Draft(tokens, parents=None if is_chain else parents)
-
-
-def find_head(target: str | None, kind: str, flag: str) -> Path:
-    """The newest head of `kind` trained for `target` (a pack name or model path) under SPECDEC_HOME/heads, else one
-    shipped with specdec (a `manifest.json` whose `kind` and `target` match)."""
-    name = Path(target).name if target else ""
-    found = [m.parent for root in (paths.home() / "heads", SHIPPED) if root.is_dir()
-             for m in sorted(root.glob("*/manifest.json"), key=lambda f: f.stat().st_mtime, reverse=True)
-             if _manifest_matches(m, kind, name)]
-    if not found:
-        raise SpecdecError(f"no {kind} head for {target!r} (train one: specdec train {kind} -m {target}; or give "
-                           f"{flag} DIR)")
-    return found[0]
-
-
-def _manifest_matches(path: Path, kind: str, target: str) -> bool:
-    m = json.loads(path.read_text())
-    return m.get("kind") == kind and Path(str(m.get("target", ""))).name == target
 
 
 def _build(ctx: BuildContext) -> MedusaDrafter:
