@@ -1,118 +1,119 @@
 """`eagle3`: a trained EAGLE-3 head drafts from the target's own hidden states (specdec/models/eagle3.py).
 
-The engine hands the drafter the target features of every committed token (`observe_features`); they are fused
-(`fc`) and wait until the token after them is known. At `propose`, the waiting pairs (token[P+1], g[P]) are fed
-into the head's one-layer KV cache at positions P, which also yields the first draft token; every further draft
-token feeds (token, the previous step's pre-norm output) one position on. Draft-step entries past the committed
-tokens are overwritten by the next feed (the cache is position-indexed, like the target's). Greedy and seeded
-drafts take the head's best token; sampled drafts draw from q over the draft vocabulary (zero elsewhere).
+The target features of every committed token are fused (`fc`) into the head's input state g; the feeding and the
+chain (pairs (token[P+1], g[P]) at positions P, then each draft token with the previous step's pre-norm output)
+are `PairedHeadDrafter`'s (drafters/paired_head.py). Sampled drafts draw from q over the draft vocabulary (zero
+elsewhere).
+
+With `--spec-eagle3-topk K` > 1 the draft is an EAGLE-2 dynamic token tree (drafters/tree.py) of up to
+`--spec-eagle3-nodes` nodes instead: per depth the head runs once on the K best new nodes by path probability (those
+whose children could still make the tree), each as the pair (its token, its parent's pre-norm output) at position
+base + depth in cache row base + expansion order (base: the committed pairs), attending to the committed pairs and
+its own ancestors; each offers the head's K best tokens as children (seeded: the best under the target's noise for
+that position). Tree drafts are deterministic, verified one-hot: lossless at any temperature. The next feed
+overwrites their cache rows, so the head's cache again holds exactly the committed pairs.
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
 
-from specdec.drafters.base import SETUP_TOKENS, Draft, Drafter, draft_distribution, draw
+from specdec.drafters.base import Draft, draft_distribution
 from specdec.drafters.draft_model import P_MIN
 from specdec.drafters.heads import find_head
+from specdec.drafters.paired_head import PairedHeadDrafter
 from specdec.drafters.registry import BuildContext, DrafterType, Option
+from specdec.drafters.tree import ROOT, DynamicTree
 from specdec.errors import SpecdecError
 from specdec.models.eagle3 import Eagle3Head, load_head
 from specdec.models.transformer import Batch
 from specdec.runtime.kv_cache import KVCache
 from specdec.runtime.runner import HEADROOM, Features, FeatureSpec, ModelRunner
+from specdec.sampling import seeded_scores
 from specdec.sequence import Sequence
 
-class Eagle3Drafter(Drafter):
+
+class Eagle3Drafter(PairedHeadDrafter):
     name = "eagle3"
-    confidence_stop = True
 
-    def __init__(self, head: Eagle3Head, target: ModelRunner, p_min: float = 0.0):
+    def __init__(self, head: Eagle3Head, target: ModelRunner, p_min: float = 0.0, topk: int = 1, nodes: int = 0):
         c = head.config
-        self.head, self.embed, self.p_min = head, target.model.model.embed_tokens, p_min
-        self.vocab = target.vocab_size
+        self.head = head
+        self.topk, self.nodes = min(topk, c.draft_vocab_size), nodes  # tree width (1: chains); node budget (0: any)
         self.features = FeatureSpec(tuple(c.aux_layers))
-        dtype = head.fc.weight.dtype
-        self.cache = KVCache.allocate(1, target.cache.num_slots, c.num_kv_heads, target.context + HEADROOM,
-                                      c.head_dim, dtype, [head.fc.weight.device])
-        self.owner: dict[int, Sequence] = {}           # slot -> the sequence its state belongs to
-        self.waiting: dict[int, list[torch.Tensor]] = {}  # slot -> fused features [n, H] not yet fed
-        self.fed: dict[int, int] = {}                  # slot -> positions whose pair is in the head's cache
-        self.seen: dict[int, int] = {}                 # slot -> positions whose features arrived
+        cache = KVCache.allocate(1, target.cache.num_slots, c.num_kv_heads, target.context + HEADROOM, c.head_dim,
+                                 head.fc.weight.dtype, [head.fc.weight.device])
+        super().__init__(target.model.model.embed_tokens, head.rotary, cache, target.vocab_size, p_min)
 
-    def _state(self, seq: Sequence) -> None:
-        if self.owner.get(seq.slot) is not seq:
-            self.owner[seq.slot], self.waiting[seq.slot] = seq, []
-            self.fed[seq.slot] = self.seen[seq.slot] = 0
+    def state(self, feats: Features) -> torch.Tensor:
+        return self.head.fuse(feats.layers)  # [n, H]
 
-    @torch.inference_mode()
-    def observe_features(self, seq: Sequence, feats: Features) -> None:
-        self._state(seq)
-        self.waiting[seq.slot].append(self.head.fuse(feats.layers))  # [n, H]
-        self.seen[seq.slot] += len(feats)
+    def run(self, emb: torch.Tensor, g: torch.Tensor, batch: Batch, depth: int | None):
+        return self.head(emb, g, batch, self.cache)
 
-    def _step(self, seq: Sequence, tokens: list[int], g: torch.Tensor, start: int):
-        """Feed pairs (tokens[i], g[i]) at positions start.. -> (draft logits [Vd] and pre-norm h [1, H] of the
-        last position)."""
-        n = len(tokens)
-        positions = torch.arange(start, start + n)[None]  # [1, n]
-        cos, sin = self.head.rotary.tables(positions, g.dtype)
-        mask = None
-        if n > 1:
-            mask = (torch.arange(start + n)[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [1, 1, n, S]
-        slots = torch.tensor([seq.slot])
-        batch = Batch(slots, positions, cos, sin, mask, start + n, KVCache.span(slots, positions))
-        emb = self.embed(torch.tensor([tokens])).to(g.dtype)  # [1, n, H]
-        logits, h = self.head(emb, g[None], batch, self.cache)
-        return logits[0, -1], h[0, -1:]
-
-    def _full(self, draft_logits: torch.Tensor) -> torch.Tensor:
+    def full(self, logits: torch.Tensor) -> torch.Tensor:
         """[Vd] -> [V] target-vocabulary logits, -inf outside the draft vocabulary."""
-        out = draft_logits.new_full((self.vocab,), float("-inf"))
-        out[self.head.draft_to_target] = draft_logits
+        out = logits.new_full((self.vocab,), float("-inf"))
+        out[self.head.draft_to_target] = logits
         return out
-
-    @torch.inference_mode()
-    def propose(self, seq: Sequence, max_tokens: int, min_path_prob: float = 0.0) -> Draft:
-        self._state(seq)
-        slot, start = seq.slot, self.fed[seq.slot]
-        if not self.waiting[slot] or self.seen[slot] != len(seq.tokens) - 1:
-            return Draft([])  # features of the committed tokens have not all arrived
-        t = time.perf_counter()
-        g = torch.cat(self.waiting[slot])  # [n, H] for positions start..
-        logits, h = self._step(seq, seq.tokens[start + 1:], g, start)
-        self.waiting[slot], self.fed[slot] = [], self.seen[slot]
-        setup_s = time.perf_counter() - t if len(g) > SETUP_TOKENS else 0.0
-        return self._draft(seq, logits, h, max_tokens, min_path_prob, setup_s)
 
     def _draft(self, seq: Sequence, logits: torch.Tensor, h: torch.Tensor, max_tokens: int, min_path_prob: float,
                setup_s: float) -> Draft:
-        """A chain from the first draft position's logits [Vd] and pre-norm state h [1, H]."""
-        tokens: list[int] = []
-        probs: list[torch.Tensor] = []
-        keep_q = not seq.params.greedy and not seq.seeded
-        position, path_prob = len(seq.tokens) - 1, 1.0  # the position the next pair is fed at
-        while len(tokens) < max_tokens:
-            full = self._full(logits)
-            q = draft_distribution(full, seq, self.p_min > 0 or min_path_prob > 0)  # [V] or None
-            top = 1.0 if q is None else float(q.max())
-            if top < self.p_min or (tokens and path_prob * top < min_path_prob):  # decided before drawing
-                break
-            tok, _ = draw(full, q, seq, position + 1, False)
-            path_prob *= 1.0 if q is None else float(q[tok])
-            tokens.append(tok)
-            if keep_q:
-                probs.append(q)
-            if len(tokens) < max_tokens:
-                logits, h = self._step(seq, [tok], h, position)
-                position += 1
-        return Draft(tokens, torch.stack(probs) if probs else None, setup_s=setup_s)
+        """A chain (topk 1), else a tree, from the first draft position's logits [Vd] and pre-norm state h [1, H]."""
+        if self.topk == 1:
+            return super()._draft(seq, logits, h, max_tokens, min_path_prob, setup_s)
+        budget = min(max_tokens, self.nodes or max_tokens)
+        tokens, parents = self._tree(seq, logits, h[0], budget, min_path_prob).draft()
+        return Draft(tokens, parents=parents, setup_s=setup_s)
 
-    def release(self, seq: Sequence) -> None:
-        for d in (self.owner, self.waiting, self.fed, self.seen):
-            d.pop(seq.slot, None)
+    def _tree(self, seq: Sequence, logits: torch.Tensor, h: torch.Tensor, budget: int,
+              min_path_prob: float) -> DynamicTree:
+        """An EAGLE-2 tree of up to `budget` nodes from the first draft position's logits [Vd] and pre-norm state
+        h [H]: one head forward per depth over the nodes `DynamicTree.to_expand` picks."""
+        tree = DynamicTree(budget, min_path_prob)
+        outputs = {ROOT: h}             # expanded candidate -> its pre-norm output [H], its children's g
+        frontier = [(ROOT, logits)]     # (expanded candidate, its logits [Vd])
+        while frontier:
+            layer = [c for node, lg in frontier for c in self._children(seq, tree, node, lg)]
+            chosen = tree.to_expand(layer, self.topk)
+            if not chosen:
+                break
+            lg, hs = self._feed(seq, tree, chosen, torch.stack([outputs[tree.parents[c]] for c in chosen]))
+            outputs.update(zip(chosen, hs))
+            frontier = list(zip(chosen, lg))
+        return tree
+
+    def _children(self, seq: Sequence, tree: DynamicTree, node: int, logits: torch.Tensor) -> list[int]:
+        """Add the head's `topk` best continuations of `node` (its logits [Vd]) to the tree, none where its largest
+        probability is below p_min -> the new candidates."""
+        full = self.full(logits)                # [V]
+        q = draft_distribution(full, seq, True)  # [V]: ranks the paths
+        if float(q.max()) < self.p_min:
+            return []
+        position = len(seq.tokens) + (0 if node == ROOT else tree.depths[node] + 1)  # the children's tokens'
+        scores = seeded_scores(full, seq.params, position) if seq.seeded else q
+        ids = scores.topk(self.topk).indices     # [K]
+        ids = ids[q[ids] > 0]
+        return tree.add_children(node, ids.tolist(), q[ids].tolist())
+
+    def _feed(self, seq: Sequence, tree: DynamicTree, chosen: list[int], g: torch.Tensor):
+        """Run the head once on the chosen candidates (pairs: token, its parent's output g [m, H]) in their cache
+        rows past the committed pairs, each attending to those and its own ancestors -> (logits [m, Vd], h [m, H])."""
+        base = self.fed[seq.slot]  # committed pairs in the cache = the first draft pair's position
+        end = base + len(tree.rows)
+        mask = torch.zeros(len(chosen), end, dtype=torch.bool)  # [m, end]
+        mask[:, :base] = True
+        for i, c in enumerate(chosen):
+            mask[i, [base + tree.rows[a] for a in tree.lineage(c)]] = True
+        positions = torch.tensor([[base + tree.depths[c] for c in chosen]])  # [1, m]
+        rows = torch.tensor([[base + tree.rows[c] for c in chosen]])         # [1, m], consecutive
+        cos, sin = self.rotary.tables(positions, g.dtype)
+        slots = torch.tensor([seq.slot])
+        batch = Batch(slots, rows, cos, sin, mask[None, None], end, KVCache.span(slots, rows))
+        emb = self.embed(torch.tensor([[tree.tokens[c] for c in chosen]])).to(g.dtype)  # [1, m, H]
+        logits, h = self.run(emb, g[None], batch, tree.depths[chosen[0]] + 1)
+        return logits[0], h[0]
 
 
 def _build(ctx: BuildContext) -> Eagle3Drafter:
@@ -123,11 +124,17 @@ def _build(ctx: BuildContext) -> Eagle3Drafter:
     if head.config.vocab_size != target.vocab_size or head.config.target_hidden_size != target.model.config.hidden_size:
         raise SpecdecError(f"EAGLE-3 head {path} was made for another target (vocabulary {head.config.vocab_size}, "
                            f"hidden {head.config.target_hidden_size})")
-    return Eagle3Drafter(head, target, ctx.options["draft_p_min"])
+    return Eagle3Drafter(head, target, ctx.options["draft_p_min"], ctx.options["eagle3_topk"],
+                         ctx.options["eagle3_nodes"])
 
 
 HEAD = Option("eagle3_head", "--spec-eagle3-head", "auto", "eagle3: the head's directory (HF / SpecForge or "
               "speculators layout); auto = the head trained for the target (SPECDEC_HOME/heads, then shipped ones)",
               str)
+TOPK = Option("eagle3_topk", "--spec-eagle3-topk", 1, "eagle3: 1 = a chain of the head's best tokens; K > 1 = an "
+              "EAGLE-2 dynamic token tree: per depth the K best new nodes by path probability each offer the head's "
+              "K best tokens (one head forward per depth; default 1)", int, ">= 1")
+NODES = Option("eagle3_nodes", "--spec-eagle3-nodes", 0, "eagle3 trees: at most this many nodes, the best by path "
+               "probability; 0 = the engine's draft length (default 0)", int, ">= 0")
 TYPES = (DrafterType("eagle3", _build, "a trained EAGLE-3 head on the target's hidden states",
-                     (HEAD, P_MIN), target_features=True, per_scope=False),)
+                     (HEAD, P_MIN, TOPK, NODES), target_features=True, per_scope=False),)
