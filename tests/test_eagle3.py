@@ -86,18 +86,14 @@ def _exact_joint(llm, prompt: list[int], params: SamplingParams) -> dict[tuple[i
     return out
 
 
-def test_sampling_through_the_engine_matches_plain(tmp_path):
-    """Rejection sampling with an EAGLE-3 head (q zero outside its draft vocabulary) samples the target's
-    distribution: 20,000 runs through the engine, chi-square and total variation against the exact joint."""
-    target = make_tiny(tmp_path / "t", "llama", seed=3, layers=3, vocab=V)
-    head = random_head(target, seed=1, scale=1.0, skip=2)
-    save_head(head, tmp_path / "head", {"kind": "eagle3", "target": "tiny"})
-    llm = specdec.LLM(str(target), spec_type="eagle3", eagle3_head=str(tmp_path / "head"), dtype="fp32", context=32,
-                      parallel=BATCH, adaptive=False, draft_max=3, progress=False)
+def engine_fit(target, **spec) -> tuple[int, float, float, float]:
+    """RUNS sampled runs (T 1) of the first three tokens through the engine with the drafter `spec` (LLM keywords)
+    against the exact joint of plain sampling -> (tokens drafted, chi-square p-value, total variation, its bound)."""
+    llm = specdec.LLM(str(target), dtype="fp32", context=32, parallel=BATCH, adaptive=False, draft_max=3,
+                      progress=False, **spec)
     llm.engine.stop_ids = set()
-    params = SamplingParams(temperature=1.0)
     prompt = [1, 2, 3, 4, 5, 6, 7, 1, 2]
-    want = _exact_joint(llm, prompt, params)
+    want = _exact_joint(llm, prompt, SamplingParams(temperature=1.0))
     eng, samples, drafted = llm.engine, [], 0
     for b0 in range(0, RUNS, BATCH):
         seqs = []
@@ -113,8 +109,17 @@ def test_sampling_through_the_engine_matches_plain(tmp_path):
             eng.finish(s)
             samples.append(tuple(s.output_ids[:3]))
             drafted += s.stats.drafted
-    p_value, tv = fit(samples, want)
-    assert drafted > RUNS and p_value > 1e-3 and tv < TV_BOUND, (drafted, p_value, tv)
+    return drafted, *fit(samples, want), TV_BOUND
+
+
+def test_sampling_through_the_engine_matches_plain(tmp_path):
+    """Rejection sampling with an EAGLE-3 head (q zero outside its draft vocabulary) samples the target's
+    distribution: 20,000 runs through the engine, chi-square and total variation against the exact joint."""
+    target = make_tiny(tmp_path / "t", "llama", seed=3, layers=3, vocab=V)
+    head = random_head(target, seed=1, scale=1.0, skip=2)
+    save_head(head, tmp_path / "head", {"kind": "eagle3", "target": "tiny"})
+    drafted, p_value, tv, bound = engine_fit(target, spec_type="eagle3", eagle3_head=str(tmp_path / "head"))
+    assert drafted > RUNS and p_value > 1e-3 and tv < bound, (drafted, p_value, tv)
 
 
 @pytest.mark.real

@@ -8,7 +8,7 @@ from pathlib import Path
 from specdec.errors import SpecdecError
 
 # HF `model_type` values we run, mapped to the family that decides the layer details.
-SUPPORTED_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+SUPPORTED_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mimo": "qwen2"}
 
 
 @dataclass
@@ -75,7 +75,8 @@ class ModelConfig:
     def to_hf_dict(self) -> dict:
         """A config.json that `transformers` (and we) can read back."""
         arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[self.model_type]
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "mimo": "MiMoForCausalLM"}[self.model_type]
         d = {
             "architectures": [arch], "model_type": self.model_type, "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,

@@ -81,17 +81,13 @@ class Eagle3Config:
         layer = {k: v for k, v in self.to_hf().items()
                  if k not in ("architectures", "draft_vocab_size", "target_hidden_size", "torch_dtype",
                               "eagle_aux_hidden_state_layer_ids")}
-        proposal = {"proposal_type": "greedy", "speculative_tokens": speculative_tokens, "verifier_accept_k": 1,
-                    "accept_tolerance": 0.0}
         return {"architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3",
                 "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": layer,
                 "draft_vocab_size": self.draft_vocab_size, "target_hidden_size": self.target_hidden_size,
                 "eagle_aux_hidden_state_layer_ids": list(self.aux_layers), **dict.fromkeys(UNSUPPORTED_FLAGS, False),
                 "embed_requires_grad": False, "tie_word_embeddings": False,
                 "dtype": str(dtype).removeprefix("torch."),
-                "speculators_config": {"algorithm": "eagle3", "proposal_methods": [proposal],
-                                       "default_proposal_method": "greedy",
-                                       "verifier": {"name_or_path": verifier, "architectures": architectures}}}
+                "speculators_config": speculators_config("eagle3", verifier, architectures, speculative_tokens)}
 
     @classmethod
     def from_hf(cls, d: dict, num_target_layers: int | None = None) -> Eagle3Config:
@@ -113,6 +109,14 @@ class Eagle3Config:
                    d.get("head_dim") or h // d["num_attention_heads"], d["vocab_size"], d["draft_vocab_size"],
                    d.get("target_hidden_size") or h, tuple(aux), d.get("rms_norm_eps", 1e-6),
                    theta, d.get("max_position_embeddings", 32768), scaling)
+
+
+def speculators_config(algorithm: str, verifier: str, architectures: list[str], speculative_tokens: int) -> dict:
+    """The `speculators_config` of a speculators config.json: greedy proposals of `speculative_tokens`."""
+    proposal = {"proposal_type": "greedy", "speculative_tokens": speculative_tokens, "verifier_accept_k": 1,
+                "accept_tolerance": 0.0}
+    return {"algorithm": algorithm, "proposal_methods": [proposal], "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": architectures}}
 
 
 def _rope(d: dict) -> tuple[float, dict | None]:

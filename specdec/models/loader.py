@@ -7,6 +7,7 @@ import torch
 
 from specdec.errors import SpecdecError
 from specdec.models.config import ModelConfig
+from specdec.models.mtp import is_mtp_tensor
 from specdec.models.tokenizer import Tokenizer
 from specdec.models.transformer import Transformer, fuse_projections
 from specdec.paths import home
@@ -127,6 +128,8 @@ def load_checkpoint(directory: Path, dtype: torch.dtype, device: str = "cpu") ->
         for f in sorted(directory.glob("*.safetensors")):
             with safe_open(str(f), framework="pt") as sf:
                 for name in sf.keys():
+                    if is_mtp_tensor(name, cfg.num_layers):  # MTP blocks: models/mtp.py loads them
+                        continue
                     state[name] = sf.get_tensor(name).to(device=device, dtype=dtype)
     except Exception as e:
         raise SpecdecError(f"{directory}: cannot read weights ({type(e).__name__}: {e})") from None

@@ -1,0 +1,70 @@
+"""`mtp`: MTP blocks (specdec/models/mtp.py) draft from the target's post-norm final state.
+
+The blocks are the target checkpoint's own next-n layers (DeepSeek-V3 `nextn`, MiMo `mtp_layers`) or a block
+trained after the fact (a head directory, manifest kind `mtp`). Feeding and chaining are `PairedHeadDrafter`'s:
+the committed pairs (token[P+1], norm(final[P])) go into every block's KV cache, block 0 gives the first draft
+token, and draft step s runs block min(s, n - 1) on (its token, the state the step before returned), one position
+on. Logits are over the full vocabulary (the target's LM head unless a block has its own).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specdec.drafters.draft_model import P_MIN
+from specdec.drafters.heads import find_head
+from specdec.drafters.paired_head import PairedHeadDrafter
+from specdec.drafters.registry import BuildContext, DrafterType, Option
+from specdec.errors import SpecdecError
+from specdec.models.mtp import MtpHead, load_head, native_blocks
+from specdec.models.transformer import Batch
+from specdec.runtime.runner import HEADROOM, Features, FeatureSpec, ModelRunner
+
+
+class MtpDrafter(PairedHeadDrafter):
+    name = "mtp"
+    features = FeatureSpec(())  # only the final state
+
+    def __init__(self, head: MtpHead, target: ModelRunner, p_min: float = 0.0):
+        self.head = head.share(target.model.lm_head)
+        self.target_norm = target.model.model.norm
+        cache = head.allocate_cache(target.cache.num_slots, target.context + HEADROOM)
+        super().__init__(target.model.model.embed_tokens, head.rotary, cache, target.vocab_size, p_min)
+
+    def state(self, feats: Features) -> torch.Tensor:
+        return self.target_norm(feats.final).to(self.head.dtype)  # [n, H] post-norm (HF hidden_states[N])
+
+    def run(self, emb: torch.Tensor, g: torch.Tensor, batch: Batch, depth: int | None):
+        if depth is None:
+            return self.head.feed(emb, g, batch, self.cache)
+        return self.head(emb, g, batch, self.cache, depth, last_only=True)
+
+
+def head_path(ctx: BuildContext) -> Path:
+    """--spec-mtp-head: a directory, or auto = the target checkpoint itself when it ships MTP layers, else the
+    block trained for the target."""
+    choice = ctx.options["mtp_head"]
+    if choice != "auto":
+        return Path(choice)
+    own = Path(ctx.model) if ctx.model else None
+    if own is not None and own.is_dir() and native_blocks(own):
+        return own
+    return find_head(ctx.model, "mtp", HEAD.flag)
+
+
+def _build(ctx: BuildContext) -> MtpDrafter:
+    path, target = head_path(ctx), ctx.target
+    head = load_head(path, target.model.model.norm.weight.dtype)
+    c, t = head.config.layer, target.model.config
+    if c.vocab_size != target.vocab_size or c.hidden_size != t.hidden_size:
+        raise SpecdecError(f"MTP head {path} was made for another target (vocabulary {c.vocab_size}, hidden "
+                           f"{c.hidden_size}; this target: {target.vocab_size}, {t.hidden_size})")
+    return MtpDrafter(head.to(target.model.device), target, ctx.options["draft_p_min"])
+
+
+HEAD = Option("mtp_head", "--spec-mtp-head", "auto", "mtp: the MTP blocks' directory (a checkpoint with native "
+              "nextn / MiMo layers, or a head in the speculators mtp layout); auto = the target's own MTP layers, "
+              "else the block trained for the target (SPECDEC_HOME/heads, then shipped ones)", str)
+TYPES = (DrafterType("mtp", _build, "MTP blocks (the checkpoint's own next-n layers or a trained one) on the "
+                     "target's last hidden state", (HEAD, P_MIN), target_features=True, per_scope=False),)
