@@ -141,3 +141,90 @@ def test_smollm_post_hoc_block_is_lossless(smollm_dir, tmp_path):
     plain = llm.generate(prompt, max_tokens=24, spec_type="none")
     r = llm.generate(prompt, max_tokens=24)
     assert r.token_ids == plain.token_ids and r.stats.drafted > 0
+
+
+# --- conformance with speculators 0.9.0 (test-only install: scripts/test.sh) ---
+# Inputs map one to one: their `hidden_states` [1, N, H] = our g (the drafter feeds the target's post-norm final
+# state, HF hidden_states[N] = their `verifier_last_hidden_states`); their step k at row t pairs input_ids[t+k+1]
+# with step k-1's output at t (step 0: the target state), position t, keys of step k's own rows 0..t: our
+# `MtpHead.packed` over the same pairs (step 0 is also the drafter's catch-up feed: test_packed_forward_equals_...).
+N, STEPS = 40, 3
+QWEN3 = {"model_type": "qwen3", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5,
+         "max_position_embeddings": 256, "rope_theta": 20000.0, "tie_word_embeddings": False}
+
+
+def speculators_model(steps: int = STEPS):
+    """speculators' MTPDraftModel over a tiny Qwen3 layer (its supported MTP family), embeddings and LM head random."""
+    from speculators import SpeculatorsConfig, VerifierConfig
+    from speculators.models.mtp import MTPDraftModel, MTPSpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import Qwen3Config
+
+    spec = SpeculatorsConfig(algorithm="mtp", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=steps)],
+                             default_proposal_method="greedy",
+                             verifier=VerifierConfig(name_or_path=None, architectures=["Qwen3ForCausalLM"]))
+    layer = Qwen3Config(**{k: v for k, v in QWEN3.items() if k != "model_type"})
+    model = MTPDraftModel(MTPSpeculatorConfig(transformer_layer_config=layer, speculators_config=spec)).eval()
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in (model.embed_tokens.weight, model.lm_head.weight):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
+
+
+def our_logits(head: MtpHead, embed: torch.Tensor, hidden: torch.Tensor, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Per step k, [1, N - STEPS - 1, V] teacher-forced as speculators' forward."""
+    valid = N - STEPS - 1
+    g, out = hidden[None], []
+    with torch.no_grad():
+        for k in range(STEPS):
+            logits, g = head.packed(embed[ids[k + 1:k + 1 + valid]][None], g[:, :valid])
+            out.append(logits)
+    return out
+
+
+def _inputs(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(N, QWEN3["hidden_size"], generator=g), torch.randint(0, QWEN3["vocab_size"], (N,), generator=g)
+
+
+def _their_logits(model, hidden: torch.Tensor, ids: torch.Tensor) -> list[torch.Tensor]:
+    with torch.no_grad():
+        logits, _, _ = model(input_ids=ids[None], hidden_states=hidden[None])
+    return logits
+
+
+@needs_speculators
+def test_speculators_gives_the_same_logits_as_our_head():
+    """Our random head, exported under speculators' names (`layout_state`), loaded into MTPDraftModel."""
+    model = speculators_model()
+    head = random_head(MtpConfig(ModelConfig.from_hf_dict({**QWEN3, "num_hidden_layers": 2})), seed=5)
+    head.share(model.lm_head)
+    missing, unexpected = model.load_state_dict(layout_state(head, "speculators"), strict=False)
+    assert not unexpected and set(missing) <= {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight"}
+    hidden, ids = _inputs()
+    ours, theirs = our_logits(head, model.embed_tokens.weight, hidden, ids), _their_logits(model, hidden, ids)
+    assert len(theirs) == STEPS
+    for k in range(STEPS):
+        torch.testing.assert_close(ours[k], theirs[k], rtol=1e-4, atol=1e-4, msg=f"step {k}")
+
+
+@needs_speculators
+def test_speculators_checkpoint_loads_as_our_head(tmp_path):
+    """A checkpoint MTPDraftModel.save_pretrained writes (transformers 5 config, no embeddings / LM head)."""
+    model = speculators_model()
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("mtp_layers."):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+    model.save_pretrained(str(tmp_path / "spec"))
+    head = load_head(tmp_path / "spec").share(model.lm_head)
+    c = head.config
+    assert (c.num_blocks, c.hidden_first, c.recycle_normed, c.layer.rope_theta, c.layer.qk_norm) == \
+        (1, False, True, 20000.0, True)
+    hidden, ids = _inputs(2)
+    ours, theirs = our_logits(head, model.embed_tokens.weight, hidden, ids), _their_logits(model, hidden, ids)
+    for k in range(STEPS):
+        torch.testing.assert_close(ours[k], theirs[k], rtol=1e-4, atol=1e-4, msg=f"step {k}")
