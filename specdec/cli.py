@@ -158,12 +158,26 @@ def cmd_models(args: argparse.Namespace) -> int:
         for p in packs.PACKS.values():
             state = "pulled" if packs.is_pulled(p.name) else "not pulled"
             print(f"{p.name:22} {state:11} {p.description}")
+        _list_heads()
         return 0
     for name in args.names or []:
         print(f"{name}: {packs.pull(name)}")
     if not args.names:
         raise SpecdecError("models pull needs at least one NAME")
     return 0
+
+
+def _list_heads() -> None:
+    """The trained drafter heads `--spec-type KIND` finds, per target (the first of a kind and target is used)."""
+    from specdec.drafters.heads import list_heads
+
+    heads = list_heads()
+    if heads:
+        print("\ntrained heads (--spec-type KIND uses the first of its kind for the target):")
+    for h in heads:
+        state = ("finished" if h.finished else "unfinished") + (", shipped" if h.shipped else "")
+        tau = f"tau {h.tau:.2f}" if h.tau is not None else "tau -"
+        print(f"{h.kind:8} {h.target:22} {state:18} {tau:9} {h.megabytes:7.1f} MB  {h.path}")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -268,11 +282,21 @@ def _add_plan_parser(sub) -> None:
     pl.set_defaults(func=cmd_plan)
 
 
+TRAINERS = {"eagle3": "specdec.train.eagle3", "medusa": "specdec.train.medusa", "mtp": "specdec.train.mtp"}  # kind -> trainer module
+
+
+def _trainer(kind: str):
+    import importlib
+
+    return importlib.import_module(TRAINERS[kind])
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    import dataclasses
+
     import torch
 
-    from specdec.train.eagle3 import TrainConfig, train
-
+    trainer = _trainer(args.kind)
     if args.threads:
         torch.set_num_threads(args.threads)
     cache = args.cache
@@ -283,23 +307,34 @@ def cmd_train(args: argparse.Namespace) -> int:
         name = f"{Path(args.model).name}-sharegpt-{args.prompts}x{args.max_new_tokens}"
         cache = build_cache(args.model, home() / "train" / name, args.prompts, max_new_tokens=args.max_new_tokens,
                             threads=args.threads, progress=not args.no_progress)
-    cfg = TrainConfig(draft_vocab=args.draft_vocab, intermediate=args.intermediate, ttt=args.ttt, epochs=args.epochs,
-                      lr=args.lr, max_len=args.max_len, batch_tokens=args.batch_tokens, max_hours=args.max_hours,
-                      device=args.device, autocast=args.autocast, val_share=args.val_share, save_dtype=args.save_dtype,
-                      checkpoint_minutes=args.checkpoint_minutes, progress=not args.no_progress)
-    m = train(args.model, cache, args.out, cfg, resume=args.resume, command=" ".join(["specdec", *sys.argv[1:]]))
+    own = {f.name for f in dataclasses.fields(trainer.TrainConfig)}
+    other = {f.name for k in TRAINERS for f in dataclasses.fields(_trainer(k).TrainConfig)} - own
+    wrong = sorted(f"--{n.replace('_', '-')}" for n in other if getattr(args, n, None) is not None)
+    if wrong:
+        raise SpecdecError(f"{', '.join(wrong)}: not a setting of specdec train {args.kind}")
+    given = {n: getattr(args, n) for n in own if getattr(args, n, None) is not None}
+    cfg = trainer.TrainConfig(**given, progress=not args.no_progress)
+    m = trainer.train(args.model, cache, args.out, cfg, resume=args.resume,
+                      command=" ".join(["specdec", *sys.argv[1:]]))
     v, t = m["validation"], m["training"]
     print(f"{args.model}: validation tau {v['tau']} (acceptance per step {v['accept']}); {t['tokens']} tokens, "
           f"{t['epochs']} epochs, {t['hours']} h, {t['tok_s']} tok/s", file=sys.stderr)
     return 0
 
 
-def _add_train_parser(sub) -> None:
-    from specdec.train.eagle3 import TrainConfig
+def _default(name: str) -> str:
+    """A training setting's default per kind: "3" when every trainer agrees, else "eagle3 3, medusa 2"."""
+    values = {k: getattr(_trainer(k).TrainConfig, name, None) for k in TRAINERS}
+    values = {k: v for k, v in values.items() if v is not None}
+    if len(set(values.values())) == 1:
+        return f"{next(iter(values.values()))}"
+    return ", ".join(f"{k} {v}" for k, v in values.items())
 
-    D = TrainConfig
-    t = sub.add_parser("train", help="train a drafter head on the target's own features (eagle3)")
-    t.add_argument("kind", choices=["eagle3"], help="the head to train")
+
+def _add_train_parser(sub) -> None:
+    kinds = "|".join(TRAINERS)
+    t = sub.add_parser("train", help=f"train a drafter head on the target's own features ({kinds})")
+    t.add_argument("kind", choices=list(TRAINERS), help="the head to train")
     t.add_argument("-m", "--model", required=True, help="target: model pack name, GGUF file or checkpoint directory")
     t.add_argument("-t", "--threads", type=_positive_int, help="CPU threads (default: torch's)")
     d = t.add_argument_group("data")
@@ -308,30 +343,39 @@ def _add_train_parser(sub) -> None:
     d.add_argument("--prompts", type=_positive_int, default=1000, help="conversations in the built cache (1000)")
     d.add_argument("--max-new-tokens", type=_positive_int, default=128,
                    help="the target's response length cap in the built cache (128)")
-    h = t.add_argument_group("head and training")
-    h.add_argument("--draft-vocab", type=_positive_int, default=D.draft_vocab,
-                   help=f"draft vocabulary: the most frequent response tokens ({D.draft_vocab})")
-    h.add_argument("--intermediate", type=_positive_int, help="the head's MLP width (default: the target's)")
-    h.add_argument("--ttt", type=int, default=D.ttt, help=f"training-time test: unrolled draft steps ({D.ttt})")
-    h.add_argument("--epochs", type=int, default=D.epochs, help=f"passes over the training split ({D.epochs})")
-    h.add_argument("--lr", type=float, default=D.lr, help=f"peak learning rate, cosine, 3%% warmup ({D.lr})")
-    h.add_argument("--max-len", type=_positive_int, default=D.max_len,
-                   help=f"tokens per packed row; longer conversations are cut ({D.max_len})")
-    h.add_argument("--batch-tokens", type=_positive_int, default=D.batch_tokens,
-                   help=f"tokens per optimizer step ({D.batch_tokens})")
+    h = t.add_argument_group("training (defaults per kind)")
+    h.add_argument("--draft-vocab", type=_positive_int,
+                   help=f"draft vocabulary: the most frequent response tokens ({_default('draft_vocab')}; mtp: "
+                   "the target's whole vocabulary)")
+    h.add_argument("--epochs", type=int, help=f"passes over the training split ({_default('epochs')})")
+    h.add_argument("--lr", type=float, help=f"peak learning rate, cosine after warmup ({_default('lr')})")
+    h.add_argument("--warmup", type=float, help=f"share of the steps spent warming up ({_default('warmup')})")
+    h.add_argument("--max-len", type=_positive_int,
+                   help=f"tokens per packed row; longer conversations are cut ({_default('max_len')})")
+    h.add_argument("--batch-tokens", type=_positive_int,
+                   help=f"tokens per optimizer step ({_default('batch_tokens')})")
     h.add_argument("--max-hours", type=float, help="stop after this many hours over all runs of the checkpoint; the "
                    "learning rate decays to zero by then")
-    h.add_argument("--val-share", type=float, default=D.val_share,
-                   help=f"share of conversations held out for validation ({D.val_share})")
-    h.add_argument("--device", choices=["cpu", "cuda"], default=D.device, help="where to train (the same code)")
-    h.add_argument("--autocast", choices=["auto", "bf16", "fp32"], default=D.autocast,
-                   help="bf16 autocast; auto: on a GPU or a CPU with bf16 instructions")
+    h.add_argument("--val-share", type=float,
+                   help=f"share of conversations held out for validation ({_default('val_share')})")
+    h.add_argument("--device", choices=["cpu", "cuda"], help="where to train (the same code; cpu)")
+    h.add_argument("--autocast", choices=["auto", "bf16", "fp32"],
+                   help="bf16 autocast; auto (default): on a GPU or a CPU with bf16 instructions")
+    e = t.add_argument_group("eagle3 and mtp")
+    e.add_argument("--intermediate", type=_positive_int, help="the head's MLP width (default: the target's)")
+    e.add_argument("--ttt", type=int, help=f"training-time test: unrolled draft steps ({_default('ttt')})")
+    m = t.add_argument_group("medusa")
+    m.add_argument("--num-heads", type=_positive_int, help=f"heads, one per future token ({_default('num_heads')})")
+    m.add_argument("--num-layers", type=_positive_int,
+                   help=f"residual blocks per head ({_default('num_layers')})")
+    m.add_argument("--labels", choices=["soft", "hard"],
+                   help="soft: the target's distribution (default); hard: the data token")
     o = t.add_argument_group("output")
-    o.add_argument("--out", help="the head's directory (default $SPECDEC_HOME/heads/eagle3-TARGET, where "
-                   "--spec-type eagle3 finds it)")
-    o.add_argument("--save-dtype", choices=["fp32", "bf16"], default=D.save_dtype, help="the saved weights (fp32)")
-    o.add_argument("--checkpoint-minutes", type=float, default=D.checkpoint_minutes,
-                   help=f"checkpoint, validate and save the head this often ({D.checkpoint_minutes:g})")
+    o.add_argument("--out", help="the head's directory (default $SPECDEC_HOME/heads/KIND-TARGET, where "
+                   "--spec-type KIND finds it)")
+    o.add_argument("--save-dtype", choices=["fp32", "bf16"], help="the saved weights (fp32)")
+    o.add_argument("--checkpoint-minutes", type=float,
+                   help=f"checkpoint, validate and save the head this often ({_default('checkpoint_minutes')})")
     o.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
     o.add_argument("--no-progress", action="store_true", help="no progress bars")
     t.set_defaults(func=cmd_train)

@@ -14,9 +14,8 @@ from specdec.drafters.eagle3 import Eagle3Drafter
 from specdec.runtime.runner import FeatureSpec, ModelRunner
 from specdec.sampling import SamplingParams
 from specdec.sequence import Sequence
-from specdec.train.eagle3 import (Packed, Teacher, choose_vocab, coverage, dense_ttt_attention, init_head, step0_mask,
-                                  ttt_attention, unroll)
-from specdec.train.loop import cut, learning_rate, pack
+from specdec.train.eagle3 import Packed, dense_ttt_attention, init_head, ttt_attention, unroll
+from specdec.train.loop import Teacher, choose_vocab, coverage, cut, learning_rate, pack, segment_mask
 
 AUX = (1, 2, 3)  # a 4-layer tiny target
 
@@ -56,10 +55,10 @@ def test_unrolled_steps_equal_the_drafters_logits(tiny_dir):
     seq = Sequence(list(tokens), len(tokens), 0, SamplingParams())
     g = head.fuse(feats.layers)  # [T, H]
     for t in range(len(tokens) - 4):
-        logits, h = drafter._step(seq, [tokens[t + 1]], g[t:t + 1], t)
+        logits, h = drafter._step(seq, [tokens[t + 1]], g[t:t + 1], t, None)
         torch.testing.assert_close(logits, trained[0][t], rtol=1e-4, atol=1e-4)
         for j in (1, 2):  # draft step j: (token[t+1+j], h of step j-1) at position t + j
-            logits, h = drafter._step(seq, [tokens[t + 1 + j]], h, t + j)
+            logits, h = drafter._step(seq, [tokens[t + 1 + j]], h, t + j, j - 1)
             torch.testing.assert_close(logits, trained[j][t], rtol=1e-4, atol=1e-4)
 
 
@@ -80,7 +79,7 @@ def test_ttt_attention_reads_step0_causal_and_its_own_diagonal(j):
     torch.manual_seed(j)
     B, heads, kv, R, hd = 2, 4, 2, 7, 8
     segment = torch.tensor([[0, 0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 0, -1, -1]])
-    mask0 = step0_mask(segment)
+    mask0 = segment_mask(segment)
     q, k0, v0 = torch.randn(B, heads, R, hd), torch.randn(B, kv, R, hd), torch.randn(B, kv, R, hd)
     kd, vd = [torch.randn(B, kv, R, hd) for _ in range(j)], [torch.randn(B, kv, R, hd) for _ in range(j)]
     leaves = [t.requires_grad_() for t in (q, k0, v0, *kd, *vd)]
@@ -129,17 +128,29 @@ def test_bad_settings_are_one_line_errors(tmp_path, capsys, monkeypatch):
     assert "must be >= 1" in capsys.readouterr().err
     assert main(["train", "eagle3", "-m", "smollm2-135m", "--cache", str(tmp_path)]) == 1
     assert "no manifest.json" in capsys.readouterr().err
+    assert main(["train", "medusa", "-m", "smollm2-135m", "--cache", str(tmp_path), "--ttt", "3"]) == 1
+    assert "--ttt: not a setting of specdec train medusa" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def smollm_cache(smollm_dir, tmp_path_factory):
+    """A 96-conversation SmolLM2 feature cache (64 new tokens each)."""
+    from specdec.train.data import build_cache
+
+    return build_cache("smollm2-135m", tmp_path_factory.mktemp("smollm") / "cache", 96, max_new_tokens=64,
+                       max_prompt_tokens=256, batch=8, progress=False, command="test")
+
+
+CHAT_PROMPT = "Write a short story about a cat who learns to play the piano."  # a chat turn, like the training data
 
 
 @pytest.mark.real
-def test_pipeline_on_smollm(smollm_dir, tmp_path):
+def test_pipeline_on_smollm(smollm_cache, tmp_path):
     """Cache -> `specdec train eagle3` -> the head beats an untrained one on validation, and decoding with it is
     plain greedy decoding's text, with drafts accepted."""
     from specdec.cli import main
-    from specdec.train.data import build_cache
 
-    cache = build_cache("smollm2-135m", tmp_path / "cache", 96, max_new_tokens=64, max_prompt_tokens=256, batch=8,
-                        progress=False, command="test")
+    cache = smollm_cache
     out = tmp_path / "head"
     args = ["train", "eagle3", "-m", "smollm2-135m", "--cache", str(cache), "--out", str(out), "--draft-vocab", "4096",
             "--intermediate", "768", "--ttt", "3", "--lr", "1e-3", "--max-len", "512", "--batch-tokens", "512",
@@ -155,8 +166,28 @@ def test_pipeline_on_smollm(smollm_dir, tmp_path):
 
     llm = LLM("smollm2-135m", spec_type="eagle3", eagle3_head=str(out), dtype="fp32", adaptive=False, draft_max=3,
               progress=False)
-    prompt = "Write a short story about a cat who learns to play the piano."  # a chat turn, like the training data
-    plain = llm.generate(prompt, max_tokens=64, chat=True, spec_type="none")
-    spec = llm.generate(prompt, max_tokens=64, chat=True)
+    plain = llm.generate(CHAT_PROMPT, max_tokens=64, chat=True, spec_type="none")
+    spec = llm.generate(CHAT_PROMPT, max_tokens=64, chat=True)
     assert spec.token_ids == plain.token_ids
     assert spec.stats.accepted > 0
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("kind,extra", [("medusa", ["--num-heads", "2", "--draft-vocab", "4096"]),
+                                        ("mtp", ["--intermediate", "768"])])
+def test_medusa_and_mtp_pipelines_on_smollm(smollm_cache, tmp_path, kind, extra):
+    """`specdec train medusa|mtp` on the same cache: validation beats the untrained head, and greedy decoding with
+    the trained head is plain decoding's text."""
+    from specdec.cli import main
+
+    out = tmp_path / kind
+    assert main(["train", kind, "-m", "smollm2-135m", "--cache", str(smollm_cache), "--out", str(out), *extra,
+                 "--epochs", "2", "--max-len", "512", "--batch-tokens", "512", "--val-share", "0.2",
+                 "--no-progress"]) == 0
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["finished"] and m["kind"] == kind and m["validation"]["tau"] > m["learning_curve"][0][1] + 0.05
+    llm = LLM("smollm2-135m", spec_type=kind, **{f"{kind}_head": str(out)}, dtype="fp32", adaptive=False,
+              draft_max=2, progress=False)
+    plain = llm.generate(CHAT_PROMPT, max_tokens=48, chat=True, spec_type="none")
+    spec = llm.generate(CHAT_PROMPT, max_tokens=48, chat=True)
+    assert spec.token_ids == plain.token_ids and spec.stats.drafted > 0

@@ -16,11 +16,8 @@ tau = 1 + sum_j P(steps 0..j accepted).
 """
 from __future__ import annotations
 
-import copy
-import os
 import sys
-import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,46 +28,21 @@ from specdec.errors import SpecdecError
 from specdec.models.eagle3 import Eagle3Config, Eagle3Head, save_head
 from specdec.paths import home
 from specdec.train.data import FeatureCache
-from specdec.train.loop import Batch, Segment, autocast_dtype, cut, learning_rate, pack, save_atomic
+from specdec.train.loop import (Batch, HeadTrainer, Loss, Segment, Teacher, TrainSettings, cut, pack, save_atomic,
+                                segment_mask)
 
 STEP_WEIGHT = 0.8        # loss weight of TTT step j: STEP_WEIGHT ** j
-STATE_DIR = "train-state"  # inside the head's directory: checkpoint and the target's argmax per token
-HEAD_FILES = ("model.safetensors", "config.json", "manifest.json")  # replaced in this order (manifest last)
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    draft_vocab: int = 16384
+class TrainConfig(TrainSettings):
     intermediate: int | None = None  # the head's MLP width; None = the target's
     ttt: int = 7                     # unrolled steps (training-time test)
-    epochs: int = 3
-    lr: float = 3e-4
-    max_len: int = 1024              # tokens per packed row
-    batch_tokens: int = 2048         # tokens per optimizer step (rows of max_len)
-    max_hours: float | None = None   # over every run of this checkpoint; the schedule decays to zero by then
-    device: str = "cpu"
-    autocast: str = "auto"           # auto | bf16 | fp32
-    val_share: float = 0.05
-    seed: int = 0
-    checkpoint_minutes: float = 10.0
-    save_dtype: str = "fp32"         # the saved head's weights: fp32 | bf16
-    warmup: float = 0.03
-    clip: float = 0.5
-    progress: bool = True
 
     def check(self) -> None:
-        if min(self.draft_vocab, self.ttt, self.epochs, self.max_len, self.batch_tokens) < 1:
-            raise SpecdecError("draft vocabulary, TTT steps, epochs, max length and batch tokens must be >= 1")
-        if self.intermediate is not None and self.intermediate < 1:
-            raise SpecdecError("--intermediate must be >= 1")
-        if self.lr <= 0 or (self.max_hours is not None and self.max_hours <= 0):
-            raise SpecdecError("--lr and --max-hours must be > 0")
-        if not 0 < self.val_share < 1:
-            raise SpecdecError("the validation share must be in (0, 1)")
-        if self.autocast not in ("auto", "bf16", "fp32") or self.save_dtype not in ("fp32", "bf16"):
-            raise SpecdecError("autocast is auto|bf16|fp32, save dtype fp32|bf16")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise SpecdecError("--device cuda: no CUDA device here")
+        super().check()
+        if self.ttt < 1 or (self.intermediate is not None and self.intermediate < 1):
+            raise SpecdecError("TTT steps and --intermediate must be >= 1")
 
 
 def default_out(target: str) -> Path:
@@ -78,45 +50,7 @@ def default_out(target: str) -> Path:
     return home() / "heads" / f"eagle3-{Path(target).name}"
 
 
-# -- the draft vocabulary and the head ---------------------------------------------------------------------------
-
-def choose_vocab(counts: torch.Tensor, size: int) -> torch.Tensor:
-    """The `size` most frequent prediction targets (counts [V]), as sorted target ids [size]."""
-    return counts.topk(min(size, counts.numel())).indices.sort().values
-
-
-def coverage(counts: torch.Tensor, ids: torch.Tensor) -> float:
-    """Share of the counted response tokens inside the vocabulary `ids`."""
-    return float(counts[ids].sum() / counts.sum().clamp(min=1))
-
-
-def dense_weight(m: nn.Module) -> torch.Tensor:
-    """[out, in] float32 weight of an embedding or linear layer, GGUF blocks dequantized."""
-    from specdec.models.gguf_quantized import GGUFEmbedding
-    from specdec.runtime.gguf_linear import GGUFLinear
-
-    if isinstance(m, GGUFEmbedding):
-        m = m.table
-    if isinstance(m, GGUFLinear):
-        return m.dequantize(torch.float32)
-    return m.weight.detach().float()
-
-
-class Teacher(nn.Module):
-    """The target's parts the head learns from, frozen: token embeddings, final norm, LM-head rows of the draft
-    vocabulary."""
-
-    def __init__(self, target: nn.Module, ids: torch.Tensor):
-        super().__init__()
-        self.embed = nn.Embedding.from_pretrained(dense_weight(target.model.embed_tokens))  # [V, Ht]
-        self.norm = copy.deepcopy(target.model.norm).float().requires_grad_(False)
-        self.register_buffer("rows", dense_weight(target.lm_head)[ids])                    # [Vd, Ht]
-
-    @torch.no_grad()
-    def probs(self, final: torch.Tensor) -> torch.Tensor:
-        """Pre-norm final states [M, Ht] -> the target's next-token distribution over the draft vocabulary [M, Vd]."""
-        return torch.softmax((self.norm(final.float()) @ self.rows.T).float(), dim=-1)
-
+# -- the head ----------------------------------------------------------------------------------------------------
 
 def init_head(target: nn.Module, ids: torch.Tensor, teacher: Teacher, intermediate: int | None,
               aux_layers: tuple[int, ...]) -> Eagle3Head:
@@ -223,13 +157,6 @@ def reach(p: Packed, j: int, mask: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def step0_mask(segment: torch.Tensor) -> torch.Tensor:
-    """segment [B, R] -> [B, 1, R, R] bool: causal within a segment."""
-    R = segment.shape[1]
-    causal = torch.ones(R, R, dtype=torch.bool, device=segment.device).tril()
-    return (causal & (segment[:, :, None] == segment[:, None, :]))[:, None]
-
-
 def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, mask0: torch.Tensor,
                   kd: list[torch.Tensor], vd: list[torch.Tensor]) -> torch.Tensor:
     """Attention of TTT step j = len(kd): row t attends to the step-0 keys `mask0` allows and to the keys of steps
@@ -299,7 +226,7 @@ def unroll(head: Eagle3Head, embed: nn.Embedding, p: Packed, steps: int) -> list
     """The pre-norm outputs h_j [B, R, H] of TTT steps j = 0..steps-1 (module docstring)."""
     layer, attn = head.midlayer, head.midlayer.self_attn
     R = p.segment.shape[1]
-    mask0 = step0_mask(p.segment)
+    mask0 = segment_mask(p.segment)
     g = head.fuse(p.aux)                                                # [B, R, H]
     kd: list[torch.Tensor] = []
     vd: list[torch.Tensor] = []
@@ -360,85 +287,26 @@ def acceptance(head: Eagle3Head, embed: nn.Embedding, p: Packed, steps: int) -> 
 
 # -- the run -----------------------------------------------------------------------------------------------------
 
-@dataclass
-class Progress:
-    """Where training stands (saved in checkpoints)."""
-    step: int = 0
-    epoch: int = 0                 # epochs finished
-    batch: int = 0                 # batches of the current epoch done
-    tokens: int = 0                # row tokens trained on, every step counted (padding not)
-    seconds: float = 0.0           # wall time over every run, evaluation included
-    train_seconds: float = 0.0     # optimizer steps only
-    curve: list[list[float]] = field(default_factory=list)  # [tokens, validation tau]
-    validation: dict | None = None
-
-
-class Eagle3Trainer:
+class Eagle3Trainer(HeadTrainer):
     """One training run: `Eagle3Trainer(target, cache, out, cfg, resume).run()` -> the head's manifest."""
 
-    def __init__(self, target: str, cache_dir: Path | str, out: Path | str, cfg: TrainConfig, resume: bool = False,
-                 command: str | None = None):
-        from specdec.api import load_model
+    kind = "eagle3"
+    betas = (0.9, 0.95)
 
-        cfg.check()
-        self.target, self.out, self.command = target, Path(out), command or " ".join(sys.argv)
-        self.state_dir = self.out / STATE_DIR
-        saved = self._saved(resume)
-        if saved is not None:  # the checkpoint's shape and recipe; this call's budget and placement
-            cfg = replace(TrainConfig(**saved["config"]), epochs=cfg.epochs, max_hours=cfg.max_hours,
-                          device=cfg.device, progress=cfg.progress, checkpoint_minutes=cfg.checkpoint_minutes)
-        self.cfg, self.device = cfg, torch.device(cfg.device)
-        self.cache = FeatureCache(cache_dir)
-        self.train_view, self.val_view = self.cache.split(cfg.val_share, cfg.seed)
-        if not len(self.train_view) or not len(self.val_view):
-            raise SpecdecError(f"{cache_dir}: {len(self.cache)} conversations are too few for a training and a "
-                               "validation split")
-        model = load_model(target, "auto", "fp32", progress=cfg.progress)[0]
-        self._check_cache(model)
-        counts = self.train_view.token_counts()
-        self.vocab = saved["vocab"] if saved is not None else choose_vocab(counts, cfg.draft_vocab)
-        self.coverage = {"train": coverage(counts, self.vocab),
-                         "validation": coverage(self.val_view.token_counts(), self.vocab)}
+    def build(self, model: nn.Module) -> Eagle3Head:
         self.convs = self._targets(model)
-        self.teacher = Teacher(model, self.vocab)
-        self.head = init_head(model, self.vocab, self.teacher, cfg.intermediate, self.cache.aux_layers)
-        del model
-        if saved is not None:
-            self.head.load_state_dict(saved["head"])
-        self.t2d = self.head.t2d.clone()  # on the CPU, for `assemble`
-        self.head.to(self.device).train()
-        self.teacher.to(self.device)
-        self.amp = autocast_dtype(cfg.autocast, self.device)
-        self.opt = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-        if saved is not None:
-            self.opt.load_state_dict(saved["optimizer"])
-        self.progress = Progress(**saved["progress"]) if saved is not None else Progress()
-        self._batches()
+        head = init_head(model, self.vocab, self.teacher, self.cfg.intermediate, self.cache.aux_layers)
+        self.t2d = head.t2d.clone()  # on the CPU, for `assemble`
+        return head
 
-    def _batches(self) -> None:
-        """Every epoch's batches (shuffled per epoch, a function of the seed) and the validation batches."""
+    def batches(self) -> tuple[list[list[Batch]], list[Batch]]:
         cfg = self.cfg
         rows = max(1, cfg.batch_tokens // cfg.max_len)
         segs = segments(self.train_view, self.convs, cfg.max_len)
-        self.plan = [pack(segs, cfg.max_len, rows, cfg.seed * 1_000_003 + e) for e in range(cfg.epochs)]
-        self.total_steps = sum(map(len, self.plan))
+        plan = [pack(segs, cfg.max_len, rows, cfg.seed * 1_000_003 + e) for e in range(cfg.epochs)]
         val = segments(self.val_view, self.convs, cfg.max_len, greedy=True)  # data token = the target's choice
         self.val_conversations = len({s.conv for s in val})
-        self.val_batches = pack(val, cfg.max_len, rows, None)
-
-    def _saved(self, resume: bool) -> dict | None:
-        ckpt = self.state_dir / "checkpoint.pt"
-        if resume and not ckpt.is_file():
-            raise SpecdecError(f"--resume: no checkpoint in {self.state_dir}")
-        if not resume and ckpt.is_file():
-            raise SpecdecError(f"{self.out} holds a training checkpoint: --resume to continue it, or another --out")
-        return torch.load(ckpt, map_location="cpu", weights_only=False) if resume else None
-
-    def _check_cache(self, model: nn.Module) -> None:
-        c, t = model.config, self.cache.manifest["target"]
-        if (t["vocab_size"], t["hidden_size"], t["num_layers"]) != (c.vocab_size, c.hidden_size, c.num_layers):
-            raise SpecdecError(f"the feature cache was made from {t['name']} (vocabulary {t['vocab_size']}, hidden "
-                               f"{t['hidden_size']}, {t['num_layers']} layers), not {self.target}")
+        return plan, pack(val, cfg.max_len, rows, None)
 
     def _targets(self, model: nn.Module) -> dict[int, Conv]:
         """`scan` once per cache (kept beside the checkpoint)."""
@@ -453,118 +321,33 @@ class Eagle3Trainer:
         save_atomic({"key": key, "convs": convs}, path)
         return convs
 
-    def _autocast(self):
-        return torch.autocast(self.device.type, dtype=self.amp or torch.bfloat16, enabled=self.amp is not None)
+    def _packed(self, view: FeatureCache, batch: Batch) -> Packed:
+        return assemble(view, self.convs, batch, self.cfg.ttt, self.t2d, self.device)
+
+    def loss(self, batch: Batch) -> Loss:
+        p = self._packed(self.train_view, batch)
+        loss, acc0 = ttt_loss(self.head, self.teacher, p, unroll(self.head, self.teacher.embed, p, self.cfg.ttt))
+        return Loss(loss, {"loss": float("nan") if loss is None else loss.item(), "acc0": acc0}, p.real_tokens)
 
     def evaluate(self) -> dict:
         """Greedy acceptance on the validation split: P(steps 0..j accepted) per j, and tau."""
-        self.head.eval()
         hits, counted = torch.zeros(self.cfg.ttt, dtype=torch.long), 0
         for batch in self.val_batches:
-            p = assemble(self.val_view, self.convs, batch, self.cfg.ttt, self.t2d, self.device)
-            with self._autocast():
-                h, n = acceptance(self.head, self.teacher.embed, p, self.cfg.ttt)
+            h, n = acceptance(self.head, self.teacher.embed, self._packed(self.val_view, batch), self.cfg.ttt)
             hits, counted = hits + h, counted + n
-        self.head.train()
         accept = (hits.double() / max(counted, 1)).tolist()
         return {"conversations": self.val_conversations, "positions": counted, "depth": self.cfg.ttt,
                 "accept": [round(a, 4) for a in accept], "tau": round(1 + sum(accept), 4)}
 
-    def run(self) -> dict:
-        """Train to the end (or to --max-hours), evaluating and saving every `checkpoint_minutes`; the manifest."""
-        from tqdm import tqdm
+    def save_head(self, head: nn.Module, out: Path, manifest: dict) -> None:
+        save_head(head, out, manifest)
 
-        pr, cfg = self.progress, self.cfg
-        start, last_save = time.perf_counter() - pr.seconds, time.perf_counter()
-        if not pr.curve:
-            self._validate()
-        bar = tqdm(total=self.total_steps, initial=pr.step, unit="step", desc="eagle3", file=sys.stderr,
-                   dynamic_ncols=True, disable=not cfg.progress)
-        while pr.epoch < cfg.epochs and not self._time_up(start):
-            batches = self.plan[pr.epoch]
-            while pr.batch < len(batches) and not self._time_up(start):
-                loss, acc0 = self._step(batches[pr.batch], start)
-                pr.step, pr.batch = pr.step + 1, pr.batch + 1
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.3f}", acc0=f"{acc0:.2f}", tok_s=f"{pr.tokens / pr.train_seconds:.0f}")
-                if time.perf_counter() - last_save > 60 * cfg.checkpoint_minutes:
-                    pr.seconds = time.perf_counter() - start
-                    self._validate()
-                    self._save(finished=False)
-                    last_save = time.perf_counter()
-            if pr.batch == len(batches):
-                pr.epoch, pr.batch = pr.epoch + 1, 0
-        bar.close()
-        pr.seconds = time.perf_counter() - start
-        self._validate()
-        return self._save(finished=pr.epoch == cfg.epochs)
-
-    def _time_up(self, start: float) -> bool:
-        return self.cfg.max_hours is not None and time.perf_counter() - start >= 3600 * self.cfg.max_hours
-
-    def _step(self, batch: Batch, start: float) -> tuple[float, float]:
-        """One optimizer step -> (loss, step-0 accuracy)."""
-        pr, cfg = self.progress, self.cfg
-        t = time.perf_counter()
-        done = (pr.step + 1) / self.total_steps
-        if cfg.max_hours is not None:
-            done = max(done, (t - start) / (3600 * cfg.max_hours))
-        for group in self.opt.param_groups:
-            group["lr"] = learning_rate(min(done, 1.0), cfg.lr, cfg.warmup)
-        p = assemble(self.train_view, self.convs, batch, cfg.ttt, self.t2d, self.device)
-        with self._autocast():
-            loss, acc0 = ttt_loss(self.head, self.teacher, p, unroll(self.head, self.teacher.embed, p, cfg.ttt))
-        if loss is not None:
-            loss.backward()
-            nn.utils.clip_grad_norm_(self.head.parameters(), cfg.clip)
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-        pr.tokens += p.real_tokens
-        pr.train_seconds += time.perf_counter() - t
-        return float("nan") if loss is None else loss.item(), acc0
-
-    def _validate(self) -> None:
-        self.progress.validation = self.evaluate()
-        self.progress.curve.append([self.progress.tokens, self.progress.validation["tau"]])
-
-    def _save(self, finished: bool) -> dict:
-        """The checkpoint, then the head and its manifest (each file replaced atomically)."""
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        save_atomic({"config": asdict(self.cfg), "vocab": self.vocab, "head": self.head.state_dict(),
-                     "optimizer": self.opt.state_dict(), "progress": asdict(self.progress)},
-                    self.state_dir / "checkpoint.pt")
-        manifest = self.manifest(finished)
-        dtype = torch.bfloat16 if self.cfg.save_dtype == "bf16" else torch.float32
-        tmp = self.state_dir / f"head.tmp-{os.getpid()}"
-        save_head(copy.deepcopy(self.head).to("cpu", dtype), tmp, manifest)
-        for name in HEAD_FILES:
-            os.replace(tmp / name, self.out / name)
-        tmp.rmdir()
-        return manifest
-
-    def manifest(self, finished: bool) -> dict:
-        pr, cfg, m, c = self.progress, self.cfg, self.cache.manifest, self.head.config
-        epochs = pr.epoch + (pr.batch / len(self.plan[pr.epoch]) if pr.epoch < cfg.epochs else 0)
-        return {
-            "kind": "eagle3", "target": self.target, "finished": finished,
-            "head": {"hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
-                     "aux_layers": list(c.aux_layers), "storage": cfg.save_dtype,
-                     "parameters": sum(p.numel() for p in self.head.parameters()),
-                     "warm_start": ["lm_head <- target LM-head rows", "norm <- target final norm"]},
-            "draft_vocab": {"size": c.draft_vocab_size, "coverage": {k: round(v, 4) for k, v in self.coverage.items()}},
-            "data": {"cache": str(self.cache.dir), "sources": m["sources"], "counts": m["counts"],
-                     "rules": m["rules"], "generation": m["generation"], "target_runtime": m["target"]["runtime"],
-                     "conversations": {"train": len(self.train_view), "validation": len(self.val_view)}},
-            "training": {"tokens": pr.tokens, "epochs": round(epochs, 3), "epochs_planned": cfg.epochs,
-                         "steps": pr.step, "hours": round(pr.seconds / 3600, 4),
-                         "tok_s": round(pr.tokens / max(pr.train_seconds, 1e-9), 1), "ttt": cfg.ttt, "lr": cfg.lr,
-                         "max_len": cfg.max_len, "batch_tokens": cfg.batch_tokens, "device": cfg.device,
-                         "autocast": str(self.amp).removeprefix("torch.") if self.amp else "fp32",
-                         "threads": torch.get_num_threads(), "max_hours": cfg.max_hours},
-            "validation": pr.validation,
-            "learning_curve": pr.curve,
-            "command": self.command,
-        }
+    def describe(self) -> dict:
+        c = self.head.config
+        return {"head": {"hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+                         "aux_layers": list(c.aux_layers),
+                         "warm_start": ["lm_head <- target LM-head rows", "norm <- target final norm"]},
+                "training": {"ttt": self.cfg.ttt}}
 
 
 def train(target: str, cache_dir: Path | str, out: Path | str | None = None, cfg: TrainConfig = TrainConfig(),

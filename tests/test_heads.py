@@ -1,0 +1,41 @@
+"""Finding trained heads: finished before unfinished, newest first; `specdec models list` shows them."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from specdec.drafters.heads import find_head, list_heads
+from specdec.errors import SpecdecError
+
+
+def _head(root, name, kind, target, finished, mtime, tau=1.5):
+    d = root / "heads" / name
+    d.mkdir(parents=True)
+    (d / "model.safetensors").write_bytes(b"0" * 1000)
+    m = d / "manifest.json"
+    m.write_text(json.dumps({"kind": kind, "target": target, "finished": finished, "validation": {"tau": tau}}))
+    os.utime(m, (mtime, mtime))
+    return d
+
+
+def test_finished_heads_come_first(tmp_path, monkeypatch, capsys):
+    from specdec.cli import main
+
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    old = _head(tmp_path, "a", "eagle3", "smollm2-135m", True, 1_000)
+    _head(tmp_path, "b", "eagle3", "smollm2-135m", False, 2_000)          # newer, but mid-training
+    newest = _head(tmp_path, "c", "eagle3", "/models/smollm2-135m", True, 3_000)  # a path: its last part counts
+    _head(tmp_path, "d", "medusa", "smollm2-135m", True, 4_000)
+    (tmp_path / "heads" / "broken").mkdir()
+    (tmp_path / "heads" / "broken" / "manifest.json").write_text("{")
+    assert find_head("smollm2-135m", "eagle3", "--x") == newest
+    (newest / "manifest.json").unlink()
+    assert find_head("/elsewhere/smollm2-135m", "eagle3", "--x") == old
+    assert [h.path.name for h in list_heads()] == ["d", "a", "b"]
+    with pytest.raises(SpecdecError, match="no mtp head for 'qwen2.5-coder-1.5b'.*--x DIR"):
+        find_head("qwen2.5-coder-1.5b", "mtp", "--x")
+    assert main(["models", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "trained heads" in out and "unfinished" in out and "tau 1.50" in out
