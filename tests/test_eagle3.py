@@ -1,5 +1,7 @@
-"""EAGLE-3 heads: lossless with any head (greedy identical in fp32, sampling distributed as plain through the engine),
-and the HF / SpecForge and speculators layouts load to the same head."""
+"""EAGLE-3 heads: lossless with any head, as chains and as EAGLE-2 dynamic trees (greedy and seeded identical in fp32,
+sampling distributed as plain through the engine), the tree forward equal to the head run as a chain along each
+node's path, the head's cache in step with the committed tokens, and the HF / SpecForge and speculators layouts
+load to the same head."""
 from __future__ import annotations
 
 import itertools
@@ -11,6 +13,8 @@ from safetensors.torch import load_file, save_file
 
 import specdec
 from conftest import make_tiny
+from specdec.drafters.eagle3 import Eagle3Drafter
+from specdec.drafters.tree import ROOT, DynamicTree
 from specdec.models.eagle3 import Eagle3Config, Eagle3Head, load_head, save_head
 from specdec.models.loader import load_checkpoint
 from specdec.sampling import SamplingParams, probs_from_logits
@@ -33,17 +37,122 @@ def random_head(target_dir, seed: int = 0, scale: float = 0.3, skip: int = 5) ->
     return head
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_any_head_is_lossless_greedy(tiny_dir, tmp_path, family):
+def _llm(target, head_dir, **kw) -> specdec.LLM:
+    llm = specdec.LLM(str(target), spec_type="eagle3", eagle3_head=str(head_dir), dtype="fp32", adaptive=False,
+                      progress=False, **kw)
+    llm.engine.stop_ids = set()
+    return llm
+
+
+def _trees(stats) -> bool:
+    """Some step drafted more nodes than its depth: a tree."""
+    return stats.drafted > sum(stats.drafted_at)
+
+
+@pytest.mark.parametrize("family,topk", [("llama", 1), ("qwen2", 1), ("qwen3", 1), ("llama", 3), ("qwen3", 2)])
+def test_any_head_is_lossless_greedy(tiny_dir, tmp_path, family, topk):
     target = tiny_dir(family, layers=3)
     save_head(random_head(target), tmp_path / "head", {"kind": "eagle3", "target": "tiny"})
-    llm = specdec.LLM(str(target), spec_type="eagle3", eagle3_head=str(tmp_path / "head"), dtype="fp32", context=96,
-                      adaptive=False, draft_max=4, progress=False)
-    llm.engine.stop_ids = set()
+    llm = _llm(target, tmp_path / "head", context=96, draft_max=4 if topk == 1 else 6, eagle3_topk=topk)
     for prompt in PROMPTS:
         plain = llm.generate(prompt, max_tokens=40, spec_type="none")
         r = llm.generate(prompt, max_tokens=40)
         assert r.token_ids == plain.token_ids and r.stats.drafted > 0, prompt
+        assert _trees(r.stats) == (topk > 1), prompt
+
+
+def _small(tmp_path, family: str = "qwen3", **kw) -> specdec.LLM:
+    """A target with a vocabulary of 12 and a random head over 10 of it, drafting 3-wide trees of up to 7 nodes:
+    the tree often holds the target's token."""
+    target = make_tiny(tmp_path / "t", family, seed=2, layers=3, vocab=12)
+    save_head(random_head(target, seed=4, scale=1.0, skip=2), tmp_path / "head", {"kind": "eagle3", "target": "t"})
+    return _llm(target, tmp_path / "head", context=96, draft_max=8, eagle3_topk=3, eagle3_nodes=7, **kw)
+
+
+def test_trees_accept_and_stay_lossless_greedy_and_seeded(tmp_path):
+    """Accepted paths several nodes deep, token-identical to plain decoding, greedy and seeded."""
+    llm, prompt, deep = _small(tmp_path), [3, 5, 7, 3, 5, 7, 3], 0
+    for kw in (dict(), dict(temperature=0.9, top_p=0.95, seed=0), dict(temperature=1.0, seed=5)):
+        plain = llm.generate(prompt, max_tokens=48, spec_type="none", **kw)
+        r = llm.generate(prompt, max_tokens=48, **kw)
+        assert r.token_ids == plain.token_ids and _trees(r.stats), kw
+        assert len(r.stats.drafted_at) <= 7 and r.stats.accepted > 0, kw
+        deep += sum(r.stats.accepted_at[1:])
+    assert deep > 0  # accepted below the first level
+
+
+def test_dynamic_tree_keeps_the_best_paths():
+    """Candidates by path probability: width and the budget bound the expansions, the draft is the budget best."""
+    tree = DynamicTree(budget=4)
+    top = tree.add_children(ROOT, [10, 11, 12], [0.6, 0.3, 0.1])  # paths 0.6 0.3 0.1
+    assert tree.to_expand(top, width=2) == [0, 1] and tree.rows == {0: 0, 1: 1}
+    layer = tree.add_children(0, [20, 21], [0.9, 0.1]) + tree.add_children(1, [22], [0.5])  # 0.54 0.06 0.15
+    assert tree.to_expand(layer, width=2) == [3]  # 0.15 ties the 4th best path; one expansion left of budget - 1
+    assert tree.lineage(3) == [0, 3] and tree.to_expand([], width=2) == []
+    assert tree.draft() == ([10, 11, 20, 22], [ROOT, ROOT, 0, 1])
+    cut = DynamicTree(budget=4, min_path_prob=0.2)  # the first candidate always, the rest by min_path_prob
+    assert cut.add_children(ROOT, [10, 11, 12], [0.1, 0.05, 0.3]) == [0, 1] and cut.tokens == [10, 12]
+    assert cut.to_expand([0, 1], width=3) == [1]
+    one = DynamicTree(budget=3)
+    one.add_children(one.add_children(ROOT, [4], [0.5])[0], [6, 7], [0.9, 0.05])
+    assert one.draft() == ([4, 6, 7], [ROOT, 0, 0]) and DynamicTree(budget=2).draft() == ([], None)
+    one.budget = 2
+    assert one.draft() == ([4, 6], None)  # a single path is a chain
+
+
+def test_tree_forward_equals_the_head_as_a_chain(tiny_dir, tmp_path, monkeypatch):
+    """Each tree node's logits (one forward per depth, tree mask over the head's own cache) equal running the head
+    one token at a time along that node's path from the same committed state (fp32)."""
+    target = tiny_dir("llama", layers=3)
+    save_head(random_head(target), tmp_path / "head", {"kind": "eagle3", "target": "tiny"})
+    llm = _llm(target, tmp_path / "head", context=96, draft_max=12, eagle3_topk=3)
+    d, eng = llm.drafter, llm.engine
+    seq = eng.new_sequence(llm.encode(PROMPTS[0]), SamplingParams(max_tokens=8), drafter=d)
+    eng.prefill(seq)
+    roots, feeds = [], []
+    tree_of, feed = d._tree, d._feed
+    monkeypatch.setattr(d, "_tree", lambda seq, logits, h, *a: roots.append((logits, h)) or tree_of(seq, logits, h, *a))
+    monkeypatch.setattr(d, "_feed", lambda seq, tree, chosen, g: feeds.append((tree, chosen, feed(seq, tree, chosen, g)))
+                        or feeds[-1][2])
+    draft = d.propose(seq, 12)
+    tree = feeds[0][0]
+    assert len(draft.tokens) == 12 and draft.parents is not None and len(feeds) >= 3  # depths 1, 2, 3, ...
+    assert max(len(chosen) for _, chosen, _ in feeds) == 3
+    (root_logits, root_h), base = roots[0], d.fed[seq.slot]
+    best = root_logits.topk(3).indices
+    assert tree.tokens[:3] == (best + d.head.d2t[best]).tolist()
+    for _, chosen, (logits, _) in feeds:
+        for c, row in zip(chosen, logits):
+            h = root_h[None]
+            for depth, node in enumerate(tree.lineage(c)):
+                chain_logits, h = d._step(seq, [tree.tokens[node]], h, base + depth, depth + 1)
+            torch.testing.assert_close(row, chain_logits, rtol=1e-5, atol=1e-5, msg=f"node {c}")
+
+
+def test_head_cache_follows_the_committed_tokens(tmp_path):
+    """After every tree step the head has fed exactly the pairs of the tokens committed before it; its cache rows
+    then equal those of a drafter fed the whole committed sequence at once (no tree node left in them)."""
+    llm = _small(tmp_path, "llama", parallel=2)
+    d, eng = llm.drafter, llm.engine
+    seq = eng.new_sequence([3, 5, 7, 3, 5, 7, 3], SamplingParams(max_tokens=40), slot=0, drafter=d)
+    eng.prefill(seq)
+    accepted = 0
+    while seq.finish_reason is None:
+        before = len(seq.tokens)
+        if eng.step([seq]).drafted:  # (no draft once max_tokens leaves no room)
+            assert d.fed[0] == before - 1
+        assert d.seen[0] == len(seq.tokens) - 1
+        accepted += len(seq.tokens) - before - 1
+    assert accepted > 0 and _trees(seq.stats)
+    d.propose(seq, 1)
+    n = d.fed[0]
+    assert n == len(seq.tokens) - 1
+    fresh = Eagle3Drafter(d.head, llm.runner)
+    other = eng.new_sequence(list(seq.tokens), SamplingParams(max_tokens=2), slot=1, drafter=fresh)
+    eng.prefill(other)
+    fresh.propose(other, 1)
+    for mine, want in ((d.cache.k[0], fresh.cache.k[0]), (d.cache.v[0], fresh.cache.v[0])):
+        torch.testing.assert_close(mine[0, :, :n], want[1, :, :n], rtol=1e-4, atol=1e-4)
 
 
 def test_layouts_load_to_the_same_head(tiny_dir, tmp_path):
@@ -101,8 +210,8 @@ def engine_fit(target, **spec) -> tuple[int, float, float, float]:
             seq = eng.new_sequence(prompt, SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS), slot=j,
                                    drafter=llm.drafter)
             seq.generator = torch.Generator().manual_seed(b0 + j)
-            eng.prefill(seq)
             seqs.append(seq)
+        eng.prefill_together(seqs)
         while live := [s for s in seqs if s.finish_reason is None]:
             eng.step(live)
         for s in seqs:
@@ -112,25 +221,30 @@ def engine_fit(target, **spec) -> tuple[int, float, float, float]:
     return drafted, *fit(samples, want), TV_BOUND
 
 
-def test_sampling_through_the_engine_matches_plain(tmp_path):
-    """Rejection sampling with an EAGLE-3 head (q zero outside its draft vocabulary) samples the target's
-    distribution: 20,000 runs through the engine, chi-square and total variation against the exact joint."""
+@pytest.mark.parametrize("topk", [1, 2])
+def test_sampling_through_the_engine_matches_plain(tmp_path, topk):
+    """Rejection sampling with an EAGLE-3 head samples the target's distribution: chains drawn from q (zero outside
+    its draft vocabulary), trees of the head's best tokens verified one-hot. 20,000 runs through the engine,
+    chi-square and total variation against the exact joint."""
     target = make_tiny(tmp_path / "t", "llama", seed=3, layers=3, vocab=V)
     head = random_head(target, seed=1, scale=1.0, skip=2)
     save_head(head, tmp_path / "head", {"kind": "eagle3", "target": "tiny"})
-    drafted, p_value, tv, bound = engine_fit(target, spec_type="eagle3", eagle3_head=str(tmp_path / "head"))
+    one = _llm(target, tmp_path / "head", context=32, draft_max=3, eagle3_topk=topk)
+    assert _trees(one.generate([1, 2, 3], max_tokens=16, temperature=1.0).stats) == (topk > 1)
+    drafted, p_value, tv, bound = engine_fit(target, spec_type="eagle3", eagle3_head=str(tmp_path / "head"),
+                                             eagle3_topk=topk)
     assert drafted > RUNS and p_value > 1e-3 and tv < bound, (drafted, p_value, tv)
 
 
 @pytest.mark.real
-def test_smollm_any_head_is_lossless(smollm_dir, tmp_path):
+@pytest.mark.parametrize("topk", [1, 4])
+def test_smollm_any_head_is_lossless(smollm_dir, tmp_path, topk):
     save_head(random_head(smollm_dir, scale=0.02, skip=0), tmp_path / "head", {"kind": "eagle3", "target": "x"})
-    llm = specdec.LLM(str(smollm_dir), spec_type="eagle3", eagle3_head=str(tmp_path / "head"), dtype="fp32",
-                      context=256, adaptive=False, draft_max=3, progress=False)
+    llm = _llm(smollm_dir, tmp_path / "head", context=256, draft_max=3 if topk == 1 else 8, eagle3_topk=topk)
     prompt = "def fib(n):\n    if n < 2:\n        return n\n"
     plain = llm.generate(prompt, max_tokens=24, spec_type="none")
     r = llm.generate(prompt, max_tokens=24)
-    assert r.token_ids == plain.token_ids and r.stats.drafted > 0
+    assert r.token_ids == plain.token_ids and r.stats.drafted > 0 and _trees(r.stats) == (topk > 1)
 
 
 def test_draft_vocab_must_be_distinct(tiny_dir):

@@ -39,3 +39,23 @@ def test_finished_heads_come_first(tmp_path, monkeypatch, capsys):
     assert main(["models", "list"]) == 0
     out = capsys.readouterr().out
     assert "trained heads" in out and "unfinished" in out and "tau 1.50" in out
+
+
+@pytest.mark.real
+def test_plan_counts_the_heads_memory(smollm_dir, tmp_path):
+    """`specdec plan --spec-type medusa,mtp`: the found head's weights in the runtime dtype; without one, an
+    estimate for a default head (with its KV cache), both in the RSS parts and the notes."""
+    import torch
+    from safetensors.torch import save_file
+
+    from specdec.plan import PlanInputs, make_plan
+
+    d = _head(tmp_path, "m", "medusa", "smollm2-135m", True, 1_000)
+    save_file({"w": torch.zeros(10, 20), "b": torch.zeros(5)}, str(d / "model.safetensors"))
+    plan = make_plan(PlanInputs(model="smollm2-135m", spec_type="medusa,mtp", context=1024,
+                                drafter_options={"medusa_head": str(d), "mtp_head": str(tmp_path / "none")}))
+    assert plan.heads["medusa head weights"] == 205 * 4
+    assert plan.heads["mtp head KV"] == 2 * 3 * 64 * 1024 * 4  # one layer: 3 KV heads x 64, K and V, fp32
+    assert plan.heads["mtp head weights"] > 4 * 576 * 576
+    assert plan.rss.parts["medusa head weights"] == 820 and plan.rss.steady >= sum(plan.heads.values())
+    assert any(n.startswith("mtp: no mtp head found") for n in plan.notes)

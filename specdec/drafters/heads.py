@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from specdec import paths
+from specdec.drafters.registry import HeadMemory, MemoryQuery
 from specdec.errors import SpecdecError
 
 SHIPPED = Path(__file__).resolve().parent.parent / "heads"  # heads committed with the package
@@ -54,3 +57,46 @@ def _read(path: Path, shipped: bool) -> Head | None:
     tau = (m.get("validation") or {}).get("tau")
     return Head(path.parent, str(m.get("kind", "")), Path(str(m.get("target", ""))).name,
                 bool(m.get("finished", True)), tau, shipped, path.stat().st_mtime)
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    """What a head holds at run time: parameters and its KV cache's layers x KV heads x head dim (0 layers: none)."""
+    params: int
+    kv_layers: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+
+
+def planned_memory(q: MemoryQuery, kind: str, locate: Callable[[], Path], shape: Callable[[Path], HeadShape],
+                   estimate: Callable[[MemoryQuery], HeadShape]) -> HeadMemory:
+    """A head's resident bytes for `specdec plan`: the head `--spec-type kind` would load (`locate`, as the
+    drafter finds it) measured by `shape`, else `estimate` for a default head shaped for the target. Weights in the
+    runtime dtype; the KV cache holds `context` positions per slot."""
+    try:
+        path = locate()
+        s, where = shape(path), f"the head in {path}"
+    except (SpecdecError, OSError, ValueError):
+        s, where = estimate(q), f"no {kind} head found: a default head shaped for the target, estimated"
+    kv = 2 * s.kv_layers * s.kv_heads * s.head_dim * q.context * q.slots * q.dtype_bytes
+    parts = {f"{kind} head weights": s.params * q.dtype_bytes, **({f"{kind} head KV": kv} if kv else {})}
+    return HeadMemory(parts, f"{kind}: {where} ({s.params / 1e6:.1f} M parameters)")
+
+
+def safetensors_params(path: Path, skip: Callable[[str], bool] = lambda name: False) -> int:
+    """Elements of every tensor in `path`/*.safetensors (those `skip` names aside), read from the headers."""
+    total = 0
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__" and not skip(k))
+    if not total:
+        raise SpecdecError(f"{path}: no safetensors weights")
+    return total
+
+
+def layer_params(q: MemoryQuery, hidden_in: int, intermediate: int | None = None) -> int:
+    """Parameters of one decoder layer shaped like the target's (q/k/v read `hidden_in` features), norms included."""
+    H, kv = q.hidden, q.num_kv_heads * q.head_dim
+    attn = hidden_in * (q.num_heads * q.head_dim + 2 * kv) + q.num_heads * q.head_dim * H
+    return attn + 3 * H * (intermediate or q.intermediate) + 2 * H

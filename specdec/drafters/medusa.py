@@ -13,13 +13,14 @@ from __future__ import annotations
 import heapq
 import itertools
 from pathlib import Path
+from typing import Any, Mapping
 
 import torch
 from torch import nn
 
 from specdec.drafters.base import Draft, Drafter
-from specdec.drafters.heads import find_head
-from specdec.drafters.registry import BuildContext, DrafterType, Option
+from specdec.drafters.heads import HeadShape, find_head, planned_memory, safetensors_params
+from specdec.drafters.registry import BuildContext, DrafterType, HeadMemory, MemoryQuery, Option
 from specdec.errors import SpecdecError
 from specdec.models.medusa import MedusaHeads, load_heads
 from specdec.runtime.runner import Features, FeatureSpec
@@ -103,9 +104,22 @@ def best_first_tree(probs: list[list[float]], ids: list[list[int]], max_nodes: i
     return Draft(tokens, parents=None if is_chain else parents)
 
 
+def head_path(options: Mapping[str, Any], model: str | None) -> Path:
+    """--spec-medusa-head: a directory, or auto = the heads trained for the target."""
+    choice = options["medusa_head"]
+    return find_head(model, "medusa", HEAD.flag) if choice == "auto" else Path(choice)
+
+
+def _memory(q: MemoryQuery) -> HeadMemory:
+    """The heads' weights (no KV cache); without heads, `specdec train medusa`'s default: 3 heads of one block
+    and a 16384-token LM head each."""
+    estimate = HeadShape(3 * (q.hidden * q.hidden + q.hidden + 16384 * q.hidden))
+    return planned_memory(q, "medusa", lambda: head_path(q.options, q.model),
+                          lambda path: HeadShape(safetensors_params(path)), lambda q: estimate)
+
+
 def _build(ctx: BuildContext) -> MedusaDrafter:
-    choice = ctx.options["medusa_head"]
-    path = find_head(ctx.model, "medusa", HEAD.flag) if choice == "auto" else Path(choice)
+    path = head_path(ctx.options, ctx.model)
     target = ctx.target
     norm = target.model.model.norm
     heads = load_heads(path, norm.weight.dtype)
@@ -121,4 +135,4 @@ HEAD = Option("medusa_head", "--spec-medusa-head", "auto", "medusa: the heads' d
 TOPK = Option("medusa_topk", "--spec-medusa-topk", 1, "medusa: candidates per head; 1 = a chain of each head's best "
               "token, N > 1 = a token tree grown best-first by path probability (default 1)", int, ">= 1")
 TYPES = (DrafterType("medusa", _build, "trained Medusa-1 heads on the target's last hidden state", (HEAD, TOPK),
-                     target_features=True, per_scope=False),)
+                     target_features=True, per_scope=False, memory=_memory),)

@@ -8,16 +8,18 @@ on. Logits are over the full vocabulary (the target's LM head unless a block has
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any, Mapping
 
 import torch
 
 from specdec.drafters.draft_model import P_MIN
-from specdec.drafters.heads import find_head
+from specdec.drafters.heads import HeadShape, find_head, layer_params, planned_memory, safetensors_params
 from specdec.drafters.paired_head import PairedHeadDrafter
-from specdec.drafters.registry import BuildContext, DrafterType, Option
+from specdec.drafters.registry import BuildContext, DrafterType, HeadMemory, MemoryQuery, Option
 from specdec.errors import SpecdecError
-from specdec.models.mtp import MtpHead, load_head, native_blocks
+from specdec.models.mtp import MtpHead, is_mtp_tensor, load_head, native_blocks
 from specdec.models.transformer import Batch
 from specdec.runtime.runner import HEADROOM, Features, FeatureSpec, ModelRunner
 
@@ -41,20 +43,42 @@ class MtpDrafter(PairedHeadDrafter):
         return self.head(emb, g, batch, self.cache, depth, last_only=True)
 
 
-def head_path(ctx: BuildContext) -> Path:
+def head_path(options: Mapping[str, Any], model: str | None) -> Path:
     """--spec-mtp-head: a directory, or auto = the target checkpoint itself when it ships MTP layers, else the
     block trained for the target."""
-    choice = ctx.options["mtp_head"]
+    choice = options["mtp_head"]
     if choice != "auto":
         return Path(choice)
-    own = Path(ctx.model) if ctx.model else None
+    own = Path(model) if model else None
     if own is not None and own.is_dir() and native_blocks(own):
         return own
-    return find_head(ctx.model, "mtp", HEAD.flag)
+    return find_head(model, "mtp", HEAD.flag)
+
+
+def _shape(path: Path) -> HeadShape:
+    """A head directory's or a checkpoint's MTP blocks: parameters (the target's shared parts aside) and KV."""
+    d = json.loads((path / "config.json").read_text())
+    n = native_blocks(path)
+    layer = d if n else d["transformer_layer_config"]
+    heads, kv_heads = layer["num_attention_heads"], layer.get("num_key_value_heads", layer["num_attention_heads"])
+    params = safetensors_params(path, (lambda name: not is_mtp_tensor(name, d["num_hidden_layers"])) if n
+                                else (lambda name: False))
+    return HeadShape(params, n or int(d.get("num_nextn_predict_layers", 1)), kv_heads,
+                     layer.get("head_dim") or layer["hidden_size"] // heads)
+
+
+def _estimate(q: MemoryQuery) -> HeadShape:
+    """One post-hoc block shaped like the target's layers (`specdec train mtp`'s default)."""
+    return HeadShape(2 * q.hidden * q.hidden + layer_params(q, q.hidden) + 3 * q.hidden, 1, q.num_kv_heads,
+                     q.head_dim)
+
+
+def _memory(q: MemoryQuery) -> HeadMemory:
+    return planned_memory(q, "mtp", lambda: head_path(q.options, q.model), _shape, _estimate)
 
 
 def _build(ctx: BuildContext) -> MtpDrafter:
-    path, target = head_path(ctx), ctx.target
+    path, target = head_path(ctx.options, ctx.model), ctx.target
     head = load_head(path, target.model.model.norm.weight.dtype)
     c, t = head.config.layer, target.model.config
     if c.vocab_size != target.vocab_size or c.hidden_size != t.hidden_size:
@@ -67,4 +91,5 @@ HEAD = Option("mtp_head", "--spec-mtp-head", "auto", "mtp: the MTP blocks' direc
               "nextn / MiMo layers, or a head in the speculators mtp layout); auto = the target's own MTP layers, "
               "else the block trained for the target (SPECDEC_HOME/heads, then shipped ones)", str)
 TYPES = (DrafterType("mtp", _build, "MTP blocks (the checkpoint's own next-n layers or a trained one) on the "
-                     "target's last hidden state", (HEAD, P_MIN), target_features=True, per_scope=False),)
+                     "target's last hidden state", (HEAD, P_MIN), target_features=True, per_scope=False,
+                     memory=_memory),)

@@ -78,6 +78,31 @@ class BuildContext:
         return self.load_draft()
 
 
+@dataclass(frozen=True)
+class MemoryQuery:
+    """What `specdec plan` asks a drafter that holds memory of its own (a trained head) about."""
+    model: str                     # the target's name (a pack) or path: where its head is looked up
+    hidden: int                    # the target's shape
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    context: int                   # positions per slot
+    slots: int
+    dtype_bytes: int               # bytes per element of the runtime's activations (the head loads in that dtype)
+    options: Mapping[str, Any] = field(default_factory=dict)  # drafter options (e.g. a head directory)
+
+
+@dataclass(frozen=True)
+class HeadMemory:
+    """A drafter's own resident memory: bytes per part ("eagle3 head weights", "eagle3 head KV") and a note on
+    where the figures come from."""
+    parts: dict[str, int]
+    note: str
+
+
 VerifyHook = Callable[["Sequence", "Draft", Any], "tuple[list[int], list[int]] | None"]
 
 
@@ -94,6 +119,8 @@ class DrafterType:
     # A lossy type may replace verification: (seq, draft, logits [N+1, V]) -> (new tokens, accepted path), or
     # None to verify as usual. Installed on the engine when a drafter of the type is made.
     verify_hook: VerifyHook | None = None
+    # Memory the drafter holds beyond the target (and draft model), for `specdec plan`.
+    memory: Callable[[MemoryQuery], HeadMemory] | None = None
 
 
 @dataclass

@@ -13,7 +13,7 @@ from specdec.engine.adaptive import CostModel, choose_draft_len
 from specdec.engine.stops import StopScan
 from specdec.errors import SpecdecError
 from specdec.models.tokenizer import Detokenizer, Tokenizer
-from specdec.runtime.runner import Features, ModelRunner
+from specdec.runtime.runner import PREFILL_CHUNK, Features, ModelRunner
 from specdec.sampling import SamplingParams, probs_from_logits, sample, seeded_pick
 from specdec.sequence import Draft, Sequence, StreamCallback
 from specdec.verify import chain, verify_tree_greedy, verify_tree_sampling, verify_tree_seeded
@@ -136,6 +136,27 @@ class Engine:
         seq.stats.target_forwards = 1
         self._commit(seq, [self._sample(logits[None], seq)], logits[None])
         return True
+
+    def prefill_together(self, seqs: list[Sequence]) -> None:
+        """Prefill the rest of each sequence's prompt in one ragged target forward (each rest at most
+        PREFILL_CHUNK tokens; longer ones go through `prefill`), then sample each first output token."""
+        short = [s for s in seqs if len(s.tokens) - s.prefilled <= PREFILL_CHUNK]
+        for s in seqs:
+            if len(s.tokens) - s.prefilled > PREFILL_CHUNK:
+                self.prefill(s)
+        if not short:
+            return
+        t = self.clock()
+        logits = self.target.forward([s.tokens[s.prefilled:] for s in short], [s.prefilled for s in short],
+                                     [s.slot for s in short], last_only=True)  # per sequence [1, V]
+        feats = self.target.features
+        share = (self.clock() - t) / len(short)
+        for i, s in enumerate(short):
+            self._hand_features(s, [feats[i]] if feats else None)
+            s.prefilled = len(s.tokens)
+            s.stats.prefill_s += share
+            s.stats.target_forwards = 1
+            self._commit(s, [self._sample(logits[i], s)], logits[i])
 
     def step(self, seqs: list[Sequence], draft_cap: int | None = None) -> StepInfo:
         """One speculative step for every (prefilled, unfinished) sequence: draft up to `draft_cap`

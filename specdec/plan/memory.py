@@ -335,10 +335,11 @@ def reader_bytes(spec: ModelSpec) -> int:
     return GGUF_READER_PER_PART * spec.reader_parts
 
 
-def runtime_rss(target: ModelMemory, draft: ModelMemory | None) -> RuntimeRSS:
-    """What `specdec generate` holds: torch + Python, then per model weights, KV, buffers and tokenizer. The target
-    loads first (with its tokenizer and KV), then the draft; each load holds more for a while (`_loading`)."""
-    parts = {"torch + Python": SPECDEC_BASE, **_model_parts("target", target)}
+def runtime_rss(target: ModelMemory, draft: ModelMemory | None, heads: dict[str, int] | None = None) -> RuntimeRSS:
+    """What `specdec generate` holds: torch + Python, then per model weights, KV, buffers and tokenizer, and the
+    drafters' own parts (`heads`: a trained head's weights and KV cache). The target loads first (with its
+    tokenizer and KV), then the draft; each load holds more for a while (`_loading`)."""
+    parts = {"torch + Python": SPECDEC_BASE, **_model_parts("target", target), **(heads or {})}
     steady_t = sum(parts.values())
     phases = {"loading the target": SPECDEC_BASE + _loading(target)}
     if draft is not None:

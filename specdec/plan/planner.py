@@ -1,11 +1,12 @@
 """`make_plan`: memory, placement, largest context, speed and a recommendation for a target (+ draft)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from specdec.errors import SpecdecError
 from specdec.plan import devices as dev
-from specdec.plan.formats import is_runtime_format, kv_type, weight_format
+from specdec.plan.formats import RUNTIME_DTYPES, is_runtime_format, kv_type, weight_format
 from specdec.plan.memory import (GPU_CONTEXT, LLAMA_HOST, SPECDEC_BASE, Format, ModelMemory, RuntimeRSS,
                                  dense_matrix_types, model_memory, runtime_rss, tokenizer_bytes)
 from specdec.plan.recommend import Recommendation, recommend, task
@@ -13,6 +14,9 @@ from specdec.plan.specs import ModelSpec, load_spec
 from specdec.plan.speed import StepTime, best_k, break_even_alpha, step_time
 from specdec.plan.units import parse_bandwidth, parse_size
 from specdec.runtime.placement import ALL_LAYERS, Placement, place_layers
+
+if TYPE_CHECKING:
+    from specdec.drafters.registry import HeadMemory
 
 DEFAULT_GPU_BW = 500e9
 DEFAULT_CONTEXT = 4096  # as `specdec generate -c`
@@ -46,6 +50,7 @@ class PlanInputs:
     spec_type: str | None = None      # force the exported spec type (default: the recommendation)
     export: str | None = None         # the engine the plan is exported to (decides the default --dtype)
     avx512: bool | None = None        # the planned CPU runs the AVX-512 kernels (None: the --cpu profile / this CPU)
+    drafter_options: dict | None = None  # drafter options (e.g. a head directory) as `LLM(...)` takes them
 
 
 @dataclass
@@ -102,6 +107,7 @@ class Plan:
     per_1k_bytes: int
     per_1k_layers: float | None
     rss: RuntimeRSS | None
+    heads: dict[str, int] = field(default_factory=dict)  # the drafters' own memory by part (trained heads)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -486,11 +492,28 @@ def make_plan(i: PlanInputs) -> Plan:
         raise SpecdecError(f"spec type {spec_type} needs a draft model (-md)")
     k, gain = (v.k, v.gain) if v.k is not None and v.gain is not None and drafting else (i.draft_max, 1.0)
     pl.use_draft = d is not None and drafting
-    rss = runtime_rss(t, d if pl.use_draft else None) if tfmt.runtime else None
+    heads = drafter_memory(spec_type, model, tspec, t, i.slots, i.drafter_options)
+    parts = {k: v for h in heads for k, v in h.parts.items()}
+    rss = runtime_rss(t, d if pl.use_draft else None, parts) if tfmt.runtime else None
     plan = Plan(i, hw, t, d, with_draft, alone, alpha, alpha_src, v.cost, v.k, v.gain, k, gain, v.break_even, v.pays,
-                v.why_not, rec, spec_type, *_context_room(pl, t, d), rss)
-    plan.notes = _notes(plan)
+                v.why_not, rec, spec_type, *_context_room(pl, t, d), rss, heads=parts)
+    plan.notes = _notes(plan) + [h.note for h in heads]
     return plan
+
+
+def drafter_memory(spec_type: str, model: str, tspec: ModelSpec, t: ModelMemory, slots: int,
+                   options: dict | None = None) -> list[HeadMemory]:
+    """The memory of each drafter in the chain that holds its own (a trained head), as the drafter estimates it."""
+    from specdec.drafters import REGISTRY, parse_spec_type
+    from specdec.drafters.registry import MemoryQuery
+
+    d = tspec.dims
+    q = MemoryQuery(model, d.hidden, d.num_layers, d.num_heads, d.num_kv_heads, d.head_dim_k, d.intermediate,
+                    d.vocab, t.context, slots,
+                    RUNTIME_DTYPES.get(t.fmt.weights, 4) if t.fmt.quant != "gguf" else 4)
+    q = replace(q, options=REGISTRY.option_values(options))
+    kinds = [REGISTRY.get(p) for p in parse_spec_type(spec_type) if p != "none"]
+    return [k.memory(q) for k in kinds if k.memory is not None]
 
 
 def parse_layers(text: str) -> int:

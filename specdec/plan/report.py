@@ -76,6 +76,7 @@ def to_dict(plan: Plan) -> dict:
         "specdec_runtime_rss": None if plan.rss is None else {
             "steady": plan.rss.steady, "load_peak": plan.rss.load_peak, "peak": plan.rss.peak,
             "parts": plan.rss.parts, "phases": plan.rss.phases, "load_note": plan.rss.load_note},
+        "drafter_memory": plan.heads,
         "notes": plan.notes,
     }
     return out
