@@ -59,3 +59,49 @@ def test_plan_counts_the_heads_memory(smollm_dir, tmp_path):
     assert plan.heads["mtp head weights"] > 4 * 576 * 576
     assert plan.rss.parts["medusa head weights"] == 820 and plan.rss.steady >= sum(plan.heads.values())
     assert any(n.startswith("mtp: no mtp head found") for n in plan.notes)
+
+
+def test_server_drafts_with_every_head_at_concurrency(tiny_dir, tmp_path):
+    """`specdec serve` with EAGLE-3, Medusa and MTP heads picked per request (`speculative.type`), 12 greedy
+    requests at once across the three and a chain with suffix: every output is plain decoding's, drafts accepted
+    or not."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    import specdec
+    from specdec.models.config import ModelConfig
+    from specdec.models.eagle3 import save_head as save_eagle3
+    from specdec.models.medusa import save_heads
+    from specdec.models.mtp import MtpConfig
+    from specdec.models.mtp import save_head as save_mtp
+    from test_eagle3 import random_head as eagle3_head
+    from test_medusa import random_heads
+    from test_mtp import random_head as mtp_head
+    from test_server import LiveServer
+
+    target = tiny_dir("llama", layers=3)
+    save_eagle3(eagle3_head(target), tmp_path / "eagle3", {"kind": "eagle3", "target": "t"})
+    save_heads(random_heads(target), tmp_path / "medusa", {"kind": "medusa", "target": "t"})
+    cfg = MtpConfig.for_target(ModelConfig.from_file(target / "config.json"))
+    save_mtp(mtp_head(cfg, scale=0.05), tmp_path / "mtp", str(target), {"kind": "mtp", "target": "t"})
+    llm = specdec.LLM(str(target), spec_type="eagle3", dtype="fp32", context=96, parallel=6, adaptive=False,
+                      draft_max=3, progress=False, eagle3_head=str(tmp_path / "eagle3"),
+                      medusa_head=str(tmp_path / "medusa"), mtp_head=str(tmp_path / "mtp"))
+    llm.engine.stop_ids = set()
+    prompts = ["t5 t9 t12 t5 t9 t12 t5 t9", "t33 t2 t71", "t8 " * 20 + "t4", "t1 t2 t3"]
+    plain = {p: llm.generate(p, max_tokens=20, spec_type="none").text for p in prompts}
+    kinds = ["eagle3", "medusa", "mtp", "mtp,suffix"]
+    srv = LiveServer(llm, load_control=False)
+    try:
+        def one(i: int) -> tuple[str, str, str]:
+            p, kind = prompts[i % 4], kinds[i // 4 % 4]
+            r = httpx.post(srv.url + "/v1/completions", timeout=300,
+                           json={"prompt": p, "max_tokens": 20, "temperature": 0, "speculative": {"type": kind}})
+            assert r.status_code == 200, r.text
+            return p, kind, r.json()["choices"][0]["text"]
+        with ThreadPoolExecutor(12) as ex:
+            for p, kind, text in ex.map(one, range(16)):
+                assert text == plain[p], (kind, p)
+    finally:
+        srv.close()
