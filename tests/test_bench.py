@@ -1,5 +1,6 @@
 """`specdec bench`: workloads, baseline checks, summary, llama-server command lines, and a small real run."""
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -143,7 +144,7 @@ def test_cli_workload_and_methods():
     assert (a.workload, a.max_tokens) == ("quick", 4)
     assert [p.category for p in load_workload("quick")] == ["code-question", "code-edit", "summary"]
     assert parse_methods(" none, hf-pld,none,ngram-simple+draft ") == ["none", "hf-pld", "ngram-simple+draft"]
-    assert "llama-ngram-mod" in parse_methods("all")
+    assert "llama-ngram-mod" in parse_methods("all") and "llama-eagle3" not in parse_methods("all")
     for bad in ("none,magic", "draft+magic", ""):
         with pytest.raises(SpecdecError, match="unknown bench method"):
             parse_methods(bad)
@@ -259,6 +260,13 @@ def test_llama_server_command():
         server_command("llama-ngram-mod", _cfg(), OLD_HELP, 8080)
     with pytest.raises(SpecdecError, match="needs the draft model as a GGUF"):
         server_command("llama-draft", _cfg(draft=None), NEW_HELP, 8080)
+    eagle3 = dataclasses.replace(_cfg(), eagle3_gguf="h.gguf")
+    assert server_command("llama-eagle3", eagle3, NEW_HELP, 8080) == \
+        base + ["-md", "h.gguf", "--spec-type", "draft-eagle3"] + draft_args
+    with pytest.raises(SpecdecError, match="needs an EAGLE-3 head"):
+        server_command("llama-eagle3", _cfg(), NEW_HELP, 8080)
+    with pytest.raises(SpecdecError, match="no --spec-type draft-eagle3"):
+        server_command("llama-eagle3", eagle3, OLD_HELP, 8080)
 
 
 def test_llama_methods_skipped_without_binary(tmp_path):

@@ -17,7 +17,8 @@ from specdec.errors import SpecdecError
 # bench method -> llama.cpp `--spec-type` (None: plain decoding)
 LLAMA_METHODS = {"llama-none": None, "llama-draft": "draft-simple", "llama-ngram-simple": "ngram-simple",
                  "llama-ngram-mod": "ngram-mod", "llama-ngram-map-k": "ngram-map-k",
-                 "llama-ngram-map-k4v": "ngram-map-k4v"}
+                 "llama-ngram-map-k4v": "ngram-map-k4v", "llama-eagle3": "draft-eagle3"}
+HEAD_PEERS = ("llama-eagle3",)  # need a trained head: in `--methods all` only when named
 # n-gram pools kept across requests in the server; a repeat of a prompt is not first-seen there
 STATEFUL = ("llama-ngram-mod", "llama-ngram-map-k", "llama-ngram-map-k4v")
 STARTUP_S = 600
@@ -36,6 +37,7 @@ class ServerConfig:
     draft_p_min: float
     ngram_n: int
     ngram_m: int
+    eagle3_gguf: Path | None = None  # our EAGLE-3 head in llama.cpp's eagle3 GGUF (for llama-eagle3)
 
 
 def _lists(help_text: str, word: str) -> bool:
@@ -60,8 +62,11 @@ def server_command(method: str, cfg: ServerConfig, help_text: str, port: int) ->
         cmd += ["-md", str(cfg.draft_gguf)]
         if _lists(help_text, "draft-simple"):  # newer servers name the draft-model drafter explicitly
             cmd += ["--spec-type", "draft-simple"]
+    elif spec == "draft-eagle3" and cfg.eagle3_gguf is None:
+        raise SpecdecError(f"{method} needs an EAGLE-3 head for the target (specdec train eagle3, or "
+                           "--spec-eagle3-head DIR)")
     elif _lists(help_text, "--spec-type") and _lists(help_text, spec):
-        cmd += ["--spec-type", spec]
+        cmd += (["-md", str(cfg.eagle3_gguf)] if spec == "draft-eagle3" else []) + ["--spec-type", spec]
     else:
         raise SpecdecError(f"this llama-server has no --spec-type {spec}")
     for value, names in ((cfg.draft_max, ("--spec-draft-n-max", "--draft-max", "--draft-n")),
@@ -192,6 +197,29 @@ def gguf_file(model: str | None) -> Path | None:
     return path if path.is_file() else None
 
 
+def eagle3_gguf(model: str, choice: str, target_gguf: Path, notes: list[str]) -> Path | None:
+    """Our EAGLE-3 head for the target (`--spec-eagle3-head`, or the one `--spec-type eagle3` finds) in llama.cpp's
+    `eagle3` GGUF, written once beside the head (`save_gguf`: the tensors and keys the pinned llama.cpp's
+    `convert_hf_to_gguf.py` writes, tests/test_eagle3_conformance.py); None with a note when there is no head."""
+    from specdec.drafters.heads import find_head
+    from specdec.models.eagle3 import load_head
+    from specdec.models.eagle3_gguf import save_gguf
+
+    try:
+        head_dir = find_head(model, "eagle3", "--spec-eagle3-head") if choice == "auto" else Path(choice)
+        weights = head_dir / "model.safetensors"
+        out = head_dir / "llama.cpp-eagle3.gguf"
+        if not out.is_file() or out.stat().st_mtime < weights.stat().st_mtime:
+            from specdec.models.gguf_convert import config_from_gguf, open_gguf
+
+            layers = config_from_gguf(open_gguf(target_gguf), target_gguf).num_layers
+            save_gguf(load_head(head_dir, layers), out, target_gguf)
+        return out
+    except (SpecdecError, OSError) as e:
+        notes.append(f"llama-eagle3: {e}")
+        return None
+
+
 def llama_methods(names: list[str], args, context: int, stop_ids: set[int], log_dir: Path,
                   notes: list[str], meta: dict) -> list[Llama]:
     """Start one server per requested `llama-*` method; skip them with a note when that cannot be done."""
@@ -206,8 +234,10 @@ def llama_methods(names: list[str], args, context: int, stop_ids: set[int], log_
     if target is None:
         notes.append(f"skipped {', '.join(names)}: llama.cpp needs the target as a GGUF (-m pack name or .gguf)")
         return []
+    eagle3 = eagle3_gguf(args.model, getattr(args, "eagle3_head", "auto"), target, notes) \
+        if "llama-eagle3" in names else None
     cfg = ServerConfig(args.llama_server, target, gguf_file(args.draft), args.threads, context, args.temp,
-                       args.draft_max, args.draft_min, args.draft_p_min, args.ngram_n, args.ngram_m)
+                       args.draft_max, args.draft_min, args.draft_p_min, args.ngram_n, args.ngram_m, eagle3)
     help_text = server_help(args.llama_server)
     meta["llama_server"] = {"binary": args.llama_server, "commands": {}}
     started: list[Llama] = []

@@ -7,7 +7,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from specdec.bench.llama import LLAMA_METHODS, llama_methods
+from specdec.bench.llama import HEAD_PEERS, LLAMA_METHODS, llama_methods
 from specdec.bench.methods import HF_METHODS, EngineMethod, Method, Output, hf_methods, merge
 from specdec.bench.report import LIKELY_BUG_GAP, bench_meta, report_tables, summarize, write_outputs
 from specdec.bench.workloads import Prompt, load_workload
@@ -38,7 +38,8 @@ def parse_methods(spec: str) -> list[str]:
     """`--methods` (comma list, or `all`) -> method names in the given order; `a+b` is our chain `a,b`."""
     known = all_methods()
     if spec.strip() == "all":  # every lossless method; lossy ones (synthetic) and trained heads only when named
-        names = [m for m in known if m not in spec_types() or m in spec_types(lossy=False, heads=False)]
+        names = [m for m in known if (m not in spec_types() or m in spec_types(lossy=False, heads=False))
+                 and m not in HEAD_PEERS]
     else:
         names = [m.strip() for m in spec.split(",") if m.strip()]
     bad = [m for m in names if m not in known and not ("+" in m and _engine_parts(m))]
