@@ -15,15 +15,17 @@ overwrites their cache rows, so the head's cache again holds exactly the committ
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any, Mapping
 
 import torch
 
 from specdec.drafters.base import Draft, draft_distribution
 from specdec.drafters.draft_model import P_MIN
-from specdec.drafters.heads import find_head
+from specdec.drafters.heads import HeadShape, find_head, layer_params, planned_memory, safetensors_params
 from specdec.drafters.paired_head import PairedHeadDrafter
-from specdec.drafters.registry import BuildContext, DrafterType, Option
+from specdec.drafters.registry import BuildContext, DrafterType, HeadMemory, MemoryQuery, Option
 from specdec.drafters.tree import ROOT, DynamicTree
 from specdec.errors import SpecdecError
 from specdec.models.eagle3 import Eagle3Head, load_head
@@ -116,9 +118,34 @@ class Eagle3Drafter(PairedHeadDrafter):
         return logits[0], h[0]
 
 
+def head_path(options: Mapping[str, Any], model: str | None) -> Path:
+    """--spec-eagle3-head: a directory, or auto = the head trained for the target."""
+    choice = options["eagle3_head"]
+    return find_head(model, "eagle3", HEAD.flag) if choice == "auto" else Path(choice)
+
+
+def _shape(path: Path) -> HeadShape:
+    """A head directory (HF / SpecForge or speculators layout): parameters and its one-layer KV cache."""
+    d = json.loads((path / "config.json").read_text())
+    layer = d.get("transformer_layer_config", d)
+    kv_heads = layer.get("num_key_value_heads", layer["num_attention_heads"])
+    return HeadShape(safetensors_params(path, lambda name: "embed_tokens" in name), 1, kv_heads,
+                     layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"])
+
+
+def _estimate(q: MemoryQuery) -> HeadShape:
+    """`specdec train eagle3`'s default head: fc over 3 features, one layer on [embedding; state], a 16384-token
+    LM head."""
+    H = q.hidden
+    return HeadShape(3 * H * H + layer_params(q, 2 * H) + H + 16384 * (H + 1), 1, q.num_kv_heads, q.head_dim)
+
+
+def _memory(q: MemoryQuery) -> HeadMemory:
+    return planned_memory(q, "eagle3", lambda: head_path(q.options, q.model), _shape, _estimate)
+
+
 def _build(ctx: BuildContext) -> Eagle3Drafter:
-    choice = ctx.options["eagle3_head"]
-    path = find_head(ctx.model, "eagle3", HEAD.flag) if choice == "auto" else Path(choice)
+    path = head_path(ctx.options, ctx.model)
     target = ctx.target
     head = load_head(path, target.model.config.num_layers, target.model.model.norm.weight.dtype)
     if head.config.vocab_size != target.vocab_size or head.config.target_hidden_size != target.model.config.hidden_size:
@@ -137,4 +164,4 @@ TOPK = Option("eagle3_topk", "--spec-eagle3-topk", 1, "eagle3: 1 = a chain of th
 NODES = Option("eagle3_nodes", "--spec-eagle3-nodes", 0, "eagle3 trees: at most this many nodes, the best by path "
                "probability; 0 = the engine's draft length (default 0)", int, ">= 0")
 TYPES = (DrafterType("eagle3", _build, "a trained EAGLE-3 head on the target's hidden states",
-                     (HEAD, P_MIN, TOPK, NODES), target_features=True, per_scope=False),)
+                     (HEAD, P_MIN, TOPK, NODES), target_features=True, per_scope=False, memory=_memory),)
