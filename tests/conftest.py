@@ -81,3 +81,23 @@ def untrained_spec_types() -> list[str]:
     """Lossless spec types that need no trained head ('none' included); heads are tested with heads of their own."""
     from specdec.drafters import spec_types
     return list(spec_types(lossy=False, heads=False))
+
+
+def head_llm(kind: str, target, head_dir, **kw):
+    """An fp32 `LLM` drafting with the trained-head spec type `kind` from `head_dir`: fixed draft length, no EOS
+    stop (random heads on tiny targets)."""
+    import specdec
+
+    llm = specdec.LLM(str(target), spec_type=kind, dtype="fp32", adaptive=False, progress=False,
+                      **{f"{kind}_head": str(head_dir)}, **kw)
+    llm.engine.stop_ids = set()
+    return llm
+
+
+def randomize(module: torch.nn.Module, seed: int, scale: float, matrices_only: bool = False) -> None:
+    """Every parameter (or only the matrices) of `module` drawn from N(0, scale^2), seeded."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.dim() > 1 or not matrices_only:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)

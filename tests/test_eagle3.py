@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import itertools
 import json
+from functools import partial
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 import specdec
-from conftest import make_tiny
+from conftest import head_llm, make_tiny, randomize
 from specdec.drafters.eagle3 import Eagle3Drafter
 from specdec.drafters.tree import ROOT, DynamicTree
 from specdec.models.eagle3 import Eagle3Config, Eagle3Head, load_head, save_head
@@ -28,20 +29,12 @@ def random_head(target_dir, seed: int = 0, scale: float = 0.3, skip: int = 5) ->
     model, _ = load_checkpoint(target_dir, torch.float32)
     c = model.config
     head = Eagle3Head(Eagle3Config.for_target(c, c.vocab_size - skip, aux_layers=(0, 1, c.num_layers - 1)))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in head.parameters():
-            if p.dim() > 1:
-                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    randomize(head, seed, scale, matrices_only=True)
     head.set_vocab(torch.arange(skip, c.vocab_size))
     return head
 
 
-def _llm(target, head_dir, **kw) -> specdec.LLM:
-    llm = specdec.LLM(str(target), spec_type="eagle3", eagle3_head=str(head_dir), dtype="fp32", adaptive=False,
-                      progress=False, **kw)
-    llm.engine.stop_ids = set()
-    return llm
+_llm = partial(head_llm, "eagle3")
 
 
 def _trees(stats) -> bool:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from functools import partial
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 import specdec
-from conftest import make_tiny
+from conftest import head_llm, make_tiny, randomize
 from specdec.drafters.medusa import best_first_tree, chain, find_head
 from specdec.models.loader import load_checkpoint
 from specdec.models.medusa import MedusaConfig, MedusaHeads, load_heads, save_heads
@@ -26,19 +27,12 @@ def random_heads(target_dir, seed: int = 0, scale: float = 0.3, skip: int = 5, n
     model, _ = load_checkpoint(target_dir, torch.float32)
     c = model.config
     heads = MedusaHeads(MedusaConfig(num_heads, num_layers, c.hidden_size, c.vocab_size, c.vocab_size - skip))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * scale)
+    randomize(heads, seed, scale)
     heads.set_vocab(torch.arange(skip, c.vocab_size))
     return heads
 
 
-def _llm(target, head_dir, **kw) -> specdec.LLM:
-    llm = specdec.LLM(str(target), spec_type="medusa", medusa_head=str(head_dir), dtype="fp32", adaptive=False,
-                      progress=False, **kw)
-    llm.engine.stop_ids = set()
-    return llm
+_llm = partial(head_llm, "medusa")
 
 
 @pytest.mark.parametrize("family,topk", [("llama", 1), ("qwen2", 1), ("qwen3", 1), ("llama", 3), ("qwen2", 2)])

@@ -28,7 +28,7 @@ from specdec.errors import SpecdecError
 from specdec.models.eagle3 import Eagle3Config, Eagle3Head, save_head
 from specdec.paths import home
 from specdec.train.data import FeatureCache
-from specdec.train.loop import (Batch, HeadTrainer, Loss, Segment, Teacher, TrainSettings, cut, pack, save_atomic,
+from specdec.train.loop import (Batch, HeadTrainer, Loss, Segment, Teacher, TrainSettings, cut, save_atomic,
                                 segment_mask)
 
 STEP_WEIGHT = 0.8        # loss weight of TTT step j: STEP_WEIGHT ** j
@@ -300,13 +300,9 @@ class Eagle3Trainer(HeadTrainer):
         return head
 
     def batches(self) -> tuple[list[list[Batch]], list[Batch]]:
-        cfg = self.cfg
-        rows = max(1, cfg.batch_tokens // cfg.max_len)
-        segs = segments(self.train_view, self.convs, cfg.max_len)
-        plan = [pack(segs, cfg.max_len, rows, cfg.seed * 1_000_003 + e) for e in range(cfg.epochs)]
-        val = segments(self.val_view, self.convs, cfg.max_len, greedy=True)  # data token = the target's choice
+        val = segments(self.val_view, self.convs, self.cfg.max_len, greedy=True)  # data token = the target's choice
         self.val_conversations = len({s.conv for s in val})
-        return plan, pack(val, cfg.max_len, rows, None)
+        return self.pack_epochs(segments(self.train_view, self.convs, self.cfg.max_len), val)
 
     def _targets(self, model: nn.Module) -> dict[int, Conv]:
         """`scan` once per cache (kept beside the checkpoint)."""

@@ -266,6 +266,13 @@ class HeadTrainer:
         raise NotImplementedError
 
     # the shared run
+    def pack_epochs(self, train: list[Segment], val: list[Segment]) -> tuple[list[list[Batch]], list[Batch]]:
+        """Every epoch's batches of `train` (shuffled per epoch, a function of the seed) and `val`'s, in order."""
+        cfg = self.cfg
+        rows = max(1, cfg.batch_tokens // cfg.max_len)
+        plan = [pack(train, cfg.max_len, rows, cfg.seed * 1_000_003 + e) for e in range(cfg.epochs)]
+        return plan, pack(val, cfg.max_len, rows, None)
+
     def _saved(self, resume: bool) -> dict | None:
         ckpt = self.state_dir / "checkpoint.pt"
         if resume and not ckpt.is_file():

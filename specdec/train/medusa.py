@@ -21,7 +21,7 @@ from specdec.errors import SpecdecError
 from specdec.models.medusa import MedusaConfig, MedusaHeads, save_heads
 from specdec.paths import home
 from specdec.train.data import FeatureCache
-from specdec.train.loop import Batch, HeadTrainer, Loss, Segment, Teacher, TrainSettings, cut, pack
+from specdec.train.loop import Batch, HeadTrainer, Loss, Segment, Teacher, TrainSettings, cut
 
 LABELS = ("soft", "hard")
 
@@ -173,10 +173,8 @@ class MedusaTrainer(HeadTrainer):
 
     def batches(self) -> tuple[list[list[Batch]], list[Batch]]:
         cfg = self.cfg
-        rows = max(1, cfg.batch_tokens // cfg.max_len)
-        segs = segments(self.train_view, cfg.num_heads, cfg.max_len)
-        plan = [pack(segs, cfg.max_len, rows, cfg.seed * 1_000_003 + e) for e in range(cfg.epochs)]
-        return plan, pack(segments(self.val_view, cfg.num_heads, cfg.max_len), cfg.max_len, rows, None)
+        return self.pack_epochs(segments(self.train_view, cfg.num_heads, cfg.max_len),
+                                segments(self.val_view, cfg.num_heads, cfg.max_len))
 
     def _rows(self, view: FeatureCache, batch: Batch) -> Rows:
         return gather(view, batch, self.cfg.num_heads, self.index, self.device)

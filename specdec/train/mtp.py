@@ -22,7 +22,7 @@ from specdec.errors import SpecdecError
 from specdec.models.mtp import MtpConfig, MtpHead, save_head
 from specdec.paths import home
 from specdec.train.data import FeatureCache
-from specdec.train.loop import Batch, HeadTrainer, Loss, Segment, TrainSettings, cut, pack, segment_mask
+from specdec.train.loop import Batch, HeadTrainer, Loss, Segment, TrainSettings, cut, segment_mask
 
 
 @dataclass(frozen=True)
@@ -105,11 +105,8 @@ class MtpTrainer(HeadTrainer):
         return head.share(SharedHead(self.teacher))
 
     def batches(self) -> tuple[list[list[Batch]], list[Batch]]:
-        cfg = self.cfg
-        rows = max(1, cfg.batch_tokens // cfg.max_len)
-        segs = segments(self.train_view, cfg.max_len)
-        plan = [pack(segs, cfg.max_len, rows, cfg.seed * 1_000_003 + e) for e in range(cfg.epochs)]
-        return plan, pack(segments(self.val_view, cfg.max_len, greedy=True), cfg.max_len, rows, None)
+        return self.pack_epochs(segments(self.train_view, self.cfg.max_len),
+                                segments(self.val_view, self.cfg.max_len, greedy=True))
 
     def _logits(self, r: Row) -> torch.Tensor:
         """The block's logits for every row of `r` [R, V] (fp32)."""
