@@ -177,7 +177,7 @@ def _list_heads() -> None:
     for h in heads:
         state = ("finished" if h.finished else "unfinished") + (", shipped" if h.shipped else "")
         tau = f"tau {h.tau:.2f}" if h.tau is not None else "tau -"
-        print(f"{h.kind:8} {h.target:22} {state:18} {tau:9} {h.megabytes:7.1f} MB  {h.path}")
+        print(f"{h.kind:8} {h.target:22} {state:20} {tau:9} {h.megabytes:7.1f} MB  {h.path}")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -33,7 +33,7 @@ def test_finished_heads_come_first(tmp_path, monkeypatch, capsys):
     assert find_head("smollm2-135m", "eagle3", "--x") == newest
     (newest / "manifest.json").unlink()
     assert find_head("/elsewhere/smollm2-135m", "eagle3", "--x") == old
-    assert [h.path.name for h in list_heads()] == ["d", "a", "b"]
+    assert [h.path.name for h in list_heads() if not h.shipped] == ["d", "a", "b"]
     with pytest.raises(SpecdecError, match="no mtp head for 'qwen2.5-coder-1.5b'.*--x DIR"):
         find_head("qwen2.5-coder-1.5b", "mtp", "--x")
     assert main(["models", "list"]) == 0
@@ -105,3 +105,23 @@ def test_server_drafts_with_every_head_at_concurrency(tiny_dir, tmp_path):
                 assert text == plain[p], (kind, p)
     finally:
         srv.close()
+
+
+@pytest.mark.real
+def test_the_shipped_smollm_head_is_lossless_and_accepted(smollm_dir):
+    """The EAGLE-3 head committed with specdec (specdec/heads/eagle3-smollm2-135m, trained here: its manifest says
+    how): at most 40 MB, found for the target, greedy decoding with it is plain decoding's, drafts accepted."""
+    import specdec
+    from specdec.drafters.heads import SHIPPED
+
+    head = SHIPPED / "eagle3-smollm2-135m"
+    m = json.loads((head / "manifest.json").read_text())
+    assert m["kind"] == "eagle3" and m["target"] == "smollm2-135m" and m["command"] and m["data"]["rules"]
+    assert sum(f.stat().st_size for f in head.iterdir()) <= 40e6
+    assert any(h.shipped and h.path == head for h in list_heads())
+    llm = specdec.LLM("smollm2-135m", spec_type="eagle3", eagle3_head=str(head), dtype="fp32", adaptive=False,
+                      draft_max=3, progress=False)
+    prompt = "Write a short story about a cat who learns to play the piano."
+    plain = llm.generate(prompt, max_tokens=64, chat=True, spec_type="none")
+    spec = llm.generate(prompt, max_tokens=64, chat=True)
+    assert spec.token_ids == plain.token_ids and spec.stats.accepted > 0

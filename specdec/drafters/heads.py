@@ -27,7 +27,8 @@ class Head:
 
     @property
     def megabytes(self) -> float:
-        return sum(f.stat().st_size for f in self.path.iterdir() if f.is_file()) / 1e6
+        """The weights' files (exports and training state beside them aside)."""
+        return sum(f.stat().st_size for f in self.path.glob("*.safetensors")) / 1e6
 
 
 def list_heads() -> list[Head]:
