@@ -125,3 +125,13 @@ def test_the_shipped_smollm_head_is_lossless_and_accepted(smollm_dir):
     plain = llm.generate(prompt, max_tokens=64, chat=True, spec_type="none")
     spec = llm.generate(prompt, max_tokens=64, chat=True)
     assert spec.token_ids == plain.token_ids and spec.stats.accepted > 0
+
+
+def test_learning_curve_plot(tmp_path):
+    from specdec.train.plots import plot_heads
+
+    m = tmp_path / "manifest.json"
+    m.write_text(json.dumps({"kind": "eagle3", "target": "t", "training": {"hours": 0.1},
+                             "learning_curve": [[0, 1.0], [1000, 1.3]], "validation": {"accept": [0.3, 0.1]}}))
+    out = plot_heads([m], tmp_path / "lc.png")
+    assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
