@@ -128,14 +128,8 @@ class Engine:
         t = self.clock()
         end = len(seq.tokens) if chunk is None else min(len(seq.tokens), seq.prefilled + chunk)
         logits = self.target.prefill(seq.tokens[seq.prefilled:end], seq.slot, start=seq.prefilled)  # [V]
-        self._hand_features(seq, self.target.features)
-        seq.prefilled = end
-        seq.stats.prefill_s += self.clock() - t
-        if end < len(seq.tokens):
-            return False
-        seq.stats.target_forwards = 1
-        self._commit(seq, [self._sample(logits[None], seq)], logits[None])
-        return True
+        feats = self.target.features
+        return self._prefilled(seq, end, logits[None], feats[0] if feats else None, self.clock() - t)
 
     def prefill_together(self, seqs: list[Sequence]) -> None:
         """Prefill the rest of each sequence's prompt in one ragged target forward (each rest at most
@@ -152,11 +146,20 @@ class Engine:
         feats = self.target.features
         share = (self.clock() - t) / len(short)
         for i, s in enumerate(short):
-            self._hand_features(s, [feats[i]] if feats else None)
-            s.prefilled = len(s.tokens)
-            s.stats.prefill_s += share
-            s.stats.target_forwards = 1
-            self._commit(s, [self._sample(logits[i], s)], logits[i])
+            self._prefilled(s, len(s.tokens), logits[i], feats[i] if feats else None, share)
+
+    def _prefilled(self, seq: Sequence, end: int, logits: torch.Tensor, feats: Features | None,
+                   seconds: float) -> bool:
+        """After a prefill forward up to `end`: hand the drafter its features, count the time and, once the
+        prompt is in, sample the first output token from logits [1, V]. Returns whether the prompt is in."""
+        self._hand_features(seq, [feats] if feats is not None else None)
+        seq.prefilled = end
+        seq.stats.prefill_s += seconds
+        if end < len(seq.tokens):
+            return False
+        seq.stats.target_forwards = 1
+        self._commit(seq, [self._sample(logits, seq)], logits)
+        return True
 
     def step(self, seqs: list[Sequence], draft_cap: int | None = None) -> StepInfo:
         """One speculative step for every (prefilled, unfinished) sequence: draft up to `draft_cap`

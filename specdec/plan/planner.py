@@ -1,7 +1,7 @@
 """`make_plan`: memory, placement, largest context, speed and a recommendation for a target (+ draft)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from specdec.errors import SpecdecError
@@ -509,9 +509,8 @@ def drafter_memory(spec_type: str, model: str, tspec: ModelSpec, t: ModelMemory,
 
     d = tspec.dims
     q = MemoryQuery(model, d.hidden, d.num_layers, d.num_heads, d.num_kv_heads, d.head_dim_k, d.intermediate,
-                    d.vocab, t.context, slots,
-                    RUNTIME_DTYPES.get(t.fmt.weights, 4) if t.fmt.quant != "gguf" else 4)
-    q = replace(q, options=REGISTRY.option_values(options))
+                    d.vocab, t.context, slots, RUNTIME_DTYPES.get(t.fmt.weights, 4) if t.fmt.quant != "gguf" else 4,
+                    REGISTRY.option_values(options))
     kinds = [REGISTRY.get(p) for p in parse_spec_type(spec_type) if p != "none"]
     return [k.memory(q) for k in kinds if k.memory is not None]
 
