@@ -15,6 +15,7 @@ from specdec.stats import Stats
 if TYPE_CHECKING:
     from specdec.drafters.base import Drafter
     from specdec.models.tokenizer import Detokenizer
+    from specdec.trace import TokenTrace
 
 StreamCallback = Callable[[str], None]
 
@@ -30,6 +31,7 @@ class Draft:
     # Seconds of this `propose` spent catching up on a context the drafter had not seen (a new prompt): a
     # one-off per sequence that the cost model and the load controller count apart from drafting.
     setup_s: float = 0.0
+    source: str | None = None  # which member of a chain drafted it (None: the sequence's drafter)
 
     @property
     def depth(self) -> int:
@@ -66,6 +68,7 @@ class Sequence:
     # alternatives [(token, log-probability)], from the verification pass
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     top_logprobs: int = 0
+    trace: list[TokenTrace] | None = None  # per output token, when asked for: where it came from (specdec/trace.py)
     started: float = 0.0              # perf_counter at admission
 
     @property

@@ -46,10 +46,10 @@ class ChainDrafter(Drafter):
             if self.mode == "first" or draft.probs is not None:
                 # A sampled draft is used once drawn: choosing by its (random) length would bias its tokens.
                 self.chosen[seq.slot] = i
-                return replace(draft, setup_s=setup_s)
+                return replace(draft, setup_s=setup_s, source=m.name)
             gain = sum(est[i].survival(draft.depth))  # expected accepted tokens
             if gain > best_gain:
-                best, best_gain, self.chosen[seq.slot] = draft, gain, i
+                best, best_gain, self.chosen[seq.slot] = replace(draft, source=m.name), gain, i
         return replace(best, setup_s=setup_s)
 
     def update(self, seq: Sequence, drafted: int, accepted: int) -> None:

@@ -16,6 +16,7 @@ from specdec.models.tokenizer import Detokenizer, Tokenizer
 from specdec.runtime.runner import PREFILL_CHUNK, Features, ModelRunner
 from specdec.sampling import SamplingParams, probs_from_logits, sample, seeded_pick
 from specdec.sequence import Draft, Sequence, StreamCallback
+from specdec.trace import step_trace
 from specdec.verify import chain, verify_tree_greedy, verify_tree_sampling, verify_tree_seeded
 
 __all__ = ["Engine", "SpecConfig", "StreamCallback"]
@@ -90,7 +91,8 @@ class Engine:
 
     def new_sequence(self, prompt_ids: list[int], params: SamplingParams, slot: int = 0,
                      drafter: Drafter | None = None, draft_max: int | None = None,
-                     on_text: StreamCallback | None = None, logprobs: bool = False, top_logprobs: int = 0) -> Sequence:
+                     on_text: StreamCallback | None = None, logprobs: bool = False, top_logprobs: int = 0,
+                     trace: bool = False) -> Sequence:
         """A sequence ready to prefill; bad prompts and parameters raise SpecdecError."""
         self.check(prompt_ids, params)
         if drafter is not None and drafter.features is not None:  # from now on every forward captures them
@@ -99,7 +101,8 @@ class Engine:
         return Sequence(list(prompt_ids), len(prompt_ids), slot=slot, params=params,
                         generator=params.generator() if unseeded else None, drafter=drafter,
                         draft_max=draft_max, on_text=on_text, detok=Detokenizer(self.tokenizer),
-                        logprobs=[] if logprobs else None, top_logprobs=top_logprobs, started=self.clock())
+                        logprobs=[] if logprobs else None, top_logprobs=top_logprobs, trace=[] if trace else None,
+                        started=self.clock())
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, on_text: StreamCallback | None = None,
                  drafter: Drafter | None = None) -> Sequence:
@@ -292,7 +295,7 @@ class Engine:
         seq.stats.record_step(prop.asked, len(draft.tokens), len(path), draft.depth)
         if draft.tokens:
             seq.acceptance.observe(draft.depth, len(path))
-        self._commit(seq, verdict.new, verdict.rows)
+        self._commit(seq, verdict.new, verdict.rows, draft, path)
         if seq.drafter:
             seq.drafter.update(seq, len(draft.tokens), len(path))
 
@@ -302,11 +305,14 @@ class Engine:
         if feats and d is not None and d.features is not None:
             d.observe_features(seq, feats[0].columns(d.features.layers, self.target.capture.layers))
 
-    def _commit(self, seq: Sequence, new: list[int], logits: torch.Tensor) -> None:
+    def _commit(self, seq: Sequence, new: list[int], logits: torch.Tensor, draft: Draft | None = None,
+                path: list[int] = ()) -> None:
         """Append verified tokens one by one, stopping at EOS, stop strings, max tokens or the context.
 
-        logits [>= len(new), V]: row i is the target distribution token i was chosen from.
+        logits [>= len(new), V]: row i is the target distribution token i was chosen from; draft and path (the
+        accepted nodes): what the step drafted, for the sequence's trace when it keeps one.
         """
+        before = len(seq.tokens)
         rows = logits[:len(new)]
         top2 = rows.topk(2, dim=-1).values  # [n, 2]
         gaps = (top2[:, 0] - top2[:, 1]).tolist()
@@ -332,6 +338,10 @@ class Engine:
             if len(seq.output_ids) >= seq.params.max_tokens or len(seq.tokens) >= self.target.context:
                 seq.finish_reason = "length"
                 break
+        if seq.trace is not None:
+            who = (draft.source if draft else None) or (seq.drafter.name if seq.drafter else None)
+            seq.trace += step_trace(seq.stats.target_forwards - 1, new[:len(seq.tokens) - before], rows, gaps, draft,
+                                    list(path), who)
         self._stream(seq, final=seq.finish_reason is not None, held=stops.held)
 
     @staticmethod

@@ -39,6 +39,7 @@ class Request:
     draft_max: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    trace: bool = False  # record each output token's origin (Sequence.trace)
     on_text: StreamCallback | None = None
     on_done: Callable[["Request"], None] | None = None  # called once, from the engine thread
     seq: Sequence | None = None
@@ -203,7 +204,8 @@ class Scheduler:
                 slot = self.free.pop()
                 try:
                     req.seq = self.engine.new_sequence(req.prompt_ids, req.params, slot, req.drafter, req.draft_max,
-                                                       req.on_text, req.logprobs, req.top_logprobs)
+                                                       req.on_text, req.logprobs, req.top_logprobs,
+                                                       req.trace)
                 except Exception as e:  # noqa: BLE001 - a bad request must not stop the engine
                     self.free.append(slot)
                     self._close(req, error=f"{type(e).__name__}: {e}")
