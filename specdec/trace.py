@@ -25,6 +25,7 @@ class TokenTrace:
     gap: float                # the target's top-1 minus top-2 logit
     drafter: str | None = None
     rejected: list[int] = field(default_factory=list)
+    drafted: int = 0          # on the target's token: draft tokens (tree nodes) its step proposed
 
 
 def step_trace(step: int, new: list[int], logits: torch.Tensor, gaps: list[float], draft: Draft | None,
@@ -39,7 +40,8 @@ def step_trace(step: int, new: list[int], logits: torch.Tensor, gaps: list[float
             continue
         rejected = _rejected(draft, path)
         origin = "correction" if rejected else "bonus" if draft is not None and draft.tokens else "target"
-        out.append(TokenTrace(tok, origin, step, i + 1, p, gap, rejected=rejected))
+        out.append(TokenTrace(tok, origin, step, i + 1, p, gap, rejected=rejected,
+                              drafted=len(draft.tokens) if draft is not None else 0))
     return out
 
 

@@ -11,25 +11,29 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import AsyncIterator
 
 from fastapi import Depends, FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
-from specdec.drafters import Drafter, is_lossy
+from specdec.drafters import REGISTRY, Drafter, is_lossy
 from specdec.engine.engine import PromptTooLong
 from specdec.engine.scheduler import EngineStopped, QueueFull, Request, Scheduler
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
 from specdec.server.metrics import Metrics
 from specdec.server.protocol import MAX_BODY, APIError, ChatRequest, CompletionRequest
+from specdec.trace import TokenTrace
 
 log = logging.getLogger(__name__)
 _Body = CompletionRequest | ChatRequest
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+STATIC = Path(__file__).parent / "static"  # the playground page, served at /
 
 
 @dataclass
@@ -73,6 +77,16 @@ def create_app(llm, scheduler: Scheduler, cfg: ServerConfig) -> FastAPI:
     @app.get("/metrics", dependencies=[Depends(h.auth)])
     async def prometheus():
         return h.prometheus()
+
+    @app.get("/v1/drafters", dependencies=[Depends(h.auth)])
+    async def drafters():
+        return h.drafters()
+
+    @app.get("/", include_in_schema=False)
+    async def playground():
+        return FileResponse(STATIC / "index.html")
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest, scope: int | None = Depends(h.auth)):
@@ -122,6 +136,17 @@ class _Handler:
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.cfg.model_id, "object": "model", "created": 0,
                                             "owned_by": "specdec", "max_model_len": self.llm.context}]}
+
+    def drafters(self) -> dict:
+        """The spec types a request may ask for (`speculative.type`), with their options, from the registry."""
+        llm = self.llm
+        types = [{"name": t.name, "help": t.help, "lossy": t.lossy, "draft_model": t.draft_model,
+                  "target_features": t.target_features,
+                  "options": [{"name": o.name, "flag": o.flag, "default": o.default, "help": o.help, "rule": o.rule}
+                              for o in t.options]}
+                 for t in REGISTRY.types.values() if not t.lossy or t.name == llm.spec_type]
+        return {"server": {"type": llm.spec_type, "draft_max": llm.engine.spec.draft_max,
+                           "draft_model": llm.config.draft is not None}, "types": types}
 
     def prometheus(self) -> PlainTextResponse:
         return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
@@ -208,7 +233,7 @@ class _Handler:
         """Queue the request and answer it, streamed or whole."""
         params = self._params(body, ids, chat, max_tokens)
         drafter, draft_max = await self._speculation(body.speculative, scope)
-        req = Request(ids, params, drafter, draft_max, want_lp, top)
+        req = Request(ids, params, drafter, draft_max, want_lp, top, trace=body.specdec_trace)
         events = _Events(req)
         self._submit(req)
         fmt = _Formatter(self.llm, self.cfg.model_id, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], chat)
@@ -256,13 +281,14 @@ class _Handler:
                 if ev is None:
                     done = True
                     break
-                delta, toks, lps = ev
-                yield _data(fmt.chunk({"content": delta} if fmt.chat else delta, toks, lps, None))
+                delta, toks, lps, trace = ev
+                yield _data(fmt.chunk({"content": delta} if fmt.chat else delta, toks, lps, None, trace))
             self.metrics.finished(req)
             if err := _failure(req, fmt.rid):
                 yield _data(err.body())
             else:
-                yield _data({**fmt.chunk({} if fmt.chat else "", [], [], req.seq.finish_reason), **fmt.stats(req)})
+                last = fmt.chunk({} if fmt.chat else "", [], [], req.seq.finish_reason, events.rest_of_trace())
+                yield _data({**last, **fmt.stats(req)})
                 if usage:
                     yield _data({**fmt.head(), "choices": [], "usage": fmt.usage(req)})
             yield "data: [DONE]\n\n"
@@ -273,23 +299,31 @@ class _Handler:
 
 class _Events:
     """Carries one request's progress from the engine thread to the event loop: (text, token ids, logprobs)
-    for each piece of new text, then None when it is done. Hooks itself into `req`'s callbacks."""
+    for each piece of new text, with the trace entries committed since the last piece (None unless asked for),
+    then None when it is done. Hooks itself into `req`'s callbacks."""
 
     def __init__(self, req: Request):
-        self.req, self.sent = req, 0  # sent: logprobs entries already passed on
+        self.req, self.sent, self.traced = req, 0, 0  # logprobs and trace entries already passed on
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         req.on_text, req.on_done = self._on_text, self._on_done
 
-    async def get(self) -> tuple[str, list[int], list] | None:
+    async def get(self) -> tuple[str, list[int], list, list[TokenTrace] | None] | None:
         return await self.queue.get()
 
+    def rest_of_trace(self) -> list[TokenTrace] | None:
+        """Trace entries not passed on yet (tokens that added no text), once the request is done."""
+        trace = self.req.seq.trace
+        return None if trace is None else trace[self.traced:]
+
     def _on_text(self, delta: str) -> None:
-        """Engine thread: snapshot the new tokens' logprobs with the text."""
+        """Engine thread: snapshot the new tokens' logprobs and trace entries with the text."""
         seq, i = self.req.seq, self.sent
         lps = seq.logprobs[i:] if seq.logprobs is not None else []
         self.sent += len(lps)
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (delta, seq.output_ids[i:i + len(lps)], lps))
+        trace = None if seq.trace is None else seq.trace[self.traced:]
+        self.traced += len(trace or ())
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (delta, seq.output_ids[i:i + len(lps)], lps, trace))
 
     def _on_done(self, _req: Request) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
@@ -422,10 +456,22 @@ class _Formatter:
         return {"tokens": [dec([t]) for t in toks], "token_logprobs": [lp for lp, _ in lps],
                 "top_logprobs": [{dec([a]): alp for a, alp in top} for _, top in lps]}
 
-    def chunk(self, delta, toks: list[int], lps: list, finish: str | None) -> dict:
+    def chunk(self, delta, toks: list[int], lps: list, finish: str | None,
+              trace: list[TokenTrace] | None = None) -> dict:
         choice = {"index": 0, "logprobs": self._logprobs(toks, lps), "finish_reason": finish}
         choice.update({"delta": delta} if self.chat else {"text": delta})
-        return {**self.head(), "choices": [choice]}
+        return {**self.head(), "choices": [choice], **self._trace(trace)}
+
+    def _trace(self, trace: list[TokenTrace] | None) -> dict:
+        """The `specdec_trace` extension field (docs/server.md), only for requests that asked for it."""
+        if trace is None:
+            return {}
+        dec = self.llm.tokenizer.decode
+        return {"specdec_trace": [{"token": t.token, "text": dec([t.token]), "origin": t.origin, "drafter": t.drafter,
+                                   "step": t.step, "pos": t.pos, "p": round(t.p, 5), "gap": round(t.gap, 4),
+                                   "drafted": t.drafted,
+                                   "rejected": [{"token": r, "text": dec([r])} for r in t.rejected]}
+                                  for t in trace]}
 
     def usage(self, req: Request) -> dict:
         s = req.seq.stats
@@ -439,7 +485,7 @@ class _Formatter:
                   "finish_reason": seq.finish_reason}
         choice.update({"message": {"role": "assistant", "content": seq.text}} if self.chat else {"text": seq.text})
         head = {**self.head(), "object": "chat.completion" if self.chat else "text_completion"}
-        return {**head, "choices": [choice], "usage": self.usage(req), **self.stats(req)}
+        return {**head, "choices": [choice], "usage": self.usage(req), **self.stats(req), **self._trace(seq.trace)}
 
     @staticmethod
     def stats(req: Request) -> dict:

@@ -1,0 +1,142 @@
+"""The playground page (`specdec serve` at /) in a real headless Chromium (Debian's chromium + chromium-driver,
+driven by Selenium; nothing is downloaded): with the API key on, the page loads without console errors, an
+answer streams with tokens coloured by origin, the counters and the chart update, compare mode shows two
+identical answers, the tooltip explains a token, and a full queue shows the 429 message.
+
+Set SPECDEC_PLAYGROUND_PNG=docs/playground.png to refresh the README's screenshot."""
+import os
+import shutil
+import threading
+
+import httpx
+import pytest
+
+import specdec
+from specdec.engine.scheduler import Scheduler
+from specdec.sampling import SamplingParams
+from specdec.server.app import ServerConfig, create_app
+from specdec.server.serve import ServerThread
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+DRIVER = shutil.which("chromedriver")
+KEY = "play-key"
+PROMPT = "List the numbers from 1 to 30, separated by commas."
+
+try:
+    import selenium  # noqa: F401
+    SELENIUM = True
+except ImportError:
+    SELENIUM = False
+
+pytestmark = [pytest.mark.real,
+              pytest.mark.skipif(not (CHROMIUM and DRIVER), reason="needs Chromium and chromedriver (apt-get install "
+                                 "chromium chromium-driver; scripts/test.sh does where apt is available)"),
+              pytest.mark.skipif(not SELENIUM, reason="needs selenium (pip install selenium)")]
+
+
+@pytest.fixture(scope="module")
+def server(smollm_dir):
+    """SmolLM2-135M (fp32) behind an API key, one slot and no queue (so a second request gets 429)."""
+    llm = specdec.LLM(str(smollm_dir), spec_type="ngram-simple,suffix", dtype="fp32", context=512, parallel=1,
+                      progress=False)
+    scheduler = Scheduler(llm.engine, 1, max_queue=0)
+    srv = ServerThread(create_app(llm, scheduler, ServerConfig("smollm2-135m", SamplingParams(max_tokens=48), (KEY,))))
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,1000"):
+        opts.add_argument(arg)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(DRIVER), options=opts)
+    yield driver
+    driver.quit()
+
+
+def _errors(driver) -> list[str]:
+    return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+
+
+def _send(driver, wait, prompt: str) -> None:
+    """Type a prompt, send it and wait until the answer is done (Send enabled again)."""
+    from selenium.webdriver.common.by import By
+
+    driver.find_element(By.ID, "prompt").send_keys(prompt)
+    driver.find_element(By.ID, "send").click()
+    wait.until(lambda d: not d.find_element(By.ID, "send").is_enabled())
+    wait.until(lambda d: d.find_element(By.ID, "send").is_enabled())
+
+
+def test_playground_streams_colours_compares_and_reports_busy(server, browser, tmp_path):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    d, wait = browser, WebDriverWait(browser, 60)
+    d.get(server.url + "/")
+    d.execute_script("localStorage.setItem('specdec.key', arguments[0])", KEY)
+    _errors(d)  # the first load had no key (401): only what follows counts
+    d.refresh()
+    wait.until(lambda d: "smollm2-135m" in d.find_element(By.ID, "model").text)
+    options = [o.get_attribute("value") for o in d.find_elements(By.CSS_SELECTOR, "#drafter option")]
+    assert {"server", "none", "suffix", "ngram-simple"} <= set(options)
+    assert d.find_element(By.ID, "key").get_attribute("value") == KEY
+
+    _send(d, wait, PROMPT)
+    assert not d.find_element(By.ID, "error").is_displayed()
+    tokens = d.find_elements(By.CSS_SELECTOR, "#messages .answer .tok")
+    assert len(tokens) > 10 and d.find_elements(By.CSS_SELECTOR, ".tok.draft")  # accepted drafts are coloured
+    for stat in ("stat-tps", "stat-acc", "stat-mal", "stat-dps"):
+        assert d.find_element(By.ID, stat).text not in ("", "-"), stat
+    assert d.execute_script("const c = document.getElementById('chart'); return c.getContext('2d')"
+                            ".getImageData(30, 0, c.width - 30, c.height - 17).data.some((v, i) => i % 4 == 3 && v)")
+
+    d.find_element(By.ID, "compare").click()
+    _send(d, wait, "Write them again, in the same way.")
+    answers = d.find_elements(By.CSS_SELECTOR, ".compare .answer")
+    assert len(answers) == 2 and all(a.find_elements(By.CSS_SELECTOR, ".tok") for a in answers)
+    assert all("tok/s" in a.find_element(By.CSS_SELECTOR, ".speed").text for a in answers)
+    assert d.find_element(By.CSS_SELECTOR, ".compare .verdict").text == "identical"  # greedy: lossless
+
+    ActionChains(d).move_to_element(d.find_elements(By.CSS_SELECTOR, ".tok.draft")[-1]).perform()
+    tip = d.find_element(By.ID, "tooltip")
+    assert tip.is_displayed() and "step" in tip.text and "target p" in tip.text
+    assert _errors(d) == []
+    d.save_screenshot(os.environ.get("SPECDEC_PLAYGROUND_PNG") or str(tmp_path / "playground.png"))
+
+    _busy_message(d, wait, server.url)
+
+
+def _busy_message(d, wait, url: str) -> None:
+    """While another request holds the only slot, the page says the server is busy."""
+    from selenium.webdriver.common.by import By
+
+    started, release = threading.Event(), threading.Event()
+
+    def hold():
+        body = {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 400, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120,
+                          headers={"Authorization": f"Bearer {KEY}"}) as r:
+            for _ in r.iter_lines():
+                started.set()
+                if release.is_set():
+                    break
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert started.wait(60)
+        d.find_element(By.ID, "compare").click()  # compare off: one request
+        d.find_element(By.ID, "prompt").send_keys("Hello")
+        d.find_element(By.ID, "send").click()
+        wait.until(lambda d: d.find_element(By.ID, "error").is_displayed())
+        assert "busy (429)" in d.find_element(By.ID, "error").text
+    finally:
+        release.set()
+        holder.join(60)
