@@ -8,4 +8,6 @@ python -m pip install -q --disable-pip-version-check -e '.[dev]'
 # would move torch and transformers); just the modules its import needs
 python -m pip install -q --disable-pip-version-check --no-deps speculators==0.9.0 loguru==0.7.3 datasets==5.1.0 \
     hs-connectors==0.9.0 pyarrow==26.0.1 pandas==3.1.1 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0
+# test-only: z-lab's DFlash model definition for tests/test_dflash.py (its declared dependencies are not needed there)
+python -m pip install -q --disable-pip-version-check --no-deps dflash==0.1.0
 python -m pytest -q "$@"

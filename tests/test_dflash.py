@@ -128,7 +128,8 @@ def speculators_model(c: BlockConfig):
     from speculators.proposals.greedy import GreedyTokenProposalConfig
     from transformers import Qwen3Config
 
-    spec = SpeculatorsConfig(algorithm=c.kind, proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=c.drafts)],
+    proposal = GreedyTokenProposalConfig(speculative_tokens=c.drafts)
+    spec = SpeculatorsConfig(algorithm=c.kind, proposal_methods=[proposal],
                              default_proposal_method="greedy",
                              verifier=VerifierConfig(name_or_path=None, architectures=["Qwen3ForCausalLM"]))
     layer = Qwen3Config(**{k: v for k, v in QWEN3.items() if k != "model_type"})

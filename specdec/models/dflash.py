@@ -196,8 +196,8 @@ def _zlab_config(d: dict) -> BlockConfig:
 
 
 def _speculators_config(d: dict) -> BlockConfig:
-    kind = d["speculators_model_type"]
-    if d.get("draft_vocab_size", d["transformer_layer_config"]["vocab_size"]) != d["transformer_layer_config"]["vocab_size"]:
+    kind, vocab = d["speculators_model_type"], d["transformer_layer_config"]["vocab_size"]
+    if d.get("draft_vocab_size", vocab) != vocab:
         raise SpecdecError("block drafters with a reduced draft vocabulary are not supported")
     if d.get("markov_head_type", "vanilla") != "vanilla":
         raise SpecdecError(f"DSpark Markov head {d['markov_head_type']!r} is not supported (vanilla only)")
