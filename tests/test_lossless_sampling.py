@@ -20,6 +20,7 @@ from conftest import untrained_spec_types, word_tokenizer
 from specdec.drafters import REGISTRY, BuildContext, build_drafter
 from specdec.drafters.chain import ChainDrafter
 from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.drafters.early_exit import EarlyExitDrafter
 from specdec.engine.engine import Engine, SpecConfig
 from specdec.models.tokenizer import Tokenizer
 from specdec.sampling import SamplingParams, probs_from_logits
@@ -120,12 +121,17 @@ def tokenizer(tmp_path_factory) -> Tokenizer:
     return Tokenizer(d)
 
 
-def _drafter(spec: str, p_min: float = P_MIN, branch_p: float = 0.0, mode: str = "first"):
+def _drafter(spec: str, p_min: float = P_MIN, branch_p: float = 0.0, mode: str = "first",
+             target: MarkovRunner | None = None):
     parts = spec.split(",")
     if len(parts) > 1:
-        return ChainDrafter([_drafter(p, p_min, branch_p) for p in parts], mode)
+        return ChainDrafter([_drafter(p, p_min, branch_p, target=target) for p in parts], mode)
     if spec == "draft":
         return DraftModelDrafter(MarkovRunner(DRAFT, BATCH), V, p_min=p_min, branch_p=branch_p)
+    if spec == "early-exit":  # DRAFT stands for the target's first layers, writing into the target's own history
+        shallow = MarkovRunner(DRAFT, BATCH)
+        shallow.hist = target.hist
+        return EarlyExitDrafter(shallow, V, p_min=p_min, branch_p=branch_p)
     return build_drafter(spec, BuildContext(REGISTRY.option_values({"ngram_n": 2, "ngram_m": 4})))
 
 
@@ -197,7 +203,8 @@ CONFIGS = [(t, T1, {}) for t in untrained_spec_types() if t != "none"] + [
 @pytest.mark.parametrize("spec,params,opts", CONFIGS,
                          ids=[f"{s}-{p.top_p}-{p.top_k}-{'-'.join(o)}" for s, p, o in CONFIGS])
 def test_engine_sampling_matches_plain(tokenizer, spec, params, opts):
-    samples = list(run_engine(_engine(tokenizer), _drafter(spec, **opts), params).values())
+    engine = _engine(tokenizer)
+    samples = list(run_engine(engine, _drafter(spec, target=engine.target, **opts), params).values())
     p_value, tv = fit(samples, exact_joint(params))
     assert p_value > 1e-3 and tv < TV_BOUND, (p_value, tv)
 

@@ -7,7 +7,8 @@ the given positions and returns logits for the positions asked for.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -151,6 +152,17 @@ class Transformer(nn.Module):
         self.rotary.cos, self.rotary.sin = self.rotary.cos.to(self.device), self.rotary.sin.to(self.device)
         self.split = len({str(d) for d in self.layer_devices} | {str(self.device), str(head)}) > 1
         return self
+
+    def first_layers(self, n: int) -> "Transformer":
+        """A view of this model with its first `n` decoder layers only, then the same final norm and LM head
+        (every weight shared, nothing copied): the early-exit draft model."""
+        backbone = copy.copy(self.model)
+        backbone._modules = dict(self.model._modules)
+        backbone.layers = self.model.layers[:n]
+        view = copy.copy(self)
+        view._modules = dict(self._modules)
+        view.model, view.config = backbone, replace(self.config, num_layers=n)
+        return view
 
     @property
     def device(self) -> torch.device:

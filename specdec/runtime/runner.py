@@ -5,6 +5,7 @@ forwards that run anyway: set `ModelRunner.capture` once, then read `ModelRunner
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,7 @@ from specdec.runtime.kv_cache import KVCache
 
 if TYPE_CHECKING:  # the runner drives a model; models import runtime parts, not the runner
     from specdec.models.transformer import Transformer
+    from specdec.runtime.prefix_cache import PrefixStore
 
 PREFILL_CHUNK = 512
 HEADROOM = 1  # a spare cache row past the context: padding of ragged batches is written there
@@ -91,6 +93,15 @@ class ModelRunner:
         self.device = model.device  # inputs go here; logits come back on the CPU
         self._capture: FeatureSpec | None = None
         self.features: list[Features] | None = None  # per sequence, from the last forward call (see `capture`)
+        self.prefix: PrefixStore | None = None  # this model's part of a shared prefix cache (`--cache-mb`)
+
+    def sharing_cache(self, model: Transformer) -> "ModelRunner":
+        """A runner of `model`, a view of this runner's model made of its first layers (`first_layers`), on this
+        runner's own KV cache: what it writes in those layers sits past the committed tokens, where the next
+        target forward writes again before anything reads it."""
+        runner = copy.copy(self)
+        runner.model, runner._capture, runner.features = model, None, None
+        return runner
 
     @property
     def capture(self) -> FeatureSpec | None:

@@ -1,0 +1,58 @@
+"""`early-exit`: self-speculation with the target's own first E layers, its final norm and its LM head
+(transformers' `assistant_early_exit`, LayerSkip-style drafting without the LayerSkip training).
+
+The draft model is a view of the target (`Transformer.first_layers`): no weights of its own, and no cache of its
+own either. It runs on the target's KV cache (`ModelRunner.sharing_cache`), where the target has already written
+layers 0..E-1 for every committed token but the newest, so a draft starts from that one token: no catch-up
+prefill, ever. Its draft tokens' K/V land past the committed tokens; the verify forward writes those rows again
+(all layers) before anything reads them, so the target only ever attends to K/V its own forwards wrote.
+
+The verify forward still runs layers 0..E-1 over the drafted tokens. Skipping them would save little on a CPU: the
+newest draft token needs those layers anyway, so their weights are read either way, and a forward over a few rows
+costs about what one row costs (memory-bound).
+"""
+from __future__ import annotations
+
+from specdec.drafters.base import Draft
+from specdec.drafters.draft_model import BRANCH_P, P_MIN, DraftModelDrafter
+from specdec.drafters.registry import BuildContext, DrafterType, Option
+from specdec.errors import SpecdecError
+from specdec.runtime.runner import ModelRunner
+from specdec.sequence import Sequence
+
+
+class EarlyExitDrafter(DraftModelDrafter):
+    name = "early-exit"
+
+    def propose(self, seq: Sequence, max_tokens: int, min_path_prob: float = 0.0) -> Draft:
+        # The shared cache holds the first E layers of every committed token but the newest (the target's own).
+        self.cached[seq.slot] = seq.tokens[:-1]
+        return super().propose(seq, max_tokens, min_path_prob)
+
+    def update(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """Nothing to roll back: the next `propose` starts again from what the target committed."""
+
+
+def exit_layer(target: ModelRunner, chosen: int) -> int:
+    """--spec-exit-layer, checked against the target's depth (0 = half of its layers)."""
+    n = target.model.config.num_layers
+    layer = chosen or max(1, n // 2)
+    if not 1 <= layer < n:
+        raise SpecdecError(f"--spec-exit-layer must be in 1..{n - 1} for this {n}-layer target (got {layer})")
+    return layer
+
+
+def build(ctx: BuildContext) -> EarlyExitDrafter:
+    target = ctx.target
+    if target is None:
+        raise SpecdecError("early-exit drafts with the target's own layers: it needs the target")
+    layer = exit_layer(target, ctx.options["spec_exit_layer"])
+    runner = target.sharing_cache(target.model.first_layers(layer))
+    return EarlyExitDrafter(runner, target.vocab_size, ctx.options["draft_p_min"], ctx.options["draft_branch_p"])
+
+
+EXIT_LAYER = Option("spec_exit_layer", "--spec-exit-layer", 0, "early-exit: draft with the target's first E layers, "
+                    "its final norm and LM head (0 = half of its layers; transformers' assistant_early_exit)", int,
+                    ">= 0")
+TYPES = (DrafterType("early-exit", build, "self-speculation: the target's own first layers draft (--spec-exit-layer)",
+                     (EXIT_LAYER, P_MIN, BRANCH_P), per_scope=False),)
