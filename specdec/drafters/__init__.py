@@ -1,11 +1,11 @@
 """Drafters, one file each, all behind `Drafter.propose`, registered here with one line per file."""
-from specdec.drafters import dflash, draft_model, dspark, eagle3, medusa, mtp, ngram_map_k, ngram_mod, ngram_simple, suffix, synthetic
+from specdec.drafters import dflash, draft_model, dspark, eagle3, early_exit, medusa, mtp, ngram_map_k, ngram_mod, ngram_simple, suffix, synthetic
 from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.chain import assemble
 from specdec.drafters.registry import REGISTRY, BuildContext, DrafterType, Option, register
 from specdec.errors import SpecdecError
 
-for _module in (draft_model, ngram_simple, ngram_map_k, ngram_mod, suffix, synthetic, eagle3, medusa, mtp, dflash, dspark):  # registry lines
+for _module in (draft_model, ngram_simple, ngram_map_k, ngram_mod, suffix, synthetic, eagle3, medusa, mtp, early_exit, dflash, dspark):  # registry lines
     for _t in _module.TYPES:
         register(_t)
 
