@@ -1,9 +1,11 @@
-"""The playground page (`specdec serve` at /) in a real headless Chromium (Debian's chromium + chromium-driver,
-driven by Selenium; nothing is downloaded): with the API key on, the page loads without console errors, an
-answer streams with tokens coloured by origin, the counters and the chart update, compare mode shows two
-identical answers, the tooltip explains a token, and a full queue shows the 429 message.
+"""The `specdec_trace` extension on a tiny model, and the playground page (`specdec serve` at /) in a real
+headless Chromium (Debian's chromium + chromium-driver, driven by Selenium; nothing is downloaded): with the API
+key on, the page loads without console errors, an answer streams with tokens coloured by origin, the counters
+and the chart update, compare mode shows two identical answers, the tooltip explains a token, and a full queue
+shows the 429 message.
 
 Set SPECDEC_PLAYGROUND_PNG=docs/playground.png to refresh the README's screenshot."""
+import json
 import os
 import shutil
 import threading
@@ -28,10 +30,41 @@ try:
 except ImportError:
     SELENIUM = False
 
-pytestmark = [pytest.mark.real,
-              pytest.mark.skipif(not (CHROMIUM and DRIVER), reason="needs Chromium and chromedriver (apt-get install "
-                                 "chromium chromium-driver; scripts/test.sh does where apt is available)"),
-              pytest.mark.skipif(not SELENIUM, reason="needs selenium (pip install selenium)")]
+def _events(url: str, body: dict) -> list[dict]:
+    """The data objects of one streamed completion."""
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def test_trace_extension_only_when_asked_and_consistent_with_the_stats(tiny_dir):
+    """Synthetic drafts (accepted at 0.8 per position, forced) give accepted drafts, corrections and bonus tokens."""
+    llm = specdec.LLM(str(tiny_dir("llama")), spec_type="synthetic", dtype="fp32", context=64, parallel=1,
+                      adaptive=False, progress=False)
+    llm.engine.stop_ids = set()  # a random model: no early end
+    srv = ServerThread(create_app(llm, Scheduler(llm.engine, 1), ServerConfig("m", SamplingParams(max_tokens=16))))
+    try:
+        body = {"prompt": "t5 t6 t7 t8", "max_tokens": 40, "stream": True}
+        plain, traced = _events(srv.url, body), _events(srv.url, {**body, "specdec_trace": True})
+        whole = httpx.post(srv.url + "/v1/completions", json={**body, "stream": False, "specdec_trace": True},
+                           timeout=120).json()
+    finally:
+        srv.close()
+    assert not any("specdec_trace" in e for e in plain)
+    _check_trace([t for e in traced for t in e.get("specdec_trace", [])], traced[-1])
+    _check_trace(whole["specdec_trace"], whole)
+
+
+def _check_trace(trace: list[dict], final: dict) -> None:
+    """A trace agrees with the answer's stats and holds every kind of origin."""
+    spec = final["speculative"]
+    assert len(trace) == final["timings"]["predicted_n"] == 40
+    assert sum(t["origin"] == "draft" for t in trace) == spec["accepted"]
+    assert sum(t["drafted"] for t in trace) == spec["drafted"]
+    assert {t["origin"] for t in trace} == {"target", "draft", "correction", "bonus"}
+    assert {t["drafter"] for t in trace if t["origin"] == "draft"} == {"synthetic"}
+    assert trace[0]["step"] == 0 and trace[0]["origin"] == "target"
+    for t in trace:
+        assert 0 <= t["p"] <= 1 and t["gap"] >= 0 and (t["origin"] == "correction") == bool(t["rejected"])
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +107,10 @@ def _send(driver, wait, prompt: str) -> None:
     wait.until(lambda d: d.find_element(By.ID, "send").is_enabled())
 
 
+@pytest.mark.real
+@pytest.mark.skipif(not (CHROMIUM and DRIVER), reason="needs Chromium and chromedriver (apt-get install chromium "
+                    "chromium-driver; scripts/test.sh does where apt is available)")
+@pytest.mark.skipif(not SELENIUM, reason="needs selenium (pip install selenium)")
 def test_playground_streams_colours_compares_and_reports_busy(server, browser, tmp_path):
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
