@@ -10,4 +10,13 @@ python -m pip install -q --disable-pip-version-check --no-deps speculators==0.9.
     hs-connectors==0.9.0 pyarrow==26.0.1 pandas==3.1.1 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0
 # test-only: z-lab's DFlash model definition for tests/test_dflash.py (its declared dependencies are not needed there)
 python -m pip install -q --disable-pip-version-check --no-deps dflash==0.1.0
+# test-only: headless Chromium from Debian's packages and Selenium for tests/test_playground.py (skipped without
+# them); apt as root or through passwordless sudo, and never fatal where apt is missing or fails
+if ! command -v chromedriver >/dev/null && command -v apt-get >/dev/null; then
+    apt=(apt-get); [ "$(id -u)" = 0 ] || apt=(sudo -n apt-get)
+    { DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y -q chromium chromium-driver \
+        || { "${apt[@]}" update -q && DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y -q chromium chromium-driver; }
+    } >/dev/null 2>&1 || echo "scripts/test.sh: could not install chromium; tests/test_playground.py will skip" >&2
+fi
+python -m pip install -q --disable-pip-version-check selenium==4.51.0
 python -m pytest -q "$@"
