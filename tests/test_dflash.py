@@ -315,3 +315,51 @@ def test_smollm_block_drafter_is_lossless(smollm_dir, tmp_path):
     plain = llm.generate(prompt, max_tokens=24, spec_type="none")
     r = llm.generate(prompt, max_tokens=24)
     assert r.token_ids == plain.token_ids and r.stats.drafted > 0
+
+
+class Recording(DFlashDrafter):
+    """Records each block drafted and the tokens produced per verify (accepted drafts + the target's own)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.drafts: list[list[int]] = []
+        self.produced: list[int] = []
+
+    def _draft(self, *a, **kw):
+        draft = super()._draft(*a, **kw)
+        self.drafts.append(draft.tokens)
+        return draft
+
+    def update(self, seq, drafted, accepted):
+        self.produced.append(accepted + 1)
+
+
+@needs_dflash
+def test_same_steps_as_zlab_dflash_generate(tmp_path, monkeypatch):
+    """z-lab's own decoding loop (`dflash_generate`, greedy, a `transformers` target) with our checkpoint drafts the
+    same blocks and accepts as many of them at every step as our engine: target features, the anchor, positions and
+    the cache of injected context line up with the reference's."""
+    import time
+
+    import dflash.model as zlab
+    from transformers import AutoModelForCausalLM
+
+    target = make_tiny(tmp_path / "t", "qwen3", seed=4, layers=6, vocab=8)
+    head = drafter_dir(tmp_path, target, False, scale=1.0)
+    monkeypatch.setattr(zlab, "_cuda_time", time.perf_counter)  # its stats time with CUDA events otherwise
+    hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    prompt = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
+    model, theirs = zlab.DFlashDraftModel.from_pretrained(str(head)).eval(), []
+    logits_of = model.compute_logits
+    monkeypatch.setattr(model, "compute_logits", lambda *a: theirs.append(logits_of(*a)[0].argmax(-1).tolist())
+                        or logits_of(*a))
+    ref = zlab.dflash_generate(model, hf, torch.tensor([prompt]), max_new_tokens=48, stop_token_ids=None,
+                               return_stats=True)
+    llm = llm_for(target, "dflash", head, context=128, draft_max=BLOCK - 1)
+    drafter = llm.drafter = Recording(llm.drafter.net, llm.engine.target)
+    r = llm.generate(prompt, max_tokens=48)
+    assert r.token_ids == ref.output_ids[0, len(prompt):].tolist()
+    steps = 30  # the last steps are cut short by the token limit differently
+    assert len(ref.acceptance_lengths) > steps
+    assert drafter.produced[:steps] == ref.acceptance_lengths[:steps] and max(drafter.produced) > 1
+    assert drafter.drafts[:steps] == theirs[:steps]
