@@ -10,7 +10,7 @@ import torch
 
 from specdec.bench.llama import Llama, ServerConfig, llama_methods, server_command
 from specdec.bench.methods import Method, Output, merge
-from specdec.bench.report import report_tables, summarize
+from specdec.bench.report import html_page, report_tables, summarize
 from specdec.bench.runner import ceiling, compare_to_baselines, parse_methods
 from specdec.bench.workloads import SPEC_BENCH_DIR, load_workload
 from specdec.cli import main, make_parser
@@ -61,9 +61,25 @@ def test_bench_end_to_end(smollm_dir, tmp_path, capsys):
     assert {"command", "date", "machine", "versions", "dtype", "threads", "models"} <= set(res["meta"])
     report = (out / "report.md").read_text()
     assert "## All prompts" in report and "| ngram-simple |" in report
+    page = (out / "report.html").read_text()
+    assert "<h2>All prompts</h2>" in page and "<td>ngram-simple</td>" in page
+    assert page.count('src="data:image/png;base64,') == len(PNGS)
     for png in PNGS:
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "## Speedup by category" in capsys.readouterr().out
+
+
+def test_report_html_has_the_tables_lists_and_embedded_plots(tmp_path):
+    (tmp_path / "speedup.png").write_bytes(b"\x89PNG\r\n\x1a\nfake")
+    md = ("# specdec bench\n\n`specdec bench -m x`\n\n## All prompts\n\n| method | tok/s |\n|---|---|\n| none | 1.00 |\n"
+          "| draft <b> | 2.50x |\n\n## Notes\n\n- a **LIKELY BUG**\n\n## Plots\n\n![speedup.png](speedup.png)\n"
+          "![gone.png](gone.png)\n")
+    page = html_page(md, tmp_path)
+    assert "<title>specdec bench</title>" in page and "<p><code>specdec bench -m x</code></p>" in page
+    assert "<thead><tr><th>method</th><th>tok/s</th></tr></thead>" in page
+    assert "<tr><td>draft &lt;b&gt;</td><td>2.50x</td></tr>" in page  # escaped
+    assert "<ul><li>a <strong>LIKELY BUG</strong></li></ul>" in page
+    assert 'src="data:image/png;base64,iVBORw0KGgpmYWtl"' in page and 'src="gone.png"' in page
 
 
 @pytest.mark.parametrize("line,needle", [

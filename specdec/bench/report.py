@@ -1,9 +1,13 @@
-"""Bench results: the summary (Spec-Bench style speedups), results.json, report.md and the run's metadata."""
+"""Bench results: the summary (Spec-Bench style speedups), results.json, report.md (and the same as one HTML page,
+report.html) and the run's metadata."""
 from __future__ import annotations
 
+import base64
+import html
 import json
 import os
 import platform
+import re
 import shlex
 import statistics
 import sys
@@ -187,11 +191,66 @@ def render_report(summary: dict, records: list[dict], meta: dict, notes: list[st
 
 
 def write_outputs(out_dir: Path, records: list[dict], summary: dict, meta: dict, notes: list[str]) -> None:
-    """results.json, report.md and the plots; each file replaced whole, so a killed run leaves valid files."""
+    """results.json, report.md, report.html and the plots; each file replaced whole, so a killed run leaves valid
+    files."""
     plots = write_plots(out_dir, summary)
     write_atomic(out_dir / "results.json", json.dumps({"runs": records, "summary": summary,
                                                  "meta": {**meta, "notes": notes}}, indent=1))
-    write_atomic(out_dir / "report.md", render_report(summary, records, meta, notes, plots))
+    write_report(out_dir, render_report(summary, records, meta, notes, plots))
+
+
+def write_report(out_dir: Path, markdown: str) -> None:
+    """report.md, and report.html: the same as one page a browser opens, its plots embedded."""
+    write_atomic(out_dir / "report.md", markdown)
+    write_atomic(out_dir / "report.html", html_page(markdown, out_dir))
+
+
+_CSS = ("body{font:14px/1.5 system-ui,sans-serif;max-width:1200px;margin:24px auto;padding:0 16px;color:#1d1d1f}"
+        "table{border-collapse:collapse;margin:8px 0}th,td{border:1px solid #ccc;padding:3px 8px}"
+        "th{background:#f0f0f3}td:not(:first-child){text-align:right;font-variant-numeric:tabular-nums}"
+        "img{max-width:100%;margin:8px 0}code{background:#f0f0f3;padding:1px 4px;border-radius:3px}")
+
+
+def html_page(markdown: str, base: Path) -> str:
+    """The markdown that `render_report` writes (headings, paragraphs, lists, tables, images) as a self-contained
+    HTML page; images found under `base` are embedded as base64."""
+    blocks = [b.splitlines() for b in re.split(r"\n\s*\n", markdown.strip())]
+    title = next((line[2:] for b in blocks for line in b if line.startswith("# ")), "report")
+    body = "\n".join(_html_block(b, base) for b in blocks)
+    return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
+            f"<style>{_CSS}</style></head>\n<body>\n{body}\n</body></html>\n")
+
+
+def _html_block(lines: list[str], base: Path) -> str:
+    if all(line.startswith("|") for line in lines):
+        rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines if not line.startswith("|---")]
+        head = "".join(f"<th>{_inline(c)}</th>" for c in rows[0])
+        cells = "".join("<tr>" + "".join(f"<td>{_inline(c)}</td>" for c in r) + "</tr>" for r in rows[1:])
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{cells}</tbody></table>"
+    if lines[0].startswith("#"):
+        level = len(lines[0]) - len(lines[0].lstrip("#"))
+        return f"<h{level}>{_inline(lines[0][level:].strip())}</h{level}>"
+    if all(line.startswith("- ") for line in lines):
+        return "<ul>" + "".join(f"<li>{_inline(line[2:])}</li>" for line in lines) + "</ul>"
+    images = [re.fullmatch(r"!\[(.*)\]\((.*)\)", line) for line in lines]
+    if all(images):
+        return "".join(f'<img alt="{html.escape(m[1])}" src="{_image_src(base, m[2])}">' for m in images)
+    return f"<p>{_inline(' '.join(lines))}</p>"
+
+
+def _inline(text: str) -> str:
+    """`code` and **bold** in escaped text."""
+    text = re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(text, quote=False))
+    return re.sub(r"\*\*([^*]+)\*\*", r"<strong>\1</strong>", text)
+
+
+def _image_src(base: Path, src: str) -> str:
+    """A data: URI of the image file `src` under `base`, or `src` itself (a relative link) when it is not there."""
+    path = base / src
+    if not path.is_file():
+        return html.escape(src)
+    kind = {".svg": "svg+xml", ".jpg": "jpeg"}.get(path.suffix, path.suffix.lstrip(".") or "png")
+    return f"data:image/{kind};base64," + base64.b64encode(path.read_bytes()).decode()
 
 
 def write_atomic(path: Path, text: str) -> None:

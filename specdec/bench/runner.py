@@ -124,7 +124,7 @@ def _run_all(llm, methods: list[Method], prompts: list[Prompt], args: argparse.N
         write_outputs(out_dir, records, summarize(records, order), meta, notes)
     bar.close()
     print(report_tables(summarize(records, order), records, notes))
-    print(f"results: {out_dir}/results.json, {out_dir}/report.md", file=sys.stderr)
+    print(f"results: {out_dir}/results.json, {out_dir}/report.md, {out_dir}/report.html", file=sys.stderr)
 
 
 def run_prompt(llm, method: Method, prompt: Prompt, max_tokens: int, temperature: float,

@@ -11,7 +11,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from specdec.bench.report import bench_meta, write_atomic
+from specdec.bench.report import bench_meta, write_atomic, write_report
 from specdec.bench.workloads import load_workload
 from specdec.errors import SpecdecError
 
@@ -173,7 +173,7 @@ def _write(out_dir: Path, runs: list[dict], meta: dict) -> None:
             "per request (streaming). off: `speculative: false`; on: speculation at any load; auto: the "
             "load controller (engine/load_control.py).", "", render(runs, meta), "## Plots", "",
             *[f"![{p}]({p})" for p in plots]]
-    write_atomic(out_dir / "report.md", "\n".join(text) + "\n")
+    write_report(out_dir, "\n".join(text) + "\n")
 
 
 def _plots(out_dir: Path, runs: list[dict], meta: dict) -> list[str]:
