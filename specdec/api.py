@@ -16,6 +16,7 @@ from specdec.engine.engine import Engine, StreamCallback
 from specdec.errors import SpecdecError
 from specdec.models import packs
 from specdec.models.loader import load_checkpoint, resolve_dtype, resolve_gguf, resolve_model, resolve_quant
+from specdec.runtime.prefix_cache import PrefixCache, PrefixStore
 from specdec.runtime.quant import quantize_
 from specdec.runtime.runner import ModelRunner
 from specdec.sampling import SamplingParams
@@ -55,6 +56,9 @@ class LLM:
         self.parallel = cfg.parallel
         self.runner = ModelRunner(target, num_slots=cfg.parallel,
                                   context=min(cfg.context, target.config.max_position_embeddings))
+        # prompt K/V kept across requests (`cache_mb`), one budget for the target and a draft model
+        self.prefix_cache = PrefixCache(cfg.cache_mb << 20) if cfg.cache_mb else None
+        self._attach_prefix(self.runner, "target")
         self._drafters: dict[tuple[str, Hashable], Drafter | None] = {}  # by (spec type or chain, scope)
         self._drafters_lock = threading.RLock()  # server requests ask from several threads; chains nest
         self.engine = Engine(self.runner, self.tokenizer, cfg.spec)
@@ -99,7 +103,13 @@ class LLM:
         if not dtok.same_vocab(self.tokenizer):
             raise SpecdecError(f"draft model {cfg.draft} uses a different tokenizer than the target; "
                                "a draft model must share the target's vocabulary")
-        return ModelRunner(dmodel, self.parallel, self.context)
+        runner = ModelRunner(dmodel, self.parallel, self.context)
+        self._attach_prefix(runner, "draft")
+        return runner
+
+    def _attach_prefix(self, runner: ModelRunner, name: str) -> None:
+        if self.prefix_cache is not None:
+            runner.prefix = PrefixStore(self.prefix_cache, name, runner.cache)
 
     @property
     def context(self) -> int:

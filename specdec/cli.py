@@ -214,7 +214,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         kv_dtype=args.kv_dtype, slots=args.parallel, gpu=args.gpu, gpu_mem=args.gpu_mem, gpu_bw=args.gpu_bw,
         ram=args.ram, ram_bw=args.ram_bw, pcie_bw=args.pcie_bw, cpu=args.cpu, ngl=args.n_gpu_layers,
         ngld=args.n_gpu_layers_draft, task=args.task, accept=args.accept, draft_max=args.draft_max,
-        spec_type=args.spec_type, export=args.export, avx512={"yes": True, "no": False}.get(args.avx512)))
+        spec_type=args.spec_type, export=args.export, avx512={"yes": True, "no": False}.get(args.avx512),
+        cache_mb=args.cache_mb))
     if args.export:
         print(export(plan, args.export), end="")
     elif args.json:
@@ -244,6 +245,8 @@ def _add_plan_parser(sub) -> None:
     m.add_argument("-np", "--parallel", type=_positive_int, default=1, help="parallel slots (default 1)")
     m.add_argument("--dtype",
                    help="auto|bf16|fp16|fp32: specdec's runtime with this compute dtype, as generate --dtype "
+    m.add_argument("--cache-mb", type=int, default=0, metavar="MIB",
+                   help="specdec's prefix cache budget, as serve --cache-mb: counted in host memory (default 0)")
                    "(default: auto; weights per --quant/--draft-quant); file: each tensor as stored, what llama.cpp "
                    "and Ollama load (default with --export llama.cpp|ollama); or a GGML type such as q8_0, q4_k, "
                    "iq4_xs (the file requantized, loaded by llama.cpp)")

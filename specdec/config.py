@@ -41,12 +41,15 @@ class Config:
     chain_mode: str = "first"          # chains: first | gain
     progress: bool = True              # download/convert progress on stderr
     drafter: dict[str, Any] = field(default_factory=dict)  # drafter options (registry names), defaults filled in
+    cache_mb: int = 0                  # prefix cache (MiB) shared by the target and a draft model; 0 = off
 
     def __post_init__(self):
         for name in ("context", "draft_max", "parallel", *(("threads",) if self.threads is not None else ())):
             if getattr(self, name) < 1:
                 raise SpecdecError(f"{name} must be >= 1 (got {getattr(self, name)})")
         if not 0 <= self.draft_min <= self.draft_max:
+        if self.cache_mb < 0:
+            raise SpecdecError(f"cache_mb must be >= 0 (got {self.cache_mb})")
             raise SpecdecError("draft_min must be between 0 and draft_max")
         for what, q in (("draft", self.draft_quant), ("target", self.quant)):
             if q not in QUANT_CHOICES:

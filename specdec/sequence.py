@@ -4,7 +4,7 @@ A leaf module (it imports no engine or drafter code), so drafters and the engine
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Hashable
 
 import torch
 
@@ -15,6 +15,7 @@ from specdec.stats import Stats
 if TYPE_CHECKING:
     from specdec.drafters.base import Drafter
     from specdec.models.tokenizer import Detokenizer
+    from specdec.runtime.prefix_cache import Block
     from specdec.trace import TokenTrace
 
 StreamCallback = Callable[[str], None]
@@ -70,6 +71,10 @@ class Sequence:
     top_logprobs: int = 0
     trace: list[TokenTrace] | None = None  # per output token, when asked for: where it came from (specdec/trace.py)
     started: float = 0.0              # perf_counter at admission
+    cache_prompt: bool = True         # reuse and keep prompt K/V in the prefix cache (when the engine has one)
+    cache_salt: Hashable = None       # prefix-cache scope: sequences see only K/V kept under the same salt
+    cached_tokens: int = 0            # prompt tokens whose target K/V came from the prefix cache
+    prefix_held: Block | None = None  # the target's prefix-cache block this sequence holds until it ends
 
     @property
     def output_ids(self) -> list[int]:

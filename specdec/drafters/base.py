@@ -22,6 +22,9 @@ class Drafter(ABC):
     # Target hidden states this drafter reads (trained heads, block drafters); None: none. The engine then
     # captures them on every target forward and hands over the rows of committed tokens (`observe_features`).
     features: FeatureSpec | None = None
+    # A drafter that runs a model may draft several sequences in one call, its forwards batched over them:
+    # it then sets this and implements `propose_batch(seqs, max_tokens, min_path_probs) -> list[Draft]`.
+    batched: bool = False
 
     @abstractmethod
     def propose(self, seq: Sequence, max_tokens: int, min_path_prob: float = 0.0) -> Draft:

@@ -8,24 +8,73 @@ the adaptive `min_path_prob`) reads only what was known before the position's to
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 
 from specdec.drafters.base import SETUP_TOKENS, Draft, Drafter, draft_distribution, draw
 from specdec.drafters.registry import DrafterType, Option
+from specdec.runtime.prefix_cache import Block
 from specdec.runtime.runner import ModelRunner
 from specdec.sequence import Sequence
+
+
+@dataclass
+class _Drafting:
+    """One sequence's draft in progress: a main chain, with siblings where the draft is unsure."""
+    seq: Sequence
+    max_tokens: int
+    min_path_prob: float
+    logits: torch.Tensor | None = None  # [V_target] the draft's logits for the next position
+    setup_s: float = 0.0
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)  # per node, q it was drawn from (rejection sampling)
+    last: int = -1           # node index of the newest main-chain token
+    depth: int = 0           # main-chain tokens so far
+    path_prob: float = 1.0   # the draft's own estimate that the main chain so far is accepted
+
+    def advance(self, p_min: float, branch_p: float) -> int | None:
+        """Draw the next main-chain token (and maybe a sibling) from `logits`; return the token whose logits
+        the next position needs, or None when the draft is done."""
+        seq = self.seq
+        if len(self.tokens) >= self.max_tokens:
+            return None
+        q = draft_distribution(self.logits, seq, p_min > 0 or branch_p > 0 or self.min_path_prob > 0)  # [V]
+        top = 1.0 if q is None else float(q.max())
+        # Whether to draft this position is decided before drawing its token (from q's largest
+        # probability and the path so far): cutting on the drawn token would bias what is kept.
+        if top < p_min or (self.tokens and self.path_prob * top < self.min_path_prob):
+            return None
+        tok, sibling = draw(self.logits, q, seq, len(seq.tokens) + self.depth, top < branch_p)
+        self.path_prob *= 1.0 if q is None else float(q[tok])
+        self.tokens.append(tok)
+        self.parents.append(self.last)
+        parent, self.last, self.depth = self.last, len(self.tokens) - 1, self.depth + 1
+        if sibling is not None and len(self.tokens) < self.max_tokens:
+            self.tokens.append(sibling)
+            self.parents.append(parent)
+        if not seq.params.greedy and not seq.seeded:
+            self.probs += [q] * (len(self.parents) - len(self.probs))
+        return tok if len(self.tokens) < self.max_tokens else None
+
+    def draft(self) -> Draft:
+        is_tree = any(p != i - 1 for i, p in enumerate(self.parents))
+        return Draft(self.tokens, torch.stack(self.probs) if self.probs else None,
+                     self.parents if is_tree else None, self.setup_s)
 
 
 class DraftModelDrafter(Drafter):
     name = "draft"
     confidence_stop = True
+    batched = True
 
     def __init__(self, runner: ModelRunner, target_vocab: int, p_min: float = 0.0, branch_p: float = 0.0):
         self.runner, self.target_vocab = runner, target_vocab
         self.p_min, self.branch_p = p_min, branch_p
         self.cached: dict[int, list[int]] = {}  # slot -> tokens whose K/V the draft cache holds, in order
         self.drafted_from: dict[int, int] = {}  # slot -> length of `cached` when the last draft began
+        self.held: dict[int, Block | None] = {}  # slot -> the prefix-cache block its sequence holds
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """[..., V_draft] -> [..., V_target]: drop or pad (with -inf) the padding rows."""
@@ -36,45 +85,68 @@ class DraftModelDrafter(Drafter):
         return torch.cat([logits, pad], dim=-1)
 
     def propose(self, seq: Sequence, max_tokens: int, min_path_prob: float = 0.0) -> Draft:
-        cached = self.cached.setdefault(seq.slot, [])
-        n = len(cached)
-        # Catch up on tokens the draft has not seen yet (prompt, accepted drafts, bonus token).
-        t = time.perf_counter()
-        logits = self.runner.prefill(seq.tokens[n:], seq.slot, start=n)
-        setup_s = time.perf_counter() - t if len(seq.tokens) - n > SETUP_TOKENS else 0.0
-        cached[n:] = seq.tokens[n:]
-        self.drafted_from[seq.slot] = len(cached)
-        tokens: list[int] = []
-        parents: list[int] = []
-        probs: list[torch.Tensor] = []  # per node, q it was drawn from (rejection sampling only)
-        keep_q = not seq.params.greedy and not seq.seeded
-        last = -1  # node index of the newest main-chain token
-        depth = 0  # main-chain tokens so far
-        path_prob = 1.0  # the draft's own estimate that the main chain so far is accepted
-        while len(tokens) < max_tokens:
-            logits = self._fit_vocab(logits)
-            q = draft_distribution(logits, seq, self.p_min > 0 or self.branch_p > 0 or min_path_prob > 0)  # [V]
-            top = 1.0 if q is None else float(q.max())
-            # Whether to draft this position is decided before drawing its token (from q's largest
-            # probability and the path so far): cutting on the drawn token would bias what is kept.
-            if top < self.p_min or (tokens and path_prob * top < min_path_prob):
-                break
-            tok, sibling = draw(logits, q, seq, len(seq.tokens) + depth, top < self.branch_p)
-            path_prob *= 1.0 if q is None else float(q[tok])
-            tokens.append(tok)
-            parents.append(last)
-            parent, last, depth = last, len(tokens) - 1, depth + 1
-            if sibling is not None and len(tokens) < max_tokens:
-                tokens.append(sibling)
-                parents.append(parent)
-            if keep_q:
-                probs += [q] * (len(parents) - len(probs))
-            if len(tokens) >= max_tokens:
-                break
-            logits = self.runner.forward([[tok]], [len(cached)], [seq.slot])[0][-1]
-            cached.append(tok)
-        is_tree = any(p != i - 1 for i, p in enumerate(parents))
-        return Draft(tokens, torch.stack(probs) if probs else None, parents if is_tree else None, setup_s)
+        return self.propose_batch([seq], [max_tokens], [min_path_prob])[0]
+
+    def propose_batch(self, seqs: list[Sequence], max_tokens: list[int], min_path_probs: list[float]) -> list[Draft]:
+        """Drafts for several sequences (distinct slots), each draft-model forward one ragged batch over them."""
+        states = [_Drafting(s, k, p) for s, k, p in zip(seqs, max_tokens, min_path_probs)]
+        self._catch_up(states)
+        feed = [(st, st.advance(self.p_min, self.branch_p)) for st in states]
+        feed = [(st, tok) for st, tok in feed if tok is not None]
+        while feed:
+            slots = [st.seq.slot for st, _ in feed]
+            out = self.runner.forward([[tok] for _, tok in feed], [len(self.cached[s]) for s in slots], slots,
+                                      last_only=True)  # per sequence [1, V_draft]
+            for (st, tok), logits in zip(feed, out):
+                self.cached[st.seq.slot].append(tok)
+                st.logits = self._fit_vocab(logits[-1])
+            feed = [(st, tok) for st, tok in ((st, st.advance(self.p_min, self.branch_p)) for st, _ in feed)
+                    if tok is not None]
+        return [st.draft() for st in states]
+
+    def _catch_up(self, states: list[_Drafting]) -> None:
+        """Feed each sequence's tokens the draft has not seen yet (prompt, accepted drafts, bonus token) and set
+        its next-position logits: a new prompt alone (timed as setup, reusing the prefix cache), the short
+        rests of running sequences in one ragged forward."""
+        short = []
+        for st in states:
+            seq = st.seq
+            if seq.slot in self.drafted_from:  # drafted again with no verdict in between (a retry): drop that draft
+                self.update(seq, 0, 0)
+            cached = self.cached.setdefault(seq.slot, [])
+            if not cached:
+                self._reuse_prefix(seq, cached)
+            if len(seq.tokens) - len(cached) <= SETUP_TOKENS:
+                short.append(st)
+                continue
+            t = time.perf_counter()
+            n = len(cached)
+            st.logits = self._fit_vocab(self.runner.prefill(seq.tokens[n:], seq.slot, start=n))
+            cached[n:] = seq.tokens[n:]
+            self._keep_prefix(seq)
+            st.setup_s = time.perf_counter() - t
+        if short:
+            slots = [st.seq.slot for st in short]
+            starts = [len(self.cached[s]) for s in slots]
+            out = self.runner.forward([st.seq.tokens[n:] for st, n in zip(short, starts)], starts, slots,
+                                      last_only=True)  # per sequence [1, V_draft]
+            for st, logits in zip(short, out):
+                self.cached[st.seq.slot][:] = st.seq.tokens
+                st.logits = self._fit_vocab(logits[-1])
+        for st in states:
+            self.drafted_from[st.seq.slot] = len(self.cached[st.seq.slot])
+
+    def _reuse_prefix(self, seq: Sequence, cached: list[int]) -> None:
+        """A new sequence in this slot: start from the draft K/V of its longest cached prompt prefix."""
+        store = self.runner.prefix
+        if store is not None and seq.cache_prompt:
+            n, self.held[seq.slot] = store.reuse(seq.slot, seq.tokens, seq.cache_salt)
+            cached[:] = seq.tokens[:n]
+
+    def _keep_prefix(self, seq: Sequence) -> None:
+        """Keep the draft K/V of the tokens this slot holds in the prefix cache."""
+        if self.runner.prefix is not None and seq.cache_prompt:
+            self.runner.prefix.keep(seq.slot, self.cached.get(seq.slot, []), seq.cache_salt)
 
     def update(self, seq: Sequence, drafted: int, accepted: int) -> None:
         # Keep the cache entries whose tokens were committed; the rest is stale (length pointer back).
@@ -89,6 +161,9 @@ class DraftModelDrafter(Drafter):
         del cached[keep:]
 
     def release(self, seq: Sequence) -> None:
+        self._keep_prefix(seq)
+        if self.runner.prefix is not None:
+            self.runner.prefix.release(self.held.pop(seq.slot, None))
         self.cached.pop(seq.slot, None)
         self.drafted_from.pop(seq.slot, None)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Hashable
 
 import torch
 
@@ -92,8 +92,9 @@ class Engine:
     def new_sequence(self, prompt_ids: list[int], params: SamplingParams, slot: int = 0,
                      drafter: Drafter | None = None, draft_max: int | None = None,
                      on_text: StreamCallback | None = None, logprobs: bool = False, top_logprobs: int = 0,
-                     trace: bool = False) -> Sequence:
-        """A sequence ready to prefill; bad prompts and parameters raise SpecdecError."""
+                     trace: bool = False, cache_prompt: bool = True, cache_salt: Hashable = None) -> Sequence:
+        """A sequence ready to prefill; bad prompts and parameters raise SpecdecError. `cache_prompt`: reuse and
+        keep its prompt's K/V in the prefix cache (if any), among sequences of the same `cache_salt`."""
         self.check(prompt_ids, params)
         if drafter is not None and drafter.features is not None:  # from now on every forward captures them
             self.target.capture = drafter.features.union(self.target.capture)
@@ -102,7 +103,7 @@ class Engine:
                         generator=params.generator() if unseeded else None, drafter=drafter,
                         draft_max=draft_max, on_text=on_text, detok=Detokenizer(self.tokenizer),
                         logprobs=[] if logprobs else None, top_logprobs=top_logprobs, trace=[] if trace else None,
-                        started=self.clock())
+                        started=self.clock(), cache_prompt=cache_prompt, cache_salt=cache_salt)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, on_text: StreamCallback | None = None,
                  drafter: Drafter | None = None) -> Sequence:
@@ -129,6 +130,7 @@ class Engine:
         """Feed the next `chunk` prompt tokens (all with None); after the last, sample the first output
         token. Returns True once the prompt is in."""
         t = self.clock()
+        self._reuse_prefix(seq)
         end = len(seq.tokens) if chunk is None else min(len(seq.tokens), seq.prefilled + chunk)
         logits = self.target.prefill(seq.tokens[seq.prefilled:end], seq.slot, start=seq.prefilled)  # [V]
         feats = self.target.features
@@ -137,6 +139,8 @@ class Engine:
     def prefill_together(self, seqs: list[Sequence]) -> None:
         """Prefill the rest of each sequence's prompt in one ragged target forward (each rest at most
         PREFILL_CHUNK tokens; longer ones go through `prefill`), then sample each first output token."""
+        for s in seqs:
+            self._reuse_prefix(s)
         short = [s for s in seqs if len(s.tokens) - s.prefilled <= PREFILL_CHUNK]
         for s in seqs:
             if len(s.tokens) - s.prefilled > PREFILL_CHUNK:
@@ -160,6 +164,7 @@ class Engine:
         seq.stats.prefill_s += seconds
         if end < len(seq.tokens):
             return False
+        self._keep_prefix(seq, end)
         seq.stats.target_forwards = 1
         self._commit(seq, [self._sample(logits, seq)], logits)
         return True
@@ -171,7 +176,7 @@ class Engine:
         A failure in one sequence ends that sequence ("error"), not the batch."""
         t0 = self.clock()
         # 1. propose: each sequence's drafter drafts (timed; its catch-up on a new prompt counted apart)
-        proposals = {id(s): self._guarded(s, self._propose, s, draft_cap) for s in seqs}
+        proposals = self._propose_all(seqs, draft_cap)
         seqs = [s for s in seqs if s.error is None]
         props = [proposals[id(s)] for s in seqs]
         before = sum(len(s.tokens) for s in seqs)
@@ -199,7 +204,27 @@ class Engine:
         self._stream(seq, final=True)
         if seq.drafter:
             seq.drafter.release(seq)
+        if seq.finish_reason in ("stop", "length") and seq.error is None:
+            self._keep_prefix(seq, seq.last_position)  # the last token has no K/V yet
+        if self.target.prefix is not None:
+            self.target.prefix.release(seq.prefix_held)
+            seq.prefix_held = None
         seq.stats.total_s = self.clock() - seq.started
+
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        """Before a sequence's first prefill forward: copy the target K/V of its longest cached prompt prefix into
+        its slot and prefill only the rest. Not for drafters that read target features: they need the features
+        of every prompt token, which the cache does not keep."""
+        store = self.target.prefix
+        if store is None or seq.prefilled or not seq.cache_prompt or (seq.drafter and seq.drafter.features is not None):
+            return
+        seq.cached_tokens, seq.prefix_held = store.reuse(seq.slot, seq.tokens, seq.cache_salt)
+        seq.prefilled = seq.cached_tokens
+
+    def _keep_prefix(self, seq: Sequence, end: int) -> None:
+        """Keep the target K/V of seq.tokens[:end] (all in its slot) in the prefix cache."""
+        if self.target.prefix is not None and seq.cache_prompt:
+            self.target.prefix.keep(seq.slot, seq.tokens[:end], seq.cache_salt)
 
     def _sample(self, logits: torch.Tensor, seq: Sequence) -> int:
         if seq.params.greedy:
@@ -234,17 +259,61 @@ class Engine:
         min_path_prob = draft_s / self.cost.verify_cost(1) if draft_s > 0 and self.cost.verify_s else 0.0
         return (k if probe else k_max), min_path_prob
 
+    def _propose_all(self, seqs: list[Sequence], cap: int | None) -> dict[int, Proposal | None]:
+        """Each sequence's proposal by id (None if its drafting failed); sequences sharing a batched drafter
+        draft together."""
+        out: dict[int, Proposal | None] = {}
+        groups: dict[int, list[Sequence]] = {}
+        for s in seqs:
+            if s.drafter is not None and s.drafter.batched:
+                groups.setdefault(id(s.drafter), []).append(s)
+            else:
+                out[id(s)] = self._guarded(s, self._propose, s, cap)
+        for group in groups.values():
+            out.update(self._propose_batch(group, cap))
+        return out
+
     def _propose(self, seq: Sequence, cap: int | None) -> Proposal:
         """The drafter's draft for this step, timed."""
-        t = self.clock()
         k, min_path_prob = self._draft_len(seq, cap) if seq.drafter else (0, 0.0)
+        return self._propose_alone(seq, k, min_path_prob)
+
+    def _propose_batch(self, seqs: list[Sequence], cap: int | None) -> dict[int, Proposal | None]:
+        """Proposals of sequences sharing one batched drafter, from one `propose_batch` call whose time is shared
+        by drafted tokens (each sequence's catch-up on a new prompt apart). If that call fails, each sequence
+        drafts alone, so a failure ends only the sequence it belongs to."""
+        lens = {id(s): self._guarded(s, self._draft_len, s, cap) for s in seqs}
+        live = [s for s in seqs if lens[id(s)] is not None]
+        todo = [s for s in live if lens[id(s)][0] > 0]
+        t = self.clock()
+        try:
+            drafts = seqs[0].drafter.propose_batch(todo, [lens[id(s)][0] for s in todo],
+                                                   [lens[id(s)][1] for s in todo]) if todo else []
+        except Exception:  # noqa: BLE001 - retried one by one below
+            return {id(s): self._guarded(s, self._propose_alone, s, *lens[id(s)]) for s in live}
+        dt = self.clock() - t
+        by_seq = dict(zip(map(id, todo), drafts))
+        drafted = sum(len(d.tokens) for d in drafts) or 1
+        shared = dt - sum(d.setup_s for d in drafts)
+        out: dict[int, Proposal | None] = {id(s): None for s in seqs if lens[id(s)] is None}
+        for s in live:
+            d = by_seq.get(id(s), Draft([]))
+            out[id(s)] = self._proposal(s, lens[id(s)][0], d, d.setup_s + shared * len(d.tokens) / drafted)
+        return out
+
+    def _propose_alone(self, seq: Sequence, k: int, min_path_prob: float) -> Proposal:
+        """One sequence's draft of up to k tokens, timed."""
+        t = self.clock()
         draft = seq.drafter.propose(seq, k, min_path_prob) if k > 0 else Draft([])
+        return self._proposal(seq, k, draft, self.clock() - t)
+
+    def _proposal(self, seq: Sequence, k: int, draft: Draft, seconds: float) -> Proposal:
+        """Record a sequence's draft (asked for k tokens, `seconds` spent on it, setup included)."""
         if len(draft.tokens) < self.spec.draft_min and draft.probs is None:
             draft = Draft([], setup_s=draft.setup_s)  # a sampled draft is kept: dropping it by length biases it
-        dt = self.clock() - t
-        seq.stats.draft_s += dt
+        seq.stats.draft_s += seconds
         if draft.tokens:  # the drafter's catch-up on a new prompt is not drafting
-            self.cost.observe_draft(len(draft.tokens), dt - draft.setup_s, seq.drafter.name)
+            self.cost.observe_draft(len(draft.tokens), seconds - draft.setup_s, seq.drafter.name)
         return Proposal(draft, k)
 
     def _forward(self, seqs: list[Sequence], drafts: list[Draft]) -> tuple[list[torch.Tensor], list[Features | None]]:

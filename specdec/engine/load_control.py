@@ -13,9 +13,11 @@ decides by throughput, never by acceptance rate alone:
   (running averages of tokens and of step seconds). A measurement expires after `ttl` steps of its
   bucket, so a losing arm is re-examined now and then (the ttl doubles each time it loses again).
 - Predicted goodput, for arms not (or no longer) measured in a bucket: from measured parts that
-  carry across batch sizes: target forward seconds by total tokens, drafting seconds, tokens and
-  draft tokens per sequence-step with that arm:
-      goodput(arm, b) = b * tokens_per_seq(arm) / (b * draft_s_per_seq(arm) + forward(b * (1 + drafted_per_seq(arm))))
+  carry across batch sizes: target forward seconds by total tokens, drafting seconds per step by
+  batch size (a draft model drafts a step's sequences in one batch, so its cost grows slower than
+  the batch; unmeasured sizes: interpolated, or per sequence times the batch), tokens and draft
+  tokens per sequence-step with that arm:
+      goodput(arm, b) = b * tokens_per_seq(arm) / (draft_s(arm, b) + forward(b * (1 + drafted_per_seq(arm))))
   An arm is run only when its (measured or predicted) goodput is the best, so a hopeless arm at
   high load costs nothing to rule out.
 """
@@ -62,6 +64,7 @@ class _ArmParts:
     drafted: float = 0.0
     draft_s: float = 0.0
     n: int = 0
+    by_batch: CostModel = field(default_factory=lambda: CostModel(ema=EMA, proportional_above=True))  # step draft s
 
     def add(self, info: StepInfo) -> None:
         w = 1.0 if self.n == 0 else EMA
@@ -69,7 +72,17 @@ class _ArmParts:
         self.tokens += w * (info.committed / b - self.tokens)
         self.drafted += w * (info.drafted / b - self.drafted)
         self.draft_s += w * (info.draft_s / b - self.draft_s)
+        self.by_batch.observe_verify(b, info.draft_s)
         self.n += 1
+
+    def draft_cost(self, batch: int) -> float:
+        """Drafting seconds of a step over `batch` sequences: interpolated between measured batch sizes,
+        proportional outside them; per sequence times the batch before any is measured."""
+        sizes = self.by_batch.verify_s
+        if not sizes:
+            return batch * self.draft_s
+        lo = min(sizes)
+        return sizes[lo] * batch / lo if batch < lo else self.by_batch.verify_cost(batch)
 
 
 @dataclass
@@ -111,7 +124,7 @@ class LoadController:
 
     def predict(self, arm: int | None, batch: int) -> float:
         p = self.parts[arm] if self.parts[arm].n else self._scaled(arm)
-        t = batch * p.draft_s + self.forward.verify_cost(batch * (1 + p.drafted))
+        t = p.draft_cost(batch) + self.forward.verify_cost(batch * (1 + p.drafted))
         return batch * p.tokens / t if t > 0 else float("inf")
 
     def _scaled(self, arm: int | None) -> _ArmParts:
@@ -120,7 +133,8 @@ class LoadController:
         if arm == 0:
             return _ArmParts(1.0, 0.0, 0.0, 0)
         f = min(1.0, arm / full.drafted) if full.drafted > 0 else 1.0
-        return _ArmParts(1 + (full.tokens - 1) * f, full.drafted * f, full.draft_s * f, 0)
+        by_batch = CostModel({b: s * f for b, s in full.by_batch.verify_s.items()}, ema=EMA, proportional_above=True)
+        return _ArmParts(1 + (full.tokens - 1) * f, full.drafted * f, full.draft_s * f, 0, by_batch)
 
     def observe(self, arm: int | None, info: StepInfo, load: int | None = None) -> None:
         """A step ran with `arm` at `load` (default: its batch). A step that stepped no sequence (every

@@ -7,7 +7,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Hashable
 
 from specdec.drafters.base import Drafter
 from specdec.engine.engine import Engine
@@ -40,6 +40,8 @@ class Request:
     logprobs: bool = False
     top_logprobs: int = 0
     trace: bool = False  # record each output token's origin (Sequence.trace)
+    cache_prompt: bool = True     # use the prefix cache (llama-server's `cache_prompt`)
+    cache_salt: Hashable = None   # prefix-cache scope (e.g. the API key): K/V is reused only within one
     on_text: StreamCallback | None = None
     on_done: Callable[["Request"], None] | None = None  # called once, from the engine thread
     seq: Sequence | None = None
@@ -205,7 +207,7 @@ class Scheduler:
                 try:
                     req.seq = self.engine.new_sequence(req.prompt_ids, req.params, slot, req.drafter, req.draft_max,
                                                        req.on_text, req.logprobs, req.top_logprobs,
-                                                       req.trace)
+                                                       req.trace, req.cache_prompt, req.cache_salt)
                 except Exception as e:  # noqa: BLE001 - a bad request must not stop the engine
                     self.free.append(slot)
                     self._close(req, error=f"{type(e).__name__}: {e}")

@@ -51,6 +51,7 @@ class PlanInputs:
     export: str | None = None         # the engine the plan is exported to (decides the default --dtype)
     avx512: bool | None = None        # the planned CPU runs the AVX-512 kernels (None: the --cpu profile / this CPU)
     drafter_options: dict | None = None  # drafter options (e.g. a head directory) as `LLM(...)` takes them
+    cache_mb: int = 0                 # specdec's prefix cache budget (`serve --cache-mb`), host memory
 
 
 @dataclass
@@ -262,7 +263,7 @@ class _Planner:
 
     def host_overhead(self, t: ModelMemory, d: ModelMemory | None) -> int:
         if t.fmt.runtime:
-            return SPECDEC_BASE + sum(tokenizer_bytes(m.spec) for m in (t, d) if m)
+            return SPECDEC_BASE + sum(tokenizer_bytes(m.spec) for m in (t, d) if m) + (self.i.cache_mb << 20)
         return LLAMA_HOST
 
     @staticmethod

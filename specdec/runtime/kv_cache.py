@@ -62,6 +62,17 @@ class KVCache:
             return self.k[layer][s:s + 1, :, :length], self.v[layer][s:s + 1, :, :length]
         return self.k[layer][slots, :, :length], self.v[layer][slots, :, :length]
 
+    def read_span(self, slot: int, start: int, end: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of one slot's positions start..end-1, on the CPU: per layer k, v [kv_heads, end - start, head_dim]."""
+        return ([t[slot, :, start:end].to("cpu", copy=True) for t in self.k],
+                [t[slot, :, start:end].to("cpu", copy=True) for t in self.v])
+
+    def write_span(self, slot: int, start: int, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
+        """Write per layer k, v [kv_heads, T, head_dim] at positions start..start+T-1 of one slot."""
+        for cache, new in ((self.k, k), (self.v, v)):
+            for t, x in zip(cache, new):
+                t[slot, :, start:start + x.shape[1]] = x
+
     def move(self, slot: int, src: list[int], dst: list[int]) -> None:
         """Copy entries at positions src -> dst in every layer (KV compaction after a tree verify)."""
         for t in self.k + self.v:

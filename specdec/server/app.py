@@ -233,7 +233,8 @@ class _Handler:
         """Queue the request and answer it, streamed or whole."""
         params = self._params(body, ids, chat, max_tokens)
         drafter, draft_max = await self._speculation(body.speculative, scope)
-        req = Request(ids, params, drafter, draft_max, want_lp, top, trace=body.specdec_trace)
+        req = Request(ids, params, drafter, draft_max, want_lp, top, trace=body.specdec_trace,
+                      cache_prompt=body.cache_prompt, cache_salt=scope)
         events = _Events(req)
         self._submit(req)
         fmt = _Formatter(self.llm, self.cfg.model_id, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], chat)
@@ -476,7 +477,8 @@ class _Formatter:
     def usage(self, req: Request) -> dict:
         s = req.seq.stats
         return {"prompt_tokens": req.seq.prompt_len, "completion_tokens": s.new_tokens,
-                "total_tokens": req.seq.prompt_len + s.new_tokens}
+                "total_tokens": req.seq.prompt_len + s.new_tokens,
+                "prompt_tokens_details": {"cached_tokens": req.seq.cached_tokens}}
 
     def response(self, req: Request) -> dict:
         seq = req.seq
@@ -499,4 +501,4 @@ class _Formatter:
                 "timings": {"prompt_n": seq.prompt_len, "prompt_ms": round(1000 * (req.first_token_s or 0.0), 2),
                             "predicted_n": s.new_tokens, "predicted_ms": round(1000 * decode_s, 2),
                             "predicted_per_second": round(max(s.new_tokens - 1, 0) / decode_s, 3),
-                            "draft_n": s.drafted, "draft_n_accepted": s.accepted}}
+                            "draft_n": s.drafted, "draft_n_accepted": s.accepted, "cache_n": seq.cached_tokens}}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from specdec.engine.scheduler import Request, Scheduler
+from specdec.runtime.prefix_cache import PrefixCache
 
 
 class Metrics:
@@ -49,6 +50,9 @@ class Metrics:
             "# TYPE specdec_engine_spec_steps_total counter",
             f"specdec_engine_spec_steps_total {sch.spec_steps}",
         ]
+        store = sch.engine.target.prefix
+        if store is not None:
+            lines += _prefix_cache_lines(store.cache)
         if sch.controller:
             lines += ["# HELP specdec_goodput_tokens_per_second Load controller: goodput per batch bucket and arm "
                       "(measured or predicted).", "# TYPE specdec_goodput_tokens_per_second gauge"]
@@ -56,3 +60,18 @@ class Metrics:
                 lines += [f'specdec_goodput_tokens_per_second{{batch="{b}",arm="{a}",chosen="{int(a == r["chosen"])}"}} {v}'
                           for a, v in r["goodput"].items()]
         return "\n".join(lines) + "\n"
+
+
+def _prefix_cache_lines(cache: PrefixCache) -> list[str]:
+    """Per model (target, draft): lookups, hits and prompt tokens saved; the cache's bytes, budget, blocks."""
+    lines = []
+    for name, what in (("lookups", "Prompts looked up"), ("hits", "Lookups that reused cached K/V"),
+                       ("tokens_saved", "Prompt tokens whose K/V came from the cache")):
+        lines += [f"# HELP specdec_prefix_cache_{name}_total Prefix cache: {what.lower()}, per model.",
+                  f"# TYPE specdec_prefix_cache_{name}_total counter",
+                  *[f'specdec_prefix_cache_{name}_total{{model="{m}"}} {getattr(st, name)}'
+                    for m, st in sorted(cache.stats.items())]]
+    for name, kind, value in (("bytes", "gauge", cache.used), ("budget_bytes", "gauge", cache.budget),
+                              ("blocks", "gauge", len(cache.blocks)), ("evicted_blocks_total", "counter", cache.evicted)):
+        lines += [f"# TYPE specdec_prefix_cache_{name} {kind}", f"specdec_prefix_cache_{name} {value}"]
+    return lines

@@ -55,6 +55,7 @@ class _Common(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     speculative: Union[StrictBool, Speculative, None] = None
+    cache_prompt: StrictBool = True  # llama-server's: reuse (and keep) the prompt's K/V in the prefix cache
     specdec_trace: StrictBool = False  # extension: each output token's origin (`specdec_trace` in the answer)
 
     def sampling(self, defaults: SamplingParams, max_tokens: int | None) -> SamplingParams:

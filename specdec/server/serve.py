@@ -30,6 +30,10 @@ def add_serve_args(p: argparse.ArgumentParser, positive_int) -> None:
                    help="share cross-request drafter memory (suffix, ngram-mod pool) between API keys; by default "
                    "each key has its own, so one client's text cannot show in another's acceptance or timing")
     g.add_argument("--max-queue", type=int, default=64,
+    g.add_argument("--cache-mb", type=int, default=0, metavar="MIB",
+                   help="prefix cache: keep the K/V of recent prompts (target and draft model, 16-token blocks, "
+                   "least recently used evicted) within MIB and reuse the longest cached prefix of a new prompt; "
+                   "a request opts out with \"cache_prompt\": false; 0 = off (default 0)")
                    help="requests that may wait when every slot is busy; beyond them the server answers 429 at once; "
                    "0: none wait, a request needs a free slot (default 64)")
     g.add_argument("--max-body", type=positive_int, default=MAX_BODY, metavar="BYTES",
