@@ -12,12 +12,17 @@ import threading
 
 import httpx
 import pytest
+import torch
 
 import specdec
+from specdec.drafters.base import Drafter
+from specdec.drafters.chain import ChainDrafter
 from specdec.engine.scheduler import Scheduler
 from specdec.sampling import SamplingParams
+from specdec.sequence import Draft, Sequence
 from specdec.server.app import ServerConfig, create_app
 from specdec.server.serve import ServerThread
+from specdec.trace import step_trace
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = shutil.which("chromedriver")
@@ -29,6 +34,37 @@ try:
     SELENIUM = True
 except ImportError:
     SELENIUM = False
+
+class _Fixed(Drafter):
+    """Always drafts `tokens` (none: an empty draft)."""
+
+    def __init__(self, name: str, tokens: list[int]):
+        self.name, self.tokens = name, tokens
+
+    def propose(self, seq, max_tokens, min_path_prob=0.0) -> Draft:
+        return Draft(self.tokens[:max_tokens])
+
+
+def test_chain_drafts_name_the_member_that_drafted_them():
+    seq = Sequence([1, 2, 3], 3, slot=0, params=SamplingParams())
+    for mode in ("first", "gain"):
+        chain = ChainDrafter([_Fixed("empty", []), _Fixed("fixed", [4, 5])], mode)
+        assert chain.propose(seq, 8).source == "fixed"
+
+
+def test_step_trace_of_a_tree_rejects_the_children_where_the_path_ends():
+    """Nodes 0 and 1 are siblings, node 2 continues node 0; the target takes node 0, then a token of its own."""
+    draft = Draft([5, 6, 7], parents=[-1, -1, 0])
+    logits = torch.zeros(2, 10)
+    logits[0, 5], logits[1, 9] = 4.0, 2.0
+    first, own = step_trace(3, [5, 9], logits, [4.0, 2.0], draft, [0], "tree")
+    assert (first.origin, first.drafter, first.pos, first.step) == ("draft", "tree", 1, 3)
+    assert (own.origin, own.rejected, own.drafted, own.pos) == ("correction", [7], 3, 2)
+    assert own.p == pytest.approx(float(logits[1].softmax(-1)[9]))
+    bonus = step_trace(1, [5, 7, 8], torch.zeros(3, 10), [0.0] * 3, draft, [0, 2], "tree")[-1]
+    assert (bonus.origin, bonus.rejected) == ("bonus", [])
+    assert step_trace(0, [8], torch.zeros(1, 10), [0.0], None, [], None)[0].origin == "target"
+
 
 def _events(url: str, body: dict) -> list[dict]:
     """The data objects of one streamed completion."""
