@@ -71,9 +71,9 @@ def test_bench_end_to_end(smollm_dir, tmp_path, capsys):
 
 def test_report_html_has_the_tables_lists_and_embedded_plots(tmp_path):
     (tmp_path / "speedup.png").write_bytes(b"\x89PNG\r\n\x1a\nfake")
-    md = ("# specdec bench\n\n`specdec bench -m x`\n\n## All prompts\n\n| method | tok/s |\n|---|---|\n| none | 1.00 |\n"
-          "| draft <b> | 2.50x |\n\n## Notes\n\n- a **LIKELY BUG**\n\n## Plots\n\n![speedup.png](speedup.png)\n"
-          "![gone.png](gone.png)\n")
+    md = ("# specdec bench\n\n`specdec bench -m x`\n\n## All prompts\n\n| method | tok/s |\n|---|---|\n"
+          "| none | 1.00 |\n| draft <b> | 2.50x |\n\n## Notes\n\n- a **LIKELY BUG**\n\n## Plots\n\n"
+          "![speedup.png](speedup.png)\n![gone.png](gone.png)\n")
     page = html_page(md, tmp_path)
     assert "<title>specdec bench</title>" in page and "<p><code>specdec bench -m x</code></p>" in page
     assert "<thead><tr><th>method</th><th>tok/s</th></tr></thead>" in page

@@ -35,7 +35,8 @@ async function getJSON(path) {
 
 /** POST a streaming chat completion; call onChunk for each SSE data object; return the last one. */
 async function streamChat(body, onChunk, signal) {
-  const res = await fetch("/v1/chat/completions", { method: "POST", headers: headers(), body: JSON.stringify(body), signal });
+  const init = { method: "POST", headers: headers(), body: JSON.stringify(body), signal };
+  const res = await fetch("/v1/chat/completions", init);
   if (!res.ok) throw new ApiError(await failure(res));
   const reader = res.body.getReader();
   const decoder = new TextDecoder();
@@ -83,7 +84,8 @@ async function loadServer() {
     select.options[0].textContent = `server default (${info.server.type})`;
     select.add(new Option("none (plain decoding)", "none"));
     for (const t of info.types) {
-      const needs = t.draft_model && !info.server.draft_model ? " (needs -md)" : t.target_features ? " (needs a head)" : "";
+      const needs = t.draft_model && !info.server.draft_model ? " (needs -md)"
+        : t.target_features ? " (needs a head)" : "";
       select.add(new Option(t.name + needs, t.name));
     }
     clearError();
@@ -123,7 +125,8 @@ function speculative(on) {
 
 function requestBody(messages, spec) {
   const body = { messages, stream: true, specdec_trace: true, speculative: spec,
-                 temperature: parseFloat($("temperature").value || "0"), max_tokens: parseInt($("max_tokens").value || "128", 10) };
+                 temperature: parseFloat($("temperature").value || "0"),
+                 max_tokens: parseInt($("max_tokens").value || "128", 10) };
   if ($("seed").value !== "") body.seed = parseInt($("seed").value, 10);
   return body;
 }
@@ -158,7 +161,8 @@ class Tally {
     const drafted = spec.reduce((a, s) => a + s.drafted, 0), accepted = spec.reduce((a, s) => a + s.accepted, 0);
     const secs = this.t0 === null ? 0 : (this.t1 - this.t0) / 1000;
     return { tps: secs > 0 ? (this.tokens - 1) / secs : null, acc: drafted ? accepted / drafted : null,
-             mal: this.steps.size ? this.tokens / this.steps.size : null, dps: spec.length ? drafted / spec.length : null };
+             mal: this.steps.size ? this.tokens / this.steps.size : null,
+             dps: spec.length ? drafted / spec.length : null };
   }
 
   /** Per draft position: accepted / drafted. */
@@ -209,7 +213,8 @@ function drawLegend() {
   const el = $("legend");
   el.textContent = "";
   const items = [...Object.entries(state.colours).map(([d, c]) => [`draft: ${d}`, c]),
-                 ["target: correction", ORIGINS.correction], ["target: bonus", ORIGINS.bonus], ["target: no draft", ORIGINS.target]];
+                 ["target: correction", ORIGINS.correction], ["target: bonus", ORIGINS.bonus],
+                 ["target: no draft", ORIGINS.target]];
   for (const [label, c] of items) {
     const s = document.createElement("span");
     s.textContent = label;
@@ -290,7 +295,8 @@ function addUser(text) {
 
 function messages(prompt) {
   const system = $("system").value.trim();
-  return [...(system ? [{ role: "system", content: system }] : []), ...state.history, { role: "user", content: prompt }];
+  const head = system ? [{ role: "system", content: system }] : [];
+  return [...head, ...state.history, { role: "user", content: prompt }];
 }
 
 async function run(answer, msgs, spec) {
@@ -311,7 +317,8 @@ async function send(ev) {
   try {
     state.history.push({ role: "user", content: prompt }, { role: "assistant", content: await answer(msgs) });
   } catch (e) {
-    showError(e.name === "AbortError" ? "Stopped." : e instanceof ApiError ? e.message : `Request failed: ${e.message}`);
+    if (e.name === "AbortError") showError("Stopped.");
+    else showError(e instanceof ApiError ? e.message : `Request failed: ${e.message}`);
   } finally {
     setBusy(false);
   }
@@ -356,9 +363,13 @@ function tooltip(ev) {
 
 function init() {
   $("key").value = localStorage.getItem("specdec.key") || "";
-  $("key").addEventListener("change", () => { localStorage.setItem("specdec.key", $("key").value.trim()); loadServer(); });
+  $("key").addEventListener("change", () => {
+    localStorage.setItem("specdec.key", $("key").value.trim());
+    loadServer();
+  });
   $("drafter").addEventListener("change", describeDrafter);
-  $("show-rejected").addEventListener("change", (e) => document.body.classList.toggle("hide-rejected", !e.target.checked));
+  $("show-rejected").addEventListener("change",
+    (e) => document.body.classList.toggle("hide-rejected", !e.target.checked));
   $("composer").addEventListener("submit", send);
   $("prompt").addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("composer").requestSubmit(); }
