@@ -201,3 +201,22 @@ def test_smollm_greedy_equal_with_and_without_the_cache(smollm_dir):
             assert cached.generate(p, max_tokens=16, spec_type=spec).token_ids == ref, (spec, q)
     assert cached.prefix_cache.stats["target"].hits >= 8
     assert cached.prefix_cache.stats["draft"].hits >= 2
+
+
+@pytest.mark.real
+def test_bench_serve_rag_and_multi_turn_with_and_without_the_cache(smollm_dir, tmp_path):
+    import json
+
+    from specdec.cli import main
+
+    work = tmp_path / "w.jsonl"
+    work.write_text(json.dumps({"id": "c", "category": "chat", "turns": ["Say hi.", "Say bye."]}) + "\n")
+    out = tmp_path / "serve"
+    assert main(["bench", "serve", "-m", str(smollm_dir), "--dtype", "fp32", "-c", "1024", "--spec-type", "suffix",
+                 "--concurrency", "1", "--requests", "2", "-n", "3", "--workload", f"rag,{work}", "--per-category", "1",
+                 "--modes", "on,on-nocache", "--cache-mb", "64", "--out", str(out)]) == 0
+    runs = {r["mode"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
+    reqs = runs["on"]["requests"]
+    assert [(r["index"], r["turn"]) for r in reqs] == [(0, 0), (1, 0), (1, 1)] and runs["on"]["errors"] == 0
+    assert reqs[2]["cached_tokens"] >= BLOCK and runs["on-nocache"]["cached_tokens"] == 0
+    assert "on TTFT nocache/cache" in (out / "report.md").read_text()

@@ -1,5 +1,7 @@
 """`specdec bench serve`: sweep client concurrency against the live server with speculation off, always
-on, and load-controlled (auto); throughput, TTFT and time per output token, with plots."""
+on, and load-controlled (auto), each also without the prefix cache (`MODE-nocache`: every request says
+`cache_prompt: false`); throughput, TTFT and time per output token, with plots. A prompt of several turns is a
+conversation: one request per turn, each carrying the earlier turns and the server's answers."""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +18,7 @@ from specdec.bench.workloads import load_workload
 from specdec.errors import SpecdecError
 
 MODES = ("off", "on", "auto")
+NOCACHE = "-nocache"  # mode suffix: the same mode with `cache_prompt: false` on every request
 
 
 def _ints(s: str) -> list[int]:
@@ -36,8 +39,8 @@ def run_serve_bench(args: argparse.Namespace) -> Path:
 
     levels = _ints(args.concurrency)
     modes = [m.strip() for m in args.modes.split(",")]
-    if not modes or any(m not in MODES for m in modes):
-        raise SpecdecError(f"--modes: choose from {', '.join(MODES)}")
+    if not modes or any(m.removesuffix(NOCACHE) not in MODES for m in modes):
+        raise SpecdecError(f"--modes: choose from {', '.join(MODES)}, each optionally with {NOCACHE}")
     prompts = load_workload(args.workload, args.workload_dir, args.per_category, args.seed, args.categories)
     spec = args.spec_type or "draft"
     if args.model is None:
@@ -48,16 +51,19 @@ def run_serve_bench(args: argparse.Namespace) -> Path:
     out_dir = Path(args.out or Path("bench-out") / datetime.now().strftime("serve-%Y%m%d-%H%M%S"))
     out_dir.mkdir(parents=True, exist_ok=True)
     llm = build_llm(args, spec_type=spec, parallel=max(levels))
-    texts = [llm.encode_chat([{"role": "user", "content": p.turns[0]}]) for p in prompts]
-    meta = {**bench_meta(args, llm, prompts), "spec_type": spec, "concurrency": levels, "modes": modes}
+    convs = [list(p.turns) for p in prompts]
+    meta = {**bench_meta(args, llm, prompts), "spec_type": spec, "concurrency": levels, "modes": modes,
+            "cache_mb": llm.config.cache_mb}
     runs: list[dict] = []
-    _level(llm, texts[:1], 1, "on", 1, 8)  # warm-up
+    _level(llm, [convs[0][:1]], 1, "on", 1, 8)  # warm-up
     for c in levels:
         n = args.requests or max(4, 2 * c)
         for mode in modes:  # interleaved per level so drift hits every mode alike
-            print(f"concurrency {c}, {mode}: {n} requests...", file=sys.stderr)
+            print(f"concurrency {c}, {mode}: {n} conversations...", file=sys.stderr)
             llm.reset_drafters()
-            res, report = _level(llm, texts, c, mode, n, args.max_tokens or 64)
+            if llm.prefix_cache is not None:
+                llm.prefix_cache.clear()  # no mode starts with what another one cached
+            res, report = _level(llm, convs, c, mode, n, args.max_tokens or 64)
             runs.append({"concurrency": c, "mode": mode, **_summary(res), "controller": report, "requests": res})
             _write(out_dir, runs, meta)
     print(render(runs, meta))
@@ -65,8 +71,9 @@ def run_serve_bench(args: argparse.Namespace) -> Path:
     return out_dir
 
 
-def _level(llm, prompts: list[list[int]], conc: int, mode: str, n: int, max_tokens: int) -> tuple[list[dict], dict]:
-    """`n` streaming chat requests from `conc` client threads against a fresh server in `mode`."""
+def _level(llm, convs: list[list[str]], conc: int, mode: str, n: int, max_tokens: int) -> tuple[list[dict], dict]:
+    """`n` conversations (one streaming request per turn) from `conc` client threads against a fresh server in
+    `mode`."""
     import httpx
 
     from specdec.engine.load_control import LoadController
@@ -75,7 +82,10 @@ def _level(llm, prompts: list[list[int]], conc: int, mode: str, n: int, max_toke
     from specdec.server.app import ServerConfig, create_app
     from specdec.server.serve import ServerThread
 
-    controller = LoadController(llm.engine.spec.draft_max) if mode == "auto" else None
+    spec_mode = mode.removesuffix(NOCACHE)
+    extra = {**({"speculative": False} if spec_mode == "off" else {}),
+             **({"cache_prompt": False} if mode.endswith(NOCACHE) else {})}
+    controller = LoadController(llm.engine.spec.draft_max) if spec_mode == "auto" else None
     scheduler = Scheduler(llm.engine, conc, max_queue=n, controller=controller)
     srv = ServerThread(create_app(llm, scheduler, ServerConfig("m", SamplingParams(max_tokens=max_tokens))))
     results: list[dict] = []
@@ -88,7 +98,7 @@ def _level(llm, prompts: list[list[int]], conc: int, mode: str, n: int, max_toke
                     i = next(counter, None)
                 if i is None:
                     return
-                results.append(_one(client, srv.url, prompts[i % len(prompts)], max_tokens, mode == "off", i))
+                results.extend(_conversation(client, srv.url, llm, convs[i % len(convs)], max_tokens, extra, i))
     try:
         threads = [threading.Thread(target=worker) for _ in range(conc)]
         for t in threads:
@@ -97,16 +107,26 @@ def _level(llm, prompts: list[list[int]], conc: int, mode: str, n: int, max_toke
             t.join()
     finally:
         srv.close()
-    return sorted(results, key=lambda r: r["index"]), controller.report() if controller else {}
+    return sorted(results, key=lambda r: (r["index"], r["turn"])), controller.report() if controller else {}
 
 
-def _one(client, url: str, ids: list[int], max_tokens: int, spec_off: bool, index: int) -> dict:
+def _conversation(client, url: str, llm, turns: list[str], max_tokens: int, extra: dict, index: int) -> list[dict]:
+    """One request per turn, each with the earlier turns and answers in the chat template (as the client's ids)."""
+    messages: list[dict] = []
+    out = []
+    for t, turn in enumerate(turns):
+        messages.append({"role": "user", "content": turn})
+        r = _one(client, url, llm.encode_chat(messages), max_tokens, extra, index)
+        messages.append({"role": "assistant", "content": r.pop("text")})
+        out.append({**r, "turn": t})
+    return out
+
+
+def _one(client, url: str, ids: list[int], max_tokens: int, extra: dict, index: int) -> dict:
     body = {"model": "m", "prompt": ids, "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}}
-    if spec_off:
-        body["speculative"] = False
+            "stream_options": {"include_usage": True}, **extra}
     t0 = time.perf_counter()
-    first, tokens, stats, error = None, 0, {}, None
+    first, tokens, stats, error, text, cached = None, 0, {}, None, [], 0
     with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             error = f"HTTP {r.status_code}"
@@ -116,17 +136,21 @@ def _one(client, url: str, ids: list[int], max_tokens: int, spec_off: bool, inde
             ev = json.loads(line[6:])
             if "error" in ev:
                 error = ev["error"]["message"]
-            elif ev.get("choices") and ev["choices"][0].get("text") and first is None:
-                first = time.perf_counter()
+            elif ev.get("choices") and ev["choices"][0].get("text"):
+                first = first or time.perf_counter()
+                text.append(ev["choices"][0]["text"])
             if ev.get("usage"):
                 tokens = ev["usage"]["completion_tokens"]
             if ev.get("speculative"):
                 stats = ev["speculative"]
+            if ev.get("timings"):
+                cached = ev["timings"].get("cache_n", 0)
     end = time.perf_counter()
     first = first or end
     return {"index": index, "start": t0, "end": end, "ttft_s": first - t0, "latency_s": end - t0,
             "tokens": tokens, "tpot_s": (end - first) / (tokens - 1) if tokens > 1 else None,
-            "drafted": stats.get("drafted", 0), "accepted": stats.get("accepted", 0), "error": error}
+            "drafted": stats.get("drafted", 0), "accepted": stats.get("accepted", 0), "error": error,
+            "cached_tokens": cached, "text": "".join(text)}
 
 
 def _summary(res: list[dict]) -> dict:
@@ -139,17 +163,21 @@ def _summary(res: list[dict]) -> dict:
             "tokens": tokens, "errors": len(res) - len(ok), "ttft_s": med([r["ttft_s"] for r in ok]),
             "tpot_s": med([r["tpot_s"] for r in ok if r["tpot_s"] is not None]),
             "latency_s": med([r["latency_s"] for r in ok]),
+            "ttft_later_turns_s": med([r["ttft_s"] for r in ok if r["turn"] > 0]),
+            "cached_tokens": sum(r["cached_tokens"] for r in ok),
             "acceptance_rate": round(sum(r["accepted"] for r in ok) / drafted, 4) if drafted else None}
 
 
 def render(runs: list[dict], meta: dict) -> str:
-    """Markdown: one row per concurrency, per mode throughput / TTFT / TPOT, and auto and on over off."""
+    """Markdown: one row per concurrency, per mode throughput / TTFT / TPOT, auto and on over off, and each mode's
+    TTFT without the prefix cache over with it."""
     modes = meta["modes"]
     by = {(r["concurrency"], r["mode"]): r for r in runs}
     head = "| concurrency | " + " | ".join(f"{m} tok/s | {m} TTFT s | {m} TPOT s" for m in modes)
     ratios = [m for m in ("on", "auto") if m in modes and "off" in modes]
-    head += "".join(f" | {m}/off" for m in ratios) + " |"
-    lines = [head, "|" + "---|" * (1 + 3 * len(modes) + len(ratios))]
+    cached = [m for m in modes if m + NOCACHE in modes]
+    head += "".join(f" | {m}/off" for m in ratios) + "".join(f" | {m} TTFT nocache/cache" for m in cached) + " |"
+    lines = [head, "|" + "---|" * (1 + 3 * len(modes) + len(ratios) + len(cached))]
     for c in meta["concurrency"]:
         cells = []
         for m in modes:
@@ -158,6 +186,9 @@ def render(runs: list[dict], meta: dict) -> str:
         for m in ratios:
             r, off = by.get((c, m)), by.get((c, "off"))
             cells.append(f"{r['throughput_tok_s'] / off['throughput_tok_s']:.2f}x" if r and off and off["throughput_tok_s"] else "")
+        for m in cached:
+            r, no = by.get((c, m)), by.get((c, m + NOCACHE))
+            cells.append(f"{no['ttft_s'] / r['ttft_s']:.2f}x" if r and no and r["ttft_s"] else "")
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -171,7 +202,9 @@ def _write(out_dir: Path, runs: list[dict], meta: dict) -> None:
             f"workload {meta['workload']} · max tokens {meta['max_tokens'] or 64}", "",
             "Throughput: completion tokens over all requests / wall time of the level. TTFT and TPOT: medians "
             "per request (streaming). off: `speculative: false`; on: speculation at any load; auto: the "
-            "load controller (engine/load_control.py).", "", render(runs, meta), "## Plots", "",
+            f"load controller (engine/load_control.py); MODE{NOCACHE}: `cache_prompt: false` (prefix cache "
+            f"{meta['cache_mb']} MiB, emptied before every level and mode). Turns after the first of a conversation "
+            "carry the earlier turns and answers.", "", render(runs, meta), "## Plots", "",
             *[f"![{p}]({p})" for p in plots]]
     write_report(out_dir, "\n".join(text) + "\n")
 

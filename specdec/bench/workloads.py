@@ -1,4 +1,5 @@
-"""Bench workloads: the built-in quick prompts, Spec-Bench questions, or a JSONL file."""
+"""Bench workloads: the built-in quick prompts, multi-turn conversations and RAG questions, Spec-Bench questions,
+or a JSONL file."""
 from __future__ import annotations
 
 import json
@@ -15,6 +16,15 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SPEC_BENCH_DIR = REPO_ROOT.parent / "shared" / "workloads" / "spec_bench"
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 DEFAULT_MAX_TOKENS = 128
+# `rag`: questions about one ~850-token document (prompts/rag-document.txt), each prompt the whole document first
+RAG_QUESTIONS = ("How many replicas does Larkspur run per region, and on which ports does it listen?",
+                 "What happens to a batch whose sequence number is not higher than the last one seen?",
+                 "Why must operators not restart replicas while the time-series store is down?",
+                 "How long can a revoked device key keep working, and why?",
+                 "What is the largest batch a device may send?",
+                 "Which three conditions page the on-call engineer?",
+                 "Why should Larkspur never run more than sixteen replicas per region?",
+                 "Who must approve a change to the batch limits, and why?")
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,12 @@ def load_workload(name: str, workload_dir: str | None = None, per_category: int 
 def _load_one(name: str, workload_dir: str | None, per_category: int | None, seed: int) -> list[Prompt]:
     if name == "quick":
         prompts = [Prompt(n, n, ((PROMPT_DIR / f"{n}.txt").read_text(),)) for n in QUICK_NAMES]
+    elif name == "multi-turn":  # each later turn carries the earlier turns and answers
+        prompts = read_jsonl(PROMPT_DIR / "multi-turn.jsonl")
+    elif name == "rag":
+        doc = (PROMPT_DIR / "rag-document.txt").read_text()
+        prompts = [Prompt(f"rag-{i}", "rag", (f"{doc}\nAnswer from the note above: {q}",))
+                   for i, q in enumerate(RAG_QUESTIONS)]
     elif name == "spec_bench":
         prompts = spec_bench(Path(workload_dir) if workload_dir else SPEC_BENCH_DIR)
     else:

@@ -164,14 +164,14 @@ class Scheduler:
         budget = self.prefill_budget
         while self.prefilling and budget > 0:
             req = self.prefilling[0]
-            before = req.seq.prefilled
+            before = req.seq.prefilled - req.seq.cached_tokens
             try:
                 done = self.engine.prefill(req.seq, min(self.prefill_chunk, budget))
             except Exception as e:  # noqa: BLE001 - a failing request must not take the others down
                 self.prefilling.pop(0)
                 self._release(req, error=f"prefill failed: {e}")
                 continue
-            budget -= max(1, req.seq.prefilled - before)
+            budget -= max(1, req.seq.prefilled - req.seq.cached_tokens - before)  # tokens computed, not reused
             if done:
                 self.prefilling.pop(0)
                 req.first_token_s = time.perf_counter() - req.submitted

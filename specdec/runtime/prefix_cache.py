@@ -52,6 +52,11 @@ class PrefixCache:
         self.stats: dict[str, CacheStats] = {}  # store name -> its lookups
         self.evicted = 0  # blocks
 
+    def clear(self) -> None:
+        """Forget every block (between benchmark runs; no sequence may hold one)."""
+        self.blocks.clear()
+        self.used = 0
+
     def chain(self, tokens: list[int], salt: Hashable = None) -> list[tuple[int, tuple[int, ...]]]:
         """(key, tokens) of each full block of `tokens`; `salt` starts the chain (caches apart per salt)."""
         out, key = [], hash(("prefix", salt))
