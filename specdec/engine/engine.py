@@ -375,7 +375,7 @@ class Engine:
             d.observe_features(seq, feats[0].columns(d.features.layers, self.target.capture.layers))
 
     def _commit(self, seq: Sequence, new: list[int], logits: torch.Tensor, draft: Draft | None = None,
-                path: list[int] = ()) -> None:
+                path: list[int] | None = None) -> None:
         """Append verified tokens one by one, stopping at EOS, stop strings, max tokens or the context.
 
         logits [>= len(new), V]: row i is the target distribution token i was chosen from; draft and path (the
@@ -410,7 +410,7 @@ class Engine:
         if seq.trace is not None:
             who = (draft.source if draft else None) or (seq.drafter.name if seq.drafter else None)
             seq.trace += step_trace(seq.stats.target_forwards - 1, new[:len(seq.tokens) - before], rows, gaps, draft,
-                                    list(path), who)
+                                    path or [], who)
         self._stream(seq, final=seq.finish_reason is not None, held=stops.held)
 
     @staticmethod
