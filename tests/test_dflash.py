@@ -13,6 +13,7 @@ equals a fresh injection of every committed token's features at every propose.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -27,6 +28,7 @@ from specdec.models.transformer import Batch
 from specdec.runtime.kv_cache import KVCache
 from test_eagle3 import engine_fit
 from test_eagle3_conformance import needs_speculators
+from test_train_data import chat_dir, rules  # noqa: F401 (fixtures)
 
 needs_dflash = pytest.mark.skipif(importlib.util.find_spec("dflash") is None,
                                   reason="dflash==0.1.0 not installed (test-only: scripts/test.sh)")
@@ -207,6 +209,26 @@ def load_file_state(directory) -> dict[str, torch.Tensor]:
     return load_file(str(directory / "model.safetensors"))
 
 
+def test_packed_training_forward_equals_the_cached_one():
+    """Two anchored blocks of one packed row (queries: context before their anchor + their own block) give the
+    states the drafter's cached forward gives each block."""
+    net = random_net(config(True), seed=6)
+    feats, ids = _inputs(3, n=20)
+    embed = torch.randn(96, 64, generator=torch.Generator().manual_seed(8))
+    anchors = torch.tensor([7, 15])
+    blocks = torch.full((2, BLOCK), MASK)
+    blocks[:, 0] = ids[anchors]
+    a = anchors.repeat_interleave(BLOCK)  # [M]
+    own = torch.arange(2 * BLOCK) // BLOCK
+    mask = torch.cat([torch.arange(20)[None] < a[:, None], own[:, None] == own[None]], dim=1)[None, None]
+    positions = (anchors[:, None] + torch.arange(BLOCK)).reshape(1, -1)
+    with torch.no_grad():
+        h = net.packed(net.context(feats)[None], torch.arange(20)[None], embed[blocks.reshape(1, -1)], positions,
+                       mask)[0].reshape(2, BLOCK, -1)
+    for j, p in enumerate(anchors.tolist()):
+        torch.testing.assert_close(h[j], our_block(net, feats[:p], blocks[j], embed), rtol=1e-5, atol=1e-5)
+
+
 # --- drafting through the engine ---
 
 def drafter_dir(tmp_path, target, dspark: bool, seed: int = 1, scale: float = 0.3, **kw):
@@ -383,3 +405,39 @@ def test_same_steps_as_zlab_dflash_generate(tmp_path, monkeypatch):
     assert len(ref.acceptance_lengths) > steps
     assert drafter.produced[:steps] == ref.acceptance_lengths[:steps] and max(drafter.produced) > 1
     assert drafter.drafts[:steps] == theirs[:steps]
+
+
+# --- training (specdec/train/dflash.py) ---
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_training_lowers_the_loss_resumes_and_drafts_losslessly(chat_dir, rules, tmp_path, kind):
+    """Both objectives on a 12-conversation cache of a tiny chat target: the loss falls, a run resumes, the drafter
+    saves in its layout (z-lab / speculators) and decodes as plain greedy."""
+    from test_train_data import _build
+
+    from specdec.train.dflash import DFlashTrainer, DSparkTrainer, TrainConfig
+
+    cache = _build(chat_dir, rules, tmp_path / "cache", n=12, max_new_tokens=24)
+    cfg = TrainConfig(epochs=3, lr=1e-2, max_len=32, batch_tokens=64, autocast="fp32", val_share=0.25,
+                      anchors=8, block_size=4, markov_rank=8, progress=False)
+    out, trainer_type = tmp_path / kind, DSparkTrainer if kind == "dspark" else DFlashTrainer
+    trainer = trainer_type(str(chat_dir), cache, out, cfg, command="test")
+
+    def train_loss() -> float:
+        with torch.no_grad():
+            return sum(trainer.loss(b).value.item() for b in trainer.plan[0]) / len(trainer.plan[0])
+
+    before = train_loss()
+    trainer.loss(trainer.plan[0][0]).value.backward()  # through the context K/V: fc and q/k/v learn
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in trainer.head.parameters())
+    trainer.opt.zero_grad(set_to_none=True)
+    m = trainer.run()
+    assert train_loss() < 0.8 * before
+    assert m["kind"] == kind and m["finished"] and 1 <= m["validation"]["tau"] <= 1 + trainer.head.config.drafts
+    net = load_block_drafter(out)
+    assert net.config.kind == kind and net.config.block_size == 4
+    more = trainer_type(str(chat_dir), cache, out, dataclasses.replace(cfg, epochs=4), resume=True)
+    assert more.run()["training"]["steps"] == m["training"]["steps"] + len(more.plan[3])
+    llm = llm_for(chat_dir, kind, out, context=96, draft_max=4)
+    r = llm.generate(PROMPTS[0], max_tokens=16)
+    assert r.token_ids == llm.generate(PROMPTS[0], max_tokens=16, spec_type="none").token_ids and r.stats.drafted

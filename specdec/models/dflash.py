@@ -154,6 +154,22 @@ class BlockDraft(nn.Module):
             x = layer(x, batch, cache)
         return self.norm(x)
 
+    def packed(self, c: torch.Tensor, ctx_positions: torch.Tensor, emb: torch.Tensor, block_positions: torch.Tensor,
+               mask: torch.Tensor) -> torch.Tensor:
+        """Training over one packed row with a scratch cache (autograd flows through it): context states c [1, R, H]
+        at ctx_positions [1, R], blocks emb [1, M, H] at block_positions [1, M], mask [1, 1, M, R + M] bool (block
+        queries -> context keys, then block keys) -> post-norm block states [1, M, H]."""
+        R, M = c.shape[1], emb.shape[1]
+        cache, slots = self.allocate_cache(1, R + M), torch.tensor([0])
+
+        def rows(start: int, positions: torch.Tensor, m: torch.Tensor | None) -> Batch:
+            cos, sin = self.rotary.tables(positions.cpu(), c.dtype)
+            index = torch.arange(start, start + positions.shape[1], device=c.device)[None]
+            return Batch(slots, index, cos.to(c.device), sin.to(c.device), m, R + M, (0, start, start + index.shape[1]))
+
+        self.inject(c, rows(0, ctx_positions, None), cache)
+        return self.block(emb, rows(R, block_positions, mask), cache)
+
     def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:
         """Previous tokens [...] -> logit bias [..., V] (zero without a Markov head)."""
         if self.markov_head is None:
