@@ -44,6 +44,7 @@ def _layers(s: str) -> int:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that loads models."""
+    from specdec import compat
     from specdec.config import DTYPES, Config
     from specdec.drafters import REGISTRY, spec_types
     from specdec.drafters.chain import CHAIN_MODES
@@ -91,6 +92,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "layers; int8 elsewhere) or int8 (per channel) weight-only; the output stays the target's")
     for o in REGISTRY.options.values():  # every drafter's own options, from the registry
         s.add_argument(o.flag, dest=o.name, type=_option_type(o), default=o.default, help=o.help)
+    compat.add_flags(p)
 
 
 def _option_type(o):
@@ -243,10 +245,10 @@ def _add_plan_parser(sub) -> None:
     m.add_argument("-cd", "--ctx-size-draft", dest="draft_context", type=_positive_int,
                    help="draft context (default: -c, capped at the draft's maximum)")
     m.add_argument("-np", "--parallel", type=_positive_int, default=1, help="parallel slots (default 1)")
-    m.add_argument("--dtype",
-                   help="auto|bf16|fp16|fp32: specdec's runtime with this compute dtype, as generate --dtype "
     m.add_argument("--cache-mb", type=int, default=0, metavar="MIB",
                    help="specdec's prefix cache budget, as serve --cache-mb: counted in host memory (default 0)")
+    m.add_argument("--dtype",
+                   help="auto|bf16|fp16|fp32: specdec's runtime with this compute dtype, as generate --dtype "
                    "(default: auto; weights per --quant/--draft-quant); file: each tensor as stored, what llama.cpp "
                    "and Ollama load (default with --export llama.cpp|ollama); or a GGML type such as q8_0, q4_k, "
                    "iq4_xs (the file requantized, loaded by llama.cpp)")
@@ -413,7 +415,8 @@ def make_parser() -> argparse.ArgumentParser:
                    "against them in virtual time (--from)")
     w = b.add_argument_group("workload")
     w.add_argument("--workload", default="quick",
-                   help="quick (3 built-in prompts), spec_bench (the Spec-Bench questions) or a JSONL file of "
+                   help="quick (3 built-in prompts), multi-turn (4 built-in code conversations of 4 turns), rag (8 "
+                   "questions about one ~850-token document), spec_bench (the Spec-Bench questions) or a JSONL file of "
                    '{"id", "category", "prompt" | "turns", "max_tokens"} lines; several comma-separated '
                    "(default quick)")
     w.add_argument("--quick", dest="workload", action="store_const", const="quick", help="same as --workload quick")
@@ -443,9 +446,12 @@ def make_parser() -> argparse.ArgumentParser:
     sb = b.add_argument_group("bench serve")
     sb.add_argument("--concurrency", default="1,2,4,8,16", help="client concurrency levels (default 1,2,4,8,16)")
     sb.add_argument("--modes", default="off,on,auto",
-                    help="off (no speculation), on (speculate at any load), auto (load controller); default all")
+                    help="off (no speculation), on (speculate at any load), auto (load controller), each also as "
+                    "MODE-nocache (cache_prompt: false; with --cache-mb); default off,on,auto")
     sb.add_argument("--requests", type=_positive_int,
-                    help="requests per level and mode (default max(4, 2 x concurrency))")
+                    help="conversations per level and mode, a request per turn (default max(4, 2 x concurrency))")
+    sb.add_argument("--cache-mb", type=int, metavar="MIB",
+                    help="bench serve: the server's prefix cache, as serve --cache-mb (default off)")
     rp = b.add_argument_group("bench replay")
     rp.add_argument("--record", metavar="FILE", help="run plain decoding over the workload; save outputs and costs")
     rp.add_argument("--from", dest="replay_from", metavar="FILE", help="replay --methods against a recording")

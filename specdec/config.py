@@ -12,6 +12,7 @@ import argparse
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from specdec import compat
 from specdec.drafters import REGISTRY, parse_spec_type
 from specdec.drafters.chain import CHAIN_MODES
 from specdec.engine.engine import SpecConfig
@@ -40,16 +41,16 @@ class Config:
     adaptive: bool = SpecConfig.adaptive
     chain_mode: str = "first"          # chains: first | gain
     progress: bool = True              # download/convert progress on stderr
-    drafter: dict[str, Any] = field(default_factory=dict)  # drafter options (registry names), defaults filled in
     cache_mb: int = 0                  # prefix cache (MiB) shared by the target and a draft model; 0 = off
+    drafter: dict[str, Any] = field(default_factory=dict)  # drafter options (registry names), defaults filled in
 
     def __post_init__(self):
         for name in ("context", "draft_max", "parallel", *(("threads",) if self.threads is not None else ())):
             if getattr(self, name) < 1:
                 raise SpecdecError(f"{name} must be >= 1 (got {getattr(self, name)})")
-        if not 0 <= self.draft_min <= self.draft_max:
         if self.cache_mb < 0:
             raise SpecdecError(f"cache_mb must be >= 0 (got {self.cache_mb})")
+        if not 0 <= self.draft_min <= self.draft_max:
             raise SpecdecError("draft_min must be between 0 and draft_max")
         for what, q in (("draft", self.draft_quant), ("target", self.quant)):
             if q not in QUANT_CHOICES:
@@ -73,7 +74,10 @@ class Config:
 
     @classmethod
     def make(cls, **kw: Any) -> Config:
-        """From keywords: Config fields and drafter option names side by side; unknown names fail."""
+        """From keywords: Config fields and drafter option names side by side, and transformers' assisted-generation
+        words (`compat.HF_WORDS`: assistant_model, prompt_lookup_num_tokens, ...); unknown names fail."""
+        hf = {k: kw.pop(k) for k in compat.HF_WORDS if k in kw}
+        kw = compat.merge(kw, compat.from_transformers(hf), "transformers' arguments")
         own = {f.name for f in fields(cls)} - {"drafter"}
         return cls(**{k: v for k, v in kw.items() if k in own},
                    drafter={**kw.get("drafter", {}), **{k: v for k, v in kw.items() if k not in own | {"drafter"}}})
@@ -81,7 +85,7 @@ class Config:
     @classmethod
     def from_namespace(cls, args: argparse.Namespace, **override: Any) -> Config:
         """From parsed CLI flags (`specdec generate|serve|bench`); flags a command lacks keep their defaults."""
-        given = {k: v for k, v in vars(args).items() if v is not None}
+        given = compat.from_flags({k: v for k, v in vars(args).items() if v is not None})
         if "spec_adaptive" in given:
             given["adaptive"] = given["spec_adaptive"] == "on"
         own = {f.name for f in fields(cls)} - {"drafter"}

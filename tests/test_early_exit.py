@@ -22,9 +22,9 @@ def test_tiny_greedy_equality_every_exit_layer(tiny_dir, family):
         drafter = llm.drafter_for("early-exit")
         assert drafter.runner.cache is llm.runner.cache  # no cache of its own
         assert len(drafter.runner.model.model.layers) == layer
-        fed = []  # tokens per draft-side prefill: always the one the target has not processed yet
-        prefill = drafter.runner.prefill
-        drafter.runner.prefill = lambda tokens, *a, **k: fed.append(len(tokens)) or prefill(tokens, *a, **k)
+        fed = []  # tokens per draft forward: always one (no catch-up, the target's cache holds the context)
+        forward = drafter.runner.forward
+        drafter.runner.forward = lambda chunks, *a, **k: fed.extend(map(len, chunks)) or forward(chunks, *a, **k)
         for prompt in PROMPTS:
             base = llm.generate(prompt, max_tokens=40, spec_type="none")
             for spec, k, branch_p in (("early-exit", 1, 0.0), ("early-exit", 5, 0.0), ("early-exit", 5, 0.7),
@@ -54,3 +54,20 @@ def test_smollm_greedy_equality(smollm_dir):
             assert r.token_ids == base.token_ids, (layer, prompt)
             accepted += r.stats.accepted
     assert accepted > 0
+
+
+def test_tiny_batched_requests_equal_plain(tiny_dir):
+    """Eight requests, four slots: the early-exit drafts of a step run as one ragged forward on the shared cache
+    while other slots prefill and verify; every output equals plain decoding."""
+    from specdec.engine.scheduler import Request, Scheduler
+    from specdec.sampling import SamplingParams
+    from test_scheduler import PROMPTS, _run
+
+    llm = _llm(tiny_dir("llama", layers=3), spec_exit_layer=2, draft_max=4, parallel=4)
+    params = SamplingParams(max_tokens=24)
+    bases = [llm.generate(p, max_tokens=24, spec_type="none").token_ids for p in PROMPTS]
+    sched = Scheduler(llm.engine, 4, prefill_chunk=5)
+    reqs = [Request(llm.encode(p), params, llm.drafter_for("early-exit")) for p in PROMPTS]
+    _run(sched, reqs)
+    assert [r.seq.output_ids for r in reqs] == bases
+    assert sum(r.seq.stats.accepted for r in reqs) > 0

@@ -24,10 +24,10 @@ from specdec.sequence import Sequence
 class EarlyExitDrafter(DraftModelDrafter):
     name = "early-exit"
 
-    def propose(self, seq: Sequence, max_tokens: int, min_path_prob: float = 0.0) -> Draft:
-        # The shared cache holds the first E layers of every committed token but the newest (the target's own).
-        self.cached[seq.slot] = seq.tokens[:-1]
-        return super().propose(seq, max_tokens, min_path_prob)
+    def propose_batch(self, seqs: list[Sequence], max_tokens: list[int], min_path_probs: list[float]) -> list[Draft]:
+        for seq in seqs:  # the shared cache holds the first E layers of every committed token but the newest
+            self.cached[seq.slot] = seq.tokens[:-1]
+        return super().propose_batch(seqs, max_tokens, min_path_probs)
 
     def update(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """Nothing to roll back: the next `propose` starts again from what the target committed."""

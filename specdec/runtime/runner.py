@@ -98,9 +98,9 @@ class ModelRunner:
     def sharing_cache(self, model: Transformer) -> "ModelRunner":
         """A runner of `model`, a view of this runner's model made of its first layers (`first_layers`), on this
         runner's own KV cache: what it writes in those layers sits past the committed tokens, where the next
-        target forward writes again before anything reads it."""
+        target forward writes again before anything reads it. No prefix cache of its own: the target's fills it."""
         runner = copy.copy(self)
-        runner.model, runner._capture, runner.features = model, None, None
+        runner.model, runner._capture, runner.features, runner.prefix = model, None, None, None
         return runner
 
     @property

@@ -1,16 +1,11 @@
-"""`specdec serve`: flags, vLLM-style --speculative-config, and running uvicorn."""
+"""`specdec serve`: flags and running uvicorn (the other engines' flags: specdec.compat)."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from specdec.errors import SpecdecError
 from specdec.server.protocol import MAX_BODY
-
-# vLLM `--speculative-config` methods -> our spec types
-VLLM_METHODS = {"ngram": "ngram-simple", "draft_model": "draft", "suffix": "suffix"}
-
 
 def add_serve_args(p: argparse.ArgumentParser, positive_int) -> None:
     g = p.add_argument_group("server")
@@ -30,51 +25,18 @@ def add_serve_args(p: argparse.ArgumentParser, positive_int) -> None:
                    help="share cross-request drafter memory (suffix, ngram-mod pool) between API keys; by default "
                    "each key has its own, so one client's text cannot show in another's acceptance or timing")
     g.add_argument("--max-queue", type=int, default=64,
-    g.add_argument("--cache-mb", type=int, default=0, metavar="MIB",
-                   help="prefix cache: keep the K/V of recent prompts (target and draft model, 16-token blocks, "
-                   "least recently used evicted) within MIB and reuse the longest cached prefix of a new prompt; "
-                   "a request opts out with \"cache_prompt\": false; 0 = off (default 0)")
                    help="requests that may wait when every slot is busy; beyond them the server answers 429 at once; "
                    "0: none wait, a request needs a free slot (default 64)")
     g.add_argument("--max-body", type=positive_int, default=MAX_BODY, metavar="BYTES",
                    help=f"largest request body; a larger one is answered 413 (default {MAX_BODY}, 4 MiB)")
     g.add_argument("--alias", help="model id clients use (default: the model's name)")
+    g.add_argument("--cache-mb", type=int, default=0, metavar="MIB",
+                   help="prefix cache: keep the K/V of recent prompts (target and draft model, 16-token blocks, "
+                   "least recently used evicted) within MIB and reuse the longest cached prefix of a new prompt; "
+                   "a request opts out with \"cache_prompt\": false; 0 = off (default 0)")
     g.add_argument("--spec-load-control", choices=["on", "off"], default="on",
                    help="on: measure goodput with and without speculation at each batch size and use the better "
                    "(turns speculation down or off under load); off: speculate at any load (default on)")
-    g.add_argument("--speculative-config", metavar="JSON",
-                   help='vLLM style, e.g. \'{"method": "ngram", "num_speculative_tokens": 8}\'; methods: '
-                   f"{', '.join(VLLM_METHODS)} or any --spec-type; overrides --spec-type / --draft-max / -md")
-
-
-def apply_speculative_config(args: argparse.Namespace) -> None:
-    """Fold --speculative-config into the generate-style flags (spec_type, draft_max, draft, ngram sizes)."""
-    if not args.speculative_config:
-        return
-    try:
-        cfg = json.loads(args.speculative_config)
-    except json.JSONDecodeError as e:
-        raise SpecdecError(f"--speculative-config is not valid JSON: {e.msg}") from None
-    if not isinstance(cfg, dict) or "method" not in cfg:
-        raise SpecdecError('--speculative-config needs a JSON object with "method"')
-    known = {"method", "num_speculative_tokens", "model", "prompt_lookup_max", "prompt_lookup_min"}
-    unknown = sorted(set(cfg) - known)
-    if unknown:
-        raise SpecdecError(f"--speculative-config: unsupported keys {', '.join(unknown)}")
-    method = str(cfg["method"])
-    from specdec.drafters import parse_spec_type
-    args.spec_type = ",".join(parse_spec_type(VLLM_METHODS.get(method, method)))
-    if "num_speculative_tokens" in cfg:
-        k = cfg["num_speculative_tokens"]
-        if not isinstance(k, int) or k < 1:
-            raise SpecdecError("--speculative-config: num_speculative_tokens must be an integer >= 1")
-        args.draft_max = k
-    if "model" in cfg:
-        args.draft = cfg["model"]
-    if "prompt_lookup_min" in cfg:  # vLLM matches n-grams of min..max tokens; we match exactly n
-        args.ngram_n = int(cfg["prompt_lookup_min"])
-    if "prompt_lookup_max" in cfg:
-        args.ngram_n = int(cfg["prompt_lookup_max"])
 
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
@@ -106,7 +68,6 @@ def run_server(args: argparse.Namespace) -> int:
     from specdec.sampling import SamplingParams
     from specdec.server.app import ServerConfig, create_app
 
-    apply_speculative_config(args)
     if args.max_queue < 0:
         raise SpecdecError("--max-queue must be >= 0")
     keys = api_keys(args)
