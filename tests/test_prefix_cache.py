@@ -220,3 +220,12 @@ def test_bench_serve_rag_and_multi_turn_with_and_without_the_cache(smollm_dir, t
     assert [(r["index"], r["turn"]) for r in reqs] == [(0, 0), (1, 0), (1, 1)] and runs["on"]["errors"] == 0
     assert reqs[2]["cached_tokens"] >= BLOCK and runs["on-nocache"]["cached_tokens"] == 0
     assert "on TTFT nocache/cache" in (out / "report.md").read_text()
+
+
+def test_plan_counts_the_cache_budget(tiny_dir):
+    from specdec.plan import PlanInputs, make_plan
+
+    def ram(mb: int) -> int:
+        p = make_plan(PlanInputs(model=str(tiny_dir("llama")), gpu="none", ram="16GiB", cache_mb=mb, spec_type="none"))
+        return p.chosen.ram_need
+    assert ram(256) - ram(0) == 256 << 20

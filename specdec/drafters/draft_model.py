@@ -4,6 +4,10 @@ With `branch_p` > 0 the proposal is a small tree: wherever the draft's largest p
 below `branch_p`, its second choice (greedy, seeded) or a second independent sample (sampling)
 is added as a sibling leaf, which costs no extra draft forward. Every cut (`p_min`, `branch_p`,
 the adaptive `min_path_prob`) reads only what was known before the position's token was drawn.
+
+`propose_batch` drafts several sequences at once: their short catch-ups in one ragged forward, then one forward
+per draft position over the sequences still drafting (the engine calls it for a step's sequences). With a
+prefix cache (`ModelRunner.prefix`), a new prompt starts from the draft K/V of its longest cached prefix.
 """
 from __future__ import annotations
 
