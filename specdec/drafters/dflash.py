@@ -76,7 +76,7 @@ class DFlashDrafter(PairedHeadDrafter):
         self.net.inject(g, Batch(batch.slots, ctx, cos, sin, None, int(first), KVCache.span(batch.slots, ctx)),
                         self.cache)
         h = self.net.block(emb, batch, self.cache)[:, self.net.config.first_slot:]  # [1, D, H]
-        return self.lm_head(h.to(self.lm_head.weight.dtype)).float(), h
+        return self.lm_head(h).float(), h  # the network runs in the target's activation dtype
 
     def _draft(self, seq: Sequence, logits: torch.Tensor, h: torch.Tensor, max_tokens: int, min_path_prob: float,
                setup_s: float) -> Draft:
