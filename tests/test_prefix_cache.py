@@ -189,7 +189,7 @@ def test_smollm_greedy_equal_with_and_without_the_cache(smollm_dir):
               draft_max=4)
     plain = specdec.LLM(str(smollm_dir), spec_type="none", **kw)
     cached = specdec.LLM(str(smollm_dir), spec_type="none", cache_mb=64, **kw)
-    plain.engine.stop_ids = cached.engine.stop_ids = set()  # every answer runs its 16 tokens
+    plain.engine.stop_ids = cached.engine.stop_ids = set()  # every answer runs its 12 tokens
     doc = ("The Hubble Space Telescope was launched into low Earth orbit in 1990 and remains in operation. It was "
            "not the first space telescope, but it is one of the largest and most versatile, renowned both as a vital "
            "research tool and as a public relations boon for astronomy. ")
@@ -197,8 +197,8 @@ def test_smollm_greedy_equal_with_and_without_the_cache(smollm_dir):
     for spec in ("none", "draft", "suffix-tree"):
         for q in questions:
             p = f"{doc}\nQuestion: {q}\nAnswer:"
-            ref = plain.generate(p, max_tokens=16, spec_type=spec).token_ids
-            assert cached.generate(p, max_tokens=16, spec_type=spec).token_ids == ref, (spec, q)
+            ref = plain.generate(p, max_tokens=12, spec_type=spec).token_ids
+            assert cached.generate(p, max_tokens=12, spec_type=spec).token_ids == ref, (spec, q)
     assert cached.prefix_cache.stats["target"].hits >= 8
     assert cached.prefix_cache.stats["draft"].hits >= 2
 
@@ -229,3 +229,14 @@ def test_plan_counts_the_cache_budget(tiny_dir):
         p = make_plan(PlanInputs(model=str(tiny_dir("llama")), gpu="none", ram="16GiB", cache_mb=mb, spec_type="none"))
         return p.chosen.ram_need
     assert ram(256) - ram(0) == 256 << 20
+
+
+@pytest.mark.real
+def test_soak_with_a_small_cache_stays_in_budget_and_lossless(smollm_dir, tmp_path):
+    from specdec.server import soak
+
+    report = soak.run(str(smollm_dir), requests=48, concurrency=8, parallel=4, cache_mb=1, sample_s=2.0, minutes=2)
+    assert report.ok(rss_limit_mb=64.0), report.problems
+    assert report.compared > 0 and len(report.samples) >= 2 and max(c for _, _, c in report.samples) > 0
+    soak.write_samples(report, tmp_path / "rss.csv")
+    assert (tmp_path / "rss.png").exists() and len((tmp_path / "rss.csv").read_text().splitlines()) > 2

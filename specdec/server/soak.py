@@ -2,8 +2,10 @@
 disconnects, random `speculative` objects, seeds, stop strings, two API keys and a few invalid requests, at a
 given concurrency. It checks that no request hangs or gets an unexpected status, that the server's RSS stays
 bounded, that the server is idle and answers afterwards and exits 0 on SIGTERM, and that every greedy or seeded
-output equals the plain output (`"speculative": false`) of the same request. Needs the dev extras (httpx,
-psutil). `python scripts/soak.py --help`; tests/test_soak.py runs it at CI size."""
+output equals the plain output (`"speculative": false`) of the same request. With `--cache-mb` the server keeps a
+prefix cache (repeated shapes hit it), and the server's RSS and the cache's bytes are sampled over the run (checked
+against the budget; `--samples` writes them as CSV with a plot). Needs the dev extras (httpx, psutil).
+`python scripts/soak.py --help`; tests/test_soak.py runs it at CI size."""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -89,6 +92,7 @@ class Report:
     rss_after_mb: float
     wall_s: float
     problems: list[str] = field(default_factory=list)
+    samples: list[tuple[float, float, float]] = field(default_factory=list)  # (s, server RSS MB, prefix cache MB)
 
     @property
     def rss_growth_mb(self) -> float:
@@ -305,19 +309,79 @@ def _settle(url: str, timeout_s: float = 30.0) -> list[str]:
 
 
 def soak(url: str, pid: int, requests: int, concurrency: int, minutes: float = 0.0, seed: int = 0,
-         hang_s: float = 120.0) -> Report:
-    """Warm up, then send `requests` planned requests (stopping early after `minutes`, if given) and check."""
+         hang_s: float = 120.0, sample_s: float = 60.0) -> Report:
+    """Warm up, then send `requests` planned requests (stopping early after `minutes`, if given) and check;
+    the server's RSS and prefix-cache bytes are sampled every `sample_s` seconds meanwhile."""
     warm = asyncio.run(_drive(url, warmup(concurrency, seed), concurrency, hang_s, None))
     proc = psutil.Process(pid)
     before = proc.memory_info().rss / 2**20
     start = time.monotonic()
     deadline = start + 60 * minutes if minutes else None
-    outcomes = asyncio.run(_drive(url, plan(requests, seed), concurrency, hang_s, deadline))
+    with _Sampler(url, proc, sample_s) as sampler:
+        outcomes = asyncio.run(_drive(url, plan(requests, seed), concurrency, hang_s, deadline))
     wall = time.monotonic() - start
     found, compared = problems(outcomes)
-    found += [f"warm-up {p}" for p in problems(warm)[0]] + _settle(url)
+    found += [f"warm-up {p}" for p in problems(warm)[0]] + _settle(url) + sampler.over_budget()
     return Report(len(outcomes), Counter(_label(o) for o in outcomes), compared, before,
-                  proc.memory_info().rss / 2**20, wall, found)
+                  proc.memory_info().rss / 2**20, wall, found, sampler.samples)
+
+
+class _Sampler:
+    """From a thread, every `every` seconds (and at the end): (seconds since start, server RSS MB, prefix cache MB)."""
+
+    def __init__(self, url: str, proc: psutil.Process, every: float):
+        self.url, self.proc, self.every = url, proc, every
+        self.samples: list[tuple[float, float, float]] = []
+        self.budget_mb = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._start = time.monotonic()
+
+    def __enter__(self) -> "_Sampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            self._sample()
+            if self._stop.wait(self.every):
+                self._sample()
+                return
+
+    def _sample(self) -> None:
+        metrics = httpx.get(self.url + "/metrics", headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=30).text
+        values = dict(ln.rsplit(" ", 1) for ln in metrics.splitlines() if ln.startswith("specdec_prefix_cache_b"))
+        self.budget_mb = float(values.get("specdec_prefix_cache_budget_bytes", 0)) / 2**20
+        self.samples.append((round(time.monotonic() - self._start, 1), self.proc.memory_info().rss / 2**20,
+                             float(values.get("specdec_prefix_cache_bytes", 0)) / 2**20))
+
+    def over_budget(self) -> list[str]:
+        return [f"prefix cache at {c:.1f} MB > its {self.budget_mb:.0f} MB budget ({t:.0f} s in)"
+                for t, _, c in self.samples if c > self.budget_mb]
+
+
+def write_samples(report: Report, path: Path) -> None:
+    """The samples as CSV at `path` and, beside it, a plot of RSS and cache bytes over time (.png)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path.write_text("seconds,rss_mb,prefix_cache_mb\n" + "".join(f"{t},{r:.1f},{c:.1f}\n" for t, r, c in report.samples))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    minutes = [t / 60 for t, _, _ in report.samples]
+    ax.plot(minutes, [r for _, r, _ in report.samples], marker="o", label="server RSS")
+    ax.plot(minutes, [c for _, _, c in report.samples], marker="o", label="prefix cache")
+    ax.set_xlabel("minutes")
+    ax.set_ylabel("MB")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".png"), dpi=110)
+    plt.close(fig)
 
 
 def _free_port() -> int:
@@ -327,16 +391,16 @@ def _free_port() -> int:
 
 
 @contextmanager
-def spawned_server(model: str, draft: str, parallel: int, context: int,
-                   log: Path) -> Iterator[tuple[str, subprocess.Popen]]:
+def spawned_server(model: str, draft: str, parallel: int, context: int, log: Path,
+                   cache_mb: int = 0) -> Iterator[tuple[str, subprocess.Popen]]:
     """`specdec serve` on loopback in fp32 (batching cannot change tokens) with a draft model, suffix by default,
-    --draft-max 8, both API keys and load control off (every request speculates as asked, at any load); yields
-    (url, process)."""
+    --draft-max 8, both API keys, load control off (every request speculates as asked, at any load) and a prefix
+    cache of `cache_mb`; yields (url, process)."""
     port = _free_port()
     cmd = [sys.executable, "-m", "specdec.cli", "serve", "-m", model, "-md", draft, "--dtype", "fp32",
            "-np", str(parallel), "-c", str(context), "--spec-type", "suffix", "--draft-max", str(DRAFT_MAX),
            "--spec-load-control", "off", "--host", "127.0.0.1", "--port", str(port), "--api-key", KEYS[0],
-           "--alias", "soak"]
+           "--alias", "soak", "--cache-mb", str(cache_mb)]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "SPECDEC_API_KEY": KEYS[1]})
     url = f"http://127.0.0.1:{port}"
@@ -372,12 +436,12 @@ def _stop(proc: subprocess.Popen, log: Path) -> list[str]:
 
 
 def run(model: str, draft: str | None = None, requests: int = 500, concurrency: int = 32, parallel: int = 8,
-        context: int = 256, minutes: float = 0.0, seed: int = 0) -> Report:
+        context: int = 256, minutes: float = 0.0, seed: int = 0, cache_mb: int = 0, sample_s: float = 60.0) -> Report:
     """Spawn a server, soak it, stop it with SIGTERM; the report includes the server's exit."""
     with tempfile.TemporaryDirectory(prefix="specdec-soak-") as tmp:
         log = Path(tmp) / "server.log"
-        with spawned_server(model, draft or model, parallel, context, log) as (url, proc):
-            report = soak(url, proc.pid, requests, concurrency, minutes, seed)
+        with spawned_server(model, draft or model, parallel, context, log, cache_mb) as (url, proc):
+            report = soak(url, proc.pid, requests, concurrency, minutes, seed, sample_s=sample_s)
             report.problems += _stop(proc, log)
     return report
 
@@ -393,9 +457,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minutes", type=float, default=0.0, help="start no request after this long (default: no limit)")
     p.add_argument("--seed", type=int, default=0, help="seed of the request mix (default 0)")
     p.add_argument("--rss-limit-mb", type=float, default=64.0, help="allowed server RSS growth (default 64)")
+    p.add_argument("--cache-mb", type=int, default=0, help="the server's prefix cache (serve --cache-mb; default 0)")
+    p.add_argument("--sample-every", type=float, default=60.0, metavar="S",
+                   help="seconds between samples of the server's RSS and prefix-cache bytes (default 60)")
+    p.add_argument("--samples", type=Path, metavar="CSV", help="write the samples here, and a plot beside it (.png)")
     args = p.parse_args(argv)
     report = run(args.model, args.draft, args.requests, args.concurrency, args.parallel, args.context, args.minutes,
-                 args.seed)
+                 args.seed, args.cache_mb, args.sample_every)
+    if args.samples:
+        write_samples(report, args.samples)
     print(report.summary())
     for line in report.problems:
         print("problem:", line)
