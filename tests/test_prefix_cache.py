@@ -240,3 +240,18 @@ def test_soak_with_a_small_cache_stays_in_budget_and_lossless(smollm_dir, tmp_pa
     assert report.compared > 0 and len(report.samples) >= 2 and max(c for _, _, c in report.samples) > 0
     soak.write_samples(report, tmp_path / "rss.csv")
     assert (tmp_path / "rss.png").exists() and len((tmp_path / "rss.csv").read_text().splitlines()) > 2
+
+
+def test_server_keys_do_not_share_cached_prefixes(tiny_dir):
+    llm = _tiny_llm(tiny_dir, cache_mb=1)
+    srv = ServerThread(create_app(llm, Scheduler(llm.engine, 1), ServerConfig("m", SamplingParams(max_tokens=4),
+                                                                            ("key-a", "key-b"))))
+    try:
+        def cached(key: str) -> int:
+            r = httpx.post(srv.url + "/v1/completions", headers={"Authorization": f"Bearer {key}"}, timeout=60,
+                           json={"prompt": DOC, "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert [cached("key-a"), cached("key-b"), cached("key-a"), cached("key-b")] == [0, 0, 4 * BLOCK, 4 * BLOCK]
+    finally:
+        srv.close()
