@@ -31,10 +31,11 @@ class Result:
     finish_reason: str
     top2_gaps: list[float]  # per output token: the target's top-1 minus top-2 logit
     synthetic: bool = False  # a synthetic drafter forced acceptances: NOT the target's output
+    lossless: bool = True    # False: synthetic drafts or relaxed acceptance (--spec-accept-threshold) changed it
 
     def to_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-                "synthetic": self.synthetic, "stats": self.stats.to_dict()}
+                "synthetic": self.synthetic, "lossless": self.lossless, "stats": self.stats.to_dict()}
 
 
 class LLM:
@@ -134,7 +135,8 @@ class LLM:
         params = SamplingParams(temperature, top_k, top_p, min_p, seed, max_tokens, list(stop or []))
         drafter = self.drafter if spec_type is None else self.drafter_for(spec_type)
         seq = self.engine.generate(ids, params, on_text, drafter)
-        return Result(seq.text, seq.output_ids, seq.stats, seq.finish_reason or "stop", seq.top2_gaps, seq.synthetic)
+        return Result(seq.text, seq.output_ids, seq.stats, seq.finish_reason or "stop", seq.top2_gaps, seq.synthetic,
+                      seq.lossless)
 
 
 def describe_quant(model, quant: str) -> str:

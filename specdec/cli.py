@@ -86,6 +86,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--spec-adaptive", choices=["on", "off"], default="on" if D.adaptive else "off",
                    help="choose each step's draft length (<= --draft-max) by measured costs and acceptance, "
                    "0 when no draft pays, with a one-token probe now and then (default on); off = always --draft-max")
+    s.add_argument("--spec-accept-threshold", dest="accept_threshold", type=float, default=D.accept_threshold,
+                   metavar="T", help="opt-in, LOSSY: also accept a drafted token whose target probability is at least "
+                   "T x the target's top probability (0.7 is a common start); outputs are flagged \"lossless\": "
+                   "false; 0 = off, lossless (default 0)")
     s.add_argument("--draft-quant", choices=QUANT_CHOICES, default=D.draft_quant,
                    help="weights of the draft model, as --quant: auto (default) = gguf for a pack or GGUF file (its "
                    "own blocks through the kernels), none for a checkpoint directory; int4 (groups of 64, bf16 "
@@ -136,20 +140,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
                      min_p=args.min_p, seed=args.seed, stop=args.stop, chat=args.chat, system=args.system,
                      on_text=stream)
     if args.json:
-        keys = ("new_tokens", "target_forwards", "drafted", "accepted", "acceptance_rate", "mean_accept_len",
-                "tokens_per_s")
+        keys = ("new_tokens", "target_forwards", "drafted", "accepted", "relaxed", "acceptance_rate",
+                "mean_accept_len", "tokens_per_s")
         d = r.stats.to_dict()
         print(json.dumps({"text": r.text, "token_ids": r.token_ids, "stats": {k: d[k] for k in keys},
                           "timings": {k: d[k] for k in ("prefill_s", "draft_s", "verify_s", "total_s")},
                           "per_position_acceptance": d["per_position_acceptance"], "spec_type": llm.spec_type,
                           "quant": llm.quant_info,
-                          "finish_reason": r.finish_reason, "synthetic": r.synthetic}))
+                          "finish_reason": r.finish_reason, "synthetic": r.synthetic, "lossless": r.lossless}))
     else:
         s = r.stats
         print(f"\n\n[{llm.spec_type}] {s.new_tokens} tokens in {s.total_s:.2f} s = {s.tokens_per_s:.2f} tok/s | "
               f"target forwards {s.target_forwards} | drafted {s.drafted} accepted {s.accepted} "
               f"({s.acceptance_rate:.0%}) | mean accept len {s.mean_accept_len:.2f}"
-              + (" | SYNTHETIC drafts: not the target's text" if r.synthetic else ""), file=sys.stderr)
+              + (" | SYNTHETIC drafts: not the target's text" if r.synthetic else "")
+              + (f" | LOSSY: {s.relaxed} drafts accepted by --spec-accept-threshold" if llm.config.accept_threshold
+                 else ""), file=sys.stderr)
     return 0
 
 

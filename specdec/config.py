@@ -41,6 +41,7 @@ class Config:
     adaptive: bool = SpecConfig.adaptive
     chain_mode: str = "first"          # chains: first | gain
     progress: bool = True              # download/convert progress on stderr
+    accept_threshold: float = 0.0      # opt-in LOSSY relaxed acceptance (--spec-accept-threshold); 0 = off
     cache_mb: int = 0                  # prefix cache (MiB) shared by the target and a draft model; 0 = off
     drafter: dict[str, Any] = field(default_factory=dict)  # drafter options (registry names), defaults filled in
 
@@ -50,6 +51,8 @@ class Config:
                 raise SpecdecError(f"{name} must be >= 1 (got {getattr(self, name)})")
         if self.cache_mb < 0:
             raise SpecdecError(f"cache_mb must be >= 0 (got {self.cache_mb})")
+        if not 0 <= self.accept_threshold <= 1:
+            raise SpecdecError(f"accept_threshold must be in [0, 1] (got {self.accept_threshold})")
         if not 0 <= self.draft_min <= self.draft_max:
             raise SpecdecError("draft_min must be between 0 and draft_max")
         for what, q in (("draft", self.draft_quant), ("target", self.quant)):
@@ -70,7 +73,7 @@ class Config:
 
     @property
     def spec(self) -> SpecConfig:
-        return SpecConfig(self.draft_max, self.draft_min, self.adaptive)
+        return SpecConfig(self.draft_max, self.draft_min, self.adaptive, self.accept_threshold)
 
     @classmethod
     def make(cls, **kw: Any) -> Config:

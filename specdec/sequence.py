@@ -63,6 +63,7 @@ class Sequence:
     text: str = ""                    # decoded output (stop strings cut off)
     streamed: int = 0                 # characters of `text` handed to on_text
     synthetic: bool = False           # a synthetic drafter forced acceptances: not the target's text
+    accept_threshold: float = 0.0     # opt-in lossy relaxed acceptance (verify.Relaxed); 0 = lossless
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     top2_gaps: list[float] = field(default_factory=list)  # per output token: target's top-1 minus top-2 logit
     # per output token, when asked for: the target's log-probability of it and its `top_logprobs` best
@@ -75,6 +76,11 @@ class Sequence:
     cache_salt: Hashable = None       # prefix-cache scope: sequences see only K/V kept under the same salt
     cached_tokens: int = 0            # prompt tokens whose target K/V came from the prefix cache
     prefix_held: Block | None = None  # the target's prefix-cache block this sequence holds until it ends
+
+    @property
+    def lossless(self) -> bool:
+        """Whether the output is the target's own (no synthetic drafts, no relaxed acceptance)."""
+        return not self.synthetic and not self.accept_threshold
 
     @property
     def output_ids(self) -> list[int]:

@@ -10,6 +10,7 @@ class Stats:
     target_forwards: int = 0  # prefill counts as one
     drafted: int = 0
     accepted: int = 0
+    relaxed: int = 0          # of them, accepted only by the opt-in relaxed rule (--spec-accept-threshold)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -52,7 +53,7 @@ class Stats:
     def to_dict(self) -> dict:
         r = lambda x: round(x, 4)  # noqa: E731
         return {"new_tokens": self.new_tokens, "target_forwards": self.target_forwards, "drafted": self.drafted,
-                "accepted": self.accepted, "acceptance_rate": r(self.acceptance_rate),
+                "accepted": self.accepted, "relaxed": self.relaxed, "acceptance_rate": r(self.acceptance_rate),
                 "mean_accept_len": r(self.mean_accept_len), "tokens_per_s": r(self.tokens_per_s),
                 "per_position_acceptance": [r(x) for x in self.per_position_acceptance],
                 "chosen_draft_lens": dict(sorted(self.chosen_lens.items())),

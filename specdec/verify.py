@@ -7,6 +7,9 @@ Seeded sampling: the target's token at each position is a Gumbel-max draw keyed 
 position) (`sampling.seeded_pick`), so verification is an exact match, like greedy.
 Either way the result is the accepted drafts along one path + one token from the target.
 A chain is the tree whose node i continues node i-1.
+
+Opt-in and lossy (`Relaxed`, --spec-accept-threshold T): where the rule above accepts no child of a node, the
+first child whose target probability is at least T times the target's top probability is accepted anyway.
 """
 from __future__ import annotations
 
@@ -40,45 +43,66 @@ def _children(parents: list[int]) -> dict[int, list[int]]:
     return kids
 
 
-def verify_tree_greedy(tokens: list[int], parents: list[int], target_logits: torch.Tensor) -> tuple[list[int], list[int]]:
+class Relaxed:
+    """Opt-in lossy acceptance: at a node where the lossless rule accepted none of `kids`, the first child whose
+    target probability is at least `threshold` x the target's top probability there; counts what it accepted."""
+
+    def __init__(self, tokens: list[int], target_logits: torch.Tensor, params: SamplingParams, threshold: float):
+        self.tokens, self.threshold, self.count = tokens, threshold, 0
+        # [N+1, V] what the target draws from (greedy: the plain softmax)
+        self.probs = target_logits.softmax(-1) if params.greedy else probs_from_logits(target_logits, params)
+
+    def __call__(self, row: int, kids: list[int]) -> int | None:
+        p = self.probs[row]  # [V]
+        floor = self.threshold * float(p.max())
+        x = next((x for x in kids if float(p[self.tokens[x]]) >= floor), None)
+        self.count += x is not None
+        return x
+
+
+def verify_tree_greedy(tokens: list[int], parents: list[int], target_logits: torch.Tensor,
+                       relax: Relaxed | None = None) -> tuple[list[int], list[int]]:
     """Greedy over a token tree.
 
     tokens, parents [N]; target_logits [N+1, V] (row 0: the last committed token, row i+1: node i).
     Returns (accepted tokens + bonus, accepted node indices along the path).
     """
     pred = target_logits.argmax(-1).tolist()  # [N+1]
-    return _verify_tree_match(tokens, parents, lambda row, _depth: pred[row])
+    return _verify_tree_match(tokens, parents, lambda row, _depth: pred[row], relax)
 
 
 def verify_tree_seeded(tokens: list[int], parents: list[int], target_logits: torch.Tensor, params: SamplingParams,
-                       position: int) -> tuple[list[int], list[int]]:
+                       position: int, relax: Relaxed | None = None) -> tuple[list[int], list[int]]:
     """Seeded sampling over a token tree: the target's own seeded pick at each node, matched like greedy.
 
     target_logits [N+1, V]; `position`: index in the sequence of the first token after the committed ones.
     """
     return _verify_tree_match(tokens, parents,
-                              lambda row, depth: seeded_pick(target_logits[row], params, position + depth))
+                              lambda row, depth: seeded_pick(target_logits[row], params, position + depth), relax)
 
 
-def _verify_tree_match(tokens: list[int], parents: list[int],
-                       pick: Callable[[int, int], int]) -> tuple[list[int], list[int]]:
+def _verify_tree_match(tokens: list[int], parents: list[int], pick: Callable[[int, int], int],
+                       relax: Relaxed | None = None) -> tuple[list[int], list[int]]:
     """Follow the children that equal the target's pick(row, depth) (row i+1: node i; depth: nodes
     on the path so far), then append the target's pick where none does."""
     kids = _children(parents)
     out, path, cur = [], [], -1
     while True:
         want = pick(cur + 1, len(path))
-        out.append(want)
         nxt = next((i for i in kids.get(cur, []) if tokens[i] == want), None)
+        if nxt is None and relax is not None and kids.get(cur):
+            nxt = relax(cur + 1, kids[cur])
         if nxt is None:
+            out.append(want)
             return out, path
+        out.append(tokens[nxt])
         path.append(nxt)
         cur = nxt
 
 
 def verify_tree_sampling(tokens: list[int], parents: list[int], draft_probs: torch.Tensor | None,
-                         target_logits: torch.Tensor, params: SamplingParams,
-                         generator: torch.Generator | None) -> tuple[list[int], list[int]]:
+                         target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                         relax: Relaxed | None = None) -> tuple[list[int], list[int]]:
     """Multi-candidate rejection sampling over a tree (SpecInfer / EAGLE-2 style).
 
     At each node the children are tried in order: child x (drawn from q) is accepted with
@@ -101,6 +125,8 @@ def verify_tree_sampling(tokens: list[int], parents: list[int], draft_probs: tor
                 break
             residual = (p - q).clamp_min(0)
             p = residual / residual.sum() if residual.sum() > 0 else p
+        if accepted is None and relax is not None and kids.get(cur):
+            accepted = relax(cur + 1, kids[cur])
         if accepted is None:
             out += sample(p[None], generator).tolist()
             return out, path

@@ -28,7 +28,7 @@ def test_generate_json(smollm_dir):
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert set(out) >= {"text", "token_ids", "stats"}
-    assert set(out["stats"]) == {"new_tokens", "target_forwards", "drafted", "accepted", "acceptance_rate",
+    assert set(out["stats"]) == {"new_tokens", "target_forwards", "drafted", "accepted", "relaxed", "acceptance_rate",
                                  "mean_accept_len", "tokens_per_s"}
     assert out["stats"]["new_tokens"] == len(out["token_ids"]) <= 12
 

@@ -17,7 +17,7 @@ from specdec.runtime.runner import PREFILL_CHUNK, Features, ModelRunner
 from specdec.sampling import SamplingParams, probs_from_logits, sample, seeded_pick
 from specdec.sequence import Draft, Sequence, StreamCallback
 from specdec.trace import step_trace
-from specdec.verify import chain, verify_tree_greedy, verify_tree_sampling, verify_tree_seeded
+from specdec.verify import Relaxed, chain, verify_tree_greedy, verify_tree_sampling, verify_tree_seeded
 
 __all__ = ["Engine", "SpecConfig", "StreamCallback"]
 
@@ -56,6 +56,7 @@ class SpecConfig:
     draft_max: int = 16
     draft_min: int = 0
     adaptive: bool = True  # choose each step's draft length by expected tokens/s (engine/adaptive.py)
+    accept_threshold: float = 0.0  # opt-in LOSSY relaxed acceptance (verify.Relaxed); 0 = off, lossless
 
 
 class PromptTooLong(SpecdecError):
@@ -92,9 +93,11 @@ class Engine:
     def new_sequence(self, prompt_ids: list[int], params: SamplingParams, slot: int = 0,
                      drafter: Drafter | None = None, draft_max: int | None = None,
                      on_text: StreamCallback | None = None, logprobs: bool = False, top_logprobs: int = 0,
-                     trace: bool = False, cache_prompt: bool = True, cache_salt: Hashable = None) -> Sequence:
+                     trace: bool = False, cache_prompt: bool = True, cache_salt: Hashable = None,
+                     accept_threshold: float | None = None) -> Sequence:
         """A sequence ready to prefill; bad prompts and parameters raise SpecdecError. `cache_prompt`: reuse and
-        keep its prompt's K/V in the prefix cache (if any), among sequences of the same `cache_salt`."""
+        keep its prompt's K/V in the prefix cache (if any), among sequences of the same `cache_salt`.
+        `accept_threshold`: opt-in lossy relaxed acceptance (None: the engine's)."""
         self.check(prompt_ids, params)
         if drafter is not None and drafter.features is not None:  # from now on every forward captures them
             self.target.capture = drafter.features.union(self.target.capture)
@@ -103,7 +106,8 @@ class Engine:
                         generator=params.generator() if unseeded else None, drafter=drafter,
                         draft_max=draft_max, on_text=on_text, detok=Detokenizer(self.tokenizer),
                         logprobs=[] if logprobs else None, top_logprobs=top_logprobs, trace=[] if trace else None,
-                        started=self.clock(), cache_prompt=cache_prompt, cache_salt=cache_salt)
+                        started=self.clock(), cache_prompt=cache_prompt, cache_salt=cache_salt,
+                        accept_threshold=self.spec.accept_threshold if accept_threshold is None else accept_threshold)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, on_text: StreamCallback | None = None,
                  drafter: Drafter | None = None) -> Sequence:
@@ -341,14 +345,17 @@ class Engine:
         t = self.clock()
         decided = next((d for d in (h(seq, draft, logits) for h in self.verify_hooks.values()) if d is not None), None)
         parents = chain(len(draft.tokens)) if draft.parents is None else draft.parents
+        relax = Relaxed(draft.tokens, logits, seq.params, seq.accept_threshold) if seq.accept_threshold else None
         if decided is not None:
             new, path = decided
         elif seq.params.greedy:
-            new, path = verify_tree_greedy(draft.tokens, parents, logits)
+            new, path = verify_tree_greedy(draft.tokens, parents, logits, relax)
         elif seq.seeded:
-            new, path = verify_tree_seeded(draft.tokens, parents, logits, seq.params, len(seq.tokens))
+            new, path = verify_tree_seeded(draft.tokens, parents, logits, seq.params, len(seq.tokens), relax)
         else:
-            new, path = verify_tree_sampling(draft.tokens, parents, draft.probs, logits, seq.params, seq.generator)
+            new, path = verify_tree_sampling(draft.tokens, parents, draft.probs, logits, seq.params, seq.generator,
+                                             relax)
+        seq.stats.relaxed += relax.count if relax else 0
         rows = logits if draft.parents is None else logits[[0] + [i + 1 for i in path]]
         return Verdict(new, path, rows, self.clock() - t)
 

@@ -42,6 +42,7 @@ class Request:
     trace: bool = False  # record each output token's origin (Sequence.trace)
     cache_prompt: bool = True     # use the prefix cache (llama-server's `cache_prompt`)
     cache_salt: Hashable = None   # prefix-cache scope (e.g. the API key): K/V is reused only within one
+    accept_threshold: float | None = None  # opt-in lossy relaxed acceptance (None: the engine's)
     on_text: StreamCallback | None = None
     on_done: Callable[["Request"], None] | None = None  # called once, from the engine thread
     seq: Sequence | None = None
@@ -207,7 +208,8 @@ class Scheduler:
                 try:
                     req.seq = self.engine.new_sequence(req.prompt_ids, req.params, slot, req.drafter, req.draft_max,
                                                        req.on_text, req.logprobs, req.top_logprobs,
-                                                       req.trace, req.cache_prompt, req.cache_salt)
+                                                       req.trace, req.cache_prompt, req.cache_salt,
+                                                       req.accept_threshold)
                 except Exception as e:  # noqa: BLE001 - a bad request must not stop the engine
                     self.free.append(slot)
                     self._close(req, error=f"{type(e).__name__}: {e}")

@@ -27,7 +27,7 @@ from specdec.engine.scheduler import EngineStopped, QueueFull, Request, Schedule
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
 from specdec.server.metrics import Metrics
-from specdec.server.protocol import MAX_BODY, APIError, ChatRequest, CompletionRequest
+from specdec.server.protocol import MAX_BODY, APIError, ChatRequest, CompletionRequest, Speculative
 from specdec.trace import TokenTrace
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] = ()
     shared_memory: bool = False
     max_body: int = MAX_BODY
+    allow_lossy: bool = False  # requests may ask for relaxed acceptance (speculative.accept_threshold)
 
 
 def create_app(llm, scheduler: Scheduler, cfg: ServerConfig) -> FastAPI:
@@ -212,6 +213,9 @@ class _Handler:
             return await asyncio.to_thread(llm.drafter_for, llm.spec_type, scope), None
         if spec is False:
             return None, None
+        if spec.accept_threshold and not self.cfg.allow_lossy:
+            raise APIError(400, "relaxed acceptance changes the output: the server takes speculative.accept_threshold "
+                           "only when started with --allow-lossy", "speculative.accept_threshold")
         draft_max = None if spec.draft_max is None else min(spec.draft_max, llm.engine.spec.draft_max)  # <= --draft-max
         if spec.type is None:
             return await asyncio.to_thread(llm.drafter_for, llm.spec_type, scope), draft_max
@@ -233,8 +237,9 @@ class _Handler:
         """Queue the request and answer it, streamed or whole."""
         params = self._params(body, ids, chat, max_tokens)
         drafter, draft_max = await self._speculation(body.speculative, scope)
+        threshold = body.speculative.accept_threshold if isinstance(body.speculative, Speculative) else None
         req = Request(ids, params, drafter, draft_max, want_lp, top, trace=body.specdec_trace,
-                      cache_prompt=body.cache_prompt, cache_salt=scope)
+                      cache_prompt=body.cache_prompt, cache_salt=scope, accept_threshold=threshold)
         events = _Events(req)
         self._submit(req)
         fmt = _Formatter(self.llm, self.cfg.model_id, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], chat)
@@ -495,8 +500,10 @@ class _Formatter:
         seq, s = req.seq, req.seq.stats
         first = req.first_token_s or 0.0
         decode_s = max((req.finished_s or first) - first, 1e-9)
-        return {"speculative": {"type": seq.drafter.name if seq.drafter else "none", "drafted": s.drafted,
-                                "accepted": s.accepted, "acceptance_rate": round(s.acceptance_rate, 4),
+        return {"lossless": seq.lossless,
+                "speculative": {"type": seq.drafter.name if seq.drafter else "none", "drafted": s.drafted,
+                                "accepted": s.accepted, "relaxed": s.relaxed,
+                                "acceptance_rate": round(s.acceptance_rate, 4),
                                 "mean_accept_len": round(s.mean_accept_len, 4)},
                 "timings": {"prompt_n": seq.prompt_len, "prompt_ms": round(1000 * (req.first_token_s or 0.0), 2),
                             "predicted_n": s.new_tokens, "predicted_ms": round(1000 * decode_s, 2),

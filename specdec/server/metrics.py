@@ -10,7 +10,7 @@ class Metrics:
         self.scheduler = scheduler
         self.requests: dict[str, int] = {}  # finish reason or "error" -> count
         self.rejected = 0
-        self.prompt_tokens = self.generated = self.drafted = self.accepted = 0
+        self.prompt_tokens = self.generated = self.drafted = self.accepted = self.relaxed = 0
 
     def finished(self, req: Request) -> None:
         """Count a finished request; one cancelled before it started has no sequence ("cancelled")."""
@@ -22,6 +22,7 @@ class Metrics:
             self.generated += seq.stats.new_tokens
             self.drafted += seq.stats.drafted
             self.accepted += seq.stats.accepted
+            self.relaxed += seq.stats.relaxed
 
     def render(self) -> str:
         sch = self.scheduler
@@ -40,6 +41,10 @@ class Metrics:
             f"specdec_draft_tokens_total {self.drafted}",
             "# TYPE specdec_draft_accepted_tokens_total counter",
             f"specdec_draft_accepted_tokens_total {self.accepted}",
+            "# HELP specdec_draft_relaxed_tokens_total Of the accepted draft tokens, those accepted only by the opt-in "
+            "lossy relaxed rule (--spec-accept-threshold, speculative.accept_threshold).",
+            "# TYPE specdec_draft_relaxed_tokens_total counter",
+            f"specdec_draft_relaxed_tokens_total {self.relaxed}",
             "# TYPE specdec_requests_running gauge",
             f"specdec_requests_running {load['running']}",
             "# TYPE specdec_requests_waiting gauge",

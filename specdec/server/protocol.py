@@ -31,6 +31,7 @@ class Speculative(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: str | None = None                            # a spec type or chain; None: the server's
     draft_max: StrictInt | None = Field(None, ge=1, le=256)
+    accept_threshold: float | None = Field(None, ge=0, le=1)  # opt-in lossy relaxed acceptance (--allow-lossy)
 
 
 class StreamOptions(BaseModel):

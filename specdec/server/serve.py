@@ -34,6 +34,9 @@ def add_serve_args(p: argparse.ArgumentParser, positive_int) -> None:
                    help="prefix cache: keep the K/V of recent prompts (target and draft model, 16-token blocks, "
                    "least recently used evicted) within MIB and reuse the longest cached prefix of a new prompt; "
                    "a request opts out with \"cache_prompt\": false; 0 = off (default 0)")
+    g.add_argument("--allow-lossy", action="store_true",
+                   help="let requests ask for relaxed acceptance (speculative.accept_threshold), which changes the "
+                   "output; their responses say \"lossless\": false (default: refused with 400)")
     g.add_argument("--spec-load-control", choices=["on", "off"], default="on",
                    help="on: measure goodput with and without speculation at each batch size and use the better "
                    "(turns speculation down or off under load); off: speculate at any load (default on)")
@@ -77,7 +80,7 @@ def run_server(args: argparse.Namespace) -> int:
     controller = LoadController(args.draft_max) if args.spec_load_control == "on" else None
     scheduler = Scheduler(llm.engine, llm.parallel, args.max_queue, controller)
     cfg = ServerConfig(name, defaults, keys, host=args.host, allowed_hosts=tuple(args.allow_host),
-                       shared_memory=args.spec_shared_memory, max_body=args.max_body)
+                       shared_memory=args.spec_shared_memory, max_body=args.max_body, allow_lossy=args.allow_lossy)
     app = create_app(llm, scheduler, cfg)
     print(f"specdec: serving {name} [{llm.spec_type}] on http://{args.host}:{args.port}/v1 with {llm.parallel} slots "
           f"of {llm.context} tokens", file=sys.stderr)
