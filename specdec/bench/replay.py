@@ -129,6 +129,7 @@ class ReplayRunner:
     where verification never looks), and every call adds its recorded cost to `virtual_s`."""
 
     capture = features = None  # no target features (drafters that read them are not replayable)
+    prefix = None  # no prefix cache: every turn's prefill costs what was recorded
 
     def __init__(self, costs: CostModel, vocab_size: int, context: int, eos_ids: list[int],
                  tree_costs: CostModel | None = None):
