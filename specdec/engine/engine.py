@@ -297,12 +297,16 @@ class Engine:
             return {id(s): self._guarded(s, self._propose_alone, s, *lens[id(s)]) for s in live}
         dt = self.clock() - t
         by_seq = dict(zip(map(id, todo), drafts))
-        drafted = sum(len(d.tokens) for d in drafts) or 1
+        drafted = sum(len(d.tokens) for d in drafts)
         shared = dt - sum(d.setup_s for d in drafts)
         out: dict[int, Proposal | None] = {id(s): None for s in seqs if lens[id(s)] is None}
         for s in live:
-            d = by_seq.get(id(s), Draft([]))
-            out[id(s)] = self._proposal(s, lens[id(s)][0], d, d.setup_s + shared * len(d.tokens) / drafted)
+            d = by_seq.get(id(s))
+            if d is None:  # asked for no draft this step
+                out[id(s)] = self._proposal(s, 0, Draft([]), 0.0)
+                continue
+            share = len(d.tokens) / drafted if drafted else 1 / len(drafts)
+            out[id(s)] = self._proposal(s, lens[id(s)][0], d, d.setup_s + shared * share)
         return out
 
     def _propose_alone(self, seq: Sequence, k: int, min_path_prob: float) -> Proposal:
