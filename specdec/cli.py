@@ -199,6 +199,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         run_replay(args)
         return 0
+    if args.what == "relaxed":
+        from specdec.bench.code_check import run_relaxed
+
+        run_relaxed(args)
+        return 0
     from specdec.bench.runner import run_bench
 
     run_bench(args)
@@ -415,10 +420,11 @@ def make_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=cmd_models)
 
     b = sub.add_parser("bench", help="measure speculative methods against plain decoding and the peers")
-    b.add_argument("what", nargs="?", choices=["serve", "replay"],
+    b.add_argument("what", nargs="?", choices=["serve", "replay", "relaxed"],
                    help="serve: sweep concurrency against the live server (off / on / auto speculation); replay: "
                    "record plain outputs and forward costs once (--record), then replay model-free spec types "
-                   "against them in virtual time (--from)")
+                   "against them in virtual time (--from); relaxed: --spec-type (default draft) at each of "
+                   "--thresholds on HumanEval problems: speed, agreement with plain decoding, pass rate")
     w = b.add_argument_group("workload")
     w.add_argument("--workload", default="quick",
                    help="quick (3 built-in prompts), multi-turn (4 built-in code conversations of 4 turns), rag (8 "
@@ -461,6 +467,11 @@ def make_parser() -> argparse.ArgumentParser:
     rp = b.add_argument_group("bench replay")
     rp.add_argument("--record", metavar="FILE", help="run plain decoding over the workload; save outputs and costs")
     rp.add_argument("--from", dest="replay_from", metavar="FILE", help="replay --methods against a recording")
+    rx = b.add_argument_group("bench relaxed")
+    rx.add_argument("--thresholds", default="0.5,0.7,0.9",
+                    help="relaxed-acceptance thresholds to measure, besides 0 (lossless); default 0.5,0.7,0.9")
+    rx.add_argument("--problems", type=_positive_int, default=20,
+                    help="HumanEval problems, the first N (default 20)")
     add_model_args(b)
     b.set_defaults(func=cmd_bench)
 

