@@ -53,7 +53,7 @@ class MarkovRunner:
     """ModelRunner's interface over a Markov table: the logits after a token are table[previous, token].
     Its 'KV cache' is the token at each position of each slot."""
 
-    capture = features = None  # no target features
+    capture = features = prefix = None  # no target features, no prefix cache
 
     def __init__(self, table: torch.Tensor, num_slots: int, context: int = 64):
         self.table, self.context = table, context
