@@ -71,3 +71,13 @@ def test_tiny_batched_requests_equal_plain(tiny_dir):
     _run(sched, reqs)
     assert [r.seq.output_ids for r in reqs] == bases
     assert sum(r.seq.stats.accepted for r in reqs) > 0
+
+
+def test_plan_note(tiny_dir):
+    """`specdec plan` counts no memory for it and says where it would pay."""
+    from test_cli import run
+
+    res = run("plan", "-m", str(tiny_dir("llama", layers=3)), "--spec-type", "early-exit")  # E = 3 // 2
+    assert res.returncode == 0, res.stderr
+    assert "early-exit at layer 1 of 3: no weights or KV of its own" in res.stdout
+    assert "pays only above 33% acceptance" in res.stdout

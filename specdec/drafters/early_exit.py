@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from specdec.drafters.base import Draft
 from specdec.drafters.draft_model import BRANCH_P, P_MIN, DraftModelDrafter
-from specdec.drafters.registry import BuildContext, DrafterType, Option
+from specdec.drafters.registry import BuildContext, DrafterType, HeadMemory, MemoryQuery, Option
 from specdec.errors import SpecdecError
 from specdec.runtime.runner import ModelRunner
 from specdec.sequence import Sequence
@@ -42,6 +42,19 @@ def exit_layer(target: ModelRunner, chosen: int) -> int:
     return layer
 
 
+def planned_memory(q: MemoryQuery) -> HeadMemory:
+    """For `specdec plan`: nothing of its own, and when drafting pays (a draft token reads E/N of the weights)."""
+    from specdec.plan.speed import break_even_alpha
+
+    layer = q.options["spec_exit_layer"] or max(1, q.num_layers // 2)
+    cost = layer / q.num_layers
+    return HeadMemory({}, f"early-exit at layer {layer} of {q.num_layers}: no weights or KV of its own (the target's "
+                          f"first layers on its cache); a draft token costs ~{cost:.2f} of a target forward, so one "
+                          f"draft token a step pays only above {break_even_alpha(cost, 1):.0%} acceptance, which "
+                          "targets not trained for early exit (LayerSkip) rarely reach: plan never recommends it "
+                          "(measured acceptance: docs/benchmarks.md)")
+
+
 def build(ctx: BuildContext) -> EarlyExitDrafter:
     target = ctx.target
     if target is None:
@@ -55,4 +68,4 @@ EXIT_LAYER = Option("spec_exit_layer", "--spec-exit-layer", 0, "early-exit: draf
                     "its final norm and LM head (0 = half of its layers; transformers' assistant_early_exit)", int,
                     ">= 0")
 TYPES = (DrafterType("early-exit", build, "self-speculation: the target's own first layers draft (--spec-exit-layer)",
-                     (EXIT_LAYER, P_MIN, BRANCH_P), per_scope=False),)
+                     (EXIT_LAYER, P_MIN, BRANCH_P), per_scope=False, memory=planned_memory),)
