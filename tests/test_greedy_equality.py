@@ -5,7 +5,7 @@ import specdec
 from specdec.drafters import REGISTRY
 
 PROMPTS_TINY = ["t5 t9 t12 t5 t9 t12 t5 t9", "t33 t2 t71", "t8 " * 20 + "t4", "t60"]
-MODEL_FREE = tuple(n for n, t in REGISTRY.types.items() if not (t.lossy or t.draft_model or t.target_features))
+MODEL_FREE = tuple(n for n, t in REGISTRY.types.items() if t.model_free)
 CHAIN = "ngram-mod,draft"
 SPECS = ("draft", *MODEL_FREE, CHAIN)
 

@@ -237,7 +237,7 @@ def replay_file(args: argparse.Namespace) -> Path:
 def replayable_types() -> list[str]:
     """Spec types a recording can replay: lossless, and needing nothing but the tokens (no draft model, no
     target features)."""
-    return [n for n, t in REGISTRY.types.items() if not (t.lossy or t.draft_model or t.target_features)]
+    return [n for n, t in REGISTRY.types.items() if t.model_free]
 
 
 def replay_turn(engine: Engine, runner: ReplayRunner, turn: Turn, drafter, stop: int, what: str):

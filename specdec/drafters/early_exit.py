@@ -68,4 +68,5 @@ EXIT_LAYER = Option("spec_exit_layer", "--spec-exit-layer", 0, "early-exit: draf
                     "its final norm and LM head (0 = half of its layers; transformers' assistant_early_exit)", int,
                     ">= 0")
 TYPES = (DrafterType("early-exit", build, "self-speculation: the target's own first layers draft (--spec-exit-layer)",
-                     (EXIT_LAYER, P_MIN, BRANCH_P), per_scope=False, memory=planned_memory),)
+                     (EXIT_LAYER, P_MIN, BRANCH_P), per_scope=False, target_layers=True,
+                     memory=planned_memory),)

@@ -115,12 +115,18 @@ class DrafterType:
     lossy: bool = False            # opt-in only: the output is not the target's
     draft_model: bool = False      # needs a draft model (-md)
     target_features: bool = False  # reads the target's hidden states
+    target_layers: bool = False    # drafts with the target's own layers (runs model forwards; not replayable)
     per_scope: bool = True         # learns across requests: one instance per scope (API key); else one for all
     # A lossy type may replace verification: (seq, draft, logits [N+1, V]) -> (new tokens, accepted path), or
     # None to verify as usual. Installed on the engine when a drafter of the type is made.
     verify_hook: VerifyHook | None = None
     # Memory the drafter holds beyond the target (and draft model), for `specdec plan`.
     memory: Callable[[MemoryQuery], HeadMemory] | None = None
+
+    @property
+    def model_free(self) -> bool:
+        """Lossless and drafting from token ids alone (n-grams, suffixes): no model forward of its own."""
+        return not (self.lossy or self.draft_model or self.target_features or self.target_layers)
 
 
 @dataclass
