@@ -19,4 +19,6 @@ if ! command -v chromedriver >/dev/null && command -v apt-get >/dev/null; then
     } >/dev/null 2>&1 || echo "scripts/test.sh: could not install chromium; tests/test_playground.py will skip" >&2
 fi
 python -m pip install -q --disable-pip-version-check selenium==4.51.0
+# test-only: the official Ollama client for tests/test_server_compat.py (skipped without it; needs only httpx, pydantic)
+python -m pip install -q --disable-pip-version-check ollama==0.6.3
 python -m pytest -q "$@"

@@ -81,6 +81,35 @@ def from_transformers(kw: Mapping[str, Any]) -> Settings:
     return out
 
 
+REQUEST_SETTINGS = ("spec_type", "draft_max")  # what one server request may change
+
+
+def for_request(kw: Mapping[str, Any], server: Mapping[str, Any]) -> Settings:
+    """transformers' words in one server request -> the settings a request may change (`REQUEST_SETTINGS`); the
+    other settings they imply must be the server's (`server`: its Config fields and drafter options), else a
+    SpecdecError naming what a request can change."""
+    out = from_transformers(kw)
+    for key, value in out.items():
+        have = server.get(key)
+        if key in REQUEST_SETTINGS or _same_setting(key, value, have, server):
+            continue
+        raise SpecdecError(f"{', '.join(k for k in kw if kw[k] is not None)} needs {key}={value!r}, but this server "
+                           f"runs {key}={have!r}; per request only the spec type (assistant_model = the server's draft "
+                           "model, prompt_lookup_num_tokens, assistant_early_exit, use_mtp) and the draft length "
+                           "(num_assistant_tokens) can change: start the server with the rest")
+    return {k: out[k] for k in REQUEST_SETTINGS if k in out}
+
+
+def _same_setting(key: str, value: Any, have: Any, server: Mapping[str, Any]) -> bool:
+    """Whether the server's setting already is `value`: a draft model named by its path, file name or stem; an
+    ngram_m at least the draft length (drafts are cut to draft_max anyway)."""
+    if key == "draft" and have is not None:
+        return value in (have, Path(have).name, Path(have).stem)
+    if key == "ngram_m" and have is not None:
+        return have >= min(value, server.get("draft_max", value))
+    return value == have
+
+
 def from_vllm(config: str | Mapping[str, Any]) -> Settings:
     """vLLM's `--speculative-config` (a JSON object or its text) -> Config keywords."""
     if isinstance(config, str):

@@ -12,7 +12,7 @@ import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Protocol
 
 from fastapi import Depends, FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -21,13 +21,15 @@ from fastapi.staticfiles import StaticFiles
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
+from specdec import compat
 from specdec.drafters import REGISTRY, Drafter, is_lossy
 from specdec.engine.engine import PromptTooLong
 from specdec.engine.scheduler import EngineStopped, QueueFull, Request, Scheduler
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
 from specdec.server.metrics import Metrics
-from specdec.server.protocol import MAX_BODY, APIError, ChatRequest, CompletionRequest, Speculative
+from specdec.server import llama_routes, ollama
+from specdec.server.protocol import MAX_BODY, APIError, ChatRequest, CompletionRequest, Speculative, response_stats
 from specdec.trace import TokenTrace
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,7 @@ def create_app(llm, scheduler: Scheduler, cfg: ServerConfig) -> FastAPI:
     if not cfg.api_keys and "*" not in cfg.allowed_hosts:
         app.add_middleware(_HostGuard, allowed={_host_name(n) for n in (cfg.host, *LOOPBACK_HOSTS, *cfg.allowed_hosts)})
     app.add_middleware(_BodyLimit, limit=cfg.max_body)
+    app.state.error_bodies = {}  # path (or prefix ending in /) -> its API's error body; OpenAI's elsewhere
     for exc, handler in _ERROR_HANDLERS.items():
         app.add_exception_handler(exc, handler)
 
@@ -97,7 +100,27 @@ def create_app(llm, scheduler: Scheduler, cfg: ServerConfig) -> FastAPI:
     async def chat(body: ChatRequest, http: HTTPRequest, scope: int | None = Depends(h.auth)):
         return await h.chat(body, http, scope)
 
+    ollama.add_routes(app, h)
+    llama_routes.add_routes(app, h)
     return app
+
+
+class Wire(Protocol):
+    """One API's answer format: OpenAI's (`_Formatter`), Ollama's (`ollama.py`), llama-server's (`llama_routes.py`)."""
+    rid: str
+    media_type: str  # of a stream
+
+    def opening(self) -> list[str]:
+        """Stream lines before any text."""
+
+    def piece(self, delta: str, toks: list[int], lps: list, trace: list[TokenTrace] | None) -> str:
+        """The stream line for a piece of new text."""
+
+    def closing(self, req: Request, events: _Events, err: APIError | None) -> list[str]:
+        """The stream's last lines: stats, or the request's error."""
+
+    def response(self, req: Request) -> dict:
+        """The whole answer (not streamed)."""
 
 
 class _Handler:
@@ -153,21 +176,24 @@ class _Handler:
         return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     # -- request parsing --------------------------------------------------------------------
-    async def completions(self, body: CompletionRequest, http: HTTPRequest,
-                          scope: int | None) -> dict | StreamingResponse:
+    async def completions(self, body: CompletionRequest, http: HTTPRequest, scope: int | None,
+                          wire: Wire | None = None) -> dict | StreamingResponse:
+        """A completion, answered in OpenAI's format or `wire`'s (the other APIs' routes convert their bodies)."""
         if body.echo:
             raise APIError(400, "echo is not supported", "echo")
         ids = await asyncio.to_thread(self._prompt_ids, body.prompt)  # off the event loop: prompts can be long
         return await self._serve(http, body, ids, chat=False, top=body.logprobs or 0,
-                                 want_lp=body.logprobs is not None, max_tokens=body.max_tokens, scope=scope)
+                                 want_lp=body.logprobs is not None, max_tokens=body.max_tokens, scope=scope, wire=wire)
 
-    async def chat(self, body: ChatRequest, http: HTTPRequest, scope: int | None) -> dict | StreamingResponse:
+    async def chat(self, body: ChatRequest, http: HTTPRequest, scope: int | None,
+                   wire: Wire | None = None) -> dict | StreamingResponse:
+        """A chat completion, answered in OpenAI's format or `wire`'s."""
         try:
             ids = await asyncio.to_thread(self.llm.encode_chat, body.chat_messages())
         except SpecdecError as e:
             raise APIError(400, str(e), "messages") from None
         return await self._serve(http, body, ids, chat=True, top=body.top_logprobs or 0, want_lp=body.logprobs,
-                                 max_tokens=body.max_completion_tokens or body.max_tokens, scope=scope)
+                                 max_tokens=body.max_completion_tokens or body.max_tokens, scope=scope, wire=wire)
 
     def _prompt_ids(self, prompt: str | list[int] | list[str]) -> list[int]:
         """A completion's prompt (text, a one-element list of text, or token ids) as token ids."""
@@ -206,6 +232,25 @@ class _Handler:
             raise APIError(400, str(e)) from None
 
     # -- speculation ------------------------------------------------------------------------
+    def _requested(self, body: _Body) -> bool | Speculative | None:
+        """The `speculative` field, or one made from transformers' assisted-generation words in the body
+        (compat.HF_WORDS): a request may change the spec type and draft_max; the rest must be the server's."""
+        words = {k: v for k, v in (body.model_extra or {}).items() if k in compat.HF_WORDS}
+        if not words:
+            return body.speculative
+        if body.speculative is not None:
+            raise APIError(400, f"give either speculative or transformers' words ({', '.join(words)}), not both",
+                           "speculative")
+        cfg = self.llm.config
+        try:
+            got = compat.for_request(words, {**cfg.drafter, "draft": cfg.draft, "adaptive": cfg.adaptive,
+                                             "draft_max": cfg.draft_max})
+        except SpecdecError as e:
+            raise APIError(400, str(e), next(iter(words))) from None
+        draft_max = got.get("draft_max")
+        return Speculative(type=got.get("spec_type"),
+                           draft_max=None if draft_max is None else min(draft_max, self.llm.engine.spec.draft_max))
+
     async def _speculation(self, spec, scope: int | None) -> tuple[Drafter | None, int | None]:
         """(drafter, draft_max) for the `speculative` field; drafters that learn across requests are per scope."""
         llm = self.llm
@@ -233,19 +278,20 @@ class _Handler:
 
     # -- serving ----------------------------------------------------------------------------
     async def _serve(self, http: HTTPRequest, body: _Body, ids: list[int], chat: bool, top: int, want_lp: bool,
-                     max_tokens: int | None, scope: int | None) -> dict | StreamingResponse:
-        """Queue the request and answer it, streamed or whole."""
+                     max_tokens: int | None, scope: int | None, wire: Wire | None) -> dict | StreamingResponse:
+        """Queue the request and answer it, streamed or whole, in `wire`'s format (None: OpenAI's)."""
         params = self._params(body, ids, chat, max_tokens)
-        drafter, draft_max = await self._speculation(body.speculative, scope)
+        drafter, draft_max = await self._speculation(self._requested(body), scope)
         threshold = body.speculative.accept_threshold if isinstance(body.speculative, Speculative) else None
         req = Request(ids, params, drafter, draft_max, want_lp, top, trace=body.specdec_trace,
                       cache_prompt=body.cache_prompt, cache_salt=scope, accept_threshold=threshold)
         events = _Events(req)
         self._submit(req)
-        fmt = _Formatter(self.llm, self.cfg.model_id, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], chat)
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        fmt = wire or _Formatter(self.llm, self.cfg.model_id, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
+                                 chat, usage)
         if body.stream:
-            usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(self._stream(req, events, fmt, usage), media_type="text/event-stream")
+            return StreamingResponse(self._stream(req, events, fmt), media_type=fmt.media_type)
         return await self._respond(http, req, events, fmt)
 
     def _submit(self, req: Request) -> None:
@@ -257,7 +303,7 @@ class _Handler:
         except EngineStopped as e:
             raise APIError(503, str(e), code="engine_stopped") from None
 
-    async def _respond(self, http: HTTPRequest, req: Request, events: _Events, fmt: _Formatter) -> dict:
+    async def _respond(self, http: HTTPRequest, req: Request, events: _Events, fmt: Wire) -> dict:
         """The whole completion, once the request is done; a client that leaves first cancels it."""
         watcher = asyncio.create_task(self._cancel_on_disconnect(http, req))
         try:
@@ -276,28 +322,18 @@ class _Handler:
             pass
         self.scheduler.cancel(req)
 
-    async def _stream(self, req: Request, events: _Events, fmt: _Formatter, usage: bool) -> AsyncIterator[str]:
-        """Server-sent events: the text as it comes, then the stats (and usage) or the error, then [DONE]."""
+    async def _stream(self, req: Request, events: _Events, fmt: Wire) -> AsyncIterator[str]:
+        """The stream in `fmt`'s format: the text as it comes, then the stats or the error."""
         done = False
         try:
-            if fmt.chat:
-                yield _data(fmt.chunk({"role": "assistant", "content": ""}, [], [], None))
-            while True:
-                ev = await events.get()
-                if ev is None:
-                    done = True
-                    break
-                delta, toks, lps, trace = ev
-                yield _data(fmt.chunk({"content": delta} if fmt.chat else delta, toks, lps, None, trace))
+            for line in fmt.opening():
+                yield line
+            while (ev := await events.get()) is not None:
+                yield fmt.piece(*ev)
+            done = True
             self.metrics.finished(req)
-            if err := _failure(req, fmt.rid):
-                yield _data(err.body())
-            else:
-                last = fmt.chunk({} if fmt.chat else "", [], [], req.seq.finish_reason, events.rest_of_trace())
-                yield _data({**last, **fmt.stats(req)})
-                if usage:
-                    yield _data({**fmt.head(), "choices": [], "usage": fmt.usage(req)})
-            yield "data: [DONE]\n\n"
+            for line in fmt.closing(req, events, _failure(req, fmt.rid)):
+                yield line
         finally:
             if not done:  # the client went away: free the slot
                 self.scheduler.cancel(req)
@@ -335,25 +371,32 @@ class _Events:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
 
 
-async def _api_error(_req, e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+def _error(req: HTTPRequest, e: APIError) -> JSONResponse:
+    """`e` in the error format of the API `req`'s path belongs to (`app.state.error_bodies`; else OpenAI's)."""
+    path = req.url.path
+    body = next((fn for key, fn in req.app.state.error_bodies.items()
+                 if path == key or (key.endswith("/") and path.startswith(key))), APIError.body)
+    return JSONResponse(body(e), status_code=e.status)
 
 
-async def _invalid(_req, e: RequestValidationError) -> JSONResponse:
+async def _api_error(req: HTTPRequest, e: APIError) -> JSONResponse:
+    return _error(req, e)
+
+
+async def _invalid(req: HTTPRequest, e: RequestValidationError) -> JSONResponse:
     """A body that does not fit the schema: 400, naming the first bad field."""
     err = e.errors()[0] if e.errors() else {}
     loc = ".".join(str(x) for x in err.get("loc", ())[1:]) or None
     msg = f"{loc}: {err.get('msg')}" if loc else str(err.get("msg", "invalid request"))
-    return JSONResponse(APIError(400, msg, loc).body(), status_code=400)
+    return _error(req, APIError(400, msg, loc))
 
 
-async def _http(_req, e: HTTPException) -> JSONResponse:
-    return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+async def _http(req: HTTPRequest, e: HTTPException) -> JSONResponse:
+    return _error(req, APIError(e.status_code, str(e.detail)))
 
 
-async def _unexpected(_req, e: Exception) -> JSONResponse:
-    err = _internal("req-" + uuid.uuid4().hex[:24], f"{type(e).__name__}: {e}")
-    return JSONResponse(err.body(), status_code=err.status)
+async def _unexpected(req: HTTPRequest, e: Exception) -> JSONResponse:
+    return _error(req, _internal("req-" + uuid.uuid4().hex[:24], f"{type(e).__name__}: {e}"))
 
 
 _ERROR_HANDLERS = {APIError: _api_error, RequestValidationError: _invalid, HTTPException: _http,
@@ -440,11 +483,29 @@ class _BodyLimit:
 
 
 class _Formatter:
-    """Builds OpenAI response objects (chat or text completion) for one request."""
+    """Builds OpenAI response objects (chat or text completion) for one request: a `Wire` (SSE, then [DONE])."""
+    media_type = "text/event-stream"
 
-    def __init__(self, llm, model_id: str, rid: str, chat: bool):
+    def __init__(self, llm, model_id: str, rid: str, chat: bool, usage: bool = False):
         self.llm, self.model_id, self.rid, self.chat = llm, model_id, rid, chat
+        self.usage_chunk = usage  # stream_options.include_usage
         self.created = int(time.time())
+
+    def opening(self) -> list[str]:
+        return [_data(self.chunk({"role": "assistant", "content": ""}, [], [], None))] if self.chat else []
+
+    def piece(self, delta: str, toks: list[int], lps: list, trace: list[TokenTrace] | None) -> str:
+        return _data(self.chunk({"content": delta} if self.chat else delta, toks, lps, None, trace))
+
+    def closing(self, req: Request, events: _Events, err: APIError | None) -> list[str]:
+        """The last chunk with the stats (and a usage chunk), or the error; then [DONE]."""
+        if err:
+            return [_data(err.body()), "data: [DONE]\n\n"]
+        last = self.chunk({} if self.chat else "", [], [], req.seq.finish_reason, events.rest_of_trace())
+        lines = [_data({**last, **self.stats(req)})]
+        if self.usage_chunk:
+            lines.append(_data({**self.head(), "choices": [], "usage": self.usage(req)}))
+        return lines + ["data: [DONE]\n\n"]
 
     def head(self) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
@@ -494,18 +555,4 @@ class _Formatter:
         head = {**self.head(), "object": "chat.completion" if self.chat else "text_completion"}
         return {**head, "choices": [choice], "usage": self.usage(req), **self.stats(req), **self._trace(seq.trace)}
 
-    @staticmethod
-    def stats(req: Request) -> dict:
-        """Speculative stats and llama-server-style `timings` (draft_n, draft_n_accepted)."""
-        seq, s = req.seq, req.seq.stats
-        first = req.first_token_s or 0.0
-        decode_s = max((req.finished_s or first) - first, 1e-9)
-        return {"lossless": seq.lossless,
-                "speculative": {"type": seq.drafter.name if seq.drafter else "none", "drafted": s.drafted,
-                                "accepted": s.accepted, "relaxed": s.relaxed,
-                                "acceptance_rate": round(s.acceptance_rate, 4),
-                                "mean_accept_len": round(s.mean_accept_len, 4)},
-                "timings": {"prompt_n": seq.prompt_len, "prompt_ms": round(1000 * (req.first_token_s or 0.0), 2),
-                            "predicted_n": s.new_tokens, "predicted_ms": round(1000 * decode_s, 2),
-                            "predicted_per_second": round(max(s.new_tokens - 1, 0) / decode_s, 3),
-                            "draft_n": s.drafted, "draft_n_accepted": s.accepted, "cache_n": seq.cached_tokens}}
+    stats = staticmethod(response_stats)

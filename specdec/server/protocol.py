@@ -1,12 +1,17 @@
-"""OpenAI request bodies (the fields we honour; unknown fields are ignored as OpenAI-compatible servers do)
-and the OpenAI error format."""
+"""OpenAI request bodies (the fields we honour; unknown fields are ignored as OpenAI-compatible servers do),
+the OpenAI error format, the stats every response carries, and what the other APIs' routes (Ollama's,
+llama-server's) share to turn their bodies into OpenAI ones."""
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
+from specdec.compat import HF_WORDS
 from specdec.sampling import SEED_LIMIT, SamplingParams
+
+if TYPE_CHECKING:
+    from specdec.engine.scheduler import Request
 
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings per request, characters per stop string
 MAX_BODY = 4 << 20  # default --max-body (bytes)
@@ -110,3 +115,57 @@ class ChatRequest(_Common):
 
     def chat_messages(self) -> list[dict[str, Any]]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+def response_stats(req: Request) -> dict:
+    """Speculative stats and llama-server-style `timings` (draft_n, draft_n_accepted) of a finished request."""
+    seq, s = req.seq, req.seq.stats
+    first = req.first_token_s or 0.0
+    decode_s = max((req.finished_s or first) - first, 1e-9)
+    return {"lossless": seq.lossless,
+            "speculative": {"type": seq.drafter.name if seq.drafter else "none", "drafted": s.drafted,
+                            "accepted": s.accepted, "relaxed": s.relaxed,
+                            "acceptance_rate": round(s.acceptance_rate, 4),
+                            "mean_accept_len": round(s.mean_accept_len, 4)},
+            "timings": {"prompt_n": seq.prompt_len, "prompt_ms": round(1000 * (req.first_token_s or 0.0), 2),
+                        "predicted_n": s.new_tokens, "predicted_ms": round(1000 * decode_s, 2),
+                        "predicted_per_second": round(max(s.new_tokens - 1, 0) / decode_s, 3),
+                        "draft_n": s.drafted, "draft_n_accepted": s.accepted, "cache_n": seq.cached_tokens}}
+
+
+# -- the other APIs' bodies as OpenAI ones ----------------------------------------------------
+EXTENSIONS = ("speculative", *HF_WORDS)  # per-request speculation, in any API's body
+
+
+def refuse_unsupported(fields: Mapping[str, Any], neutral: Mapping[str, Any], prefix: str = "") -> None:
+    """400 for a field that would change the output distribution (penalties, grammars, ...), which specdec does not
+    do; `neutral`: field -> its no-op value (None: refused only when non-empty)."""
+    for key, ok in neutral.items():
+        value = fields.get(key)
+        if value is not None and (bool(value) if ok is None else value != ok):
+            raise APIError(400, f"{prefix}{key}={value!r} is not supported: it would change the output distribution",
+                           prefix + key)
+
+
+def sampling_fields(fields: Mapping[str, Any], predict: str, context: int) -> dict[str, Any]:
+    """Their sampling fields as OpenAI's: a negative seed is a random one, a negative `predict` (num_predict,
+    n_predict) means up to the end of the context, which is `max_tokens` = `context`."""
+    out = {k: fields[k] for k in ("temperature", "top_p", "top_k", "min_p", "stop") if fields.get(k) is not None}
+    seed, n = fields.get("seed"), fields.get(predict)
+    if seed is not None and not (isinstance(seed, int) and seed < 0):
+        out["seed"] = seed
+    if n is not None:
+        out["max_tokens"] = context if isinstance(n, int) and not isinstance(n, bool) and n < 0 else n
+    return out
+
+
+def openai_body(cls: type[_Common], fields: dict[str, Any], names: Mapping[str, str]) -> _Common:
+    """`cls` (CompletionRequest or ChatRequest) from converted fields; a bad value is a 400 naming the client's
+    field (`names`: our field -> theirs)."""
+    try:
+        return cls.model_validate(fields)
+    except ValidationError as e:
+        err = e.errors()[0]
+        head, dot, rest = ".".join(str(x) for x in err["loc"]).partition(".")
+        field = names.get(head, head) + dot + rest
+        raise APIError(400, f"{field}: {err['msg']}", field) from None

@@ -1,0 +1,201 @@
+"""Ollama's API over the same handler as the OpenAI routes: `/api/chat` and `/api/generate` (NDJSON streaming
+by default, `"stream": false` for one object), `/api/tags`, `/api/version`. Bodies become OpenAI ones; answers
+and errors (`{"error": "..."}`) are Ollama's (docs/compat.md)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Depends, FastAPI, Request as HTTPRequest
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+import specdec
+from specdec.errors import SpecdecError
+from specdec.server.protocol import (EXTENSIONS, APIError, ChatRequest, CompletionRequest, openai_body,
+                                     refuse_unsupported, response_stats, sampling_fields)
+
+if TYPE_CHECKING:
+    from specdec.engine.scheduler import Request
+    from specdec.server.app import _Handler
+
+# options that would change the output distribution, with their no-op values (others: the OpenAI rule)
+NEUTRAL = {"repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "typical_p": 1.0, "tfs_z": 1.0,
+           "mirostat": 0}
+# what a request may not ask for (no-op values pass): name -> why
+UNSUPPORTED = {"format": "structured outputs (format)", "images": "images", "tools": "tools", "think": "thinking",
+               "suffix": "fill-in-the-middle (suffix)", "template": "a custom template",
+               "logprobs": "logprobs on /api/* (ask /v1/chat/completions)"}
+NAMES = {"max_tokens": "options.num_predict", "temperature": "options.temperature", "top_p": "options.top_p",
+         "top_k": "options.top_k", "min_p": "options.min_p", "seed": "options.seed", "stop": "options.stop",
+         "prompt": "prompt"}  # our field -> Ollama's, in errors
+
+
+class OllamaMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str = ""
+    images: list[str] | None = None
+    tool_calls: list[Any] | None = None
+
+
+class _OllamaBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    stream: StrictBool = True
+    options: dict[str, Any] = Field(default_factory=dict)
+    keep_alive: Any = None  # the model stays loaded: ignored
+
+
+class OllamaChat(_OllamaBody):
+    messages: list[OllamaMessage] = Field(default_factory=list)
+
+
+class OllamaGenerate(_OllamaBody):
+    prompt: str = ""
+    system: str | None = None
+    raw: StrictBool = False
+    context: list[StrictInt] | None = None  # token ids a previous answer returned
+
+
+def add_routes(app: FastAPI, h: _Handler) -> None:
+    """Ollama's routes and error format on `app`, served by `h` (specdec.server.app._Handler)."""
+    app.state.error_bodies["/api/"] = error_body
+
+    @app.post("/api/chat")
+    async def chat(body: OllamaChat, http: HTTPRequest, scope: int | None = Depends(h.auth)):
+        if not body.messages:
+            return _loaded(h, body)
+        openai = openai_body(ChatRequest, {**_fields(h, body), "messages": [_message(m) for m in body.messages]},
+                             NAMES)
+        return await h.chat(openai, http, scope, _Wire(body.model or _tagged(h.cfg.model_id), chat=True))
+
+    @app.post("/api/generate")
+    async def generate(body: OllamaGenerate, http: HTTPRequest, scope: int | None = Depends(h.auth)):
+        if not body.prompt:
+            return _loaded(h, body)
+        fields = _fields(h, body)  # checks come before tokenizing
+        ids = await asyncio.to_thread(_generate_ids, h.llm, body)
+        openai = openai_body(CompletionRequest, {**fields, "prompt": ids}, NAMES)
+        return await h.completions(openai, http, scope, _Wire(body.model or _tagged(h.cfg.model_id), chat=False))
+
+    @app.get("/api/tags", dependencies=[Depends(h.auth)])
+    async def tags():
+        name = _tagged(h.cfg.model_id)
+        return {"models": [{"name": name, "model": name, "modified_at": _now(), "size": 0, "digest": "",
+                            "details": {"format": "specdec", "family": "", "parameter_size": "",
+                                        "quantization_level": h.llm.quant}}]}
+
+    @app.get("/api/version")
+    async def version():
+        return {"version": specdec.__version__}
+
+
+def error_body(e: APIError) -> dict:
+    """Ollama's error format."""
+    return {"error": e.message}
+
+
+def _fields(h: _Handler, body: _OllamaBody) -> dict[str, Any]:
+    """The OpenAI body's fields from an Ollama body: sampling from `options`, speculation (`speculative`,
+    transformers' words) from the body or its options; what we cannot honour is a 400."""
+    extra = {**(body.model_extra or {}), **body.options}
+    for key, why in UNSUPPORTED.items():
+        if extra.get(key):
+            raise APIError(400, f"{why} is not supported by specdec", key)
+    refuse_unsupported(body.options, NEUTRAL, "options.")
+    num_ctx = body.options.get("num_ctx")
+    if num_ctx is not None and (not isinstance(num_ctx, int) or num_ctx > h.llm.context):
+        raise APIError(400, f"options.num_ctx={num_ctx!r}: this server's context is {h.llm.context} tokens per slot "
+                       "(specdec serve -c); ask for at most that", "options.num_ctx")
+    return {**sampling_fields(body.options, "num_predict", h.llm.context), "model": _model(h, body),
+            "stream": body.stream, **{k: extra[k] for k in EXTENSIONS if k in extra}}
+
+
+def _model(h: _Handler, body: _OllamaBody) -> str | None:
+    """The model asked for, with Ollama's default tag `:latest` on our id taken as our id."""
+    return h.cfg.model_id if body.model == _tagged(h.cfg.model_id) else body.model
+
+
+def _tagged(model_id: str) -> str:
+    return model_id if ":" in model_id else model_id + ":latest"
+
+
+def _message(m: OllamaMessage) -> dict[str, Any]:
+    if m.images or m.tool_calls:
+        raise APIError(400, "images and tool calls are not supported by specdec", "messages")
+    return {"role": m.role, "content": m.content}
+
+
+def _generate_ids(llm, body: OllamaGenerate) -> list[int]:
+    """/api/generate's prompt: in the chat template with `system` (as Ollama), as is with `raw` or when the model has
+    none (Ollama's default template is the prompt alone); after the `context` a previous answer returned."""
+    if body.raw or not llm.tokenizer.chat_template:
+        ids = llm.encode(body.prompt)
+    else:
+        try:
+            ids = llm.encode(body.prompt, chat=True, system=body.system)
+        except SpecdecError as e:
+            raise APIError(400, str(e), "prompt") from None
+    return list(body.context or []) + ids
+
+
+def _loaded(h: _Handler, body: _OllamaBody) -> dict:
+    """Ollama answers an empty prompt or conversation by loading the model: here it is loaded already."""
+    model = _model(h, body)
+    if model is not None and model != h.cfg.model_id:
+        raise APIError(404, f"model {body.model!r} not found (this server has {_tagged(h.cfg.model_id)!r})", "model")
+    text = {"message": {"role": "assistant", "content": ""}} if isinstance(body, OllamaChat) else {"response": ""}
+    return {"model": body.model, "created_at": _now(), **text, "done": True, "done_reason": "load"}
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _ns(ms: float) -> int:
+    return int(ms * 1_000_000)
+
+
+class _Wire:
+    """Ollama's answer: NDJSON lines {"model", "created_at", "message" | "response", "done": false}, then one
+    with done true, done_reason and the durations (ns); the same fields in one object when not streamed."""
+    media_type = "application/x-ndjson"
+
+    def __init__(self, model: str, chat: bool):
+        self.model, self.chat = model, chat
+        self.rid = "ollama-" + uuid.uuid4().hex[:24]
+
+    def _part(self, text: str, done: bool) -> dict:
+        body = {"message": {"role": "assistant", "content": text}} if self.chat else {"response": text}
+        return {"model": self.model, "created_at": _now(), **body, "done": done}
+
+    def opening(self) -> list[str]:
+        return []
+
+    def piece(self, delta: str, toks: list[int], lps: list, trace: Any) -> str:
+        return _line(self._part(delta, False))
+
+    def closing(self, req: Request, events: Any, err: APIError | None) -> list[str]:
+        return [_line(error_body(err) if err else self._final(req, ""))]
+
+    def response(self, req: Request) -> dict:
+        return self._final(req, req.seq.text)
+
+    def _final(self, req: Request, text: str) -> dict:
+        """The last part: why it ended, the counts and durations; /api/generate's `context`; specdec's stats."""
+        stats = response_stats(req)
+        t = stats["timings"]
+        out = {**self._part(text, True), "done_reason": req.seq.finish_reason,
+               "total_duration": _ns(t["prompt_ms"] + t["predicted_ms"]), "load_duration": 0,
+               "prompt_eval_count": t["prompt_n"], "prompt_eval_duration": _ns(t["prompt_ms"]),
+               "eval_count": t["predicted_n"], "eval_duration": _ns(t["predicted_ms"])}
+        if not self.chat:
+            out["context"] = req.seq.tokens
+        return {**out, **stats}
+
+
+def _line(obj: dict) -> str:
+    return json.dumps(obj) + "\n"
