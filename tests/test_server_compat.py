@@ -10,6 +10,7 @@ import pytest
 
 import specdec
 from specdec import compat
+from specdec.drafters import Drafter
 from specdec.engine.scheduler import QueueFull, Scheduler
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
@@ -175,6 +176,30 @@ def test_full_queue_is_429_in_each_apis_format(tiny, monkeypatch):
     assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
 
 
+class _Boom(Drafter):
+    name = "boom"
+
+    def propose(self, seq, max_tokens, min_path_prob=0.0):
+        raise RuntimeError("secret-internal-detail")
+
+
+def test_a_failing_request_is_a_500_in_each_apis_format_whole_and_streamed(tiny, monkeypatch):
+    monkeypatch.setattr(tiny.llm, "drafter_for", lambda spec_type, scope=None: _Boom())
+    boom = {"speculative": {"type": "ngram-simple"}}
+    c = ollama.Client(host=tiny.url, headers=KEY)
+    for stream in (False, True):
+        with pytest.raises(ollama.ResponseError) as e:
+            list(c.chat(model="m", messages=USER, options=boom, stream=True)) if stream else c.chat(
+                model="m", messages=USER, options=boom)
+        assert "internal server error (request id ollama-" in e.value.error and "secret" not in e.value.error
+    r = _post(tiny, "/completion", {"prompt": "t5 t6", **boom})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error" and "secret" not in r.text
+    with httpx.stream("POST", tiny.url + "/completion", headers=KEY, timeout=60,
+                      json={"prompt": "t5 t6", "stream": True, **boom}) as s:
+        last = json.loads([line for line in s.iter_lines() if line][-1][6:])
+    assert last["error"]["code"] == 500 and "secret" not in json.dumps(last)
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/api/generate", "/completion"])
 def test_transformers_words_per_request(tiny, path):
     def ask(**words):
@@ -230,7 +255,8 @@ def test_smollm_greedy_text_equals_plain_decoding(smollm_dir):
         assert "".join(p.message.content for p in c.chat(model="smol", messages=chat, options=opts,
                                                           stream=True)) == plain_chat
         r = _post(srv, "/completion", {"prompt": "def fib(n):", "n_predict": 24, "temperature": 0}, headers={})
-        assert r.json()["content"] == plain and r.json()["timings"]["draft_n"] >= r.json()["timings"]["draft_n_accepted"]
+        timings = r.json()["timings"]
+        assert r.json()["content"] == plain and timings["draft_n"] >= timings["draft_n_accepted"]
         cancelled = []
         cancel = scheduler.cancel
         scheduler.cancel = lambda req: (cancelled.append(req), cancel(req))

@@ -288,8 +288,8 @@ class _Handler:
         events = _Events(req)
         self._submit(req)
         usage = body.stream_options is not None and body.stream_options.include_usage
-        fmt = wire or _Formatter(self.llm, self.cfg.model_id, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
-                                 chat, usage)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        fmt = wire or _Formatter(self.llm, self.cfg.model_id, rid, chat, usage)
         if body.stream:
             return StreamingResponse(self._stream(req, events, fmt), media_type=fmt.media_type)
         return await self._respond(http, req, events, fmt)

@@ -45,7 +45,7 @@ class _OllamaBody(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str | None = None
     stream: StrictBool = True
-    options: dict[str, Any] = Field(default_factory=dict)
+    options: dict[str, Any] | None = None
     keep_alive: Any = None  # the model stays loaded: ignored
 
 
@@ -101,16 +101,17 @@ def error_body(e: APIError) -> dict:
 def _fields(h: _Handler, body: _OllamaBody) -> dict[str, Any]:
     """The OpenAI body's fields from an Ollama body: sampling from `options`, speculation (`speculative`,
     transformers' words) from the body or its options; what we cannot honour is a 400."""
-    extra = {**(body.model_extra or {}), **body.options}
+    options = body.options or {}
+    extra = {**(body.model_extra or {}), **options}
     for key, why in UNSUPPORTED.items():
         if extra.get(key):
             raise APIError(400, f"{why} is not supported by specdec", key)
-    refuse_unsupported(body.options, NEUTRAL, "options.")
-    num_ctx = body.options.get("num_ctx")
+    refuse_unsupported(options, NEUTRAL, "options.")
+    num_ctx = options.get("num_ctx")
     if num_ctx is not None and (not isinstance(num_ctx, int) or num_ctx > h.llm.context):
         raise APIError(400, f"options.num_ctx={num_ctx!r}: this server's context is {h.llm.context} tokens per slot "
                        "(specdec serve -c); ask for at most that", "options.num_ctx")
-    return {**sampling_fields(body.options, "num_predict", h.llm.context), "model": _model(h, body),
+    return {**sampling_fields(options, "num_predict", h.llm.context), "model": _model(h, body),
             "stream": body.stream, **{k: extra[k] for k in EXTENSIONS if k in extra}}
 
 
