@@ -83,6 +83,8 @@ def test_ollama_client_chat_and_generate(tiny):
     assert c.chat(model="m", messages=[]).done_reason == "load"  # Ollama's way to load a model
     assert c.generate(model="m", prompt="").done_reason == "load"
     assert [m.model for m in c.list().models] == ["m:latest"]
+    shown = c.show("m:latest")
+    assert shown.modelinfo["llama.context_length"] == 64 and shown.template == TEMPLATE
     assert httpx.get(tiny.url + "/api/version").json() == {"version": specdec.__version__}
 
 

@@ -1,6 +1,6 @@
 """Ollama's API over the same handler as the OpenAI routes: `/api/chat` and `/api/generate` (NDJSON streaming
-by default, `"stream": false` for one object), `/api/tags`, `/api/version`. Bodies become OpenAI ones; answers
-and errors (`{"error": "..."}`) are Ollama's (docs/compat.md)."""
+by default, `"stream": false` for one object), `/api/tags`, `/api/show`, `/api/version`. Bodies become OpenAI
+ones; answers and errors (`{"error": "..."}`) are Ollama's (docs/compat.md)."""
 from __future__ import annotations
 
 import asyncio
@@ -85,12 +85,27 @@ def add_routes(app: FastAPI, h: _Handler) -> None:
     async def tags():
         name = _tagged(h.cfg.model_id)
         return {"models": [{"name": name, "model": name, "modified_at": _now(), "size": 0, "digest": "",
-                            "details": {"format": "specdec", "family": "", "parameter_size": "",
-                                        "quantization_level": h.llm.quant}}]}
+                            "details": _details(h)}]}
+
+    @app.post("/api/show", dependencies=[Depends(h.auth)])
+    async def show(body: _OllamaBody):
+        """The model's details, chat template and context length (clients read `<arch>.context_length`)."""
+        if _model(h, body) != h.cfg.model_id:
+            raise APIError(404, f"model {body.model!r} not found (this server has {_tagged(h.cfg.model_id)!r})",
+                           "model")
+        arch = h.llm.runner.model.config.model_type
+        return {"modified_at": _now(), "template": h.llm.tokenizer.chat_template or "", "modelfile": "",
+                "parameters": "", "details": _details(h), "capabilities": ["completion"],
+                "model_info": {"general.architecture": arch, f"{arch}.context_length": h.llm.context}}
 
     @app.get("/api/version")
     async def version():
         return {"version": specdec.__version__}
+
+
+def _details(h: _Handler) -> dict:
+    return {"format": "specdec", "family": h.llm.runner.model.config.model_type, "parameter_size": "",
+            "quantization_level": h.llm.quant}
 
 
 def error_body(e: APIError) -> dict:
