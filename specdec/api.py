@@ -16,6 +16,7 @@ from specdec.engine.engine import Engine, StreamCallback
 from specdec.errors import SpecdecError
 from specdec.models import packs
 from specdec.models.loader import load_checkpoint, resolve_dtype, resolve_gguf, resolve_model, resolve_quant
+from specdec.models.tokenizer import Tokenizer
 from specdec.runtime.prefix_cache import PrefixCache, PrefixStore
 from specdec.runtime.quant import quantize_
 from specdec.runtime.runner import ModelRunner
@@ -62,6 +63,7 @@ class LLM:
         self._attach_prefix(self.runner, "target")
         self._drafters: dict[tuple[str, Hashable], Drafter | None] = {}  # by (spec type or chain, scope)
         self._drafters_lock = threading.RLock()  # server requests ask from several threads; chains nest
+        self._draft_tokenizers: tuple[Tokenizer, Tokenizer] | None = None  # (target, draft) when the -md model's tokenizer differs
         self.engine = Engine(self.runner, self.tokenizer, cfg.spec)
         self.drafter = self.drafter_for(self.spec_type)
 
@@ -94,16 +96,15 @@ class LLM:
         t = REGISTRY.get(spec_type)
         if t.verify_hook is not None:
             self.engine.verify_hooks[spec_type] = t.verify_hook
-        return t.build(BuildContext(self.config.drafter, self.runner, self.config.model, self._load_draft))
+        return t.build(BuildContext(self.config.drafter, self.runner, self.config.model, self._load_draft,
+                                    lambda: self._draft_tokenizers))
 
     def _load_draft(self) -> ModelRunner:
         cfg = self.config
         if cfg.draft is None:
             raise SpecdecError("this spec type needs a draft model (-md)")
         dmodel, dtok, _, _ = load_model(cfg.draft, cfg.draft_quant, cfg.dtype, cfg.n_gpu_layers_draft, cfg.progress)
-        if not dtok.same_vocab(self.tokenizer):
-            raise SpecdecError(f"draft model {cfg.draft} uses a different tokenizer than the target; "
-                               "a draft model must share the target's vocabulary")
+        self._draft_tokenizers = None if dtok.same_vocab(self.tokenizer) else (self.tokenizer, dtok)
         runner = ModelRunner(dmodel, self.parallel, self.context)
         self._attach_prefix(runner, "draft")
         return runner

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.drafters import cross_tokenizer
 from specdec.drafters.base import SETUP_TOKENS, Draft, Drafter, draft_distribution, draw
-from specdec.drafters.registry import DrafterType, Option
+from specdec.drafters.registry import BuildContext, DrafterType, Option
 from specdec.runtime.prefix_cache import Block
 from specdec.runtime.runner import ModelRunner
 from specdec.sequence import Sequence
@@ -178,7 +179,16 @@ P_MIN = Option("draft_p_min", "--draft-p-min", 0.0, "draft, eagle3: stop draftin
 BRANCH_P = Option("draft_branch_p", "--draft-branch-p", 0.0, "draft model: where its largest probability is below "
                   "this, also propose its second choice (sampling: a second draw) as a sibling (a token tree "
                   "verified in one forward); 0 = chains only (default 0)", float, "in [0, 1]")
-TYPES = (DrafterType("draft", lambda ctx: DraftModelDrafter(ctx.draft_runner(), ctx.target.vocab_size,
-                                                            ctx.options["draft_p_min"], ctx.options["draft_branch_p"]),
-                     "a smaller model with the target's tokenizer (-md)", (P_MIN, BRANCH_P), draft_model=True,
-                     per_scope=False),)
+
+
+def build(ctx: BuildContext) -> Drafter:
+    """The -md model's drafter; across tokenizers when its vocabulary differs from the target's."""
+    runner, opts, tokenizers = ctx.draft_runner(), ctx.options, ctx.draft_tokenizers()
+    if tokenizers is not None:
+        return cross_tokenizer.build(runner, tokenizers, ctx.target.vocab_size, opts["draft_p_min"],
+                                     opts["draft_branch_p"])
+    return DraftModelDrafter(runner, ctx.target.vocab_size, opts["draft_p_min"], opts["draft_branch_p"])
+
+
+TYPES = (DrafterType("draft", build, "a smaller model (-md); with another tokenizer than the target's, through text",
+                     (P_MIN, BRANCH_P), draft_model=True, per_scope=False),)

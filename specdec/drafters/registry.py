@@ -17,6 +17,7 @@ from specdec.errors import SpecdecError
 
 if TYPE_CHECKING:
     from specdec.drafters.base import Drafter
+    from specdec.models.tokenizer import Tokenizer
     from specdec.runtime.runner import ModelRunner
     from specdec.sequence import Draft, Sequence
 
@@ -71,6 +72,8 @@ class BuildContext:
     target: ModelRunner | None = None                # the target's runner (None in `bench replay`)
     model: str | None = None                         # the target's name (a pack) or path
     load_draft: Callable[[], ModelRunner] | None = None  # the -md model in a runner of its own, loaded on call
+    # (target, draft) tokenizers when the -md model's vocabulary differs from the target's, else None (after load_draft)
+    draft_tokenizers: Callable[[], tuple[Tokenizer, Tokenizer] | None] = lambda: None
 
     def draft_runner(self) -> ModelRunner:
         if self.load_draft is None:
