@@ -58,3 +58,11 @@ def test_falls_back_to_sdpa_where_the_kernel_does_not_apply():
     assert _kernel(torch.randn(1, 6, 100, 64), k, v, None) is None  # a prefill chunk
     out = attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), None)
     assert out.shape == (1, 3, 6, 64) and out.dtype == torch.bfloat16
+
+
+def test_training_gets_gradients_through_attention():
+    """The C kernel has no backward: a forward that needs gradients takes torch's attention (a few rows too)."""
+    q = torch.randn(1, 4, 3, 16, requires_grad=True)
+    k, v = torch.randn(1, 2, 3, 16, requires_grad=True), torch.randn(1, 2, 3, 16)
+    attention(q, k, v, None).sum().backward()
+    assert q.grad is not None and k.grad is not None and q.grad.abs().sum() > 0

@@ -1,5 +1,5 @@
 """Attention over the KV cache: the C kernel (`kernels/attention.c`) for decode and verification steps on the
-CPU in float32, torch's fused attention elsewhere (prefill, bf16, GPU).
+CPU in float32, torch's fused attention elsewhere (prefill, bf16, GPU, and training: the kernel has no backward).
 
 The kernel computes every query row on its own, keys in cache order, so a token's output is the same bits
 decoded alone or verified among drafted tokens: plain and speculative greedy decoding stay token-identical
@@ -30,7 +30,8 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: t
 def _kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
     B, H, T, hd = q.shape
     S, kvh = keys.shape[2], keys.shape[1]
-    usable = (T <= KERNEL_ROWS and q.device.type == "cpu" and keys.device.type == "cpu"
+    grad = torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad or values.requires_grad)
+    usable = (T <= KERNEL_ROWS and not grad and q.device.type == "cpu" and keys.device.type == "cpu"
               and q.dtype == keys.dtype == values.dtype == torch.float32 and keys.stride() == values.stride()
               and keys.stride(-1) == 1 and keys.stride(-2) == hd and H % kvh == 0)
     lib = K.library() if usable else None
