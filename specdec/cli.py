@@ -298,7 +298,8 @@ def _add_plan_parser(sub) -> None:
     pl.set_defaults(func=cmd_plan)
 
 
-TRAINERS = {"eagle3": "specdec.train.eagle3", "medusa": "specdec.train.medusa", "mtp": "specdec.train.mtp"}  # kind -> trainer module
+TRAINERS = {"eagle3": "specdec.train.eagle3", "medusa": "specdec.train.medusa", "mtp": "specdec.train.mtp",
+            "dflash": "specdec.train.dflash", "dspark": "specdec.train.dflash"}  # kind -> trainer module
 
 
 def _trainer(kind: str):
@@ -309,6 +310,7 @@ def _trainer(kind: str):
 
 def cmd_train(args: argparse.Namespace) -> int:
     import dataclasses
+    import inspect
 
     import torch
 
@@ -330,8 +332,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise SpecdecError(f"{', '.join(wrong)}: not a setting of specdec train {args.kind}")
     given = {n: getattr(args, n) for n in own if getattr(args, n, None) is not None}
     cfg = trainer.TrainConfig(**given, progress=not args.no_progress)
+    kind = {"kind": args.kind} if "kind" in inspect.signature(trainer.train).parameters else {}  # one module, kinds
     m = trainer.train(args.model, cache, args.out, cfg, resume=args.resume,
-                      command=" ".join(["specdec", *sys.argv[1:]]))
+                      command=" ".join(["specdec", *sys.argv[1:]]), **kind)
     v, t = m["validation"], m["training"]
     print(f"{args.model}: validation tau {v['tau']} (acceptance per step {v['accept']}); {t['tokens']} tokens, "
           f"{t['epochs']} epochs, {t['hours']} h, {t['tok_s']} tok/s", file=sys.stderr)
@@ -383,9 +386,16 @@ def _add_train_parser(sub) -> None:
     m = t.add_argument_group("medusa")
     m.add_argument("--num-heads", type=_positive_int, help=f"heads, one per future token ({_default('num_heads')})")
     m.add_argument("--num-layers", type=_positive_int,
-                   help=f"residual blocks per head ({_default('num_layers')})")
+                   help=f"medusa: residual blocks per head; dflash, dspark: draft layers ({_default('num_layers')})")
     m.add_argument("--labels", choices=["soft", "hard"],
                    help="soft: the target's distribution (default); hard: the data token")
+    b = t.add_argument_group("dflash and dspark")
+    b.add_argument("--block-size", type=_positive_int, help="tokens per block, the anchor included (dflash 8, dspark 7)")
+    b.add_argument("--anchors", type=_positive_int, help=f"blocks per packed row ({_default('anchors')})")
+    b.add_argument("--gamma", type=float, help="loss decay over draft positions (7 for blocks of 16+, else 4)")
+    b.add_argument("--markov-rank", type=_positive_int, help=f"dspark: Markov head rank ({_default('markov_rank')})")
+    b.add_argument("--confidence-alpha", type=float,
+                   help=f"dspark: confidence head loss weight ({_default('confidence_alpha')})")
     o = t.add_argument_group("output")
     o.add_argument("--out", help="the head's directory (default $SPECDEC_HOME/heads/KIND-TARGET, where "
                    "--spec-type KIND finds it)")

@@ -130,6 +130,12 @@ def test_bad_settings_are_one_line_errors(tmp_path, capsys, monkeypatch):
     assert "no manifest.json" in capsys.readouterr().err
     assert main(["train", "medusa", "-m", "smollm2-135m", "--cache", str(tmp_path), "--ttt", "3"]) == 1
     assert "--ttt: not a setting of specdec train medusa" in capsys.readouterr().err
+    assert main(["train", "dspark", "-m", "smollm2-135m", "--cache", str(tmp_path), "--ttt", "3"]) == 1
+    assert "--ttt: not a setting of specdec train dspark" in capsys.readouterr().err
+    assert main(["train", "eagle3", "-m", "smollm2-135m", "--cache", str(tmp_path), "--markov-rank", "8"]) == 1
+    assert "--markov-rank: not a setting of specdec train eagle3" in capsys.readouterr().err
+    assert main(["train", "dflash", "-m", "smollm2-135m", "--cache", str(tmp_path), "--block-size", "4"]) == 1
+    assert "no manifest.json" in capsys.readouterr().err  # dispatched to the block trainer, which reads the cache
 
 
 @pytest.fixture(scope="module")
