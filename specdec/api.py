@@ -9,6 +9,7 @@ from typing import Any, Hashable
 
 import torch
 
+from specdec import compat
 from specdec.config import Config
 from specdec.drafters import REGISTRY, BuildContext, Drafter, parse_spec_type
 from specdec.drafters.chain import assemble
@@ -63,7 +64,7 @@ class LLM:
         self._attach_prefix(self.runner, "target")
         self._drafters: dict[tuple[str, Hashable], Drafter | None] = {}  # by (spec type or chain, scope)
         self._drafters_lock = threading.RLock()  # server requests ask from several threads; chains nest
-        self._draft_tokenizers: tuple[Tokenizer, Tokenizer] | None = None  # (target, draft) when the -md model's tokenizer differs
+        self._draft_tokenizers: tuple[Tokenizer, Tokenizer] | None = None  # (target, draft) when they differ
         self.engine = Engine(self.runner, self.tokenizer, cfg.spec)
         self.drafter = self.drafter_for(self.spec_type)
 
@@ -130,12 +131,16 @@ class LLM:
     def generate(self, prompt: str | list[int], max_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, stop: list[str] | None = None,
                  chat: bool = False, system: str | None = None, on_text: StreamCallback | None = None,
-                 spec_type: str | None = None) -> Result:
-        """Generate from a prompt (text, or token ids); `spec_type` overrides the LLM's for this call."""
+                 spec_type: str | None = None, **words: Any) -> Result:
+        """Generate from a prompt (text, or token ids); `spec_type` overrides the LLM's for this call. `words`:
+        transformers' assisted-generation arguments (`compat.HF_WORDS`) for this call: they may pick the spec type
+        and the draft length; what else they imply must already be this LLM's setting."""
         ids = prompt if isinstance(prompt, list) else self.encode(prompt, chat, system)
         params = SamplingParams(temperature, top_k, top_p, min_p, seed, max_tokens, list(stop or []))
+        asked = compat.for_request(words, self.config.settings()) if words else {}
+        spec_type = compat.merge({"spec_type": spec_type}, asked, "transformers' arguments")["spec_type"]
         drafter = self.drafter if spec_type is None else self.drafter_for(spec_type)
-        seq = self.engine.generate(ids, params, on_text, drafter)
+        seq = self.engine.generate(ids, params, on_text, drafter, asked.get("draft_max"))
         return Result(seq.text, seq.output_ids, seq.stats, seq.finish_reason or "stop", seq.top2_gaps, seq.synthetic,
                       seq.lossless)
 

@@ -81,22 +81,22 @@ def from_transformers(kw: Mapping[str, Any]) -> Settings:
     return out
 
 
-REQUEST_SETTINGS = ("spec_type", "draft_max")  # what one server request may change
+REQUEST_SETTINGS = ("spec_type", "draft_max")  # what one server request or `LLM.generate` call may change
 
 
 def for_request(kw: Mapping[str, Any], server: Mapping[str, Any]) -> Settings:
-    """transformers' words in one server request -> the settings a request may change (`REQUEST_SETTINGS`); the
-    other settings they imply must be the server's (`server`: its Config fields and drafter options), else a
-    SpecdecError naming what a request can change."""
+    """transformers' words in one server request or `LLM.generate` call -> the settings a request may change
+    (`REQUEST_SETTINGS`); the other settings they imply must be the running ones (`server`: `Config.settings()`),
+    else a SpecdecError naming what a request can change."""
     out = from_transformers(kw)
     for key, value in out.items():
         have = server.get(key)
         if key in REQUEST_SETTINGS or _same_setting(key, value, have, server):
             continue
         raise SpecdecError(f"{', '.join(k for k in kw if kw[k] is not None)} needs {key}={value!r}, but this server "
-                           f"runs {key}={have!r}; per request only the spec type (assistant_model = the server's draft "
+                           f"or LLM runs {key}={have!r}; per request only the spec type (assistant_model = its draft "
                            "model, prompt_lookup_num_tokens, assistant_early_exit, use_mtp) and the draft length "
-                           "(num_assistant_tokens) can change: start the server with the rest")
+                           "(num_assistant_tokens) can change: start the server (or make the LLM) with the rest")
     return {k: out[k] for k in REQUEST_SETTINGS if k in out}
 
 

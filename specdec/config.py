@@ -71,6 +71,10 @@ class Config:
             if self.draft is None and any(p != "none" and REGISTRY.get(p).draft_model for p in parts):
                 object.__setattr__(self, "draft", packs.DEFAULT_DRAFT)
 
+    def settings(self) -> dict[str, Any]:
+        """Every setting by its keyword: the fields, and the drafter options beside them."""
+        return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "drafter"}, **self.drafter}
+
     @property
     def spec(self) -> SpecConfig:
         return SpecConfig(self.draft_max, self.draft_min, self.adaptive, self.accept_threshold)

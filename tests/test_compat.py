@@ -133,3 +133,21 @@ def test_llm_takes_transformers_words(tiny_dir):
     llm = specdec.LLM(str(tiny_dir("llama")), dtype="fp32", context=64, progress=False, assistant_early_exit=1)
     base = llm.generate("t5 t9 t12 t5 t9", max_tokens=12, spec_type="none")
     assert llm.spec_type == "early-exit" and llm.generate("t5 t9 t12 t5 t9", max_tokens=12).token_ids == base.token_ids
+
+
+def test_generate_takes_transformers_words_per_call(tiny_dir):
+    import specdec
+
+    llm = specdec.LLM(str(tiny_dir("llama")), dtype="fp32", context=64, progress=False, ngram_n=2, ngram_min=1)
+    llm.engine.stop_ids = set()
+    prompt = "t5 t9 t12 t5 t9 t12 t5 t9"
+    base = llm.generate(prompt, max_tokens=16)
+    r = llm.generate(prompt, max_tokens=16, prompt_lookup_num_tokens=3)
+    assert r.token_ids == base.token_ids and r.stats.drafted > 0
+    assert max(r.stats.chosen_lens) <= 3  # num tokens per call: the draft length cap
+    with pytest.raises(SpecdecError, match="per request only the spec type"):
+        llm.generate(prompt, max_tokens=4, prompt_lookup_num_tokens=3, max_matching_ngram_size=4)
+    with pytest.raises(SpecdecError, match="unknown transformers argument 'num_beams'"):
+        llm.generate(prompt, max_tokens=4, num_beams=2)
+    with pytest.raises(SpecdecError, match="transformers' arguments sets spec_type 'ngram-simple', but 'suffix'"):
+        llm.generate(prompt, max_tokens=4, spec_type="suffix", prompt_lookup_num_tokens=3)

@@ -232,7 +232,7 @@ def test_for_request_keeps_the_servers_other_settings():
         "spec_type": "draft", "draft_max": 5}  # the server's -md, named by its stem
     assert compat.for_request({"prompt_lookup_num_tokens": 10, "assistant_confidence_threshold": 0}, server) == {
         "spec_type": "ngram-simple", "draft_max": 10}
-    with pytest.raises(SpecdecError, match="ngram_m=20, but this server runs ngram_m=16"):
+    with pytest.raises(SpecdecError, match="ngram_m=20, but this server or LLM runs ngram_m=16"):
         compat.for_request({"prompt_lookup_num_tokens": 20}, {**server, "draft_max": 32})
     with pytest.raises(SpecdecError, match="draft_p_min=0.5"):
         compat.for_request({"assistant_confidence_threshold": 0.5}, server)

@@ -110,9 +110,9 @@ class Engine:
                         accept_threshold=self.spec.accept_threshold if accept_threshold is None else accept_threshold)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, on_text: StreamCallback | None = None,
-                 drafter: Drafter | None = None) -> Sequence:
-        """One sequence from prompt to finish (slot 0)."""
-        seq = self.new_sequence(prompt_ids, params, drafter=drafter, on_text=on_text)
+                 drafter: Drafter | None = None, draft_max: int | None = None) -> Sequence:
+        """One sequence from prompt to finish (slot 0); `draft_max`: its cap on drafted tokens (None: the engine's)."""
+        seq = self.new_sequence(prompt_ids, params, drafter=drafter, draft_max=draft_max, on_text=on_text)
         self.prefill(seq)
         while seq.finish_reason is None:
             self.step([seq])

@@ -243,8 +243,7 @@ class _Handler:
                            "speculative")
         cfg = self.llm.config
         try:
-            got = compat.for_request(words, {**cfg.drafter, "draft": cfg.draft, "adaptive": cfg.adaptive,
-                                             "draft_max": cfg.draft_max})
+            got = compat.for_request(words, cfg.settings())
         except SpecdecError as e:
             raise APIError(400, str(e), next(iter(words))) from None
         draft_max = got.get("draft_max")
