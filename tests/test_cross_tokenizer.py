@@ -14,7 +14,7 @@ import torch
 
 import specdec
 from conftest import make_tiny, word_tokenizer
-from specdec.drafters.cross_tokenizer import CrossTokenizerDrafter, clean_tail, encode_after, span_text, window
+from specdec.drafters.cross_tokenizer import CrossTokenizerDrafter, clean_tail, encode_after, span_text, text, window
 from specdec.engine.engine import SpecConfig
 from specdec.models.tokenizer import Tokenizer
 from specdec.sampling import SamplingParams
@@ -39,7 +39,7 @@ def char_tokenizer(directory: Path, digits: int = 10) -> Tokenizer:
     return Tokenizer(directory)
 
 
-def byte_tokenizer() -> Tokenizer:
+def byte_tokenizer(directory: Path) -> Tokenizer:
     """A byte-level BPE trained on a few lines: 'hello' is one token, '😀' four byte tokens."""
     from tokenizers import Tokenizer as Fast
     from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -50,9 +50,8 @@ def byte_tokenizer() -> Tokenizer:
     trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     fast.train_from_iterator(["hello world, hello there", "hello hello help"] * 20, trainer)
-    tok = Tokenizer.__new__(Tokenizer)
-    tok.fast = fast
-    return tok
+    fast.save(str(directory / "tokenizer.json"))
+    return Tokenizer(directory)
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +71,8 @@ def _llm(target: Path, draft: Path) -> specdec.LLM:
     return llm
 
 
-def test_helpers_at_character_and_merge_boundaries():
-    tok = byte_tokenizer()
+def test_helpers_at_character_and_merge_boundaries(tmp_path):
+    tok = byte_tokenizer(tmp_path)
     ids = tok.encode("hello 😀", add_special_tokens=False)
     assert span_text(tok, ids, 0, len(ids) - 1) is None  # ends inside the emoji
     assert tok.fast.encode("hello 😀").tokens == ["hello", "Ġ", "ð", "Ł", "ĺ", "Ģ"]
@@ -91,6 +90,27 @@ def test_drafter_is_chosen_and_greedy_equals_plain(pair):
     plain = llm.generate(PROMPT_TEXT, max_tokens=24, spec_type="none")
     spec = llm.generate(PROMPT_TEXT, max_tokens=24)
     assert spec.token_ids == plain.token_ids and spec.stats.drafted > 0
+
+
+def test_batched_steps_chains_and_a_full_context(pair):
+    """Three sequences stepped together, chains with model-free drafters, and a draft context that fills up (the
+    draft spends ~3 tokens per target word): all equal plain decoding."""
+    llm = specdec.LLM(str(pair[0]), draft=str(pair[1]), spec_type="draft", dtype="fp32", adaptive=False, draft_max=4,
+                      parallel=3, context=64, progress=False)
+    llm.engine.stop_ids = set()
+    prompts = [PROMPT_TEXT, "t7 t7 t1 t2", "t50 t51 t52 t53 t50 t51 t52"]
+    plain = [llm.generate(p, max_tokens=200, spec_type="none").token_ids for p in prompts]
+    seqs = [llm.engine.new_sequence(llm.encode(p), SamplingParams(max_tokens=200), slot=i, drafter=llm.drafter)
+            for i, p in enumerate(prompts)]
+    for s in seqs:
+        llm.engine.prefill(s)
+    while live := [s for s in seqs if s.finish_reason is None]:
+        llm.engine.step(live)
+    assert [s.output_ids for s in seqs] == plain
+    assert all(len(p) == 64 - len(llm.encode(q)) for p, q in zip(plain, prompts))  # ran into the context
+    assert sum(s.stats.drafted for s in seqs) > 0
+    for spec in ("ngram-simple,draft", "suffix,draft"):
+        assert llm.generate(prompts[2], max_tokens=200, spec_type=spec).token_ids == plain[2], spec
 
 
 class OracleRunner:
@@ -119,19 +139,32 @@ class OracleRunner:
         return [self.prefill(c, slot, s)[None] for c, s, slot in zip(chunks, starts, slots)]
 
 
+class Checked(CrossTokenizerDrafter):
+    """Checks after every catch-up that the draft's cache holds exactly the tokens that spell the committed text."""
+    checked = 0
+
+    def _catch_up(self, seq, max_tokens):
+        out = super()._catch_up(seq, max_tokens)
+        st = self.slots[seq.slot]
+        assert st.committed == len(st.cached)
+        assert text(self.draft_tok, st.cached) == text(self.target_tok, seq.tokens[:st.synced])
+        self.checked += 1
+        return out
+
+
 def test_rollback_to_accepted_text(pair, tmp_path):
-    """A draft that is right except at every 17th position (about every 5th word): output equals plain, most drafts are accepted, and
-    after a rejection the draft's cache holds the re-encoded accepted text (a rolled-back tail)."""
+    """A draft that is right except at every 17th position (about every 5th word): output equals plain, most drafts
+    are accepted, and after a rejection the draft's cache holds the re-encoded accepted text (a rolled-back tail)."""
     llm = _llm(*pair)
     dtok = char_tokenizer(tmp_path / "chars")
     plain = llm.generate(PROMPT_TEXT, max_tokens=32, spec_type="none")
     reference = llm.tokenizer.decode(llm.encode(PROMPT_TEXT) + plain.token_ids)
-    drafter = CrossTokenizerDrafter(OracleRunner(dtok, reference, 17), llm.tokenizer, dtok, llm.runner.vocab_size)
+    drafter = Checked(OracleRunner(dtok, reference, 17), llm.tokenizer, dtok, llm.runner.vocab_size)
     llm.drafter = drafter
     spec = llm.generate(PROMPT_TEXT, max_tokens=32)
     assert spec.token_ids == plain.token_ids
     assert spec.stats.accepted >= 0.5 * spec.stats.drafted > 0
-    assert spec.stats.accepted < spec.stats.drafted  # some drafts were rejected and rolled back
+    assert spec.stats.accepted < spec.stats.drafted and drafter.checked > 5  # some were rejected and rolled back
 
 
 class DraftMarkov(MarkovRunner):

@@ -85,13 +85,13 @@ class Twins:
         tv = target_tok.fast.get_vocab(with_added_tokens=True)
         pairs = [(d, tv[s]) for s, d in draft_tok.fast.get_vocab(with_added_tokens=True).items()
                  if s in tv and d < draft_vocab and tv[s] < target_vocab]
-        d_ids = torch.tensor([d for d, _ in pairs], dtype=torch.long)  # [n]
+        self.d_ids = torch.tensor([d for d, _ in pairs], dtype=torch.long)  # [n]
         self.t_ids = torch.tensor([t for _, t in pairs], dtype=torch.long)  # [n]
-        self.d_ids, self.target_vocab = d_ids, target_vocab
+        self.target_vocab = target_vocab
         self.has = torch.zeros(draft_vocab, dtype=torch.bool)  # [V_draft]
-        self.has[d_ids] = True
+        self.has[self.d_ids] = True
         self.draft_of = torch.full((target_vocab,), -1, dtype=torch.long)  # [V_target]
-        self.draft_of[self.t_ids] = d_ids
+        self.draft_of[self.t_ids] = self.d_ids
 
     def to_target(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [V_draft] -> [V_target]: each twin's logit at its target id, -inf elsewhere."""
@@ -119,6 +119,7 @@ class _Drafting:
 
 
 class CrossTokenizerDrafter(Drafter):
+    """A draft model with its own tokenizer: catch-up and proposals through text (see the module docstring)."""
     name = "draft"
     confidence_stop = True
 
