@@ -18,6 +18,7 @@ from specdec.drafters.cross_tokenizer import CrossTokenizerDrafter, clean_tail, 
 from specdec.engine.engine import SpecConfig
 from specdec.models.tokenizer import Tokenizer
 from specdec.sampling import SamplingParams
+from specdec.sequence import Sequence
 from test_lossless_sampling import BATCH, PROMPT, TV_BOUND, MarkovRunner, exact_joint, fit, run_engine
 from test_lossless_sampling import _engine as markov_engine
 
@@ -140,16 +141,15 @@ class OracleRunner:
 
 
 class Checked(CrossTokenizerDrafter):
-    """Checks after every catch-up that the draft's cache holds exactly the tokens that spell the committed text."""
+    """Checks at every catch-up that the draft's cache now holds tokens spelling exactly the committed text, up to
+    a character split across the last target tokens."""
     checked = 0
 
-    def _catch_up(self, seq, max_tokens):
-        out = super()._catch_up(seq, max_tokens)
-        st = self.slots[seq.slot]
-        assert st.committed == len(st.cached)
-        assert text(self.draft_tok, st.cached) == text(self.target_tok, seq.tokens[:st.synced])
+    def _synced(self, st, ids, end, logits):
+        super()._synced(st, ids, end, logits)
+        assert self.slots[st.seq.slot].cached == ids and len(st.seq.tokens) - end < 4
+        assert text(self.draft_tok, ids) == text(self.target_tok, st.seq.tokens[:end])
         self.checked += 1
-        return out
 
 
 def test_rollback_to_accepted_text(pair, tmp_path):
@@ -180,8 +180,8 @@ class Recording(CrossTokenizerDrafter):
     text), or in a draft with no q at all."""
     exact = one_hot_after = deterministic = 0
 
-    def propose(self, seq, max_tokens, min_path_prob=0.0):
-        draft = super().propose(seq, max_tokens, min_path_prob)
+    def _draft(self, st):
+        draft = super()._draft(st)
         if draft.probs is None:
             self.deterministic += len(draft.tokens)
         else:
@@ -246,32 +246,31 @@ class NullRunner:
     def __init__(self, vocab: int):
         self.vocab_size = vocab
 
+    def forward(self, chunks, starts, slots, last_only=False):
+        return [torch.zeros(1, self.vocab_size) for _ in chunks]
+
     def prefill(self, tokens: list[int], slot: int, start: int = 0) -> torch.Tensor:
         return torch.zeros(self.vocab_size)
 
 
 @pytest.mark.real
 def test_catch_up_keeps_the_draft_on_the_target_text(smollm_dir):
-    """Qwen2.5's tokens committed one to three at a time (code, accents, CJK split across byte tokens, an emoji):
-    after every catch-up the draft's tokens spell exactly the target's text up to a character boundary, lagging
-    by at most a split character."""
+    """Qwen2.5's tokens committed two at a time (code, accents, CJK split across byte tokens, an emoji, ChatML
+    markers): at every catch-up the draft's tokens spell exactly the target's text, lagging by at most a split
+    character, and in the end they are the draft tokenizer's own encoding of the whole text."""
     from specdec.models.packs import pull
-    from specdec.sampling import SamplingParams
-    from specdec.sequence import Sequence
 
     target_tok, draft_tok = Tokenizer(pull("qwen2.5-coder-0.5b", progress=False)), Tokenizer(smollm_dir)
-    drafter = CrossTokenizerDrafter(NullRunner(49152), target_tok, draft_tok, 151936)
-    text = "<|im_start|>user\ndef café():\n    return '東京 😀'  # naïve\n<|im_end|>\n"
-    ids = target_tok.encode(text, add_special_tokens=False)
+    drafter = Checked(NullRunner(49152), target_tok, draft_tok, 151936)
+    full = "<|im_start|>user\ndef café():\n    return '東京 😀'  # naïve\n<|im_end|>\n"
+    ids = target_tok.encode(full, add_special_tokens=False)
     seq = Sequence(ids[:3], 3, 0, SamplingParams())
     for n in [*range(3, len(ids), 2), len(ids)]:
         seq.tokens = ids[:n]
-        drafter._catch_up(seq, 4)
-        st = drafter.slots[0]
-        assert n - st.synced < 4
-        assert draft_tok.fast.decode(st.cached, skip_special_tokens=False) == \
-            target_tok.fast.decode(ids[:st.synced], skip_special_tokens=False)
-    assert st.synced == len(ids) and st.cached == draft_tok.encode(text, add_special_tokens=False)
+        drafter.propose(seq, 4)
+    slot = drafter.slots[0]
+    assert slot.synced == len(ids) and slot.cached[:slot.committed] == draft_tok.encode(full, add_special_tokens=False)
+    assert drafter.checked == len(ids) // 2
 
 
 @pytest.mark.real

@@ -9,6 +9,10 @@ The draft keeps its own token sequence and KV cache; text is what the two sides 
   the accepted text re-encodes to the drafted tokens it covers.
 - Proposal: the draft's new tokens are decoded and re-encoded with the target's tokenizer after a window of the
   target's last tokens; the tokens that start at the join are proposed (a token straddling it ends the draft).
+- `propose_batch` drafts several sequences at once: their catch-ups in one ragged forward (a new prompt alone),
+  then one forward per draft position over the sequences still drafting.
+- `propose_batch` drafts several sequences at once: their catch-ups in one ragged forward (a new prompt alone),
+  then one forward per draft position over the sequences still drafting.
 
 Greedy is lossless because the target verifies its own tokens. Sampling uses the draft's q only where it is exact:
 while the draft's most likely token has a twin in the target's vocabulary (the same token string), the draft draws
@@ -111,7 +115,13 @@ class _Slot:
 
 @dataclass
 class _Drafting:
-    """One draft in progress: twins drawn directly (exact q), then free draft tokens (through text)."""
+    """One sequence's draft in progress: twins drawn directly (exact q), then free draft tokens (through text)."""
+    seq: Sequence
+    max_tokens: int      # target tokens asked for
+    min_path_prob: float
+    budget: int = 0      # draft tokens to draw at most
+    logits: torch.Tensor | None = None  # [V_draft] the draft's logits for the next position; None: no draft
+    setup_s: float = 0.0
     direct: list[int] = field(default_factory=list)   # target ids of twins drawn among twins
     probs: list[torch.Tensor] = field(default_factory=list)  # [V_target] q of each direct token (sampling)
     drafted: list[int] = field(default_factory=list)  # every draft token, in order (the direct ones first)
@@ -122,6 +132,7 @@ class CrossTokenizerDrafter(Drafter):
     """A draft model with its own tokenizer: catch-up and proposals through text (see the module docstring)."""
     name = "draft"
     confidence_stop = True
+    batched = True
 
     def __init__(self, runner: ModelRunner, target_tok: Tokenizer, draft_tok: Tokenizer, target_vocab: int,
                  p_min: float = 0.0):
@@ -131,90 +142,123 @@ class CrossTokenizerDrafter(Drafter):
         self.slots: dict[int, _Slot] = {}
 
     def propose(self, seq: Sequence, max_tokens: int, min_path_prob: float = 0.0) -> Draft:
-        t = time.perf_counter()
-        logits, fed = self._catch_up(seq, max_tokens)  # [V_draft] or None
-        setup_s = time.perf_counter() - t if fed > SETUP_TOKENS else 0.0  # a new prompt: setup, not drafting
-        if logits is None:
-            return Draft([], setup_s=setup_s)
-        d = self._draw_all(seq, logits, self._budget(seq, max_tokens), min_path_prob)
-        tokens = (d.direct + self._through_text(seq, d))[:max_tokens]
-        return Draft(tokens, self._probs(d, tokens), setup_s=setup_s)
+        return self.propose_batch([seq], [max_tokens], [min_path_prob])[0]
 
-    def _catch_up(self, seq: Sequence, max_tokens: int) -> tuple[torch.Tensor | None, int]:
-        """Bring the draft to the target's committed text: (its logits [V_draft] for the next position, or None
-        when that text ends inside a character or the draft's context has no room; draft tokens fed)."""
-        st = self.slots.get(seq.slot)
-        if st is None or st.seq is not seq:
-            st = self.slots[seq.slot] = _Slot(seq)
-        end, new = clean_tail(self.target_tok, seq.tokens, st.synced)
-        start, tail = window(self.draft_tok, st.cached[:st.committed])
-        ids = st.cached[:start] + self.draft_tok.encode(tail + new, add_special_tokens=False)
-        if not ids or len(ids) + max_tokens >= self.runner.context:
-            return None, 0
+    def propose_batch(self, seqs: list[Sequence], max_tokens: list[int], min_path_probs: list[float]) -> list[Draft]:
+        """Drafts for several sequences (distinct slots), each draft-model forward one ragged batch over them."""
+        states = [_Drafting(s, k, m) for s, k, m in zip(seqs, max_tokens, min_path_probs)]
+        self._catch_up(states)
+        feed = [(st, tok) for st in states if st.logits is not None and (tok := self._advance(st)) is not None]
+        while feed:
+            slots = [st.seq.slot for st, _ in feed]
+            out = self.runner.forward([[tok] for _, tok in feed], [len(self.slots[s].cached) for s in slots], slots,
+                                      last_only=True)  # per sequence [1, V_draft]
+            for (st, tok), logits in zip(feed, out):
+                self.slots[st.seq.slot].cached.append(tok)
+                st.logits = logits[-1]
+            feed = [(st, tok) for st, _ in feed if (tok := self._advance(st)) is not None]
+        return [self._draft(st) for st in states]
+
+    def _catch_up(self, states: list[_Drafting]) -> None:
+        """Bring each sequence's draft to the target's committed text and set its next-position logits (a new
+        prompt alone, timed as setup; the short rests in one ragged forward)."""
+        short = []
+        for st in states:
+            plan = self._resync(st)
+            if plan is None:
+                continue
+            ids, keep, end = plan
+            if len(ids) - keep <= SETUP_TOKENS:
+                short.append((st, ids, keep, end))
+                continue
+            t = time.perf_counter()
+            self._synced(st, ids, end, self.runner.prefill(ids[keep:], st.seq.slot, start=keep))
+            st.setup_s = time.perf_counter() - t
+        if short:
+            out = self.runner.forward([ids[keep:] for _, ids, keep, _ in short], [keep for _, _, keep, _ in short],
+                                      [st.seq.slot for st, *_ in short], last_only=True)  # per sequence [1, V_draft]
+            for (st, ids, _, end), logits in zip(short, out):
+                self._synced(st, ids, end, logits[-1])
+
+    def _resync(self, st: _Drafting) -> tuple[list[int], int, int] | None:
+        """(the draft tokens spelling the committed text, how many of the cached ones stay, target tokens whose
+        text they spell), or None when the draft's context has no room."""
+        seq = st.seq
+        slot = self.slots.get(seq.slot)
+        if slot is None or slot.seq is not seq:
+            slot = self.slots[seq.slot] = _Slot(seq)
+        end, new = clean_tail(self.target_tok, seq.tokens, slot.synced)
+        start, tail = window(self.draft_tok, slot.cached[:slot.committed])
+        ids = slot.cached[:start] + self.draft_tok.encode(tail + new, add_special_tokens=False)
+        if not ids or len(ids) + st.max_tokens >= self.runner.context:
+            return None
         keep = start
-        while keep < min(len(ids), len(st.cached)) and ids[keep] == st.cached[keep]:
+        while keep < min(len(ids), len(slot.cached)) and ids[keep] == slot.cached[keep]:
             keep += 1
-        keep = min(keep, len(ids) - 1)  # nothing new: the last token is fed again, its logits are needed
-        logits = self.runner.prefill(ids[keep:], seq.slot, start=keep)  # [V_draft]
-        st.cached, st.committed, st.synced = ids, len(ids), end
-        return (logits if end == len(seq.tokens) else None), len(ids) - keep
+        return ids, min(keep, len(ids) - 1), end  # nothing new: the last token is fed again for its logits
 
-    def _budget(self, seq: Sequence, max_tokens: int) -> int:
-        """Draft tokens for about `max_tokens` target tokens: as many more as the draft's tokenizer spends on the
-        sequence's text so far."""
-        st = self.slots[seq.slot]
-        budget = math.ceil(max_tokens * max(1.0, st.committed / max(1, st.synced)))
-        return min(budget, self.runner.context - len(st.cached))
+    def _synced(self, st: _Drafting, ids: list[int], end: int, logits: torch.Tensor) -> None:
+        """Record a catch-up; draft only when the committed text does not end inside a character."""
+        slot = self.slots[st.seq.slot]
+        slot.cached, slot.committed, slot.synced = ids, len(ids), end
+        if end == len(st.seq.tokens):
+            st.logits = logits  # [V_draft]
+            # as many draft tokens per target token as the draft's tokenizer spends on the text so far
+            st.budget = min(math.ceil(st.max_tokens * max(1.0, len(ids) / max(1, end))),
+                            self.runner.context - len(ids))
 
-    def _draw_all(self, seq: Sequence, logits: torch.Tensor, max_tokens: int, min_path_prob: float) -> _Drafting:
-        """Draw draft tokens one forward at a time (the cut decided before each draw, from q's top and the path)."""
-        st, d = self.slots[seq.slot], _Drafting()
-        needed = self.p_min > 0 or min_path_prob > 0
-        while len(d.drafted) < max_tokens:
-            q = draft_distribution(logits, seq, needed)  # [V_draft] or None (greedy, nothing reads it)
-            top = 1.0 if q is None else float(q.max())
-            if top < self.p_min or (d.drafted and d.path_prob * top < min_path_prob):
-                break
-            tok = self._draw(seq, d, logits, q)
-            d.path_prob *= 1.0 if q is None else float(q[tok])
-            d.drafted.append(tok)
-            if len(d.drafted) == max_tokens:
-                break
-            logits = self.runner.forward([[tok]], [len(st.cached)], [seq.slot], last_only=True)[0][-1]
-            st.cached.append(tok)
-        return d
+    def _advance(self, st: _Drafting) -> int | None:
+        """Draw the next draft token from `st.logits` (the cut decided before the draw, from q's top and the path);
+        the token whose logits the next position needs, or None when the draft is done."""
+        if len(st.drafted) >= st.budget:
+            return None
+        q = draft_distribution(st.logits, st.seq, self.p_min > 0 or st.min_path_prob > 0)  # [V_draft] or None
+        top = 1.0 if q is None else float(q.max())
+        if top < self.p_min or (st.drafted and st.path_prob * top < st.min_path_prob):
+            return None
+        tok = self._draw(st, q)
+        st.path_prob *= 1.0 if q is None else float(q[tok])
+        st.drafted.append(tok)
+        return tok if len(st.drafted) < st.budget else None
 
-    def _draw(self, seq: Sequence, d: _Drafting, logits: torch.Tensor, q: torch.Tensor | None) -> int:
+    def _draw(self, st: _Drafting, q: torch.Tensor | None) -> int:
         """The next draft token: among twins (recorded as a target id with its q) while sampling and the top token
         has a twin; else the draft's own choice."""
-        position = len(seq.tokens) + len(d.drafted)
-        direct = len(d.direct) == len(d.drafted) and not seq.params.greedy
+        seq, logits = st.seq, st.logits
+        position = len(seq.tokens) + len(st.drafted)
+        direct = len(st.direct) == len(st.drafted) and not seq.params.greedy
         if direct and bool(self.twins.has[int(logits.argmax())]):
             mapped = self.twins.to_target(logits)  # [V_target]
             qt = draft_distribution(mapped, seq, True)  # [V_target]
             x, _ = draw(mapped, qt, seq, position, False)
-            d.direct.append(x)
+            st.direct.append(x)
             if not seq.seeded:
-                d.probs.append(qt)
+                st.probs.append(qt)
             return int(self.twins.draft_of[x])
         tok, _ = draw(logits, q, seq, position, False)
         return tok
 
-    def _through_text(self, seq: Sequence, d: _Drafting) -> list[int]:
-        """Target tokens spelling the draft tokens after the direct ones, continuing seq.tokens + d.direct."""
-        st, n = self.slots[seq.slot], len(d.direct)
-        if len(d.drafted) == n:
+    def _draft(self, st: _Drafting) -> Draft:
+        """The target tokens: the direct twins, then the rest through text, cut to max_tokens."""
+        if st.logits is None:
+            return Draft([], setup_s=st.setup_s)
+        tokens = (st.direct + self._through_text(st))[:st.max_tokens]
+        return Draft(tokens, self._probs(st, tokens), setup_s=st.setup_s)
+
+    def _through_text(self, st: _Drafting) -> list[int]:
+        """Target tokens spelling the draft tokens after the direct ones, continuing seq.tokens + st.direct."""
+        slot, n = self.slots[st.seq.slot], len(st.direct)
+        if len(st.drafted) == n:
             return []
-        ctx = st.cached[:st.committed] + d.drafted
-        _, new = clean_tail(self.draft_tok, ctx, st.committed + n)
-        _, before = window(self.target_tok, seq.tokens + d.direct)
+        _, new = clean_tail(self.draft_tok, slot.cached[:slot.committed] + st.drafted, slot.committed + n)
+        _, before = window(self.target_tok, st.seq.tokens + st.direct)
         return (encode_after(self.target_tok, before, new) or []) if new else []
 
-    def _probs(self, d: _Drafting, tokens: list[int]) -> torch.Tensor | None:
+    def _probs(self, st: _Drafting, tokens: list[int]) -> torch.Tensor | None:
         """[k, V_target]: q of the direct tokens, one-hot for those through text; None when all are one-hot."""
-        if not d.probs:
+        if not st.probs:
             return None
-        exact = d.probs[:len(tokens)]  # a long run of twins may be cut to max_tokens
+        exact = st.probs[:len(tokens)]  # a long run of twins may be cut to max_tokens
         rest = torch.tensor(tokens[len(exact):], dtype=torch.long)  # [k - n]
         one_hot = torch.zeros(len(rest), self.target_vocab).scatter_(1, rest.view(-1, 1), 1.0)  # [k - n, V_target]
         return torch.cat([torch.stack(exact), one_hot])
