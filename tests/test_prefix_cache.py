@@ -17,6 +17,8 @@ from specdec.sampling import SamplingParams
 from specdec.server.app import ServerConfig, create_app
 from specdec.server.serve import ServerThread
 
+from test_scheduler import _run
+
 DOC = " ".join(f"t{(i * 7) % 90 + 3}" for i in range(70))  # a shared 70-token "document"
 PROMPTS = [DOC + " t5 t6", DOC + " t8 t9 t10", DOC + " t5 t6 t44 t45", "t11 t12 t13", DOC[:200] + " t2"]
 
@@ -115,16 +117,6 @@ def test_feature_drafters_prefill_every_prompt_token(tiny_dir):
     seq = llm.engine.generate(llm.encode(PROMPTS[0]), SamplingParams(max_tokens=1), drafter=reader)
     assert reader.rows == seq.prompt_len and seq.cached_tokens == 0
     assert llm.prefix_cache.stats["target"].hits == 0
-
-
-def _run(sched, reqs):
-    for r in reqs:
-        sched.submit(r)
-    for _ in range(10_000):
-        if all(r.seq is not None and r.seq.finish_reason for r in reqs):
-            return
-        sched.run_once()
-    raise AssertionError("requests did not finish")
 
 
 def test_tiny_batched_drafting_at_concurrency_is_lossless(tiny_dir):

@@ -39,6 +39,7 @@ from specdec.models.config import ModelConfig
 from specdec.models.eagle3 import SPECULATORS_VERSION, _architectures, _write, speculators_config
 from specdec.models.mtp import _read, unfused_state
 from specdec.models.rope import Rotary, apply_rotary
+from specdec.models.state import load_exact
 from specdec.models.transformer import Batch, DecoderLayer, RMSNorm, fuse_projections
 from specdec.runtime.kv_cache import KVCache
 
@@ -249,10 +250,7 @@ def load_block_drafter(path: Path, dtype: torch.dtype = torch.float32) -> BlockD
     layers = {f"model.{k}": v for k, v in _read(path, lambda n: not n.startswith(skip)).items()}
     state = {k.removeprefix("model."): v for k, v in fuse_projections(layers, c.layer.num_layers).items()}
     net = BlockDraft(c)
-    missing, unexpected = net.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise SpecdecError(f"{path}: tensors do not match a {c.kind} drafter (missing {missing[:3]}, "
-                           f"unexpected {unexpected[:3]})")
+    load_exact(net, state, path, f"a {c.kind} drafter")
     return net.to(dtype).eval()
 
 

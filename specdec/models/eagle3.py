@@ -26,6 +26,7 @@ from torch import nn
 from specdec.errors import SpecdecError
 from specdec.models.config import ModelConfig
 from specdec.models.rope import Rotary, apply_rotary
+from specdec.models.state import load_exact
 from specdec.models.transformer import MLP, Batch, RMSNorm
 from specdec.runtime.attention import attention
 from specdec.runtime.kv_cache import KVCache
@@ -287,11 +288,7 @@ def load_head(path: Path, num_target_layers: int | None = None, dtype: torch.dty
     for f in sorted(path.glob("*.safetensors")):
         state.update(load_file(str(f)))
     state = _to_ours(state, head)
-    missing, unexpected = head.load_state_dict(state, strict=False)
-    missing = [m for m in missing if m != "t2d"]
-    if missing or unexpected:
-        raise SpecdecError(f"{path}: tensors do not match an EAGLE-3 head (missing {missing[:3]}, "
-                           f"unexpected {unexpected[:3]})")
+    load_exact(head, state, path, "an EAGLE-3 head", optional=("t2d",))
     if "t2d" not in state:
         head.t2d[head.draft_to_target] = True
     return head.to(dtype).eval()

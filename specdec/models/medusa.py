@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.errors import SpecdecError
+from specdec.models.state import load_exact
 
 WEIGHTS = "model.safetensors"
 PREFIXES = ("medusa_heads.", "medusa_head.")  # dropped from tensor names on load (vLLM and FasterDecoding)
@@ -142,10 +143,7 @@ def load_heads(path: Path, dtype: torch.dtype = torch.float32) -> MedusaHeads:
     state = _to_ours(state, d)
     heads = MedusaHeads(MedusaConfig.from_dict(d, state))
     state = _complete(state, heads, d)
-    missing, unexpected = heads.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise SpecdecError(f"{path}: tensors do not match Medusa heads (missing {missing[:3]}, "
-                           f"unexpected {unexpected[:3]})")
+    load_exact(heads, state, path, "Medusa heads")
     return heads.to(dtype).eval()
 
 

@@ -36,6 +36,7 @@ from specdec.errors import SpecdecError
 from specdec.models.config import ModelConfig
 from specdec.models.eagle3 import SPECULATORS_VERSION, _architectures, _write, speculators_config
 from specdec.models.rope import Rotary
+from specdec.models.state import load_exact
 from specdec.models.transformer import Batch, DecoderLayer, RMSNorm, fuse_projections
 from specdec.runtime.kv_cache import KVCache
 
@@ -193,10 +194,7 @@ def _to_ours(state: dict[str, torch.Tensor], layout: str, n: int, first: int) ->
 
 def _build(c: MtpConfig, state: dict[str, torch.Tensor], where: Path, dtype: torch.dtype) -> MtpHead:
     head = MtpHead(c)
-    missing, unexpected = head.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise SpecdecError(f"{where}: tensors do not match MTP blocks (missing {missing[:3]}, "
-                           f"unexpected {unexpected[:3]})")
+    load_exact(head, state, where, "MTP blocks")
     return head.to(dtype).eval()
 
 
