@@ -19,7 +19,7 @@ from specdec.engine.engine import SpecConfig
 from specdec.models.tokenizer import Tokenizer
 from specdec.sampling import SamplingParams
 from specdec.sequence import Sequence
-from test_lossless_sampling import BATCH, PROMPT, TV_BOUND, MarkovRunner, exact_joint, fit, run_engine
+from test_lossless_sampling import BATCH, TV_BOUND, MarkovRunner, exact_joint, fit, run_engine
 from test_lossless_sampling import _engine as markov_engine
 
 PROMPT_TEXT = "t3 t17 t42 t5 t88 t13 t9 t61"
