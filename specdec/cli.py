@@ -54,7 +54,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models")
     g.add_argument("-m", "--model", help="target: model pack name, GGUF file or checkpoint directory "
                    "(default: qwen2.5-coder-1.5b with draft qwen2.5-coder-0.5b)")
-    g.add_argument("-md", "--model-draft", dest="draft", help="draft model (same tokenizer as the target)")
+    g.add_argument("-md", "--model-draft", dest="draft", help="draft model; with another tokenizer than the target's "
+                   "its drafts are re-tokenized for the target (docs/cross-tokenizer.md)")
     g.add_argument("-c", "--ctx-size", dest="context", type=_positive_int, default=D.context,
                    help=f"context length (default {D.context})")
     g.add_argument("--dtype", choices=DTYPES, default=D.dtype,

@@ -670,3 +670,14 @@ def test_plan_help_lists_the_flags():
                          timeout=300)
     for flag in ("-ngl", "-ngld", "--gpu-mem", "--ram-bw", "--pcie-bw", "--export", "--task", "--kv-dtype", "-cd"):
         assert flag in res.stdout
+
+
+def test_draft_with_another_vocabulary_is_planned_with_a_note(tiny_dir, tmp_path):
+    """specdec drafts across tokenizers: the plan goes ahead and says so."""
+    from conftest import VOCAB, make_tiny
+
+    draft = make_tiny(tmp_path / "wide", "llama", vocab=VOCAB + 2048)
+    res = subprocess.run([sys.executable, "-m", "specdec.cli", "plan", "-m", str(tiny_dir("llama")), "-md", str(draft),
+                          "--json"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert any("drafts across tokenizers" in n for n in json.loads(res.stdout)["notes"])

@@ -425,9 +425,6 @@ def _contexts(i: PlanInputs, tspec: ModelSpec, dspec: ModelSpec | None) -> int |
         return i.draft_context
     dctx = i.draft_context if i.draft_context is not None else min(i.context, dspec.dims.max_ctx)
     _check_context(dspec, dctx, "-cd")
-    if dspec.dims.vocab and tspec.dims.vocab and abs(dspec.dims.vocab - tspec.dims.vocab) > 1024:
-        raise SpecdecError(f"draft {dspec.label} has a vocabulary of {dspec.dims.vocab}, the target "
-                           f"{tspec.dims.vocab}: a draft model must share the target's tokenizer")
     return dctx
 
 
@@ -456,6 +453,11 @@ def _notes(plan: Plan) -> list[str]:
         if dense:
             notes.append(f"{s.label}: {'/'.join(dense)} matrices (and a q/k/v or gate/up they are fused with) are "
                          f"held dense in {m.fmt.weights}: the kernels take Q4_K, Q5_0, Q6_K, Q8_0")
+    d = plan.draft.spec.dims if plan.draft else None
+    if d and d.vocab and plan.target.spec.dims.vocab and abs(d.vocab - plan.target.spec.dims.vocab) > 1024:
+        notes.append(f"the draft's vocabulary ({d.vocab}) is not the target's ({plan.target.spec.dims.vocab}): "
+                     "specdec drafts across tokenizers (drafts re-tokenized through text, docs/cross-tokenizer.md); "
+                     "the --export configurations assume a shared tokenizer")
     if runtime and drafting:
         notes.append("specdec picks each step's draft length itself (--spec-adaptive on, up to --draft-max) "
                      "from measured costs; the k above is for fixed-length engines (llama.cpp, vLLM)")
