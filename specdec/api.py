@@ -5,7 +5,7 @@ import argparse
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import Any, Hashable, Mapping
 
 import torch
 
@@ -23,6 +23,9 @@ from specdec.runtime.quant import quantize_
 from specdec.runtime.runner import ModelRunner
 from specdec.sampling import SamplingParams
 from specdec.stats import Stats
+
+
+OPTION_DRAFTERS = 32  # drafters made for per-request options that an LLM keeps (the newest)
 
 
 @dataclass
@@ -62,25 +65,37 @@ class LLM:
         # prompt K/V kept across requests (`cache_mb`), one budget for the target and a draft model
         self.prefix_cache = PrefixCache(cfg.cache_mb << 20) if cfg.cache_mb else None
         self._attach_prefix(self.runner, "target")
-        self._drafters: dict[tuple[str, Hashable], Drafter | None] = {}  # by (spec type or chain, scope)
+        self._drafters: dict[tuple, Drafter | None] = {}  # by (spec type or chain, scope, request options)
         self._drafters_lock = threading.RLock()  # server requests ask from several threads; chains nest
         self._draft_tokenizers: tuple[Tokenizer, Tokenizer] | None = None  # (target, draft) when they differ
         self.engine = Engine(self.runner, self.tokenizer, cfg.spec)
         self.drafter = self.drafter_for(self.spec_type)
 
-    def drafter_for(self, spec_type: str, scope: Hashable = None) -> Drafter | None:
+    def drafter_for(self, spec_type: str, scope: Hashable = None,
+                    options: Mapping[str, Any] | None = None) -> Drafter | None:
         """The drafter for one spec type or chain (None for 'none'), made once per LLM and `scope`. Types that
         learn across requests (the ngram-mod pool, the suffix memory; chains with one) get an instance per scope
-        (e.g. one API key); scope None is the LLM's own. The others (the draft model) serve every scope."""
+        (e.g. one API key); scope None is the LLM's own. The others (the draft model) serve every scope.
+        `options`: drafter options of this request (`Registry.request_options`: model-free types only), over the
+        LLM's; the latest `OPTION_DRAFTERS` such drafters are kept."""
         parts = parse_spec_type(spec_type)
         per_scope = any(p != "none" and REGISTRY.get(p).per_scope for p in parts)
-        key = (",".join(parts), scope if per_scope else None)
+        own = tuple(sorted(REGISTRY.request_options(parts, options).items())) if options else ()
+        key = (",".join(parts), scope if per_scope else None, own)
         if key not in self._drafters:
             with self._drafters_lock:  # made once, however many requests ask at the same time (a draft model loads)
                 if key not in self._drafters:
-                    self._drafters[key] = assemble(parts, lambda p: self._make_drafter(p, scope, len(parts) > 1),
+                    self._drafters[key] = assemble(parts, lambda p: self._make_drafter(p, scope, len(parts) > 1,
+                                                                                       dict(own)),
                                                    self.config.chain_mode)
+                    self._forget_option_drafters()
         return self._drafters[key]
+
+    def _forget_option_drafters(self) -> None:
+        """Keep the newest `OPTION_DRAFTERS` drafters made for per-request options (bounded memory)."""
+        made = [k for k in self._drafters if k[2]]
+        for k in made[:max(0, len(made) - OPTION_DRAFTERS)]:
+            del self._drafters[k]
 
     def reset_drafters(self) -> None:
         """Forget what drafters learned across requests (ngram-mod pool, suffix memory), e.g. between repeats."""
@@ -88,17 +103,20 @@ class LLM:
             if d is not None:
                 d.reset()
 
-    def _make_drafter(self, spec_type: str, scope: Hashable, member: bool) -> Drafter | None:
-        """A chain member is the scope's own drafter of that type (shared with it); else a new one."""
+    def _make_drafter(self, spec_type: str, scope: Hashable, member: bool,
+                      options: dict[str, Any] | None = None) -> Drafter | None:
+        """A chain member is the scope's own drafter of that type (shared with it); else a new one. `options`: the
+        request's own drafter options (over the LLM's)."""
         if spec_type == "none":
             return None
         if member:
-            return self.drafter_for(spec_type, scope)
+            mine = {k: v for k, v in (options or {}).items() if k in {o.name for o in REGISTRY.get(spec_type).options}}
+            return self.drafter_for(spec_type, scope, mine)
         t = REGISTRY.get(spec_type)
         if t.verify_hook is not None:
             self.engine.verify_hooks[spec_type] = t.verify_hook
-        return t.build(BuildContext(self.config.drafter, self.runner, self.config.model, self._load_draft,
-                                    lambda: self._draft_tokenizers))
+        return t.build(BuildContext({**self.config.drafter, **(options or {})}, self.runner, self.config.model,
+                                    self._load_draft, lambda: self._draft_tokenizers))
 
     def _load_draft(self) -> ModelRunner:
         cfg = self.config

@@ -103,6 +103,34 @@ def _check_trace(trace: list[dict], final: dict) -> None:
         assert 0 <= t["p"] <= 1 and t["gap"] >= 0 and (t["origin"] == "correction") == bool(t["rejected"])
 
 
+def test_per_request_drafter_options(tiny_dir):
+    """`speculative.options`: model-free drafters' numeric options per request (own drafter instance, output
+    unchanged); a draft model's or a text option, an option of another type and a bad value are 400s."""
+    llm = specdec.LLM(str(tiny_dir("llama")), spec_type="ngram-simple", dtype="fp32", context=64, parallel=1,
+                      adaptive=False, progress=False)
+    llm.engine.stop_ids = set()
+    srv = ServerThread(create_app(llm, Scheduler(llm.engine, 1), ServerConfig("m", SamplingParams(max_tokens=16))))
+    post = lambda spec: httpx.post(srv.url + "/v1/completions", timeout=60, json={  # noqa: E731
+        "prompt": "t5 t9 t12 t5 t9 t12 t5 t9 t12 t4", "max_tokens": 24, "speculative": spec})
+    try:
+        plain, loose = post(False), post({"options": {"ngram_n": 1, "ngram_m": 3}})
+        assert loose.status_code == 200 and loose.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+        assert loose.json()["speculative"]["drafted"] > 0
+        assert llm.drafter_for("ngram-simple", None, {"ngram_n": 1, "ngram_m": 3}).n == 1
+        assert llm.drafter_for("ngram-simple").n == 3  # the server's own drafter is untouched
+        for m in range(1, 41):  # a bounded number of per-request drafters is kept
+            llm.drafter_for("ngram-simple", None, {"ngram_m": m})
+        assert sum(1 for key in llm._drafters if key[2]) == specdec.api.OPTION_DRAFTERS
+        for spec, needle in (({"type": "draft", "options": {"draft_p_min": 0.5}}, "only for model-free"),
+                             ({"options": {"suffix_factor": 2}}, "not a per-request option of ngram-simple"),
+                             ({"type": "suffix", "options": {"ngram_n": 2}}, "not a per-request option of suffix"),
+                             ({"options": {"ngram_n": 0}}, "ngram_n must be >= 1")):
+            r = post(spec)
+            assert r.status_code == 400 and needle in r.json()["error"]["message"], (spec, r.text)
+    finally:
+        srv.close()
+
+
 @pytest.fixture(scope="module")
 def server(smollm_dir):
     """SmolLM2-135M (fp32) behind an API key, one slot and no queue (so a second request gets 429)."""
@@ -184,7 +212,23 @@ def test_playground_streams_colours_compares_and_reports_busy(server, browser, t
     assert _errors(d) == []
     d.save_screenshot(os.environ.get("SPECDEC_PLAYGROUND_PNG") or str(tmp_path / "playground.png"))
 
+    _drafter_options(d, wait)
     _busy_message(d, wait, server.url)
+
+
+def _drafter_options(d, wait) -> None:
+    """The picker's per-request options: a changed one goes out as `speculative.options` and the answer comes."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    Select(d.find_element(By.ID, "drafter")).select_by_value("ngram-simple")
+    box = d.find_element(By.CSS_SELECTOR, '.drafter-option[data-name="ngram_n"]')
+    box.clear()
+    box.send_keys("1")
+    assert d.execute_script("return speculative(true)") == {"type": "ngram-simple", "options": {"ngram_n": 1}}
+    _send(d, wait, "Once more, shorter.")
+    assert not d.find_element(By.ID, "error").is_displayed()
+    assert d.find_elements(By.CSS_SELECTOR, ".compare .verdict")[-1].text == "identical"
 
 
 def _busy_message(d, wait, url: str) -> None:

@@ -131,6 +131,12 @@ class DrafterType:
         """Lossless and drafting from token ids alone (n-grams, suffixes): no model forward of its own."""
         return not (self.lossy or self.draft_model or self.target_features or self.target_layers)
 
+    @property
+    def request_options(self) -> tuple[Option, ...]:
+        """Options one request may set: a model-free type's numeric ones. The rest (a draft model's, a head's
+        directory) are fixed when the drafters are made."""
+        return tuple(o for o in self.options if not isinstance(o.default, str)) if self.model_free else ()
+
 
 @dataclass
 class Registry:
@@ -164,6 +170,20 @@ class Registry:
             raise SpecdecError(f"unknown spec type {name!r} (choose {', '.join(('none', *self.types))}, "
                                "or a comma-separated chain such as ngram-mod,draft)")
         return self.types[name]
+
+    def request_options(self, spec: list[str], given: Mapping[str, Any]) -> dict[str, Any]:
+        """`given`, validated, if one request may set those options for the spec types `spec` (a chain's parts:
+        `DrafterType.request_options` of each); else SpecdecError."""
+        types = [self.get(p) for p in spec if p != "none"]
+        if not all(t.model_free for t in types):
+            raise SpecdecError("per-request drafter options only for model-free spec types (n-grams, suffix); "
+                               "start the server with the others")
+        own = {o.name: o for t in types for o in t.request_options}
+        bad = sorted(set(given) - set(own))
+        if bad:
+            raise SpecdecError(f"{bad[0]!r} is not a per-request option of {','.join(spec)} (choose from "
+                               f"{', '.join(own) or 'none'})")
+        return {n: own[n].check(v) for n, v in given.items()}
 
     def option_values(self, given: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Every option's value: `given` (validated) over the defaults; unknown names fail."""

@@ -166,7 +166,8 @@ class _Handler:
         llm = self.llm
         types = [{"name": t.name, "help": t.help, "lossy": t.lossy, "draft_model": t.draft_model,
                   "target_features": t.target_features,
-                  "options": [{"name": o.name, "flag": o.flag, "default": o.default, "help": o.help, "rule": o.rule}
+                  "options": [{"name": o.name, "flag": o.flag, "default": o.default, "value": llm.config.drafter[o.name],
+                               "help": o.help, "rule": o.rule, "per_request": o in t.request_options}
                               for o in t.options]}
                  for t in REGISTRY.types.values() if not t.lossy or t.name == llm.spec_type]
         return {"server": {"type": llm.spec_type, "draft_max": llm.engine.spec.draft_max,
@@ -261,19 +262,18 @@ class _Handler:
             raise APIError(400, "relaxed acceptance changes the output: the server takes speculative.accept_threshold "
                            "only when started with --allow-lossy", "speculative.accept_threshold")
         draft_max = None if spec.draft_max is None else min(spec.draft_max, llm.engine.spec.draft_max)  # <= --draft-max
-        if spec.type is None:
-            return await asyncio.to_thread(llm.drafter_for, llm.spec_type, scope), draft_max
+        kind = spec.type or llm.spec_type
         try:
-            lossy = is_lossy(spec.type)
+            lossy = is_lossy(kind)
         except SpecdecError as e:
             raise APIError(400, str(e), "speculative.type") from None
-        if lossy and llm.spec_type != spec.type:
-            raise APIError(400, f"lossy spec type {spec.type!r} only when the server is started with it",
+        if lossy and llm.spec_type != kind:
+            raise APIError(400, f"lossy spec type {kind!r} only when the server is started with it",
                            "speculative.type")
         try:
-            return await asyncio.to_thread(llm.drafter_for, spec.type, scope), draft_max
+            return await asyncio.to_thread(llm.drafter_for, kind, scope, spec.options), draft_max
         except SpecdecError as e:
-            raise APIError(400, str(e), "speculative.type") from None
+            raise APIError(400, str(e), "speculative.options" if spec.options else "speculative.type") from None
 
     # -- serving ----------------------------------------------------------------------------
     async def _serve(self, http: HTTPRequest, body: _Body, ids: list[int], chat: bool, top: int, want_lp: bool,

@@ -37,6 +37,7 @@ class Speculative(BaseModel):
     type: str | None = None                            # a spec type or chain; None: the server's
     draft_max: StrictInt | None = Field(None, ge=1, le=256)
     accept_threshold: float | None = Field(None, ge=0, le=1)  # opt-in lossy relaxed acceptance (--allow-lossy)
+    options: dict[str, Any] | None = None  # model-free drafters' options for this request (Registry.request_options)
 
 
 class StreamOptions(BaseModel):

@@ -106,9 +106,33 @@ function describeDrafter() {
   el.append(head);
   for (const o of t.options) {
     const line = document.createElement("div");
-    line.textContent = `${o.flag} = ${JSON.stringify(o.default)}: ${o.help}`;
+    if (o.per_request) {  // a model-free drafter's numeric option: this request may set it
+      const label = document.createElement("label");
+      const input = document.createElement("input");
+      input.className = "drafter-option";
+      input.dataset.name = o.name;
+      input.dataset.server = JSON.stringify(o.value);
+      input.value = Array.isArray(o.value) ? o.value.join(",") : o.value;
+      input.size = 8;
+      label.append(`${o.flag} `, input);
+      line.append(label, ` ${o.help}`);
+    } else {
+      line.textContent = `${o.flag} = ${JSON.stringify(o.value)} (set at server start): ${o.help}`;
+    }
     el.append(line);
   }
+}
+
+/** The drafter options changed from the server's values (sent as `speculative.options`). */
+function drafterOptions() {
+  const out = {};
+  for (const input of document.querySelectorAll(".drafter-option")) {
+    const server = JSON.parse(input.dataset.server);
+    const text = input.value.trim();
+    if (text === "" || text === String(Array.isArray(server) ? server.join(",") : server)) continue;
+    out[input.dataset.name] = Array.isArray(server) ? text.split(",").map(Number) : Number(text);
+  }
+  return out;
 }
 
 /** The `speculative` field: false (plain), a type/chain with draft_max, or undefined (the server's). */
@@ -120,6 +144,8 @@ function speculative(on) {
   const spec = {};
   if (type) spec.type = type;
   if ($("draft_max").value) spec.draft_max = parseInt($("draft_max").value, 10);
+  const options = drafterOptions();
+  if (Object.keys(options).length) spec.options = options;
   return Object.keys(spec).length ? spec : true;
 }
 
