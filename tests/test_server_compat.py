@@ -186,7 +186,7 @@ class _Boom(Drafter):
 
 
 def test_a_failing_request_is_a_500_in_each_apis_format_whole_and_streamed(tiny, monkeypatch):
-    monkeypatch.setattr(tiny.llm, "drafter_for", lambda spec_type, scope=None: _Boom())
+    monkeypatch.setattr(tiny.llm, "drafter_for", lambda spec_type, scope=None, options=None: _Boom())
     boom = {"speculative": {"type": "ngram-simple"}}
     c = ollama.Client(host=tiny.url, headers=KEY)
     for stream in (False, True):

@@ -148,7 +148,7 @@ def _request_id(err: dict) -> str:
 def test_internal_errors_are_logged_with_a_request_id_not_returned(llm, monkeypatch, caplog):
     caplog.set_level(logging.ERROR, logger="specdec.server.app")
     with _serve(llm) as srv:
-        monkeypatch.setattr(llm, "drafter_for", lambda spec_type, scope=None: _Boom())
+        monkeypatch.setattr(llm, "drafter_for", lambda spec_type, scope=None, options=None: _Boom())
         boom = {"type": "ngram-simple"}  # -> drafter_for -> _Boom
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "speculative": boom},
                        timeout=60)
