@@ -439,7 +439,8 @@ def make_parser() -> argparse.ArgumentParser:
     w = b.add_argument_group("workload")
     w.add_argument("--workload", default="quick",
                    help="quick (3 built-in prompts), multi-turn (4 built-in code conversations of 4 turns), rag (8 "
-                   "questions about one ~850-token document), spec_bench (the Spec-Bench questions) or a JSONL file of "
+                   "questions about one ~850-token document), spec_bench (the Spec-Bench questions), multilingual (21 "
+                   "questions in en, de, nl, it, ja, ko; category = language) or a JSONL file of "
                    '{"id", "category", "prompt" | "turns", "max_tokens"} lines; several comma-separated '
                    "(default quick)")
     w.add_argument("--quick", dest="workload", action="store_const", const="quick", help="same as --workload quick")

@@ -150,7 +150,8 @@ def report_tables(summary: dict, records: list[dict], notes: list[str]) -> str:
     for title, key, spec, suffix in (("Speedup by category", "speedup", ".2f", "x"),
                                      ("Decode speedup by category (prefill left out)", "decode_speedup", ".2f", "x"),
                                      ("Tokens/s by category", "tokens_per_s", ".2f", ""),
-                                     ("Mean acceptance length by category", "mean_accept_len", ".2f", "")):
+                                     ("Mean acceptance length by category", "mean_accept_len", ".2f", ""),
+                                     ("Acceptance rate by category", "acceptance_rate", ".0%", "")):
         lines += ["", f"## {title}", ""] + _by_category(summary, key, spec, suffix)
         if key == "speedup" and "none" in summary and summary["none"][ALL].get("speedup_ceiling"):
             cats = categories(summary)
