@@ -26,22 +26,24 @@ class TokenTrace:
     drafter: str | None = None
     rejected: list[int] = field(default_factory=list)
     drafted: int = 0          # on the target's token: draft tokens (tree nodes) its step proposed
+    text: str = ""            # the text it added to the output ("" for the first bytes of a character)
 
 
 def step_trace(step: int, new: list[int], logits: torch.Tensor, gaps: list[float], draft: Draft | None,
-               path: list[int], drafter: str | None) -> list[TokenTrace]:
+               path: list[int], drafter: str | None, texts: list[str]) -> list[TokenTrace]:
     """The trace of the first len(new) tokens a step committed: `new` are the accepted drafts along `path` then
-    the target's token, logits [>= len(new), V] their target rows, gaps their top-2 gaps."""
+    the target's token, logits [>= len(new), V] their target rows, gaps their top-2 gaps, texts what each added
+    to the output text (the streaming detokenizer's pieces)."""
     probs = logits[:len(new)].float().softmax(-1).gather(1, torch.tensor(new)[:, None])[:, 0].tolist()
     out = []
-    for i, (tok, p, gap) in enumerate(zip(new, probs, gaps)):
+    for i, (tok, p, gap, text) in enumerate(zip(new, probs, gaps, texts)):
         if i < len(path):
-            out.append(TokenTrace(tok, "draft", step, i + 1, p, gap, drafter))
+            out.append(TokenTrace(tok, "draft", step, i + 1, p, gap, drafter, text=text))
             continue
         rejected = _rejected(draft, path)
         origin = "correction" if rejected else "bonus" if draft is not None and draft.tokens else "target"
         out.append(TokenTrace(tok, origin, step, i + 1, p, gap, rejected=rejected,
-                              drafted=len(draft.tokens) if draft is not None else 0))
+                              drafted=len(draft.tokens) if draft is not None else 0, text=text))
     return out
 
 

@@ -57,13 +57,13 @@ def test_step_trace_of_a_tree_rejects_the_children_where_the_path_ends():
     draft = Draft([5, 6, 7], parents=[-1, -1, 0])
     logits = torch.zeros(2, 10)
     logits[0, 5], logits[1, 9] = 4.0, 2.0
-    first, own = step_trace(3, [5, 9], logits, [4.0, 2.0], draft, [0], "tree")
+    first, own = step_trace(3, [5, 9], logits, [4.0, 2.0], draft, [0], "tree", ["a", "b"])
     assert (first.origin, first.drafter, first.pos, first.step) == ("draft", "tree", 1, 3)
     assert (own.origin, own.rejected, own.drafted, own.pos) == ("correction", [7], 3, 2)
     assert own.p == pytest.approx(float(logits[1].softmax(-1)[9]))
-    bonus = step_trace(1, [5, 7, 8], torch.zeros(3, 10), [0.0] * 3, draft, [0, 2], "tree")[-1]
+    bonus = step_trace(1, [5, 7, 8], torch.zeros(3, 10), [0.0] * 3, draft, [0, 2], "tree", ["a"] * 3)[-1]
     assert (bonus.origin, bonus.rejected) == ("bonus", [])
-    assert step_trace(0, [8], torch.zeros(1, 10), [0.0], None, [], None)[0].origin == "target"
+    assert step_trace(0, [8], torch.zeros(1, 10), [0.0], None, [], None, [""])[0].origin == "target"
 
 
 def _events(url: str, body: dict) -> list[dict]:
@@ -88,6 +88,7 @@ def test_trace_extension_only_when_asked_and_consistent_with_the_stats(tiny_dir)
     assert not any("specdec_trace" in e for e in plain)
     _check_trace([t for e in traced for t in e.get("specdec_trace", [])], traced[-1])
     _check_trace(whole["specdec_trace"], whole)
+    assert "".join(t["text"] for t in whole["specdec_trace"]) == whole["choices"][0]["text"]  # pieces, in context
 
 
 def _check_trace(trace: list[dict], final: dict) -> None:

@@ -399,6 +399,7 @@ class Engine:
         if seq.logprobs is not None:
             lps = _logprobs(rows, new, seq.top_logprobs)
         stops = StopScan(seq.params.stop, seq.text[seq.streamed:])
+        pieces: list[str] = []  # the text each committed token added (for the trace)
         for i, (tok, gap) in enumerate(zip(new, gaps)):
             if tok in self.stop_ids:
                 seq.finish_reason = "stop"
@@ -408,7 +409,8 @@ class Engine:
             if seq.logprobs is not None:
                 seq.logprobs.append(lps[i])
             seq.stats.new_tokens += 1
-            text = seq.text + seq.detok.push([tok])
+            pieces.append(seq.detok.push([tok]))
+            text = seq.text + pieces[-1]
             cut = stops.find(text, len(seq.text))
             if cut is not None:
                 seq.finish_reason, text = "stop", text[:cut]
@@ -421,7 +423,7 @@ class Engine:
         if seq.trace is not None:
             who = (draft.source if draft else None) or (seq.drafter.name if seq.drafter else None)
             seq.trace += step_trace(seq.stats.target_forwards - 1, new[:len(seq.tokens) - before], rows, gaps, draft,
-                                    path or [], who)
+                                    path or [], who, pieces)
         self._stream(seq, final=seq.finish_reason is not None, held=stops.held)
 
     @staticmethod

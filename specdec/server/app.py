@@ -533,7 +533,7 @@ class _Formatter:
         if trace is None:
             return {}
         dec = self.llm.tokenizer.decode
-        return {"specdec_trace": [{"token": t.token, "text": dec([t.token]), "origin": t.origin, "drafter": t.drafter,
+        return {"specdec_trace": [{"token": t.token, "text": t.text, "origin": t.origin, "drafter": t.drafter,
                                    "step": t.step, "pos": t.pos, "p": round(t.p, 5), "gap": round(t.gap, 4),
                                    "drafted": t.drafted,
                                    "rejected": [{"token": r, "text": dec([r])} for r in t.rejected]}
