@@ -67,13 +67,17 @@ def agreement(plain: list[int], other: list[int]) -> float:
 
 def run_relaxed(args: argparse.Namespace) -> Path:
     """Plain decoding, then the drafter at each --thresholds value; results.json, report.md/html, a PNG."""
+    import torch
+
     from specdec.api import build_llm
 
     thresholds = sorted({0.0, *(float(t) for t in args.thresholds.split(","))})
     if any(not 0 <= t <= 1 for t in thresholds):
         raise SpecdecError("--thresholds: numbers in [0, 1]")
     problems = load_problems(args.problems)
+    args.threads = args.threads or torch.get_num_threads()  # said in the report, as bench serve does
     llm = build_llm(args, spec_type=args.spec_type or "draft")
+    args.model, args.draft = llm.config.model, llm.config.draft
     out_dir = Path(args.out or Path("bench-out") / datetime.now().strftime("relaxed-%Y%m%d-%H%M%S"))
     out_dir.mkdir(parents=True, exist_ok=True)
     max_tokens = args.max_tokens or 192
