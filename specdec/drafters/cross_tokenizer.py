@@ -11,8 +11,6 @@ The draft keeps its own token sequence and KV cache; text is what the two sides 
   target's last tokens; the tokens that start at the join are proposed (a token straddling it ends the draft).
 - `propose_batch` drafts several sequences at once: their catch-ups in one ragged forward (a new prompt alone),
   then one forward per draft position over the sequences still drafting.
-- `propose_batch` drafts several sequences at once: their catch-ups in one ragged forward (a new prompt alone),
-  then one forward per draft position over the sequences still drafting.
 
 Greedy is lossless because the target verifies its own tokens. Sampling uses the draft's q only where it is exact:
 while the draft's most likely token has a twin in the target's vocabulary (the same token string), the draft draws
