@@ -280,8 +280,9 @@ class _Handler:
                      max_tokens: int | None, scope: int | None, wire: Wire | None) -> dict | StreamingResponse:
         """Queue the request and answer it, streamed or whole, in `wire`'s format (None: OpenAI's)."""
         params = self._params(body, ids, chat, max_tokens)
-        drafter, draft_max = await self._speculation(self._requested(body), scope)
-        threshold = body.speculative.accept_threshold if isinstance(body.speculative, Speculative) else None
+        spec = self._requested(body)
+        drafter, draft_max = await self._speculation(spec, scope)
+        threshold = spec.accept_threshold if isinstance(spec, Speculative) else None
         req = Request(ids, params, drafter, draft_max, want_lp, top, trace=body.specdec_trace,
                       cache_prompt=body.cache_prompt, cache_salt=scope, accept_threshold=threshold)
         events = _Events(req)
