@@ -48,12 +48,12 @@ class Relaxed:
     target probability is at least `threshold` x the target's top probability there; counts what it accepted."""
 
     def __init__(self, tokens: list[int], target_logits: torch.Tensor, params: SamplingParams, threshold: float):
-        self.tokens, self.threshold, self.count = tokens, threshold, 0
-        # [N+1, V] what the target draws from (greedy: the plain softmax)
-        self.probs = target_logits.softmax(-1) if params.greedy else probs_from_logits(target_logits, params)
+        self.tokens, self.logits, self.params = tokens, target_logits, params  # logits [N+1, V]
+        self.threshold, self.count = threshold, 0
 
     def __call__(self, row: int, kids: list[int]) -> int | None:
-        p = self.probs[row]  # [V]
+        logits = self.logits[row:row + 1]  # [1, V]; only the row where the lossless rule stopped is scored
+        p = (logits.softmax(-1) if self.params.greedy else probs_from_logits(logits, self.params))[0]  # [V]
         floor = self.threshold * float(p.max())
         x = next((x for x in kids if float(p[self.tokens[x]]) >= floor), None)
         self.count += x is not None
