@@ -33,6 +33,12 @@ class Draft:
     # one-off per sequence that the cost model and the load controller count apart from drafting.
     setup_s: float = 0.0
     source: str | None = None  # which member of a chain drafted it (None: the sequence's drafter)
+    # A chain whose first layers the drafter already ran (early exit): the residual stream entering target layer
+    # `resume_layer` for the verify's inputs [last committed token] + tokens, k + 1 rows, or the first k (no row
+    # for the last token: the verify then checks every draft token but has no bonus token to add). The K/V of
+    # layers below `resume_layer` for those inputs are in the target's cache already.
+    resume: torch.Tensor | None = None  # [k or k + 1, H]
+    resume_layer: int = 0
 
     @property
     def depth(self) -> int:

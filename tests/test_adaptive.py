@@ -76,3 +76,23 @@ def test_a_drafter_that_does_not_pay_drafts_only_probes(tmp_path, spec):
     seq = engine.generate([1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], SamplingParams(max_tokens=400), drafter=drafter)
     steps, drafted = seq.stats.target_forwards, seq.stats.drafted
     assert steps > 300 and 0 < drafted <= 4 + steps / PROBE_EVERY, (steps, drafted)
+
+
+@pytest.mark.parametrize("setup_per_token, drafts", [(1.0, False), (1e-7, True)])
+def test_a_draft_models_setup_is_paid_only_where_it_is_repaid(tmp_path, setup_per_token, drafts):
+    """A draft model must first prefill a new prompt itself: with that catch-up measured dearer than anything
+    drafting can save over the request's tokens left, it never drafts (no probe either); cheap, it drafts."""
+    from test_lossless_sampling import DRAFT, TARGET, MarkovRunner, TickClock, V, word_tokenizer
+    from specdec.drafters.draft_model import DraftModelDrafter
+    from specdec.engine.engine import Engine, SpecConfig
+    from specdec.models.tokenizer import Tokenizer
+    from specdec.sampling import SamplingParams
+
+    word_tokenizer(tmp_path, V)
+    engine = Engine(MarkovRunner(TARGET, 1, context=1024), Tokenizer(tmp_path), SpecConfig(draft_max=4),
+                    clock=TickClock(0.0))
+    engine.cost.verify_s = {k: 0.01 for k in range(1, 6)}
+    engine.cost.draft_s, engine.cost.setup_s, engine.cost.ema = {"draft": 1e-4}, {"draft": setup_per_token}, 0.0
+    drafter = DraftModelDrafter(MarkovRunner(DRAFT, 1, context=1024), V)
+    seq = engine.generate([1, 2, 3, 4, 5] * 10, SamplingParams(max_tokens=100), drafter=drafter)
+    assert (seq.stats.drafted > 0) == drafts, seq.stats.drafted

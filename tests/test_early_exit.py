@@ -25,6 +25,9 @@ def test_tiny_greedy_equality_every_exit_layer(tiny_dir, family):
         fed = []  # tokens per draft forward: always one (no catch-up, the target's cache holds the context)
         forward = drafter.runner.forward
         drafter.runner.forward = lambda chunks, *a, **k: fed.extend(map(len, chunks)) or forward(chunks, *a, **k)
+        starts = []  # the layer each target forward starts at: E where it verifies an early-exit chain
+        target_forward = llm.runner.forward
+        llm.runner.forward = lambda *a, **k: starts.append(k.get("resume_layer", 0)) or target_forward(*a, **k)
         for prompt in PROMPTS:
             base = llm.generate(prompt, max_tokens=40, spec_type="none")
             for spec, k, branch_p in (("early-exit", 1, 0.0), ("early-exit", 5, 0.0), ("early-exit", 5, 0.7),
@@ -33,6 +36,8 @@ def test_tiny_greedy_equality_every_exit_layer(tiny_dir, family):
                 r = llm.generate(prompt, max_tokens=40, spec_type=spec)
                 assert r.token_ids == base.token_ids, (family, layer, prompt, spec, k, branch_p)
         assert set(fed) == {1}  # never a catch-up prefill: the target's cache already holds the context
+        assert set(starts) == {0, layer}  # chains verified from layer E on; prefill, k = 0 and trees from 0
+        llm.runner.forward = target_forward
 
 
 def test_exit_layer_is_checked(tiny_dir):

@@ -23,6 +23,7 @@ from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.early_exit import EarlyExitDrafter
 from specdec.engine.engine import Engine, SpecConfig
 from specdec.models.tokenizer import Tokenizer
+from specdec.runtime.runner import Features
 from specdec.sampling import SamplingParams, probs_from_logits
 
 V = 6                      # token 0 is EOS and never drawn; 1..5 cycle 1 -> 2 -> ... -> 5 -> 1
@@ -59,7 +60,7 @@ class MarkovRunner:
         self.table, self.context = table, context
         self.hist = torch.zeros(num_slots, context + 64, dtype=torch.long)  # [slots, positions]
         self.tree: dict[int, list[int]] = {}
-        self.model = SimpleNamespace(config=SimpleNamespace(eos_token_ids=[0], vocab_size=V))
+        self.model = SimpleNamespace(config=SimpleNamespace(eos_token_ids=[0], vocab_size=V, num_layers=1))
 
     @property
     def vocab_size(self) -> int:
@@ -70,12 +71,16 @@ class MarkovRunner:
         prev = [before] + tokens[:-1] if prev is None else prev
         return self.table[torch.tensor(prev), torch.tensor(tokens)]  # [T, V]
 
-    def forward(self, chunks, starts, slots, last_only=False):
+    def forward(self, chunks, starts, slots, last_only=False, resume=None, resume_layer=0):
+        """Rows from the tokens alone (a resumed forward's rows are the same); with `capture` set (an early-exit
+        draft), `features` of one zero-width row per token, as many as the verify's resume rows."""
         out = []
         for c, s, slot in zip(chunks, starts, slots):
             rows = self._rows(slot, s, c)
             self.hist[slot, s:s + len(c)] = torch.tensor(c)
             out.append(rows[-1:] if last_only else rows)
+        if self.capture is not None:
+            self.features = [Features(torch.zeros(len(c), 0, 1), torch.zeros(len(c), 1)) for c in chunks]
         return out
 
     def prefill(self, tokens, slot, start=0):

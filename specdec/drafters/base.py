@@ -31,6 +31,12 @@ class Drafter(ABC):
         """Up to `max_tokens` tokens continuing `seq.tokens`; the draft says how long it spent catching up
         on context it had not seen (`Draft.setup_s`)."""
 
+    def pending_setup(self, seq: Sequence) -> int:
+        """Tokens this drafter would first have to catch up on (its own prefill of a new prompt) before drafting
+        for `seq`, when that is a one-off setup of more than SETUP_TOKENS; 0 otherwise. The engine drafts only
+        where that setup is expected to be repaid (`engine.adaptive.expected_saving`)."""
+        return 0
+
     def update(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """Feedback after verification (`seq.tokens` already holds the committed tokens)."""
 

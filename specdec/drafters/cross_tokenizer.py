@@ -157,6 +157,12 @@ class CrossTokenizerDrafter(Drafter):
             feed = [(st, tok) for st, _ in feed if (tok := self._advance(st)) is not None]
         return [self._draft(st) for st in states]
 
+    def pending_setup(self, seq: Sequence) -> int:
+        """Target tokens whose text the draft has not seen (its own tokens for them: about as many)."""
+        slot = self.slots.get(seq.slot)
+        n = len(seq.tokens) - (slot.synced if slot is not None and slot.seq is seq else 0)
+        return n if n > SETUP_TOKENS else 0
+
     def _catch_up(self, states: list[_Drafting]) -> None:
         """Bring each sequence's draft to the target's committed text and set its next-position logits (a new
         prompt alone, timed as setup; the short rests in one ragged forward)."""

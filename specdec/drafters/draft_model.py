@@ -102,6 +102,7 @@ class DraftModelDrafter(Drafter):
             slots = [st.seq.slot for st, _ in feed]
             out = self.runner.forward([[tok] for _, tok in feed], [len(self.cached[s]) for s in slots], slots,
                                       last_only=True)  # per sequence [1, V_draft]
+            self._after_forward([st for st, _ in feed])
             for (st, tok), logits in zip(feed, out):
                 self.cached[st.seq.slot].append(tok)
                 st.logits = self._fit_vocab(logits[-1])
@@ -135,11 +136,19 @@ class DraftModelDrafter(Drafter):
             starts = [len(self.cached[s]) for s in slots]
             out = self.runner.forward([st.seq.tokens[n:] for st, n in zip(short, starts)], starts, slots,
                                       last_only=True)  # per sequence [1, V_draft]
+            self._after_forward(short)
             for st, logits in zip(short, out):
                 self.cached[st.seq.slot][:] = st.seq.tokens
                 st.logits = self._fit_vocab(logits[-1])
         for st in states:
             self.drafted_from[st.seq.slot] = len(self.cached[st.seq.slot])
+
+    def _after_forward(self, states: list[_Drafting]) -> None:
+        """The draft runner just ran one drafting forward over these sequences (in this order)."""
+
+    def pending_setup(self, seq: Sequence) -> int:
+        n = len(seq.tokens) - len(self.cached.get(seq.slot, []))
+        return n if n > SETUP_TOKENS else 0
 
     def _reuse_prefix(self, seq: Sequence, cached: list[int]) -> None:
         """A new sequence in this slot: start from the draft K/V of its longest cached prompt prefix."""

@@ -3,31 +3,57 @@
 
 The draft model is a view of the target (`Transformer.first_layers`): no weights of its own, and no cache of its
 own either. It runs on the target's KV cache (`ModelRunner.sharing_cache`), where the target has already written
-layers 0..E-1 for every committed token but the newest, so a draft starts from that one token: no catch-up
-prefill, ever. Its draft tokens' K/V land past the committed tokens; the verify forward writes those rows again
-(all layers) before anything reads them, so the target only ever attends to K/V its own forwards wrote.
+every committed token but the newest, so a draft starts from that one token: no catch-up prefill, ever.
 
-The verify forward still runs layers 0..E-1 over the drafted tokens. Skipping them would save little on a CPU: the
-newest draft token needs those layers anyway, so their weights are read either way, and a forward over a few rows
-costs about what one row costs (memory-bound).
+Nothing is computed twice. The draft's forwards over [newest committed token] + draft tokens write those tokens'
+K/V of layers 0..E-1 where the target's own would go, and keep the residual stream they hand to layer E; a chain's
+verify then starts at layer E from those rows (`Draft.resume`). The last draft token has no such row unless the
+draft fed it on (a draft cut by confidence), so a verify whose every draft token is accepted usually adds no bonus
+token: the next draft's forward over that token is its first E layers. Token trees (`--draft-branch-p`) are verified
+by a whole forward.
 """
 from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
 
 from specdec.drafters.base import Draft
 from specdec.drafters.draft_model import BRANCH_P, P_MIN, DraftModelDrafter
 from specdec.drafters.registry import BuildContext, DrafterType, HeadMemory, MemoryQuery, Option
 from specdec.errors import SpecdecError
-from specdec.runtime.runner import ModelRunner
+from specdec.runtime.runner import FeatureSpec, ModelRunner
 from specdec.sequence import Sequence
 
 
 class EarlyExitDrafter(DraftModelDrafter):
     name = "early-exit"
 
+    def __init__(self, runner: ModelRunner, target_vocab: int, p_min: float = 0.0, branch_p: float = 0.0):
+        super().__init__(runner, target_vocab, p_min, branch_p)
+        self.runner.capture = FeatureSpec()  # the residual stream leaving layer E - 1 (`Features.final`)
+        self.rows: dict[int, list[torch.Tensor]] = {}  # slot -> [T, H] per forward of the draft in progress
+
     def propose_batch(self, seqs: list[Sequence], max_tokens: list[int], min_path_probs: list[float]) -> list[Draft]:
         for seq in seqs:  # the shared cache holds the first E layers of every committed token but the newest
-            self.cached[seq.slot] = seq.tokens[:-1]
-        return super().propose_batch(seqs, max_tokens, min_path_probs)
+            self.cached[seq.slot], self.rows[seq.slot] = seq.tokens[:-1], []
+        drafts = super().propose_batch(seqs, max_tokens, min_path_probs)
+        return [self._resumable(d, self.rows.pop(s.slot)) for s, d in zip(seqs, drafts)]
+
+    def _after_forward(self, states: list) -> None:
+        for st, feats in zip(states, self.runner.features):
+            self.rows[st.seq.slot].append(feats.final)
+
+    def _resumable(self, draft: Draft, rows: list[torch.Tensor]) -> Draft:
+        """A chain with the rows its verify starts from: [newest committed token] + draft tokens, k or k + 1."""
+        if draft.parents is not None or not draft.tokens:
+            return draft
+        hidden = torch.cat(rows)[:len(draft.tokens) + 1]  # [k or k + 1, H]
+        return replace(draft, resume=hidden, resume_layer=self.runner.model.config.num_layers)
+
+    def pending_setup(self, seq: Sequence) -> int:
+        """Never any: the target's forwards filled the shared cache."""
+        return 0
 
     def update(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """Nothing to roll back: the next `propose` starts again from what the target committed."""

@@ -13,6 +13,10 @@ Drafters that know their confidence (the draft model) instead get the budget k_m
 themselves once the product of their token probabilities falls below draft_cost / verify(1):
 past that point another draft token is expected to save less target time than it costs.
 
+A drafter that must first catch up on a new prompt (a draft model's own prefill) drafts for a sequence only where
+that one-off setup (measured seconds per token) is expected to be repaid over the rest of the request: the time a
+token saves at the best draft length, from the drafter's acceptance over earlier requests, times the tokens left.
+
 Every drafter, the draft model included, drafts nothing in a step where no k > 0 is expected to beat
 plain decoding. Its acceptance estimates then drift back toward the prior, and after PROBE_EVERY
 undrafted steps it drafts one token anyway, so costs and acceptance that changed get measured again.
@@ -30,6 +34,8 @@ PROBE_EVERY = 32  # undrafted steps (per drafter, over all sequences) before a o
 class CostModel:
     verify_s: dict[int, float] = field(default_factory=dict)  # tokens per forward -> seconds
     draft_s: dict[str, float] = field(default_factory=dict)   # drafter name -> seconds per drafted token
+    setup_s: dict[str, float] = field(default_factory=dict)   # drafter name -> seconds per token of catch-up
+    history: dict[str, AcceptanceEstimate] = field(default_factory=dict)  # drafter name -> over all sequences
     idle: dict[str, int] = field(default_factory=dict)        # drafter name -> undrafted steps since its last draft
     ema: float = EMA
     # Above the largest measured size, forwards cost as much as it (False: verifying a few more tokens
@@ -46,6 +52,19 @@ class CostModel:
             self.idle[drafter] = 0
             per, old = seconds / drafted, self.draft_s.get(drafter)
             self.draft_s[drafter] = per if old is None else old + self.ema * (per - old)
+
+    def observe_setup(self, tokens: int, seconds: float, drafter: str = "") -> None:
+        if tokens and seconds > 0:
+            per, old = seconds / tokens, self.setup_s.get(drafter)
+            self.setup_s[drafter] = per if old is None else old + self.ema * (per - old)
+
+    def setup_cost(self, tokens: int, drafter: str = "") -> float:
+        """Seconds for `drafter` to catch up on `tokens` (0 until measured)."""
+        return tokens * self.setup_s.get(drafter, 0.0)
+
+    def acceptance(self, drafter: str = "") -> AcceptanceEstimate:
+        """`drafter`'s acceptance over every sequence so far (the engine feeds it)."""
+        return self.history.setdefault(drafter, AcceptanceEstimate())
 
     def probe_due(self, drafter: str = "") -> bool:
         """Count one undrafted step of `drafter`; True once every PROBE_EVERY of them (time to re-measure)."""
@@ -78,8 +97,8 @@ class CostModel:
         return self.verify_s[lo] * (tokens / lo if self.proportional_above else 1.0)
 
 
-def choose_draft_len(cost: CostModel, acc: AcceptanceEstimate, k_min: int, k_max: int, drafter: str = "") -> int:
-    """The k in [k_min, k_max] (or 0) with the most expected tokens per second for `drafter`."""
+def _rate(cost: CostModel, acc: AcceptanceEstimate, k_min: int, k_max: int, drafter: str) -> tuple[int, float]:
+    """(k, expected tokens per second) for the best k in [k_min, k_max], or k = 0 (plain decoding)."""
     draft_s = cost.draft_cost(drafter)
     best_k, best_rate = 0, 1.0 / cost.verify_cost(1)
     expected = 1.0  # the bonus token always comes
@@ -90,4 +109,16 @@ def choose_draft_len(cost: CostModel, acc: AcceptanceEstimate, k_min: int, k_max
         rate = expected / (k * draft_s + cost.verify_cost(k + 1))
         if rate > best_rate:
             best_k, best_rate = k, rate
-    return best_k
+    return best_k, best_rate
+
+
+def choose_draft_len(cost: CostModel, acc: AcceptanceEstimate, k_min: int, k_max: int, drafter: str = "") -> int:
+    """The k in [k_min, k_max] (or 0) with the most expected tokens per second for `drafter`."""
+    return _rate(cost, acc, k_min, k_max, drafter)[0]
+
+
+def expected_saving(cost: CostModel, k_max: int, drafter: str = "") -> float:
+    """Seconds per token that drafting up to k_max tokens a step saves over plain decoding, at the best draft
+    length and with `drafter`'s acceptance over earlier sequences (0 when drafting is not expected to pay)."""
+    _, rate = _rate(cost, cost.acceptance(drafter), 1, k_max, drafter)
+    return max(0.0, cost.verify_cost(1) - 1.0 / rate)

@@ -9,7 +9,7 @@ import torch
 
 from specdec.drafters.base import Drafter
 from specdec.drafters.registry import VerifyHook
-from specdec.engine.adaptive import CostModel, choose_draft_len
+from specdec.engine.adaptive import CostModel, choose_draft_len, expected_saving
 from specdec.engine.stops import StopScan
 from specdec.errors import SpecdecError
 from specdec.models.tokenizer import Detokenizer, Tokenizer
@@ -255,6 +255,8 @@ class Engine:
             if not self.cost.probe_due(drafter.name):
                 return 0, 0.0
             k = min(k_max, max(1, self.spec.draft_min))
+        if not self._setup_pays(seq, k_max):
+            return 0, 0.0
         if not drafter.confidence_stop:
             return k, 0.0
         # Draft one more token while its expected yield (the chance the path so far is accepted, times the
@@ -262,6 +264,22 @@ class Engine:
         draft_s = self.cost.draft_cost(drafter.name)
         min_path_prob = draft_s / self.cost.verify_cost(1) if draft_s > 0 and self.cost.verify_s else 0.0
         return (k if probe else k_max), min_path_prob
+
+    def _setup_pays(self, seq: Sequence, k_max: int) -> bool:
+        """Whether the drafter's pending catch-up on this sequence (its own prefill of a new prompt) is expected to
+        be repaid over the rest of the request (engine/adaptive.py); unmeasured, it is paid and so measured. A
+        sequence refused at its first step lets the drafter's history drift back toward the prior, so a later
+        request pays again and re-measures."""
+        drafter = seq.drafter
+        setup_s = self.cost.setup_cost(drafter.pending_setup(seq), drafter.name)
+        if setup_s == 0:
+            return True
+        left = min(self.target.context - len(seq.tokens), seq.params.max_tokens - len(seq.output_ids))
+        if left * expected_saving(self.cost, k_max, drafter.name) > setup_s:
+            return True
+        if seq.stats.target_forwards == 1:
+            self.cost.acceptance(drafter.name).relax()
+        return False
 
     def _propose_all(self, seqs: list[Sequence], cap: int | None) -> dict[int, Proposal | None]:
         """Each sequence's proposal by id (None if its drafting failed); sequences sharing a batched drafter
@@ -289,6 +307,7 @@ class Engine:
         lens = {id(s): self._guarded(s, self._draft_len, s, cap) for s in seqs}
         live = [s for s in seqs if lens[id(s)] is not None]
         todo = [s for s in live if lens[id(s)][0] > 0]
+        setups = {id(s): s.drafter.pending_setup(s) for s in todo}
         t = self.clock()
         try:
             drafts = seqs[0].drafter.propose_batch(todo, [lens[id(s)][0] for s in todo],
@@ -306,20 +325,23 @@ class Engine:
                 out[id(s)] = self._proposal(s, 0, Draft([]), 0.0)
                 continue
             share = len(d.tokens) / drafted if drafted else 1 / len(drafts)
-            out[id(s)] = self._proposal(s, lens[id(s)][0], d, d.setup_s + shared * share)
+            out[id(s)] = self._proposal(s, lens[id(s)][0], d, d.setup_s + shared * share, setups[id(s)])
         return out
 
     def _propose_alone(self, seq: Sequence, k: int, min_path_prob: float) -> Proposal:
         """One sequence's draft of up to k tokens, timed."""
+        setup = seq.drafter.pending_setup(seq) if k > 0 else 0
         t = self.clock()
         draft = seq.drafter.propose(seq, k, min_path_prob) if k > 0 else Draft([])
-        return self._proposal(seq, k, draft, self.clock() - t)
+        return self._proposal(seq, k, draft, self.clock() - t, setup)
 
-    def _proposal(self, seq: Sequence, k: int, draft: Draft, seconds: float) -> Proposal:
-        """Record a sequence's draft (asked for k tokens, `seconds` spent on it, setup included)."""
+    def _proposal(self, seq: Sequence, k: int, draft: Draft, seconds: float, setup: int = 0) -> Proposal:
+        """Record a sequence's draft (asked for k tokens, `seconds` spent on it, its catch-up on `setup` tokens
+        included)."""
         if len(draft.tokens) < self.spec.draft_min and draft.probs is None:
             draft = Draft([], setup_s=draft.setup_s)  # a sampled draft is kept: dropping it by length biases it
         seq.stats.draft_s += seconds
+        self.cost.observe_setup(setup, draft.setup_s, seq.drafter.name if seq.drafter else "")
         if draft.tokens:  # the drafter's catch-up on a new prompt is not drafting
             self.cost.observe_draft(len(draft.tokens), seconds - draft.setup_s, seq.drafter.name)
         return Proposal(draft, k)
@@ -329,12 +351,17 @@ class Engine:
         features (None unless a drafter asked for them)."""
         out: list[torch.Tensor | None] = [None] * len(seqs)
         feats: list[Features | None] = [None] * len(seqs)
-        chains = [i for i, d in enumerate(drafts) if d.parents is None]
-        if chains:
-            res = self.target.forward([[seqs[i].tokens[-1]] + drafts[i].tokens for i in chains],
-                                      [seqs[i].last_position for i in chains], [seqs[i].slot for i in chains])
+        groups: dict[int, list[int]] = {}  # chains by the layer their forward starts at (resumed drafts: not 0)
+        for i, d in enumerate(drafts):
+            if d.parents is None:
+                groups.setdefault(d.resume_layer if self._resumed(d) else 0, []).append(i)
+        for layer, chains in groups.items():
+            inputs = [([seqs[i].tokens[-1]] + drafts[i].tokens)[:len(drafts[i].resume) if layer else None]
+                      for i in chains]
+            res = self.target.forward(inputs, [seqs[i].last_position for i in chains], [seqs[i].slot for i in chains],
+                                      resume=[drafts[i].resume for i in chains] if layer else None, resume_layer=layer)
             for j, i in enumerate(chains):
-                out[i] = res[j]
+                out[i] = _no_bonus_row(res[j], len(drafts[i].tokens))
                 feats[i] = self.target.features[j] if self.target.features else None
         for i, d in enumerate(drafts):
             if d.parents is not None:
@@ -342,6 +369,11 @@ class Engine:
                 out[i] = self.target.verify_tree(s.slot, s.last_position, [s.tokens[-1]] + d.tokens, d.parents)
                 feats[i] = self.target.features[0] if self.target.features else None
         return out, feats
+
+    def _resumed(self, draft: Draft) -> bool:
+        """Whether the target's forward over this draft starts where the drafter's left off (`Draft.resume`);
+        not while features of every layer are captured."""
+        return draft.parents is None and draft.resume is not None and self.target.capture is None
 
     def _verify(self, seq: Sequence, draft: Draft, logits: torch.Tensor) -> Verdict:
         """Which draft nodes the target accepts and what to commit, from its logits [N+1, V] (lossless; an opt-in
@@ -359,6 +391,8 @@ class Engine:
         else:
             new, path = verify_tree_sampling(draft.tokens, parents, draft.probs, logits, seq.params, seq.generator,
                                              relax)
+        if self._resumed(draft) and len(draft.resume) == len(draft.tokens) == len(path):
+            new = new[:-1]  # a resumed verify without the last token's row has no bonus token
         seq.stats.relaxed += relax.count if relax else 0
         rows = logits if draft.parents is None else logits[[0] + [i + 1 for i in path]]
         return Verdict(new, path, rows, self.clock() - t)
@@ -375,6 +409,7 @@ class Engine:
         seq.stats.record_step(prop.asked, len(draft.tokens), len(path), draft.depth)
         if draft.tokens:
             seq.acceptance.observe(draft.depth, len(path))
+            self.cost.acceptance(seq.drafter.name).observe(draft.depth, len(path))
         self._commit(seq, verdict.new, verdict.rows, draft, path)
         if seq.drafter:
             seq.drafter.update(seq, len(draft.tokens), len(path))
@@ -434,6 +469,12 @@ class Engine:
         if seq.on_text and end > seq.streamed:
             seq.on_text(seq.text[seq.streamed:end])
         seq.streamed = max(seq.streamed, end)
+
+
+def _no_bonus_row(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Logits [k, V] of a resumed verify without the last draft token's row -> [k + 1, V], the last row a stand-in
+    (its bonus token is dropped); [k + 1, V] as they are."""
+    return logits if len(logits) > k else torch.cat([logits, logits[-1:]])
 
 
 def _logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:

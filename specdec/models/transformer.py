@@ -176,8 +176,9 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache,
                 cache_index: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                logits_index: torch.Tensor | None = None,
-                hidden_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                logits_index: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = (),
+                resume: torch.Tensor | None = None,
+                resume_layer: int = 0) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run a chunk of tokens through the model.
 
         tokens, positions: [B, T]; slots: [B]; cache_index: [B, T] (defaults to positions);
@@ -187,18 +188,20 @@ class Transformer(nn.Module):
         hidden i = the residual stream entering decoder layer i (0 = the token embeddings, i = output of
         layer i - 1), and i = num_layers = the input of the final norm (the last hidden state, pre-norm).
         The tensors are the forward's own activations (no copies).
+        resume [B, T, H]: the residual stream entering layer `resume_layer`, computed before (with the K/V of the
+        layers below it in the cache already): the forward starts there, and `hidden_layers` below it are absent.
         """
         cache_index = positions if cache_index is None else cache_index
         kv_len = int(cache_index.max()) + 1
         if mask is None and tokens.numel() > 1:
             key_pos = torch.arange(kv_len, device=tokens.device)
             mask = (key_pos[None, None, :] <= cache_index[:, :, None]).unsqueeze(1)
-        x = self.model.embed_tokens(tokens)
+        x = self.model.embed_tokens(tokens) if resume is None else resume
         cos, sin = self.rotary.tables(positions, x.dtype)
         batch = Batch(slots, cache_index, cos, sin, mask, kv_len, KVCache.span(slots, cache_index))
         hidden: dict[int, torch.Tensor] = {}
         batches = {x.device: batch}
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(self.model.layers[resume_layer:], start=resume_layer):
             if self.split:
                 dev = cache.k[i].device
                 x = x.to(dev)

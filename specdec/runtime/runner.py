@@ -138,11 +138,14 @@ class ModelRunner:
         return self.model.config.vocab_size
 
     def forward(self, chunks: list[list[int]], starts: list[int], slots: list[int],
-                last_only: bool = False) -> list[torch.Tensor]:
+                last_only: bool = False, resume: list[torch.Tensor] | None = None,
+                resume_layer: int = 0) -> list[torch.Tensor]:
         """Feed chunk i of tokens at positions starts[i].. into slot slots[i].
 
         Chunks are padded to the longest; padding writes at most up to the spare row past the context, so
         a long draft beside a sequence near the end of its context stays inside the cache.
+        resume: per chunk [T_i, H], the residual stream entering layer `resume_layer` for its tokens (their K/V
+        below that layer already cached): the forward starts there (`Draft.resume`; no `capture` then).
         Returns per sequence logits [T_i, V] (or [1, V] with last_only), float32; sets `features` (`capture`).
         """
         lens = [len(c) for c in chunks]
@@ -155,10 +158,18 @@ class ModelRunner:
         positions = torch.tensor(starts)[:, None] + torch.arange(T)[None, :]  # [B, T]
         cache_index = positions.clamp(max=self.cache.max_len - 1)  # real positions are below the context
         logits_index = torch.tensor([[n - 1] for n in lens]) if last_only else None
+        x = None
+        if resume is not None:
+            if self._capture is not None:
+                raise SpecdecError("a resumed forward cannot capture target features")
+            x = resume[0].new_zeros(len(chunks), T, resume[0].shape[-1])  # [B, T, H]
+            for i, h in enumerate(resume):
+                x[i, :len(h)] = h
+            x = x.to(self.device)
         logits, hidden = self.model(tokens.to(self.device), positions.to(self.device),
                                     torch.tensor(slots).to(self.device), self.cache, cache_index.to(self.device),
                                     logits_index=None if logits_index is None else logits_index.to(self.device),
-                                    hidden_layers=self._hidden_layers())
+                                    hidden_layers=self._hidden_layers(), resume=x, resume_layer=resume_layer)
         self.features = self._collect(hidden, lens)
         logits = logits.cpu()
         if last_only:
