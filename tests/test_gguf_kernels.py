@@ -1,10 +1,10 @@
 """GGUF block kernels (specdec/runtime/kernels/ggml_q.c) against an fp64 reference.
 
-Weights: Q8_0 and Q5_0 from `gguf.quants.quantize`; Q4_K and Q6_K (which the gguf package cannot
+Weights: Q8_0, Q5_0 and Q4_1 from `gguf.quants.quantize`; Q4_K and Q6_K (which the gguf package cannot
 quantize) as random valid blocks. The reference dequantizer is `gguf.quants.dequantize`.
 
 Error bound. The kernels quantize each activation row to int8 per group of G inputs (G = 256 for
-the K-quants, 32 for Q8_0/Q5_0) with scale amax/127, so each input carries a rounding error of at
+the K-quants, 32 for Q8_0/Q5_0/Q4_1) with scale amax/127, so each input carries a rounding error of at
 most amax/254, uniformly spread: rms amax/(127*sqrt(12)), about 0.8% of a Gaussian row's rms for
 G = 256 (amax ~ 3.4 sigma) and 0.6% for G = 32. With weights uncorrelated to that noise the relative
 error of a dot product is the same ~0.8%, so:
@@ -28,12 +28,13 @@ from specdec.runtime.gguf_linear import GGUFConcatLinear, GGUFLinear, for_this_c
 gguf = pytest.importorskip("gguf")
 
 ROWS = (1, 2, 5, 17, 64, 200)
-SIZES = {"Q4_K": (256, 1536, 8960), "Q6_K": (256, 1536, 8960), "Q5_0": (896, 1536, 96), "Q8_0": (896, 1536, 8960)}
+SIZES = {"Q4_K": (256, 1536, 8960), "Q6_K": (256, 1536, 8960), "Q5_0": (896, 1536, 96), "Q8_0": (896, 1536, 8960),
+         "Q4_1": (576, 1536, 96)}
 OUT = 37  # odd: exercises a last, partial task of outputs
 
 
 def random_blocks(qtype: int, out: int, inp: int, rng) -> np.ndarray:
-    if qtype in (K.Q8_0, K.Q5_0):
+    if qtype in (K.Q8_0, K.Q5_0, K.Q4_1):
         w = rng.standard_normal((out, inp)).astype(np.float32)
         return gguf.quants.quantize(w, gguf.GGMLQuantizationType(qtype)).reshape(out, -1)
     be, bb = K.BLOCK[qtype]
@@ -124,13 +125,13 @@ def test_parts_in_one_call_equal_each_part(path, lib, monkeypatch):
     monkeypatch.setenv("SPECDEC_KERNEL_PATH", path)
     rng = np.random.default_rng(7)
     parts = [GGUFLinear.from_blocks(random_blocks(qt, out, 512, rng), qt, (out, 512), bias=torch.randn(out))
-             for qt, out in ((K.Q4_K, 40), (K.Q8_0, 24), (K.Q6_K, 24), (K.Q5_0, 8))]
+             for qt, out in ((K.Q4_K, 40), (K.Q8_0, 24), (K.Q6_K, 24), (K.Q5_0, 8), (K.Q4_1, 16))]
     cat = GGUFConcatLinear(parts)
     for rows in (1, 3, 40, 600):
         x = torch.randn(1, rows, 512)
         y = cat(x)
         ref = torch.cat([p(x) for p in parts], dim=-1)
-        assert y.shape == (1, rows, 96)
+        assert y.shape == (1, rows, 112)
         assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max())), rows
         if rows != 40:  # 40 rows: kernel or dequantize, as calibrated for this path
             assert cat.last_path == ("dequant" if rows == 600 else K.best_path())

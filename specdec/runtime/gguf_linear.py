@@ -10,7 +10,7 @@ scalar chosen at run time). Larger ones dequantize the weight in chunks of outpu
 native bf16, else fp32) into a reused buffer for torch's matmul. Without the compiled library both dequantize
 through the `gguf` package (slow but correct).
 
-Types: Q4_K, Q5_0, Q6_K, Q8_0 (what Q4_K_M packs hold).
+Types: Q4_K, Q5_0, Q6_K, Q8_0 (what Q4_K_M packs hold) and Q4_1 (the SmolLM2-135M pack).
 """
 from __future__ import annotations
 

@@ -33,12 +33,13 @@ PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
 PATH_NAMES = {v: k for k, v in PATHS.items()}
 
 # GGML type ids the kernels take
-Q5_0, Q8_0, Q4_K, Q6_K = 6, 8, 12, 14
-TYPES = {"Q5_0": Q5_0, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q6_K": Q6_K}
+Q4_1, Q5_0, Q8_0, Q4_K, Q6_K = 3, 6, 8, 12, 14
+TYPES = {"Q4_1": Q4_1, "Q5_0": Q5_0, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q6_K": Q6_K}
 X16 = 256  # added to a type: its blocks repacked 16 outputs at a time (`gq_repack`; AVX-512 kernel only)
-REPACKABLE = (Q4_K, Q6_K, Q8_0, Q5_0)
-BLOCK = {Q5_0: (32, 22), Q8_0: (32, 34), Q4_K: (256, 144), Q6_K: (256, 210),  # type -> (elements, bytes per output)
-         X16 + Q5_0: (32, 22), X16 + Q8_0: (32, 34), X16 + Q4_K: (256, 148), X16 + Q6_K: (256, 210)}
+REPACKABLE = (Q4_K, Q6_K, Q8_0, Q5_0, Q4_1)
+BLOCK = {Q4_1: (32, 20), Q5_0: (32, 22), Q8_0: (32, 34), Q4_K: (256, 144), Q6_K: (256, 210),  # type -> (elements,
+         X16 + Q4_1: (32, 20), X16 + Q5_0: (32, 22), X16 + Q8_0: (32, 34), X16 + Q4_K: (256, 148),  # bytes/output)
+         X16 + Q6_K: (256, 210)}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

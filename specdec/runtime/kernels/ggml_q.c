@@ -3,13 +3,14 @@
  * W is `out` rows of `in / block` blocks, each exactly the GGUF bytes of one block:
  *   Q8_0 (34 B / 32):  f16 d, int8 q[32]                              w = d * q
  *   Q5_0 (22 B / 32):  f16 d, u32 qh, u8 qs[16]                         w = d * (q - 16), q 5-bit
+ *   Q4_1 (20 B / 32):  f16 d, f16 m, u8 qs[16]                          w = d * q + m, q 4-bit
  *   Q4_K (144 B / 256): f16 d, f16 dmin, 12 B of 6-bit scales/mins, 128 B of nibbles
  *                       w = d * sc[s] * q - dmin * m[s], 8 sub-blocks of 32
  *   Q6_K (210 B / 256): ql[128], qh[64], int8 sc[16], f16 d           w = d * sc[g] * (q - 32), 16 groups of 16
  *
  * Activations are quantized per call to int8 (one scale per 256 inputs for the K-quants, per 32 for
- * Q8_0/Q5_0), so the inner products are integer (AVX-512 VNNI vpdpbusd, or AVX2 vpmaddubsw +
- * vpmaddwd). Weight offsets (Q5_0's -16, Q6_K's -32, Q4_K's mins, Q8_0's +128 bias in the VNNI path)
+ * Q8_0/Q5_0/Q4_1), so the inner products are integer (AVX-512 VNNI vpdpbusd, or AVX2 vpmaddubsw +
+ * vpmaddwd). Weight offsets (Q5_0's -16, Q6_K's -32, Q4_K's and Q4_1's mins, Q8_0's +128 bias in the VNNI path)
  * are applied as float products of per-group weight constants with per-group activation sums.
  *
  * Kernels: 1-2 rows (decode) walk each output's blocks, unpack each block once into registers and apply
@@ -38,7 +39,7 @@
 #include <immintrin.h>
 #endif
 
-enum { GQ_Q5_0 = 6, GQ_Q8_0 = 8, GQ_Q4_K = 12, GQ_Q6_K = 14 };
+enum { GQ_Q4_1 = 3, GQ_Q5_0 = 6, GQ_Q8_0 = 8, GQ_Q4_K = 12, GQ_Q6_K = 14 };
 /* GQ_X16 + Q4_K / Q6_K: the same blocks repacked 16 outputs at a time (gq_repack, layouts below), for the
  * AVX-512 kernel. Addressed like the file's layout with 256 inputs and X16_BYTES / 16 bytes per output and
  * block, so output o's data starts at W + o * rowbytes when o is a multiple of 16. */
@@ -56,6 +57,8 @@ enum { X6_HB = 2048, X6_SC = 3072, X6_D = 3328, X6_BYTES = 3360 };
  * quants (q + 16), 4 lines: line L, dword t, byte j: low nibble = input 4L + j, high nibble = input 16 + 4L + j;
  * [256, 320) bit 4, as 8 64-bit masks: mask k, bit 4t + j = input 4k + j of output t; [320, 352) d (fp16). */
 enum { X8_D = 512, X8_BYTES = 544, X5_HB = 256, X5_D = 320, X5_BYTES = 352 };
+/* Q4_1 x16 (320 bytes): [0, 256) the quants' nibbles as Q5_0 x16's; [256, 288) d, [288, 320) m (fp16). */
+enum { X41_D = 256, X41_M = 288, X41_BYTES = 320 };
 enum { PATH_AUTO = 0, PATH_SCALAR = 1, PATH_AVX2 = 2, PATH_AVX512 = 3 };
 #define RT 64 /* rows per tile: accumulators of one output for RT rows stay in L1 */
 
@@ -64,12 +67,14 @@ static int block_bytes(int type) {
     switch (type) {
     case GQ_Q8_0: return 34;
     case GQ_Q5_0: return 22;
+    case GQ_Q4_1: return 20;
     case GQ_Q4_K: return 144;
     case GQ_Q6_K: return 210;
     case GQ_X16 + GQ_Q4_K: return X4_BYTES / 16;
     case GQ_X16 + GQ_Q6_K: return X6_BYTES / 16;
     case GQ_X16 + GQ_Q8_0: return X8_BYTES / 16;
     case GQ_X16 + GQ_Q5_0: return X5_BYTES / 16;
+    case GQ_X16 + GQ_Q4_1: return X41_BYTES / 16;
     default: return 0;
     }
 }
@@ -124,6 +129,14 @@ INL int unpack_block(int type, const uint8_t *b, int8_t *q, float *gs, float *gm
         }
         return 32;
     }
+    case GQ_Q4_1:
+        gs[0] = rdh(b);
+        gm[0] = rdh(b + 2);
+        for (int j = 0; j < 16; j++) {
+            q[j] = (int8_t)(b[4 + j] & 0xF);
+            q[j + 16] = (int8_t)(b[4 + j] >> 4);
+        }
+        return 32;
     case GQ_Q4_K: {
         float d = rdh(b), dmin = rdh(b + 2);
         uint8_t sc[8], m[8];
@@ -164,6 +177,12 @@ INL int unpack_block(int type, const uint8_t *b, int8_t *q, float *gs, float *gm
 
 /* Output t (0-15) of an x16 superblock P -> signed values q and group scales, as unpack_block gives them. */
 INL int unpack_x16(int type, const uint8_t *P, int t, int8_t *q, float *gs, float *gm) {
+    if (type == GQ_X16 + GQ_Q4_1) {
+        for (int i = 0; i < 32; i++) q[i] = (int8_t)((P[64 * ((i % 16) / 4) + 4 * t + i % 4] >> (i >= 16 ? 4 : 0)) & 0xF);
+        gs[0] = rdh(P + X41_D + 2 * t);
+        gm[0] = rdh(P + X41_M + 2 * t);
+        return 32;
+    }
     if (type == GQ_X16 + GQ_Q8_0 || type == GQ_X16 + GQ_Q5_0) {
         const int q8 = type == GQ_X16 + GQ_Q8_0;
         for (int i = 0; i < 32; i++) {
@@ -215,6 +234,7 @@ static void repack_group(int type, const uint8_t *W, int64_t rowbytes, int64_t n
                 const int k = i / 4, at = 4 * t + i % 4;
                 switch (type) {
                 case GQ_Q8_0: P[64 * k + at] = (uint8_t)(q[i] + 128); break;
+                case GQ_Q4_1: P[64 * ((i % 16) / 4) + at] |= (uint8_t)((q[i] & 0xF) << (i >= 16 ? 4 : 0)); break;
                 case GQ_Q5_0:
                     P[64 * ((i % 16) / 4) + at] |= (uint8_t)(((q[i] + 16) & 0xF) << (i >= 16 ? 4 : 0));
                     P[X5_HB + 8 * k + at / 8] |= (uint8_t)((((q[i] + 16) >> 4) & 1) << (at % 8));
@@ -229,6 +249,10 @@ static void repack_group(int type, const uint8_t *W, int64_t rowbytes, int64_t n
             switch (type) {
             case GQ_Q8_0: memcpy(P + X8_D + 2 * t, blk, 2); break;
             case GQ_Q5_0: memcpy(P + X5_D + 2 * t, blk, 2); break;
+            case GQ_Q4_1:
+                memcpy(P + X41_D + 2 * t, blk, 2);
+                memcpy(P + X41_M + 2 * t, blk + 2, 2);
+                break;
             case GQ_Q4_K: {
                 uint8_t sc[8], m[8];
                 q4k_scales(blk + 4, sc, m);
@@ -414,18 +438,21 @@ T256 static int row_avx2(int type, const uint8_t *w, const act_t *A, int64_t r0,
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * A->d[(r0 + r) * ng + b]), acc[r]);
             }
         }
-    } else { /* Q5_0 */
+    } else { /* Q5_0 / Q4_1: unsigned quants (Q5_0: with its fifth bit), offset -16 d / m */
         const __m256i shuf = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0);
         const __m256i bits = _mm256_set1_epi64x((long long)0x8040201008040201ULL), b5 = _mm256_set1_epi8(0x10);
+        const int q41 = type == GQ_Q4_1, bb = q41 ? 20 : 22;
         for (int64_t b = b0; b < b1; b++) {
-            const uint8_t *blk = w + b * 22;
-            prefetch_weights(blk, 22);
+            const uint8_t *blk = w + b * bb;
+            prefetch_weights(blk, bb);
             const float d = h2f_256(blk);
-            const __m128i x = _mm_loadu_si128((const __m128i *)(blk + 6)), m4x = _mm_set1_epi8(0x0F);
+            const __m128i x = _mm_loadu_si128((const __m128i *)(blk + (q41 ? 4 : 6))), m4x = _mm_set1_epi8(0x0F);
             __m256i wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), m4x), _mm_and_si128(x, m4x));
-            const __m256i hb = _mm256_shuffle_epi8(_mm256_set1_epi32((int)rd32(blk + 2)), shuf);
-            wq = _mm256_or_si256(wq, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hb, bits), bits), b5));
-            off[b] = -16.0f * d;
+            if (!q41) {
+                const __m256i hb = _mm256_shuffle_epi8(_mm256_set1_epi32((int)rd32(blk + 2)), shuf);
+                wq = _mm256_or_si256(wq, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hb, bits), bits), b5));
+            }
+            off[b] = q41 ? h2f_256(blk + 2) : -16.0f * d;
             for (int r = 0; r < nr; r++) {
                 const __m256i a = _mm256_loadu_si256((const __m256i *)(A->q + (r0 + r) * in + b * 32));
                 const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, a), ones);
@@ -827,20 +854,21 @@ T512 static inline __attribute__((always_inline)) void kx16_body(int type, const
     }
 }
 
-/* Q8_0 / Q5_0 x16: 16 outputs x 32 inputs per superblock, 8 vpdpbusd per row; activation scale per block */
+/* Q8_0 / Q5_0 / Q4_1 x16: 16 outputs x 32 inputs per superblock, 8 vpdpbusd per row; activation scale per block */
 T512 static inline __attribute__((always_inline)) void kx16_body32(int type, const uint8_t *W, const act_t *A,
                                                                    int64_t r0, int nr, float *y, int64_t ystride,
                                                                    int64_t b0, int64_t b1, int accum) {
-    const int q8 = type == GQ_X16 + GQ_Q8_0;
-    const int64_t sb = q8 ? X8_BYTES : X5_BYTES, in = A->in, ng = in / A->G;
+    const int q8 = type == GQ_X16 + GQ_Q8_0, q41 = type == GQ_X16 + GQ_Q4_1;
+    const int64_t sb = q8 ? X8_BYTES : q41 ? X41_BYTES : X5_BYTES, in = A->in, ng = in / A->G;
     const __m512i m4 = _mm512_set1_epi8(0x0F), b4 = _mm512_set1_epi8(0x10), zero = _mm512_setzero_si512();
     __m512 acc[RT];
     for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = b0; b < b1; b++) {
         const uint8_t *P = W + b * sb;
         prefetch_weights(P, (int)sb);
-        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(P + (q8 ? X8_D : X5_D))));
-        const __m512 ov = _mm512_mul_ps(dv, _mm512_set1_ps(q8 ? -128.0f : -16.0f));
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(P + (q8 ? X8_D : q41 ? X41_D : X5_D))));
+        const __m512 ov = q41 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(P + X41_M)))
+                              : _mm512_mul_ps(dv, _mm512_set1_ps(q8 ? -128.0f : -16.0f));
         __m512i wz[8];
         for (int k = 0; k < 8; k++) {
             if (q8) {
@@ -848,8 +876,8 @@ T512 static inline __attribute__((always_inline)) void kx16_body32(int type, con
             } else {
                 const __m512i v = _mm512_loadu_si512(P + 64 * (k % 4));
                 const __m512i nib = _mm512_and_si512(k < 4 ? v : _mm512_srli_epi16(v, 4), m4);
-                __mmask64 hb;
-                memcpy(&hb, P + X5_HB + 8 * k, 8);
+                __mmask64 hb = 0;
+                if (!q41) memcpy(&hb, P + X5_HB + 8 * k, 8);
                 wz[k] = _mm512_or_si512(nib, _mm512_maskz_mov_epi8(hb, b4));
             }
         }
@@ -881,6 +909,7 @@ T512 static void kx16_avx512(int type, const uint8_t *W, const act_t *A, int64_t
     KX16_CASE(GQ_X16 + GQ_Q6_K, kx16_body)
     KX16_CASE(GQ_X16 + GQ_Q8_0, kx16_body32)
     KX16_CASE(GQ_X16 + GQ_Q5_0, kx16_body32)
+    KX16_CASE(GQ_X16 + GQ_Q4_1, kx16_body32)
 #undef KX16_CASE
     }
 }
@@ -996,7 +1025,9 @@ int gq_matmul_parts(int nparts, const int *types, const uint8_t *const *Ws, cons
             const int64_t kc = 2048 / block_elems(type); /* the same for every row count (see above) */
             const int64_t oa = (task - task0[p]) * OC, oe = oa + OC < out ? oa + OC : out;
             float *yp = y + col[p];
-            const int tiled = path == PATH_AVX512 && rows >= TILE_MIN_ROWS;
+            /* Q4_1 in the file's layout has no AVX-512 tile kernels: the AVX2 row kernel serves it there */
+            const int p512 = path == PATH_AVX512 && (type & ~GQ_X16) != GQ_Q4_1;
+            const int tiled = p512 && rows >= TILE_MIN_ROWS;
             for (int64_t b0 = 0; b0 < nbk; b0 += kc) {
                 const int64_t b1 = b0 + kc < nbk ? b0 + kc : nbk;
 #ifdef GQ_X86
@@ -1026,11 +1057,11 @@ int gq_matmul_parts(int nparts, const int *types, const uint8_t *const *Ws, cons
                         const int nr = (int)(rows - r0 < RT ? rows - r0 : RT);
                         float *yo = yp + r0 * ystride + o;
 #ifdef GQ_X86
-                        if (path == PATH_AVX512) {
+                        if (p512) {
                             tile1_avx512(type, wr, rb, A, r0, nr, yo, ystride, off, b0, b1, b0 > 0);
                             continue;
                         }
-                        if (path == PATH_AVX2) {
+                        if (path >= PATH_AVX2) {
                             row_avx2(type, wr, A, r0, nr, yo, ystride, off, b0, b1, b0 > 0);
                             continue;
                         }
@@ -1089,11 +1120,13 @@ INL void dequant_rows(int type, const uint8_t *W, int64_t in, int64_t o0, int64_
     case GQ_Q4_K: { const int type_ = GQ_Q4_K; CALL; } break;                                                \
     case GQ_Q6_K: { const int type_ = GQ_Q6_K; CALL; } break;                                                \
     case GQ_Q5_0: { const int type_ = GQ_Q5_0; CALL; } break;                                                \
+    case GQ_Q4_1: { const int type_ = GQ_Q4_1; CALL; } break;                                                \
     case GQ_Q8_0: { const int type_ = GQ_Q8_0; CALL; } break;                                                \
     case GQ_X16 + GQ_Q4_K: { const int type_ = GQ_X16 + GQ_Q4_K; CALL; } break;                              \
     case GQ_X16 + GQ_Q6_K: { const int type_ = GQ_X16 + GQ_Q6_K; CALL; } break;                              \
     case GQ_X16 + GQ_Q8_0: { const int type_ = GQ_X16 + GQ_Q8_0; CALL; } break;                              \
     case GQ_X16 + GQ_Q5_0: { const int type_ = GQ_X16 + GQ_Q5_0; CALL; } break;                              \
+    case GQ_X16 + GQ_Q4_1: { const int type_ = GQ_X16 + GQ_Q4_1; CALL; } break;                              \
     }
 static void dequant_any(int type, const uint8_t *W, int64_t in, int64_t o0, int64_t o1, int64_t obase, void *dst,
                             int bf16) {
@@ -1142,11 +1175,11 @@ int gq_dequantize(int type, const uint8_t *W, int64_t in, int64_t o0, int64_t o1
     return 0;
 }
 
-/* Q4_K / Q6_K / Q8_0 / Q5_0 blocks [out][in] in the file's layout -> the x16 layout (GQ_X16 + type) at dst
+/* Q4_K / Q6_K / Q8_0 / Q5_0 / Q4_1 blocks [out][in] in the file's layout -> the x16 layout (GQ_X16 + type) at dst
  * (out / 16 groups of in / block_elems superblocks: out * in / block_elems * block_bytes(GQ_X16 + type) bytes). out
  * must be a multiple of 16. Returns 0 or a negative error. */
 int gq_repack(int type, const uint8_t *W, int64_t out, int64_t in, uint8_t *dst, int nthreads) {
-    if (type != GQ_Q4_K && type != GQ_Q6_K && type != GQ_Q8_0 && type != GQ_Q5_0) return -1;
+    if (type != GQ_Q4_K && type != GQ_Q6_K && type != GQ_Q8_0 && type != GQ_Q5_0 && type != GQ_Q4_1) return -1;
     if (in % block_elems(type) != 0 || out % 16 != 0 || in <= 0) return -2;
     if (nthreads < 1) nthreads = 1;
     const int64_t nbk = in / block_elems(type), rowbytes = nbk * block_bytes(type), sb = x16_bytes(type);
