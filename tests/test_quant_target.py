@@ -107,10 +107,10 @@ def test_quant_int8_target_is_lossless_against_itself(tiny_dir):
 
 @pytest.mark.real
 def test_smollm_pack_gguf_greedy_lossless(smollm_dir):
-    """The SmolLM2-135M pack's GGUF (Q4_1 matrices, held dequantized; the Q8_0 embedding as blocks): plain and
-    ngram-simple greedy outputs identical on the quantized target."""
+    """The SmolLM2-135M pack's GGUF (Q4_1 matrices and the Q8_0 embedding, all as blocks through the kernels): plain
+    and ngram-simple greedy outputs identical on the quantized target."""
     llm = LLM("smollm2-135m", quant="gguf", dtype="fp32", draft_max=7, progress=False)
-    assert llm.quant_info.startswith("gguf: Q8_0 ") and "Q4_1 dequantized to float32" in llm.quant_info
+    assert llm.quant_info.startswith("gguf: Q4_1/Q8_0 ") and "dequantized" not in llm.quant_info
     prompt = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n" \
              "def factorial(n):\n"
     plain = llm.generate(prompt, max_tokens=24, spec_type="none")
@@ -121,7 +121,7 @@ def test_smollm_pack_gguf_greedy_lossless(smollm_dir):
 
 @pytest.fixture(scope="module")
 def smollm_q8(smollm_dir, tmp_path_factory):
-    """The SmolLM2-135M pack's GGUF with its Q4_1 matrices (not a kernel type) requantized to Q8_0 by the gguf
+    """The SmolLM2-135M pack's GGUF with its Q4_1 matrices requantized to Q8_0 by the gguf
     package: a real model whose every matrix runs through the kernels."""
     from specdec.models.packs import pack_gguf
 

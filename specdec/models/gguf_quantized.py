@@ -1,7 +1,7 @@
 """Run a model from a GGUF file's quantized tensors as they are (no 16/32-bit weight copies).
 
 `quantize_from_gguf(model, path)` takes a `Transformer` built for the file's config (typically on the meta
-device, so it holds no weights) and gives it the file's tensors: every projection whose GGUF tensor is Q4_K,
+device, so it holds no weights) and gives it the file's tensors: every projection whose GGUF tensor is Q4_1, Q4_K,
 Q5_0, Q6_K or Q8_0 becomes a `GGUFLinear` over a view of the file's memory map (fused q/k/v and gate/up
 stay fused: a `GGUFConcatLinear`, one kernel call for all parts); the token embedding
 becomes a `GGUFEmbedding` that dequantizes only the looked-up rows (and is the LM head's weight too when
@@ -160,7 +160,7 @@ def quantize_from_gguf(model: Transformer, gguf_path: Path | str, dtype: torch.d
 
 def describe(model: nn.Module) -> str:
     """Which path a model from `quantize_from_gguf` runs, e.g. 'gguf: Q4_K/Q5_0/Q6_K/Q8_0 kernel path avx512, x16
-    layout' (x16: repacked at load for the AVX-512 kernel), plus '; Q4_1 dequantized to float32' for matrices of
+    layout' (x16: repacked at load for the AVX-512 kernel), plus e.g. '; Q5_1 dequantized to float32' for matrices of
     types the kernels do not take."""
     lins = [m for m in model.modules() if isinstance(m, GGUFLinear)]
     kinds = sorted({m.type_name.removesuffix(" x16") for m in lins})
