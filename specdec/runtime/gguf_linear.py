@@ -249,8 +249,10 @@ def kernel_matmul(parts: list[GGUFLinear], x2: torch.Tensor, path: int | None = 
                              torch.get_num_threads(), K.requested_path() if path is None else path)
     if rc < 0:
         return None
+    name = K.PATH_NAMES[rc]
     for p in parts:
-        p.last_path = K.PATH_NAMES[rc]
+        if p.last_path != name:  # a module attribute write is slow; it rarely changes
+            p.last_path = name
     return y if x2.dtype == torch.float32 else y.to(x2.dtype)
 
 
