@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Micro-benchmark: one projection (default the 1.5B target's MLP shapes 1536x8960 and 8960x1536),
 ms per call (median of many) at several row counts, for the GGUF block kernels (each type, each
-instruction-set path the CPU has on the file's layout, and the x16 layout the loader repacks to on AVX-512) and
+instruction-set path the CPU has on the file's layout and on the x16 layout the loader repacks to on AVX2 and AVX-512) and
 torch's candidates: bf16 and fp32 matmul of the dequantized
 weight, `_weight_int8pack_mm` (int8 weight-only) and FBGEMM dynamic int8 (quantize_dynamic).
 Prints the CPU flags, the measured read bandwidth and one Markdown table per shape.
@@ -133,13 +133,13 @@ def bench_shape(out: int, inp: int, rows_list: list[int], paths: list[str], type
     for t in types:
         blocks = torch.from_numpy(random_blocks(K.TYPES[t], out, inp, rng))
         lays = copies(lambda: GGUFLinear.from_blocks(blocks.clone(), t, (out, inp)), blocks.numel(), cold)
-        for p in paths:
+        for p in (p for p in paths if p != "avx512bw"):  # the file's layout runs the AVX2 row kernels there
             pid = K.PATHS[p]
             row(f"GGUF {t} kernel ({p})", lays, lambda lay, r, pid=pid: lay._kernel(xs[r], pid), blocks.numel())
         x16 = [for_this_cpu(lay) for lay in lays]  # the layout the loader picks here (x16 on AVX-512)
-        if x16[0] is not lays[0]:
-            row(f"GGUF {t} x16 kernel (avx512, the default here)", x16, lambda lay, r: lay._kernel(xs[r]),
-                x16[0].qweight.numel())
+        for p in (p for p in paths if p != "scalar" and x16[0] is not lays[0]):
+            row(f"GGUF {t} x16 kernel ({p}{', the default here' if p == K.best_path() else ''})", x16,
+                lambda lay, r, pid=K.PATHS[p]: lay._kernel(xs[r], pid), x16[0].qweight.numel())
         row(f"GGUF {t} dequant+bf16 matmul", lays[:1], lambda lay, r: lay._dequant_matmul(xb[r]))
     row("bf16 matmul (dense)", copies(lambda: w.to(torch.bfloat16), w.numel() * 2, cold),
         lambda wb, r: F.linear(xb[r], wb), w.numel() * 2)
@@ -173,7 +173,7 @@ def main() -> None:
     if a.paths:
         paths = a.paths.split(",")
     else:
-        order = ["avx512", "avx2", "scalar"]
+        order = ["avx512", "avx512bw", "avx2", "scalar"]
         paths = order[order.index(best):] if best in order else []
         paths = [p for p in paths if p != "scalar"] or paths  # scalar is slow; ask for it with --paths
     rng = np.random.default_rng(0)

@@ -228,7 +228,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         kv_dtype=args.kv_dtype, slots=args.parallel, gpu=args.gpu, gpu_mem=args.gpu_mem, gpu_bw=args.gpu_bw,
         ram=args.ram, ram_bw=args.ram_bw, pcie_bw=args.pcie_bw, cpu=args.cpu, ngl=args.n_gpu_layers,
         ngld=args.n_gpu_layers_draft, task=args.task, accept=args.accept, draft_max=args.draft_max,
-        spec_type=args.spec_type, export=args.export, avx512={"yes": True, "no": False}.get(args.avx512),
+        spec_type=args.spec_type, export=args.export, x16={"yes": True, "no": False}.get(args.x16),
         cache_mb=args.cache_mb))
     if args.export:
         print(export(plan, args.export), end="")
@@ -280,9 +280,9 @@ def _add_plan_parser(sub) -> None:
     h.add_argument("--ram", help="system RAM, e.g. 64GiB (default: detected)")
     h.add_argument("--ram-bw", help="RAM bandwidth, e.g. 90GB/s (default: the --cpu profile)")
     h.add_argument("--cpu", help=f"CPU memory profile for --ram-bw: {', '.join(CPUS)} (default cpu-ddr5)")
-    h.add_argument("--avx512", choices=["auto", "yes", "no"], default="auto",
-                   help="whether the planned CPU runs the kernels' AVX-512 path (x16 layout); auto: the --cpu "
-                   "profile's when it says, else this CPU's")
+    h.add_argument("--x16", "--avx512", dest="x16", choices=["auto", "yes", "no"], default="auto",
+                   help="whether the planned CPU runs the kernels' x16 layout (AVX2 or AVX-512; --avx512 is the old "
+                   "name); auto: the --cpu profile's when it says, else this CPU's")
     h.add_argument("--pcie-bw", help="GPU host link bandwidth (default: the GPU's PCIe generation, x16)")
     h.add_argument("-ngl", "--n-gpu-layers", dest="n_gpu_layers", type=_layers, metavar="N",
                    help="target layers on the GPU, N or all (default: as many as fit)")

@@ -48,6 +48,11 @@ def random_blocks(qtype: int, out: int, inp: int, rng) -> np.ndarray:
     return b.reshape(out, -1)
 
 
+def x16_paths() -> list[str]:
+    """The x16 kernels this CPU runs: AVX2; AVX-512 without VNNI ('avx512bw') and with it, where it has them."""
+    return [p for p in ("avx2", "avx512bw", "avx512") if K.PATHS[p] <= K.PATHS[K.best_path()]]
+
+
 def int8_rows(x: np.ndarray, group: int) -> np.ndarray:
     """x after the kernels' activation quantization (int8 per `group` inputs, scale amax/127), in float64."""
     g = x.astype(np.float32).reshape(x.shape[0], -1, group)
@@ -83,7 +88,7 @@ def test_dequantize_matches_gguf(name, lib):
     assert np.array_equal(lin.dequantize(torch.float32, slice(5, 20)).numpy(), ref[5:20])
 
 
-@pytest.mark.parametrize("path", ["scalar", "avx2", "avx512"])
+@pytest.mark.parametrize("path", ["scalar", "avx2", "avx512bw", "avx512"])
 @pytest.mark.parametrize("name", list(K.TYPES))
 def test_kernel_matches_reference(name, path, lib):
     rng = np.random.default_rng(zlib.crc32(f"{name}{path}".encode()))
@@ -111,14 +116,14 @@ def test_paths_agree_and_best_path_is_used(lib):
     blocks = random_blocks(K.Q4_K, 64, 1536, rng)
     lin = GGUFLinear.from_blocks(blocks, "Q4_K", (64, 1536))
     x = torch.randn(9, 1536)
-    ys = {p: lin._kernel(x, K.PATHS[p]) for p in ("scalar", "avx2", "avx512")}
+    ys = {p: lin._kernel(x, K.PATHS[p]) for p in ("scalar", "avx2", "avx512bw", "avx512")}
     for p, y in ys.items():
         assert torch.allclose(y, ys["scalar"], rtol=1e-4, atol=1e-4 * float(ys["scalar"].abs().max())), p
     lin._kernel(x, 0)
     assert lin.last_path == K.best_path()
 
 
-@pytest.mark.parametrize("path", ["scalar", "avx2", "avx512"])
+@pytest.mark.parametrize("path", ["scalar", "avx2", "avx512bw", "avx512"])
 def test_parts_in_one_call_equal_each_part(path, lib, monkeypatch):
     """A fused projection of mixed block types (q/k/v with v in Q6_K): one kernel call for all parts gives each
     part's own result, side by side, bias included, at 1 to 40 rows; above the kernel rows each part runs alone."""
@@ -154,17 +159,18 @@ def test_x16_layout_is_the_same_weight(name, lib):
         w = lin.dequantize(torch.float64)
         for rows in ROWS:
             x = rng.standard_normal((rows, inp)).astype(np.float32)
-            y = x16._kernel(torch.from_numpy(x))
-            if K.best_path() != "avx512":
-                assert y is None
+            if not K.runs_x16():
+                assert x16._kernel(torch.from_numpy(x)) is None
                 continue
-            assert x16.last_path == "avx512"
             quant = torch.from_numpy(int8_rows(x, K.BLOCK[qt][0])) @ w.T
-            assert rel(y, quant) < 1e-4, (name, out, inp, rows)
-        assert x16._kernel(torch.randn(2, inp), K.PATHS["avx2"]) is None
+            for path in x16_paths():
+                y = x16._kernel(torch.from_numpy(x), K.PATHS[path])
+                assert x16.last_path == path
+                assert rel(y, quant) < 1e-4, (name, path, out, inp, rows)
+        assert x16._kernel(torch.randn(2, inp), K.PATHS["scalar"]) is None
     lin = GGUFLinear.from_blocks(random_blocks(qt, 40, 256, rng), name, (40, 256))
     assert for_this_cpu(lin) is lin  # 40 outputs: not a multiple of 16, kept as is
-    if K.best_path() == "avx512":
+    if K.runs_x16():
         assert for_this_cpu(GGUFLinear.from_blocks(random_blocks(qt, 32, 256, rng), name, (32, 256))).qtype == qt + K.X16
 
 
@@ -172,14 +178,15 @@ def test_x16_layout_is_the_same_weight(name, lib):
 def test_x16_row_is_the_same_bits_at_any_row_count(name, lib):
     """Decode (1 row) and verification (17 or 40 rows) give a row the same bits: greedy speculative decoding can
     then equal plain decoding exactly on a quantized target."""
-    if K.best_path() != "avx512":
-        pytest.skip("the x16 layout runs on AVX-512 only")
+    if not K.runs_x16():
+        pytest.skip("the x16 layout runs on AVX2 and AVX-512 only")
     rng = np.random.default_rng(9)
     x16 = GGUFLinear.from_blocks(random_blocks(K.TYPES[name], 32, 8960, rng), name, (32, 8960)).repacked()
     x = torch.randn(40, 8960)
-    alone = x16._kernel(x[:1])
-    for rows in (2, 17, 40):
-        assert torch.equal(x16._kernel(x[:rows])[:1], alone), rows
+    for path in x16_paths():
+        alone = x16._kernel(x[:1], K.PATHS[path])
+        for rows in (2, 17, 40):
+            assert torch.equal(x16._kernel(x[:rows], K.PATHS[path])[:1], alone), (path, rows)
 
 
 def test_forward_shapes_dtypes_bias_and_prefill(lib):

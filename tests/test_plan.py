@@ -377,7 +377,7 @@ def test_gguf_runtime_weights_are_the_tensor_sizes_with_x16(tmp_path, tied):
 
     path = write_mixed_gguf(tmp_path / "mixed.gguf", tied)
     for x16 in (True, False):
-        p = plan(model=str(path), context=64, avx512=x16)
+        p = plan(model=str(path), context=64, x16=x16)
         assert p.target.fmt == Format("fp32", "F32", "gguf", x16)
         assert p.target.weights == gguf_runtime_bytes(path, x16)
     assert gguf_runtime_bytes(path, True) > gguf_runtime_bytes(path, False)
@@ -385,7 +385,7 @@ def test_gguf_runtime_weights_are_the_tensor_sizes_with_x16(tmp_path, tied):
     with torch.device("meta"):
         model = Transformer(config_from_gguf(reader, path))
     quantize_from_gguf(model, path, torch.float32, reader)
-    here = plan(model=str(path), context=64, avx512=K.best_path() == "avx512")
+    here = plan(model=str(path), context=64, x16=K.runs_x16())
     assert here.target.weights == held_bytes(model)
     assert any("F16 matrices (and a q/k/v or gate/up they are fused with) are held dense in fp32" in n
                for n in here.notes)
@@ -400,9 +400,9 @@ def test_real_pack_gguf_runtime_weights(tmp_path):
     if not path.exists():
         pytest.skip("qwen2.5-coder-0.5b is not pulled")
     for x16 in (True, False):
-        assert plan(model=str(path), context=64, avx512=x16).target.weights == gguf_runtime_bytes(path, x16)
+        assert plan(model=str(path), context=64, x16=x16).target.weights == gguf_runtime_bytes(path, x16)
     model, _ = load_gguf_quantized(path, torch.float32, packs.PACKS["qwen2.5-coder-0.5b"].sha256)
-    assert plan(model=str(path), context=64, avx512=K.best_path() == "avx512").target.weights == held_bytes(model)
+    assert plan(model=str(path), context=64, x16=K.runs_x16()).target.weights == held_bytes(model)
 
 
 def test_gguf_runtime_kv_and_rss_phases(tmp_path):
@@ -411,7 +411,7 @@ def test_gguf_runtime_kv_and_rss_phases(tmp_path):
     from specdec.plan.memory import GGUF_READER_PER_PART, SPECDEC_BASE, tokenizer_bytes
 
     path = write_mixed_gguf(tmp_path / "mixed.gguf")
-    p = plan(model=str(path), draft=str(path), context=100, spec_type="draft", avx512=True)
+    p = plan(model=str(path), draft=str(path), context=100, spec_type="draft", x16=True)
     t = p.target
     assert t.kv == 2 * 2 * (64 + 64) * 101 * 4  # fp32 KV, context + HEADROOM rows
     in_rss = t.weights - t.embed  # the 300-row Q4_K table is not repacked (16-row groups): a view of the file
@@ -421,7 +421,7 @@ def test_gguf_runtime_kv_and_rss_phases(tmp_path):
     assert p.rss.phases["loading the target"] == SPECDEC_BASE + loading
     assert p.rss.phases["loading the draft"] == SPECDEC_BASE + in_rss + t.kv + tokenizer_bytes(t.spec) + loading
     assert p.rss.peak == max(p.rss.phases.values()) and "GGUF reader" in p.rss.load_note
-    tied = plan(model=str(write_mixed_gguf(tmp_path / "tied.gguf", tied=True)), context=100, avx512=True)
+    tied = plan(model=str(write_mixed_gguf(tmp_path / "tied.gguf", tied=True)), context=100, x16=True)
     assert tied.rss.parts["target weights"] == tied.target.weights  # the table is the LM head: read whole
 
 
@@ -429,7 +429,7 @@ def test_quant_flags_map_onto_generate(tmp_path, tiny_dir, capsys):
     """--quant/--draft-quant resolve as generate's; --dtype file (or a llama.cpp/Ollama export) plans llama.cpp."""
     g = write_mixed_gguf(tmp_path / "m.gguf")
     ck = tiny_dir("qwen2")
-    p = plan(model=str(g), draft=str(ck), spec_type="draft", avx512=True)
+    p = plan(model=str(g), draft=str(ck), spec_type="draft", x16=True)
     assert (p.target.fmt.quant, p.draft.fmt.quant) == ("gguf", "none")  # auto: GGUF file / checkpoint directory
     assert p.target.fmt.path == "gguf kernels, x16 layout, fp32 compute"
     assert plan(model=str(g), draft=str(g), draft_quant="int4", spec_type="draft").draft.fmt.quant == "int4"
@@ -440,7 +440,7 @@ def test_quant_flags_map_onto_generate(tmp_path, tiny_dir, capsys):
         plan(model=str(ck), quant="gguf")
     with pytest.raises(SpecdecError, match="--dtype file plans the file as llama.cpp loads it"):
         plan(model=str(g), dtype="file", draft_quant="int8")
-    rc, out, _ = cli(capsys, "-m", str(g), "--gpu", "none", "--avx512", "no", "--json")
+    rc, out, _ = cli(capsys, "-m", str(g), "--gpu", "none", "--x16", "no", "--json")
     fmt = json.loads(out)["target"]["format"]
     assert rc == 0 and fmt["path"] == "gguf kernels, file layout, fp32 compute" and not fmt["x16"]
     rc, out, _ = cli(capsys, "-m", str(g), "--gpu", "none", "--avx512", "yes", "--quant", "gguf")

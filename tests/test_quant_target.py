@@ -56,7 +56,7 @@ def test_gguf_target_loads_and_speculation_is_lossless(tiny_gguf):
     assert not any(isinstance(x, torch.nn.Linear) for x in m.modules())
     lins = [x for x in m.modules() if isinstance(x, GGUFLinear)]
     assert {x.type_name.removesuffix(" x16") for x in lins} == {"Q4_K", "Q5_0", "Q6_K", "Q8_0"}
-    if K.best_path() == "avx512":  # repacked for the AVX-512 kernel where the output count allows
+    if K.runs_x16():  # repacked for the AVX-512 kernels where the output count allows
         assert all((x.type_name.endswith(" x16")) == (x.out_features % 16 == 0) for x in lins)
     assert llm.quant == "gguf" and llm.quant_info.startswith("gguf: Q4_K/Q5_0/Q6_K/Q8_0 ")
     assert "dequantized" not in llm.quant_info  # every matrix of the file is a kernel type

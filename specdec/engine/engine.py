@@ -358,8 +358,9 @@ class Engine:
         for layer, chains in groups.items():
             inputs = [([seqs[i].tokens[-1]] + drafts[i].tokens)[:len(drafts[i].resume) if layer else None]
                       for i in chains]
+            resumed = {"resume": [drafts[i].resume for i in chains], "resume_layer": layer} if layer else {}
             res = self.target.forward(inputs, [seqs[i].last_position for i in chains], [seqs[i].slot for i in chains],
-                                      resume=[drafts[i].resume for i in chains] if layer else None, resume_layer=layer)
+                                      **resumed)
             for j, i in enumerate(chains):
                 out[i] = _no_bonus_row(res[j], len(drafts[i].tokens))
                 feats[i] = self.target.features[j] if self.target.features else None

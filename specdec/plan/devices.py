@@ -16,7 +16,7 @@ class Device:
     bw: float                 # bytes/s (GPU memory, or RAM for cpu)
     pcie: float | None = None # host link bytes/s (None: no separate link)
     note: str = ""
-    avx512: bool | None = None  # cpu: whether the GGUF kernels' AVX-512 path runs (None: not implied by the profile)
+    x16: bool | None = None  # cpu: whether the GGUF kernels run the x16 layout (AVX2 / AVX-512; None: not implied)
 
 
 PCIE4, PCIE5 = 25 * GB, 50 * GB  # effective x16 rates
@@ -50,11 +50,11 @@ CPUS: dict[str, Device] = {d.name: d for d in (
     Device("cpu-ddr4", "cpu", 0, 51.2 * GB, note="2 channels DDR4-3200"),
     Device("cpu-ddr5", "cpu", 0, 89.6 * GB, note="2 channels DDR5-5600"),
     Device("cpu-ddr5-8ch", "cpu", 0, 307 * GB, note="8 channels DDR5-4800 (server)"),
-    Device("cpu-ddr5-12ch", "cpu", 0, 461 * GB, note="12 channels DDR5-4800 (EPYC 9004)", avx512=True),
+    Device("cpu-ddr5-12ch", "cpu", 0, 461 * GB, note="12 channels DDR5-4800 (EPYC 9004)", x16=True),
 )}
 DEFAULT_CPU = "cpu-ddr5"
-# what the kernels' AVX-512 path needs (gq_best_path in specdec/runtime/kernels/ggml_q.c), as /proc/cpuinfo names them
-AVX512_KERNEL_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma", "f16c"})
+# what the kernels' x16 layout needs (its AVX2 kernel; gq_best_path in specdec/runtime/kernels/ggml_q.c)
+X16_KERNEL_FLAGS = frozenset({"avx2", "fma", "f16c"})
 
 
 def gpu_device(name: str) -> Device:
@@ -82,11 +82,11 @@ def detect_ram() -> int | None:
     return None
 
 
-def this_cpu_avx512() -> bool:
-    """Whether this machine's CPU runs the GGUF kernels' AVX-512 path (and so the x16 layout)."""
+def this_cpu_x16() -> bool:
+    """Whether this machine's CPU runs the GGUF kernels' x16 layout (AVX2 or AVX-512)."""
     from specdec.runtime.cpu import cpu_flags
 
-    return AVX512_KERNEL_FLAGS <= cpu_flags()
+    return X16_KERNEL_FLAGS <= cpu_flags()
 
 
 def detect_gpu() -> tuple[str, int] | None:

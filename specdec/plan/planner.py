@@ -49,7 +49,7 @@ class PlanInputs:
     draft_max: int = 16
     spec_type: str | None = None      # force the exported spec type (default: the recommendation)
     export: str | None = None         # the engine the plan is exported to (decides the default --dtype)
-    avx512: bool | None = None        # the planned CPU runs the AVX-512 kernels (None: the --cpu profile / this CPU)
+    x16: bool | None = None           # the planned CPU runs the x16 layout's kernels (None: the --cpu profile / this CPU)
     drafter_options: dict | None = None  # drafter options (e.g. a head directory) as `LLM(...)` takes them
     cache_mb: int = 0                 # specdec's prefix cache budget (`serve --cache-mb`), host memory
 
@@ -63,7 +63,7 @@ class Hardware:
     pcie_bw: float | None
     ram: int
     ram_bw: float
-    avx512: bool                      # the GGUF kernels' AVX-512 path (and so the x16 layout) runs
+    x16: bool                         # the GGUF kernels run the x16 layout (AVX2 / AVX-512)
     sources: dict[str, str]
 
 
@@ -150,8 +150,8 @@ def resolve_hardware(i: PlanInputs) -> Hardware:
         if pcie is None and not unified:
             pcie, src["pcie_bw"] = dev.PCIE4, "default PCIe 4.0 x16"
     ram, ram_bw = _ram(i, profile if unified else None, src)
-    avx512, src["avx512"] = _cpu_avx512(i, unified)
-    return Hardware(gpu_name, unified, gpu_mem, gpu_bw, pcie, ram, ram_bw, avx512, src)
+    x16, src["x16"] = _cpu_x16(i, unified)
+    return Hardware(gpu_name, unified, gpu_mem, gpu_bw, pcie, ram, ram_bw, x16, src)
 
 
 def _which_gpu(i: PlanInputs, src: dict[str, str]) -> tuple[str | None, int | None, dev.Device | None]:
@@ -193,16 +193,16 @@ def _ram(i: PlanInputs, pool: dev.Device | None, src: dict[str, str]) -> tuple[i
     return ram, cpu.bw
 
 
-def _cpu_avx512(i: PlanInputs, unified: bool) -> tuple[bool, str]:
-    """Whether the planned CPU runs the GGUF kernels' AVX-512 path (x16 layout), and where that comes from."""
-    if i.avx512 is not None:
-        return i.avx512, "--avx512"
+def _cpu_x16(i: PlanInputs, unified: bool) -> tuple[bool, str]:
+    """Whether the planned CPU runs the GGUF kernels' x16 layout (AVX2 / AVX-512), and where that comes from."""
+    if i.x16 is not None:
+        return i.x16, "--x16"
     if unified:
         return False, "Apple silicon (unified memory)"
-    said = dev.cpu_device(i.cpu).avx512 if i.cpu else None
+    said = dev.cpu_device(i.cpu).x16 if i.cpu else None
     if said is not None:
         return said, f"{i.cpu} profile"
-    return dev.this_cpu_avx512(), "this CPU's flags"
+    return dev.this_cpu_x16(), "this CPU's flags"
 
 
 def default_dtype(export: str | None) -> str:
@@ -237,7 +237,7 @@ def _format(fmt: str, kv: str, quant: str, hw: Hardware) -> Format:
     if not is_runtime_format(fmt):
         return Format(fmt, kv_type(kv, fmt, "fp32"))
     rt = _runtime_dtype(fmt, quant, hw.gpu is not None)
-    return Format(rt, kv_type(kv, fmt, rt), quant, hw.avx512 and quant == "gguf")
+    return Format(rt, kv_type(kv, fmt, rt), quant, hw.x16 and quant == "gguf")
 
 
 def _check_context(spec: ModelSpec, ctx: int, flag: str) -> None:

@@ -53,7 +53,7 @@ def to_dict(plan: Plan) -> dict:
     hw = plan.hw
     out = {
         "hardware": {"gpu": hw.gpu, "unified_memory": hw.unified, "gpu_mem": hw.gpu_mem, "gpu_bw": hw.gpu_bw,
-                     "pcie_bw": hw.pcie_bw, "ram": hw.ram, "ram_bw": hw.ram_bw, "avx512": hw.avx512,
+                     "pcie_bw": hw.pcie_bw, "ram": hw.ram, "ram_bw": hw.ram_bw, "x16": hw.x16,
                      "sources": hw.sources,
                      "gpu_overhead": GPU_CONTEXT if hw.gpu else 0},
         "target": _model_dict(plan.target),
@@ -113,7 +113,7 @@ def _header(plan: Plan) -> list[str]:
     return [f"specdec plan · {plan.inputs.slots} slot(s) · {engine} · target {_fmt_desc(t)}"
             + (f" · draft {_fmt_desc(d)}" if d else ""),
             f"hardware: {gpu} · RAM {fmt_bytes(hw.ram)} ({hw.sources.get('ram')}) at {fmt_bw(hw.ram_bw)} "
-            f"({hw.sources.get('ram_bw')}) · AVX-512 {'yes' if hw.avx512 else 'no'} ({hw.sources.get('avx512')})"]
+            f"({hw.sources.get('ram_bw')}) · x16 layout {'yes' if hw.x16 else 'no'} ({hw.sources.get('x16')})"]
 
 
 def _models_table(models: list[tuple[str, ModelMemory]]) -> list[str]:

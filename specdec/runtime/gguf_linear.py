@@ -1,12 +1,12 @@
 """A linear layer that computes from a GGUF tensor's quantized blocks.
 
 `GGUFLinear` holds block bytes ([out, bytes_per_row] uint8) plus the GGML type id; no 16/32-bit copy of the
-weight is kept. The bytes are the file's own (a view of its memory map) or, where the AVX-512 kernels run, the
-same blocks repacked at load 16 outputs at a time (`repacked`, "x16": the same values, no unpacking or
+weight is kept. The bytes are the file's own (a view of its memory map) or, where the AVX2 or AVX-512 kernels
+run, the same blocks repacked at load 16 outputs at a time (`repacked`, "x16": the same values, no unpacking or
 transposing per call). Row counts up to `kernel_max_rows()` (measured per CPU: decode, verification, ragged
-server batches, and on AVX-512 whole prefill chunks) go through the C kernels in
-`specdec/runtime/kernels/ggml_q.c` (int8-quantized activations, integer dot products; AVX-512 VNNI / AVX2 /
-scalar chosen at run time). Larger ones dequantize the weight in chunks of output rows (bf16 where the CPU has
+server batches, and where the kernels win, whole prefill chunks) go through the C kernels in
+`specdec/runtime/kernels/ggml_q.c` (int8-quantized activations, integer dot products; AVX-512 with or without VNNI,
+AVX2 or scalar, chosen at run time). Larger ones dequantize the weight in chunks of output rows (bf16 where the CPU has
 native bf16, else fp32) into a reused buffer for torch's matmul. Without the compiled library both dequantize
 through the `gguf` package (slow but correct).
 
@@ -76,9 +76,9 @@ def _calibrate(dtype: torch.dtype) -> int:
 
 
 def for_this_cpu(lin: "GGUFLinear") -> "GGUFLinear":
-    """The layout this CPU runs fastest: x16 (repacked at load, never cached) where the AVX-512 kernels run and
-    the type has that layout, else the file's own blocks."""
-    if lin.qtype in K.REPACKABLE and lin.out_features % 16 == 0 and K.best_path() == "avx512":
+    """The layout this CPU runs fastest: x16 (repacked at load, never cached) where the AVX2 or AVX-512 kernels
+    run and the type has that layout, else the file's own blocks."""
+    if lin.qtype in K.REPACKABLE and lin.out_features % 16 == 0 and K.runs_x16():
         return lin.repacked()
     return lin
 
@@ -98,7 +98,7 @@ class GGUFLinear(nn.Module):
         self.register_buffer("qweight", qweight.contiguous(), persistent=False)
         self.qtype, self.in_features, self.out_features = qtype, in_features, out_features
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.last_path = ""  # 'avx512' / 'avx2' / 'scalar' / 'dequant': what the last forward ran
+        self.last_path = ""  # 'avx512' / 'avx512bw' / 'avx2' / 'scalar' / 'dequant': what the last forward ran
 
     @classmethod
     def from_blocks(cls, blocks, qtype: int | str, shape: tuple[int, int], bias: torch.Tensor | None = None):

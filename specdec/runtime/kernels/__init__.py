@@ -8,7 +8,7 @@ written under a temp name and renamed into place (concurrent builders are harmle
 compiler, or if the build fails, `library()` returns None after one warning and callers fall back
 to dequantize + torch matmul.
 
-Env: SPECDEC_KERNELS=off disables the library; SPECDEC_KERNEL_PATH=scalar|avx2|avx512 caps the
+Env: SPECDEC_KERNELS=off disables the library; SPECDEC_KERNEL_PATH=scalar|avx2|avx512bw|avx512 caps the
 instruction set the kernels use (a path the CPU lacks is lowered to the best one it has).
 """
 from __future__ import annotations
@@ -28,14 +28,15 @@ from pathlib import Path
 from specdec.paths import home
 
 SOURCES = [Path(__file__).with_name(f) for f in ("ggml_q.c", "attention.c")]
+HEADERS = [Path(__file__).with_name("x16_kernels.h")]  # included by ggml_q.c: part of the build's hash
 CFLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno"]
-PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
+PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512bw": 3, "avx512": 4}  # avx512bw: AVX-512 without VNNI
 PATH_NAMES = {v: k for k, v in PATHS.items()}
 
 # GGML type ids the kernels take
 Q4_1, Q5_0, Q8_0, Q4_K, Q6_K = 3, 6, 8, 12, 14
 TYPES = {"Q4_1": Q4_1, "Q5_0": Q5_0, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q6_K": Q6_K}
-X16 = 256  # added to a type: its blocks repacked 16 outputs at a time (`gq_repack`; AVX-512 kernel only)
+X16 = 256  # added to a type: its blocks repacked 16 outputs at a time (`gq_repack`; AVX2 / AVX-512 kernels)
 REPACKABLE = (Q4_K, Q6_K, Q8_0, Q5_0, Q4_1)
 BLOCK = {Q4_1: (32, 20), Q5_0: (32, 22), Q8_0: (32, 34), Q4_K: (256, 144), Q6_K: (256, 210),  # type -> (elements,
          X16 + Q4_1: (32, 20), X16 + Q5_0: (32, 22), X16 + Q8_0: (32, 34), X16 + Q4_K: (256, 148),  # bytes/output)
@@ -73,7 +74,7 @@ def _cc_version(cc: str) -> str:
 
 def lib_path(cc: str, flags: list[str] | None = None) -> Path:
     h = hashlib.sha256()
-    for part in (*(f.read_bytes() for f in SOURCES), _cc_version(cc).encode(), " ".join(flags or CFLAGS).encode(),
+    for part in (*(f.read_bytes() for f in SOURCES + HEADERS), _cc_version(cc).encode(), " ".join(flags or CFLAGS).encode(),
                  _cpu_signature().encode(), platform.machine().encode()):
         h.update(part)
         h.update(b"\0")
@@ -169,7 +170,8 @@ def requested_path() -> int:
 
 
 def best_path() -> str:
-    """The instruction set the kernels use on this CPU ('avx512', 'avx2', 'scalar'), or 'none' without the library."""
+    """The instruction set the kernels use on this CPU ('avx512' (with VNNI), 'avx512bw' (without), 'avx2', 'scalar'),
+    or 'none' without the library."""
     lib = library()
     if lib is None:
         return "none"
@@ -179,9 +181,14 @@ def best_path() -> str:
 
 
 def describe() -> str:
-    """What the GGUF kernels run on here, for stats and reports: 'kernel path avx512|avx2|scalar', or
+    """What the GGUF kernels run on here, for stats and reports: 'kernel path avx512|avx512bw|avx2|scalar', or
     'no kernels (WHY): dequantize + matmul'."""
     path = best_path()
     if path == "none":
         return f"no kernels ({build_error or 'library unavailable'}): dequantize + matmul"
     return f"kernel path {path}"
+
+
+def runs_x16() -> bool:
+    """Whether the kernels here run the x16 layout (AVX2 or AVX-512; not the scalar path)."""
+    return best_path() in ("avx512", "avx512bw", "avx2")

@@ -195,7 +195,7 @@ int gq_attention(const float *q, const float *k, const float *v, int64_t sb, int
         for (int64_t task = 0; task < tasks; task++) {
             if (!sc || !idx) continue;
 #if defined(__x86_64__) || defined(__i386__)
-            if (path == 3) { att_512(&a, task, task + 1, sc, idx); continue; }
+            if (path >= 3) { att_512(&a, task, task + 1, sc, idx); continue; }
             if (path == 2) { att_256(&a, task, task + 1, sc, idx); continue; }
 #endif
             att_any(&a, task, task + 1, sc, idx);

@@ -9,17 +9,17 @@
  *   Q6_K (210 B / 256): ql[128], qh[64], int8 sc[16], f16 d           w = d * sc[g] * (q - 32), 16 groups of 16
  *
  * Activations are quantized per call to int8 (one scale per 256 inputs for the K-quants, per 32 for
- * Q8_0/Q5_0/Q4_1), so the inner products are integer (AVX-512 VNNI vpdpbusd, or AVX2 vpmaddubsw +
+ * Q8_0/Q5_0/Q4_1), so the inner products are integer (AVX-512 VNNI vpdpbusd, or AVX-512BW / AVX2 vpmaddubsw +
  * vpmaddwd). Weight offsets (Q5_0's -16, Q6_K's -32, Q4_K's and Q4_1's mins, Q8_0's +128 bias in the VNNI path)
  * are applied as float products of per-group weight constants with per-group activation sums.
  *
  * Kernels: 1-2 rows (decode) walk each output's blocks, unpack each block once into registers and apply
- * it to every row (tile1_avx512 / row_avx2 / row_scalar). From 3 rows on (AVX-512; TILE_MIN_ROWS) blocks
+ * it to every row (tile1_avx512 / row_avx2 / row_scalar). From 3 rows on (AVX-512 VNNI; TILE_MIN_ROWS) blocks
  * of 16 outputs are unpacked and transposed so that the lanes are outputs and one vpdpbusd covers
  * 4 inputs x 16 outputs of a row (ktile16_avx512): about 5.5 vector ops per row, output and 256 inputs
  * instead of ~19. The inputs are walked in chunks of 2048 (activations stay in L2).
  * On AVX-512 the loader repacks the blocks once (gq_repack, "x16": 16 outputs interleaved per block, the same
- * values) and kx16_avx512 serves every row count: a row's result is then the same bits however many rows share
+ * values) and the x16 kernel (x16_kernels.h; with VNNI or without) serves every row count: a row's result is then the same bits however many rows share
  * the call. Several matrices with the same input (fused q/k/v, gate/up) go in one call (gq_matmul_parts).
  * Threads (OpenMP, count passed in) split the outputs in tasks of 32, each thread one contiguous range.
  *
@@ -59,7 +59,9 @@ enum { X6_HB = 2048, X6_SC = 3072, X6_D = 3328, X6_BYTES = 3360 };
 enum { X8_D = 512, X8_BYTES = 544, X5_HB = 256, X5_D = 320, X5_BYTES = 352 };
 /* Q4_1 x16 (320 bytes): [0, 256) the quants' nibbles as Q5_0 x16's; [256, 288) d, [288, 320) m (fp16). */
 enum { X41_D = 256, X41_M = 288, X41_BYTES = 320 };
-enum { PATH_AUTO = 0, PATH_SCALAR = 1, PATH_AVX2 = 2, PATH_AVX512 = 3 };
+/* PATH_AVX512BW: AVX-512 F/BW/VL/DQ without VNNI (the x16 kernels with vpmaddubsw + vpmaddwd; the file's layout on the
+ * AVX2 row kernels); PATH_AVX512: with VNNI */
+enum { PATH_AUTO = 0, PATH_SCALAR = 1, PATH_AVX2 = 2, PATH_AVX512BW = 3, PATH_AVX512 = 4 };
 #define RT 64 /* rows per tile: accumulators of one output for RT rows stay in L1 */
 
 static int block_elems(int type) { return (type & ~GQ_X16) == GQ_Q4_K || (type & ~GQ_X16) == GQ_Q6_K ? 256 : 32; }
@@ -467,8 +469,9 @@ T256 static int row_avx2(int type, const uint8_t *w, const act_t *A, int64_t r0,
     return use_off;
 }
 
-/* ================================ AVX-512 F/BW/VL/DQ + VNNI ================================ */
-#define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+/* ============================ AVX-512 F/BW/VL/DQ (T512), + VNNI (T512V) ============================ */
+#define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+#define T512V __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 
 T512 static float dot512(const float *a, const float *b, int64_t n) {
     __m512 acc = _mm512_setzero_ps();
@@ -575,7 +578,7 @@ T512 static inline __attribute__((always_inline)) __m512 q32unpack_512(int type,
 /* NO consecutive outputs (weight rows w, w + rowbytes, ...) for rows r0..r0+nr; each activation vector is
  * loaded once for all NO outputs. (Measured on Zen 5: NO = 2 was slower than NO = 1 at every row count
  * from 1 to 64, so only NO = 1 is instantiated.) */
-T512 static inline __attribute__((always_inline)) void tile_avx512(int type, const int NO, const uint8_t *w,
+T512V static inline __attribute__((always_inline)) void tile_avx512(int type, const int NO, const uint8_t *w,
                                                                    int64_t rowbytes, const act_t *A, int64_t r0,
                                                                    int nr, float *y, int64_t ystride, float *off,
                                                                    int64_t b0, int64_t b1, int accum) {
@@ -655,7 +658,7 @@ T512 static inline __attribute__((always_inline)) void tile_avx512(int type, con
                                  dot512(off + k * offn + b0 * sg, A->s + (r0 + r) * ns + b0 * sg, (b1 - b0) * sg);
 }
 
-T512 static void tile1_avx512(int type, const uint8_t *w, int64_t rowbytes, const act_t *A, int64_t r0, int nr,
+T512V static void tile1_avx512(int type, const uint8_t *w, int64_t rowbytes, const act_t *A, int64_t r0, int nr,
                               float *y, int64_t ystride, float *off, int64_t b0, int64_t b1, int accum) {
     switch (type) {
     case GQ_Q4_K: tile_avx512(GQ_Q4_K, 1, w, rowbytes, A, r0, nr, y, ystride, off, b0, b1, accum); break;
@@ -717,7 +720,7 @@ T512 static inline __attribute__((always_inline)) __m512 kunpack_512(int type, c
     }
 }
 
-T512 static inline __attribute__((always_inline)) void ktile16_body(int type, const uint8_t *w, int64_t rowbytes,
+T512V static inline __attribute__((always_inline)) void ktile16_body(int type, const uint8_t *w, int64_t rowbytes,
                                                                     int nt, const act_t *A, int64_t r0, int nr,
                                                                     float *y, int64_t ystride, int64_t b0, int64_t b1,
                                                                     int accum) {
@@ -777,7 +780,7 @@ T512 static inline __attribute__((always_inline)) void ktile16_body(int type, co
     }
 }
 
-T512 static void ktile16_avx512(int type, const uint8_t *w, int64_t rowbytes, int nt, const act_t *A, int64_t r0,
+T512V static void ktile16_avx512(int type, const uint8_t *w, int64_t rowbytes, int nt, const act_t *A, int64_t r0,
                                 int nr, float *y, int64_t ystride, int64_t b0, int64_t b1, int accum) {
     switch (type) {
     case GQ_Q4_K: ktile16_body(GQ_Q4_K, w, rowbytes, nt, A, r0, nr, y, ystride, b0, b1, accum); break;
@@ -787,132 +790,168 @@ T512 static void ktile16_avx512(int type, const uint8_t *w, int64_t rowbytes, in
     }
 }
 
-/* ---- AVX-512, x16 layout: 16 outputs in the lanes, any row count ----
- * The repacked quants load straight into dword lanes (one zmm = 4 inputs x 16 outputs, a nibble shift apart
- * from the next 4), so each row needs one vpdpbusd per 4 inputs for 16 outputs and nothing is transposed. */
-T512 static inline __attribute__((always_inline)) __m512 x16_scales(const uint8_t *p, int is_signed) { /* 16 scale bytes -> floats */
+/* ---- the x16 layout's kernels (x16_kernels.h), written once over 16-lane vectors: VI (16 dwords), VF (16 floats)
+ * and VNEG (Q8_0's signs), with the operations V(op). AVX-512 holds the 16 outputs in one register (v5_), AVX2 in
+ * two (v2_, low 8 outputs and high 8); the 4-byte dots are X16_DOT: vpdpbusd (VNNI) or vpmaddubsw + vpmaddwd, whose
+ * 16-bit pair sums are added for as many terms as cannot saturate (2 * 127 * (2^bits - 1) each: 8 terms at
+ * 4 bits, 4 at 5, 2 at 6) before they are widened. Without VNNI, Q8_0's quants (stored + 128) are split into |q|
+ * (at most 128: one term) and their signs, which go onto the activations. ---- */
+INL int x16_terms(int bits) { return bits >= 8 ? 1 : 32767 / (254 * ((1 << bits) - 1)); }
+
+/* AVX2: 16 lanes as two registers */
+typedef struct { __m256i l, h; } v2i;
+typedef struct { __m256 l, h; } v2f;
+#define V2_I2(name, op) T256 INL v2i v2_##name(v2i a, v2i b) { return (v2i){op(a.l, b.l), op(a.h, b.h)}; }
+#define V2_F2(name, op) T256 INL v2f v2_##name(v2f a, v2f b) { return (v2f){op(a.l, b.l), op(a.h, b.h)}; }
+V2_I2(and, _mm256_and_si256)
+V2_I2(or, _mm256_or_si256)
+V2_F2(mul, _mm256_mul_ps)
+V2_F2(add, _mm256_add_ps)
+#undef V2_I2
+#undef V2_F2
+T256 INL v2i v2_load(const uint8_t *p) { return (v2i){_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)(p + 32))}; }
+T256 INL v2i v2_srl16(v2i a, int n) { return (v2i){_mm256_srli_epi16(a.l, n), _mm256_srli_epi16(a.h, n)}; }
+T256 INL v2i v2_sll16(v2i a, int n) { return (v2i){_mm256_slli_epi16(a.l, n), _mm256_slli_epi16(a.h, n)}; }
+T256 INL v2i v2_set8(int c) { return (v2i){_mm256_set1_epi8((char)c), _mm256_set1_epi8((char)c)}; }
+T256 INL v2i v2_zero(void) { return (v2i){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+T256 INL v2f v2_setf(float x) { return (v2f){_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+T256 INL v2f v2_zerof(void) { return v2_setf(0.0f); }
+T256 INL v2f v2_fma(v2f a, v2f b, v2f c) { return (v2f){_mm256_fmadd_ps(a.l, b.l, c.l), _mm256_fmadd_ps(a.h, b.h, c.h)}; }
+T256 INL v2f v2_cvt(v2i a) { return (v2f){_mm256_cvtepi32_ps(a.l), _mm256_cvtepi32_ps(a.h)}; }
+T256 INL v2f v2_loadf(const float *p) { return (v2f){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+T256 INL void v2_storef(float *p, v2f v) { _mm256_storeu_ps(p, v.l); _mm256_storeu_ps(p + 8, v.h); }
+T256 INL v2f v2_half(const uint8_t *p) { /* 16 fp16 -> floats */
+    return (v2f){_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))};
+}
+T256 INL v2f v2_scales(const uint8_t *p, int is_signed) { /* 16 scale bytes -> floats */
+    const __m128i a = _mm_loadl_epi64((const __m128i *)p), b = _mm_loadl_epi64((const __m128i *)(p + 8));
+    return is_signed ? (v2f){_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))}
+                     : (v2f){_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(a)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b))};
+}
+T256 INL __m256i v2_bytes_of_bits(uint32_t m) { /* byte b = 0xFF where bit b of m is set */
+    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)m), pick), bit), bit);
+}
+T256 INL v2i v2_bits(const uint8_t *p, v2i v) { /* v where bit b of the 64-bit mask at p is set (byte b), else 0 */
+    uint64_t m;
+    memcpy(&m, p, 8);
+    return (v2i){_mm256_and_si256(v2_bytes_of_bits((uint32_t)m), v.l), _mm256_and_si256(v2_bytes_of_bits((uint32_t)(m >> 32)), v.h)};
+}
+T256 INL v2i v2_q8split(v2i w, v2i *neg) { /* Q8_0 quants + 128 -> |q|; *neg: q (its signs) */
+    const __m256i f = _mm256_set1_epi8((char)0x80);
+    *neg = (v2i){_mm256_xor_si256(w.l, f), _mm256_xor_si256(w.h, f)};
+    return (v2i){_mm256_abs_epi8(neg->l), _mm256_abs_epi8(neg->h)};
+}
+T256 INL v2i v2_dot(v2i acc, const v2i *w, const int32_t *a, int K, int bits, const v2i *neg) {
+    const int terms = x16_terms(bits);
+    const __m256i one = _mm256_set1_epi16(1);
+    for (int i = 0; i < K; i += terms) {
+        __m256i sl = _mm256_setzero_si256(), sh = _mm256_setzero_si256();
+        for (int j = i; j < i + terms && j < K; j++) {
+            const __m256i av = _mm256_set1_epi32(a[j]);
+            sl = _mm256_add_epi16(sl, _mm256_maddubs_epi16(w[j].l, neg ? _mm256_sign_epi8(av, neg[j].l) : av));
+            sh = _mm256_add_epi16(sh, _mm256_maddubs_epi16(w[j].h, neg ? _mm256_sign_epi8(av, neg[j].h) : av));
+        }
+        acc.l = _mm256_add_epi32(acc.l, _mm256_madd_epi16(sl, one));
+        acc.h = _mm256_add_epi32(acc.h, _mm256_madd_epi16(sh, one));
+    }
+    return acc;
+}
+
+/* AVX-512: 16 lanes in one register (x16_kernels.h; the AVX2 counterparts are the v2_ functions) */
+T512 INL __m512i v5_and(__m512i a, __m512i b) { return _mm512_and_si512(a, b); }
+T512 INL __m512i v5_or(__m512i a, __m512i b) { return _mm512_or_si512(a, b); }
+T512 INL __m512 v5_mul(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
+T512 INL __m512 v5_add(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+T512 INL __m512i v5_load(const uint8_t *p) { return _mm512_loadu_si512(p); }
+T512 INL __m512i v5_srl16(__m512i a, int n) { return _mm512_srli_epi16(a, n); }
+T512 INL __m512i v5_sll16(__m512i a, int n) { return _mm512_slli_epi16(a, n); }
+T512 INL __m512i v5_set8(int c) { return _mm512_set1_epi8((char)c); }
+T512 INL __m512i v5_zero(void) { return _mm512_setzero_si512(); }
+T512 INL __m512 v5_setf(float x) { return _mm512_set1_ps(x); }
+T512 INL __m512 v5_zerof(void) { return _mm512_setzero_ps(); }
+T512 INL __m512 v5_fma(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
+T512 INL __m512 v5_cvt(__m512i a) { return _mm512_cvtepi32_ps(a); }
+T512 INL __m512 v5_loadf(const float *p) { return _mm512_loadu_ps(p); }
+T512 INL void v5_storef(float *p, __m512 v) { _mm512_storeu_ps(p, v); }
+T512 INL __m512 v5_half(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+T512 INL __m512 v5_scales(const uint8_t *p, int is_signed) {
     const __m128i v = _mm_loadu_si128((const __m128i *)p);
     return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
 }
-
-T512 static inline __attribute__((always_inline)) void kx16_body(int type, const uint8_t *W, const act_t *A,
-                                                                 int64_t r0, int nr, float *y, int64_t ystride,
-                                                                 int64_t b0, int64_t b1, int accum) {
-    const int q6 = type == GQ_X16 + GQ_Q6_K;
-    const int64_t sb = q6 ? X6_BYTES : X4_BYTES, in = A->in, ng = in / A->G, ns = in / A->S, npb = q6 ? 16 : 8;
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(0x03), zero = _mm512_setzero_si512();
-    __m512 acc[RT], bacc[RT];
-    for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = b0; b < b1; b++) {
-        const uint8_t *P = W + b * sb;
-        prefetch_weights(P, (int)sb);
-        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(P + (q6 ? X6_D : X4_D))));
-        const __m512 mv = q6 ? _mm512_mul_ps(dv, _mm512_set1_ps(-32.0f))
-                             : _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(P + X4_DMIN))),
-                                             _mm512_set1_ps(-1.0f));
-        for (int r = 0; r < nr; r++) bacc[r] = _mm512_setzero_ps();
-        /* 8 steps, each two groups: Q4_K groups j and j + 4 (32 inputs: 8 dwords, lines 8j..8j+7, low and high
-         * nibbles); Q6_K groups 4h + j and 8 + 4h + j (16 inputs: 4 dwords, lines 16h + 4j + i) */
-        for (int step = 0; step < (q6 ? 8 : 4); step++) {
-            const int K = q6 ? 4 : 8, h = step / 4, j = step % 4;
-            const int g0 = q6 ? 4 * h + j : j, g1 = q6 ? 8 + 4 * h + j : j + 4, line0 = q6 ? 16 * h + 4 * j : 8 * j;
-            __m512i lo[8], hi[8];
-            for (int i = 0; i < K; i++) {
-                const __m512i v = _mm512_loadu_si512(P + 64 * (line0 + i));
-                lo[i] = _mm512_and_si512(v, m4);
-                hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-                if (q6) {
-                    const __m512i hb = _mm512_loadu_si512(P + X6_HB + 64 * (4 * j + i));
-                    lo[i] = _mm512_or_si512(lo[i], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 2 * h), m3), 4));
-                    hi[i] = _mm512_or_si512(hi[i], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 4 + 2 * h), m3), 4));
-                }
-            }
-            const __m512 s0 = _mm512_mul_ps(x16_scales(P + (q6 ? X6_SC : X4_SC) + 16 * g0, q6), dv);
-            const __m512 s1 = _mm512_mul_ps(x16_scales(P + (q6 ? X6_SC : X4_SC) + 16 * g1, q6), dv);
-            const __m512 o0 = q6 ? _mm512_mul_ps(s0, _mm512_set1_ps(-32.0f)) : _mm512_mul_ps(x16_scales(P + X4_M + 16 * g0, 0), mv);
-            const __m512 o1 = q6 ? _mm512_mul_ps(s1, _mm512_set1_ps(-32.0f)) : _mm512_mul_ps(x16_scales(P + X4_M + 16 * g1, 0), mv);
-            for (int r = 0; r < nr; r++) {
-                const int32_t *a = (const int32_t *)(const void *)(A->q + (r0 + r) * in + b * 256);
-                const float *sr = A->s + (r0 + r) * ns + b * npb;
-                __m512i i0 = zero, i1 = zero;
-                for (int i = 0; i < K; i++) {
-                    i0 = _mm512_dpbusd_epi32(i0, lo[i], _mm512_set1_epi32(a[K * g0 + i]));
-                    i1 = _mm512_dpbusd_epi32(i1, hi[i], _mm512_set1_epi32(a[K * g1 + i]));
-                }
-                bacc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), s0, bacc[r]);
-                bacc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), s1, bacc[r]);
-                acc[r] = _mm512_fmadd_ps(o0, _mm512_set1_ps(sr[g0]), acc[r]);
-                acc[r] = _mm512_fmadd_ps(o1, _mm512_set1_ps(sr[g1]), acc[r]);
-            }
+T512 INL __m512i v5_bits(const uint8_t *p, __m512i v) {
+    __mmask64 m;
+    memcpy(&m, p, 8);
+    return _mm512_maskz_mov_epi8(m, v);
+}
+T512 INL __m512i v5_q8split(__m512i w, __mmask64 *neg) {
+    const __m512i q = _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
+    *neg = _mm512_movepi8_mask(q);
+    return _mm512_abs_epi8(q);
+}
+T512V INL __m512i v5_dot_vnni(__m512i acc, const __m512i *w, const int32_t *a, int K, int bits, const __mmask64 *neg) {
+    (void)bits;
+    (void)neg; /* the quants stay unsigned (Q8_0's + 128 is an offset) */
+    for (int i = 0; i < K; i++) acc = _mm512_dpbusd_epi32(acc, w[i], _mm512_set1_epi32(a[i]));
+    return acc;
+}
+T512 INL __m512i v5_dot(__m512i acc, const __m512i *w, const int32_t *a, int K, int bits, const __mmask64 *neg) {
+    const int terms = x16_terms(bits);
+    for (int i = 0; i < K; i += terms) {
+        __m512i s16 = _mm512_setzero_si512();
+        for (int j = i; j < i + terms && j < K; j++) {
+            __m512i av = _mm512_set1_epi32(a[j]);
+            if (neg) av = _mm512_mask_sub_epi8(av, neg[j], _mm512_setzero_si512(), av);
+            s16 = _mm512_add_epi16(s16, _mm512_maddubs_epi16(w[j], av));
         }
-        for (int r = 0; r < nr; r++) acc[r] = _mm512_fmadd_ps(bacc[r], _mm512_set1_ps(A->d[(r0 + r) * ng + b]), acc[r]);
+        acc = _mm512_add_epi32(acc, _mm512_madd_epi16(s16, _mm512_set1_epi16(1)));
     }
-    for (int r = 0; r < nr; r++) {
-        __m512 v = acc[r];
-        if (accum) v = _mm512_add_ps(v, _mm512_loadu_ps(y + r * ystride));
-        _mm512_storeu_ps(y + r * ystride, v);
-    }
+    return acc;
 }
 
-/* Q8_0 / Q5_0 / Q4_1 x16: 16 outputs x 32 inputs per superblock, 8 vpdpbusd per row; activation scale per block */
-T512 static inline __attribute__((always_inline)) void kx16_body32(int type, const uint8_t *W, const act_t *A,
-                                                                   int64_t r0, int nr, float *y, int64_t ystride,
-                                                                   int64_t b0, int64_t b1, int accum) {
-    const int q8 = type == GQ_X16 + GQ_Q8_0, q41 = type == GQ_X16 + GQ_Q4_1;
-    const int64_t sb = q8 ? X8_BYTES : q41 ? X41_BYTES : X5_BYTES, in = A->in, ng = in / A->G;
-    const __m512i m4 = _mm512_set1_epi8(0x0F), b4 = _mm512_set1_epi8(0x10), zero = _mm512_setzero_si512();
-    __m512 acc[RT];
-    for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = b0; b < b1; b++) {
-        const uint8_t *P = W + b * sb;
-        prefetch_weights(P, (int)sb);
-        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(P + (q8 ? X8_D : q41 ? X41_D : X5_D))));
-        const __m512 ov = q41 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(P + X41_M)))
-                              : _mm512_mul_ps(dv, _mm512_set1_ps(q8 ? -128.0f : -16.0f));
-        __m512i wz[8];
-        for (int k = 0; k < 8; k++) {
-            if (q8) {
-                wz[k] = _mm512_loadu_si512(P + 64 * k);
-            } else {
-                const __m512i v = _mm512_loadu_si512(P + 64 * (k % 4));
-                const __m512i nib = _mm512_and_si512(k < 4 ? v : _mm512_srli_epi16(v, 4), m4);
-                __mmask64 hb = 0;
-                if (!q41) memcpy(&hb, P + X5_HB + 8 * k, 8);
-                wz[k] = _mm512_or_si512(nib, _mm512_maskz_mov_epi8(hb, b4));
-            }
-        }
-        for (int r = 0; r < nr; r++) {
-            const int32_t *a = (const int32_t *)(const void *)(A->q + (r0 + r) * in + b * 32);
-            __m512i isum = zero;
-            for (int k = 0; k < 8; k++) isum = _mm512_dpbusd_epi32(isum, wz[k], _mm512_set1_epi32(a[k]));
-            const float ad = A->d[(r0 + r) * ng + b], as = A->s[(r0 + r) * ng + b]; /* S = G = 32 */
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dv, _mm512_set1_ps(ad)), acc[r]);
-            acc[r] = _mm512_fmadd_ps(ov, _mm512_set1_ps(as), acc[r]);
-        }
-    }
-    for (int r = 0; r < nr; r++) {
-        __m512 v = acc[r];
-        if (accum) v = _mm512_add_ps(v, _mm512_loadu_ps(y + r * ystride));
-        _mm512_storeu_ps(y + r * ystride, v);
-    }
-}
-
-T512 static void kx16_avx512(int type, const uint8_t *W, const act_t *A, int64_t r0, int nr, float *y,
-                             int64_t ystride, int64_t b0, int64_t b1, int accum) {
-    switch (type) { /* one row (decode) gets its own copy: the row loop unrolled away */
-#define KX16_CASE(T, BODY)                                                                                   \
-    case T:                                                                                                  \
-        if (nr == 1) BODY(T, W, A, r0, 1, y, ystride, b0, b1, accum);                                        \
-        else BODY(T, W, A, r0, nr, y, ystride, b0, b1, accum);                                               \
-        break;
-    KX16_CASE(GQ_X16 + GQ_Q4_K, kx16_body)
-    KX16_CASE(GQ_X16 + GQ_Q6_K, kx16_body)
-    KX16_CASE(GQ_X16 + GQ_Q8_0, kx16_body32)
-    KX16_CASE(GQ_X16 + GQ_Q5_0, kx16_body32)
-    KX16_CASE(GQ_X16 + GQ_Q4_1, kx16_body32)
-#undef KX16_CASE
-    }
-}
+#define X16_T T512V /* AVX-512 with VNNI */
+#define X16_FN(name) kx16_vnni_##name
+#define V(op) v5_##op
+#define VI __m512i
+#define VF __m512
+#define VNEG __mmask64
+#define X16_DOT v5_dot_vnni
+#define X16_SIGNED_Q8 0
+#include "x16_kernels.h"
+#undef X16_T
+#undef X16_FN
+#undef X16_DOT
+#undef X16_SIGNED_Q8
+#define X16_T T512 /* AVX-512 without VNNI */
+#define X16_FN(name) kx16_bw_##name
+#define X16_DOT v5_dot
+#define X16_SIGNED_Q8 1
+#include "x16_kernels.h"
+#undef X16_T
+#undef X16_FN
+#undef V
+#undef VI
+#undef VF
+#undef VNEG
+#undef X16_DOT
+#define X16_T T256 /* AVX2 */
+#define X16_FN(name) kx16_avx2_##name
+#define V(op) v2_##op
+#define VI v2i
+#define VF v2f
+#define VNEG v2i
+#define X16_DOT v2_dot
+#include "x16_kernels.h"
+#undef X16_T
+#undef X16_FN
+#undef V
+#undef VI
+#undef VF
+#undef VNEG
+#undef X16_DOT
+#undef X16_SIGNED_Q8
 #endif /* GQ_X86 */
 
 /* ------------------------------------------ API ------------------------------------------ */
@@ -924,9 +963,8 @@ int gq_best_path(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-        __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-        __builtin_cpu_supports("f16c"))
-        return PATH_AVX512;
+        __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        return __builtin_cpu_supports("avx512vnni") ? PATH_AVX512 : PATH_AVX512BW;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
         return PATH_AVX2;
 #endif
@@ -963,7 +1001,7 @@ int gq_matmul_parts(int nparts, const int *types, const uint8_t *const *Ws, cons
     const int best = gq_best_path();
     if (path == PATH_AUTO || path > best) path = best;
     for (int p = 0; p < nparts; p++)
-        if (types[p] & GQ_X16 && path != PATH_AVX512) return -4; /* the x16 layout has an AVX-512 kernel only */
+        if (types[p] & GQ_X16 && path < PATH_AVX2) return -4; /* the x16 layout has AVX2 and AVX-512 kernels */
     if (nthreads < 1) nthreads = 1;
     if (rows == 0) return path;
     /* activations quantized once per (block size, sum group): parts of the same kind share them */
@@ -1025,7 +1063,8 @@ int gq_matmul_parts(int nparts, const int *types, const uint8_t *const *Ws, cons
             const int64_t kc = 2048 / block_elems(type); /* the same for every row count (see above) */
             const int64_t oa = (task - task0[p]) * OC, oe = oa + OC < out ? oa + OC : out;
             float *yp = y + col[p];
-            /* Q4_1 in the file's layout has no AVX-512 tile kernels: the AVX2 row kernel serves it there */
+            /* the file's layout has AVX-512 kernels with VNNI only, and none for Q4_1: the AVX2 row kernel serves
+             * the rest */
             const int p512 = path == PATH_AVX512 && (type & ~GQ_X16) != GQ_Q4_1;
             const int tiled = p512 && rows >= TILE_MIN_ROWS;
             for (int64_t b0 = 0; b0 < nbk; b0 += kc) {
@@ -1035,7 +1074,9 @@ int gq_matmul_parts(int nparts, const int *types, const uint8_t *const *Ws, cons
                     for (int64_t o = oa; o < oe; o += 16)
                         for (int64_t r0 = 0; r0 < rows; r0 += RT) {
                             const int nr = (int)(rows - r0 < RT ? rows - r0 : RT);
-                            kx16_avx512(type, W + o * rb, A, r0, nr, yp + r0 * ystride + o, ystride, b0, b1, b0 > 0);
+                            (path == PATH_AVX512 ? kx16_vnni_matmul : path == PATH_AVX512BW ? kx16_bw_matmul
+                                                                                            : kx16_avx2_matmul)(
+                                type, W + o * rb, A, r0, nr, yp + r0 * ystride + o, ystride, b0, b1, b0 > 0);
                         }
                     continue;
                 }
@@ -1148,7 +1189,7 @@ T512 static void quant_512(const float *x, int64_t r0, int64_t r1, act_t *A) { q
 
 static void quant_path(int path, const float *x, int64_t r0, int64_t r1, act_t *A) {
 #ifdef GQ_X86
-    if (path == PATH_AVX512) { quant_512(x, r0, r1, A); return; }
+    if (path >= PATH_AVX512BW) { quant_512(x, r0, r1, A); return; }
     if (path == PATH_AVX2) { quant_256(x, r0, r1, A); return; }
 #endif
     (void)path;
@@ -1167,7 +1208,7 @@ int gq_dequantize(int type, const uint8_t *W, int64_t in, int64_t o0, int64_t o1
     for (int64_t c = o0; c < o1; c += chunk) {
         const int64_t e = c + chunk < o1 ? c + chunk : o1;
 #ifdef GQ_X86
-        if (path == PATH_AVX512) { dequant_512(type, W, in, c, e, o0, dst, bf16); continue; }
+        if (path >= PATH_AVX512BW) { dequant_512(type, W, in, c, e, o0, dst, bf16); continue; }
         if (path == PATH_AVX2) { dequant_256(type, W, in, c, e, o0, dst, bf16); continue; }
 #endif
         dequant_any(type, W, in, c, e, o0, dst, bf16);

@@ -1,0 +1,120 @@
+/* The kernels for the x16 layout, written once over 16-lane vectors and included by ggml_q.c once per instruction
+ * set. The includer defines X16_T (the target attribute), X16_FN(name) (the copy's function names), V(op) (its
+ * vector operations), VI / VF / VNEG (its vector types: 16 dwords, 16 floats, Q8_0's signs), X16_DOT (the 4-byte
+ * dots, ggml_q.c) and X16_SIGNED_Q8 (1: Q8_0's quants split into |q| and signs; 0: kept unsigned, + 128, as
+ * vpdpbusd takes them).
+ *
+ * The repacked quants load straight into dword lanes (one 16-lane vector = 4 inputs x 16 outputs, a nibble shift
+ * apart from the next 4), so each row needs one 4-byte dot per lane and 4 inputs and nothing is transposed. */
+
+X16_T static inline __attribute__((always_inline)) void X16_FN(body)(int type, const uint8_t *W, const act_t *A,
+                                                                    int64_t r0, int nr, float *y, int64_t ystride,
+                                                                    int64_t b0, int64_t b1, int accum) {
+    const int q6 = type == GQ_X16 + GQ_Q6_K;
+    const int64_t sb = q6 ? X6_BYTES : X4_BYTES, in = A->in, ng = in / A->G, ns = in / A->S, npb = q6 ? 16 : 8;
+    const VI m4 = V(set8)(0x0F), m3 = V(set8)(0x03), zero = V(zero)();
+    VF acc[RT], bacc[RT];
+    for (int r = 0; r < nr; r++) acc[r] = V(zerof)();
+    for (int64_t b = b0; b < b1; b++) {
+        const uint8_t *P = W + b * sb;
+        prefetch_weights(P, (int)sb);
+        const VF dv = V(half)(P + (q6 ? X6_D : X4_D));
+        const VF mv = q6 ? V(mul)(dv, V(setf)(-32.0f)) : V(mul)(V(half)(P + X4_DMIN), V(setf)(-1.0f));
+        for (int r = 0; r < nr; r++) bacc[r] = V(zerof)();
+        /* 8 steps, each two groups: Q4_K groups j and j + 4 (32 inputs: 8 dwords, lines 8j..8j+7, low and high
+         * nibbles); Q6_K groups 4h + j and 8 + 4h + j (16 inputs: 4 dwords, lines 16h + 4j + i) */
+        for (int step = 0; step < (q6 ? 8 : 4); step++) {
+            const int K = q6 ? 4 : 8, h = step / 4, j = step % 4;
+            const int g0 = q6 ? 4 * h + j : j, g1 = q6 ? 8 + 4 * h + j : j + 4, line0 = q6 ? 16 * h + 4 * j : 8 * j;
+            VI lo[8], hi[8];
+            for (int i = 0; i < K; i++) {
+                const VI v = V(load)(P + 64 * (line0 + i));
+                lo[i] = V(and)(v, m4);
+                hi[i] = V(and)(V(srl16)(v, 4), m4);
+                if (q6) {
+                    const VI hb = V(load)(P + X6_HB + 64 * (4 * j + i));
+                    lo[i] = V(or)(lo[i], V(sll16)(V(and)(V(srl16)(hb, 2 * h), m3), 4));
+                    hi[i] = V(or)(hi[i], V(sll16)(V(and)(V(srl16)(hb, 4 + 2 * h), m3), 4));
+                }
+            }
+            const VF s0 = V(mul)(V(scales)(P + (q6 ? X6_SC : X4_SC) + 16 * g0, q6), dv);
+            const VF s1 = V(mul)(V(scales)(P + (q6 ? X6_SC : X4_SC) + 16 * g1, q6), dv);
+            const VF o0 = q6 ? V(mul)(s0, V(setf)(-32.0f)) : V(mul)(V(scales)(P + X4_M + 16 * g0, 0), mv);
+            const VF o1 = q6 ? V(mul)(s1, V(setf)(-32.0f)) : V(mul)(V(scales)(P + X4_M + 16 * g1, 0), mv);
+            for (int r = 0; r < nr; r++) {
+                const int32_t *a = (const int32_t *)(const void *)(A->q + (r0 + r) * in + b * 256);
+                const float *sr = A->s + (r0 + r) * ns + b * npb;
+                const VI i0 = X16_DOT(zero, lo, a + K * g0, K, q6 ? 6 : 4, NULL);
+                const VI i1 = X16_DOT(zero, hi, a + K * g1, K, q6 ? 6 : 4, NULL);
+                bacc[r] = V(fma)(V(cvt)(i0), s0, bacc[r]);
+                bacc[r] = V(fma)(V(cvt)(i1), s1, bacc[r]);
+                acc[r] = V(fma)(o0, V(setf)(sr[g0]), acc[r]);
+                acc[r] = V(fma)(o1, V(setf)(sr[g1]), acc[r]);
+            }
+        }
+        for (int r = 0; r < nr; r++) acc[r] = V(fma)(bacc[r], V(setf)(A->d[(r0 + r) * ng + b]), acc[r]);
+    }
+    for (int r = 0; r < nr; r++) {
+        VF v = acc[r];
+        if (accum) v = V(add)(v, V(loadf)(y + r * ystride));
+        V(storef)(y + r * ystride, v);
+    }
+}
+
+/* Q8_0 / Q5_0 / Q4_1 x16: 16 outputs x 32 inputs per superblock, 8 dwords per row; activation scale per block */
+X16_T static inline __attribute__((always_inline)) void X16_FN(body32)(int type, const uint8_t *W, const act_t *A,
+                                                                      int64_t r0, int nr, float *y, int64_t ystride,
+                                                                      int64_t b0, int64_t b1, int accum) {
+    const int q8 = type == GQ_X16 + GQ_Q8_0, q41 = type == GQ_X16 + GQ_Q4_1;
+    const int64_t sb = q8 ? X8_BYTES : q41 ? X41_BYTES : X5_BYTES, in = A->in, ng = in / A->G;
+    const VI m4 = V(set8)(0x0F), b4 = V(set8)(0x10), zero = V(zero)();
+    VF acc[RT];
+    for (int r = 0; r < nr; r++) acc[r] = V(zerof)();
+    for (int64_t b = b0; b < b1; b++) {
+        const uint8_t *P = W + b * sb;
+        prefetch_weights(P, (int)sb);
+        const VF dv = V(half)(P + (q8 ? X8_D : q41 ? X41_D : X5_D));
+        const VF ov = q41 ? V(half)(P + X41_M) : V(mul)(dv, V(setf)(q8 ? -128.0f * !X16_SIGNED_Q8 : -16.0f));
+        VI wz[8];
+        VNEG neg[8];
+        for (int k = 0; k < 8; k++) {
+            if (q8) {
+                wz[k] = V(load)(P + 64 * k);
+                if (X16_SIGNED_Q8) wz[k] = V(q8split)(wz[k], &neg[k]);
+            } else {
+                const VI v = V(load)(P + 64 * (k % 4));
+                const VI nib = V(and)(k < 4 ? v : V(srl16)(v, 4), m4);
+                wz[k] = q41 ? nib : V(or)(nib, V(bits)(P + X5_HB + 8 * k, b4));
+            }
+        }
+        for (int r = 0; r < nr; r++) {
+            const int32_t *a = (const int32_t *)(const void *)(A->q + (r0 + r) * in + b * 32);
+            const VI isum = X16_DOT(zero, wz, a, 8, q8 ? 8 : q41 ? 4 : 5, q8 && X16_SIGNED_Q8 ? neg : NULL);
+            const float ad = A->d[(r0 + r) * ng + b], as = A->s[(r0 + r) * ng + b]; /* S = G = 32 */
+            acc[r] = V(fma)(V(cvt)(isum), V(mul)(dv, V(setf)(ad)), acc[r]);
+            acc[r] = V(fma)(ov, V(setf)(as), acc[r]);
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        VF v = acc[r];
+        if (accum) v = V(add)(v, V(loadf)(y + r * ystride));
+        V(storef)(y + r * ystride, v);
+    }
+}
+
+X16_T static void X16_FN(matmul)(int type, const uint8_t *W, const act_t *A, int64_t r0, int nr, float *y,
+                                 int64_t ystride, int64_t b0, int64_t b1, int accum) {
+    switch (type) { /* one row (decode) gets its own copy: the row loop unrolled away */
+#define KX16_CASE(T, BODY)                                                                                   \
+    case T:                                                                                                  \
+        if (nr == 1) BODY(T, W, A, r0, 1, y, ystride, b0, b1, accum);                                        \
+        else BODY(T, W, A, r0, nr, y, ystride, b0, b1, accum);                                               \
+        break;
+    KX16_CASE(GQ_X16 + GQ_Q4_K, X16_FN(body))
+    KX16_CASE(GQ_X16 + GQ_Q6_K, X16_FN(body))
+    KX16_CASE(GQ_X16 + GQ_Q8_0, X16_FN(body32))
+    KX16_CASE(GQ_X16 + GQ_Q5_0, X16_FN(body32))
+    KX16_CASE(GQ_X16 + GQ_Q4_1, X16_FN(body32))
+#undef KX16_CASE
+    }
+}
