@@ -920,22 +920,15 @@ T512 INL __m512i v5_dot(__m512i acc, const __m512i *w, const int32_t *a, int K, 
 #define X16_DOT v5_dot_vnni
 #define X16_SIGNED_Q8 0
 #include "x16_kernels.h"
-#undef X16_T
-#undef X16_FN
-#undef X16_DOT
-#undef X16_SIGNED_Q8
 #define X16_T T512 /* AVX-512 without VNNI */
 #define X16_FN(name) kx16_bw_##name
+#define V(op) v5_##op
+#define VI __m512i
+#define VF __m512
+#define VNEG __mmask64
 #define X16_DOT v5_dot
 #define X16_SIGNED_Q8 1
 #include "x16_kernels.h"
-#undef X16_T
-#undef X16_FN
-#undef V
-#undef VI
-#undef VF
-#undef VNEG
-#undef X16_DOT
 #define X16_T T256 /* AVX2 */
 #define X16_FN(name) kx16_avx2_##name
 #define V(op) v2_##op
@@ -943,15 +936,8 @@ T512 INL __m512i v5_dot(__m512i acc, const __m512i *w, const int32_t *a, int K, 
 #define VF v2f
 #define VNEG v2i
 #define X16_DOT v2_dot
+#define X16_SIGNED_Q8 1
 #include "x16_kernels.h"
-#undef X16_T
-#undef X16_FN
-#undef V
-#undef VI
-#undef VF
-#undef VNEG
-#undef X16_DOT
-#undef X16_SIGNED_Q8
 #endif /* GQ_X86 */
 
 /* ------------------------------------------ API ------------------------------------------ */

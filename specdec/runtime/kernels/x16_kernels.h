@@ -2,7 +2,7 @@
  * set. The includer defines X16_T (the target attribute), X16_FN(name) (the copy's function names), V(op) (its
  * vector operations), VI / VF / VNEG (its vector types: 16 dwords, 16 floats, Q8_0's signs), X16_DOT (the 4-byte
  * dots, ggml_q.c) and X16_SIGNED_Q8 (1: Q8_0's quants split into |q| and signs; 0: kept unsigned, + 128, as
- * vpdpbusd takes them).
+ * vpdpbusd takes them); this file undefines them at its end, so each inclusion states all of them.
  *
  * The repacked quants load straight into dword lanes (one 16-lane vector = 4 inputs x 16 outputs, a nibble shift
  * apart from the next 4), so each row needs one 4-byte dot per lane and 4 inputs and nothing is transposed. */
@@ -118,3 +118,12 @@ X16_T static void X16_FN(matmul)(int type, const uint8_t *W, const act_t *A, int
 #undef KX16_CASE
     }
 }
+
+#undef X16_T
+#undef X16_FN
+#undef V
+#undef VI
+#undef VF
+#undef VNEG
+#undef X16_DOT
+#undef X16_SIGNED_Q8
