@@ -21,4 +21,6 @@ fi
 python -m pip install -q --disable-pip-version-check selenium==4.51.0
 # test-only: the official Ollama client for tests/test_server_compat.py (skipped without it; needs only httpx, pydantic)
 python -m pip install -q --disable-pip-version-check ollama==0.6.3
-python -m pytest -q "$@"
+# one worker per core, one thread each (most tests are small and single-threaded; tests/test_gguf_kernels.py and
+# tests/test_attention.py run the threaded kernels), each test file on one worker (its fixtures built once)
+OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python -m pytest -q -n auto --dist loadfile "$@"

@@ -51,6 +51,22 @@ def test_a_row_is_the_same_bits_alone_or_among_drafts():
     assert torch.equal(alone[:, 0], among[:, 0])
 
 
+def test_threads_give_the_same_bits():
+    """Threads split the (sequence, head) pairs: 1, 2 or 3 threads, the same bits."""
+    torch.manual_seed(2)
+    k, v = _cache(B=3, S=40)
+    q, mask = torch.randn(3, 6, 5, 64), torch.rand(3, 1, 5, 40) > 0.3
+    mask[..., 0] = True
+    before, outs = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(_kernel(q, k, v, mask))
+    finally:
+        torch.set_num_threads(before)
+    assert outs[0] is not None and torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
 def test_falls_back_to_sdpa_where_the_kernel_does_not_apply():
     k, v = _cache(B=1)
     q = torch.randn(1, 6, 3, 64)

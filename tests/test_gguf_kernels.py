@@ -189,6 +189,26 @@ def test_x16_row_is_the_same_bits_at_any_row_count(name, lib):
             assert torch.equal(x16._kernel(x[:rows], K.PATHS[path])[:1], alone), (path, rows)
 
 
+@pytest.mark.parametrize("name", list(K.TYPES))
+def test_threads_give_the_same_bits(name, lib):
+    """Threads split the outputs, never a sum: 1, 2 or 3 threads give the same bits on every layout and path (the
+    suite's workers run one thread each, so the threaded code is tested here)."""
+    rng = np.random.default_rng(4)
+    lin = GGUFLinear.from_blocks(random_blocks(K.TYPES[name], 48, 1024, rng), name, (48, 1024))
+    layouts = [(lin, ["scalar", K.best_path()])] + [(lin.repacked(), x16_paths())] * K.runs_x16()
+    x, before = torch.randn(33, 1024), torch.get_num_threads()
+    try:
+        for layer, paths in layouts:
+            for path in paths:
+                outs = []
+                for threads in (1, 2, 3):
+                    torch.set_num_threads(threads)
+                    outs.append(torch.cat([layer._kernel(x[:1], K.PATHS[path]), layer._kernel(x, K.PATHS[path])]))
+                assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), (path, layer.qtype)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_forward_shapes_dtypes_bias_and_prefill(lib):
     rng = np.random.default_rng(4)
     blocks = random_blocks(K.Q6_K, 48, 512, rng)

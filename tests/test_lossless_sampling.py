@@ -5,7 +5,8 @@ more sure of itself than the target (q near 0.9 where p is near 0.5: the case wh
 on the drawn token's probability biases the output). 20,000 runs per configuration go through
 `Engine` (batched steps, adaptive lengths, p-min, trees, chains); the joint distribution of the
 first three output tokens must match plain sampling, computed exactly from the table:
-chi-square p > 0.001 and total variation below TV_BOUND.
+chi-square p > 0.001 and total variation below TV_BOUND. The draft model's chain and tree (q surer than p: where a
+biased rule shows most) run 20,000 times; every other configuration 8,000, its bound widened as 1 / sqrt(runs).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from specdec.sampling import SamplingParams, probs_from_logits
 V = 6                      # token 0 is EOS and never drawn; 1..5 cycle 1 -> 2 -> ... -> 5 -> 1
 PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]
 RUNS = 20_000
+RUNS_MATRIX = 8_000        # the other configurations: the same test at a 1.6x wider bound, 2.5x cheaper
 BATCH = 500                # sequences stepped together
 MAX_TOKENS = 6             # the first output token is the prefill's; drafts cover tokens 2..6
 TV_BOUND = 0.03            # 1.4x the TV expected (0.021) from 20,000 exact samples of these distributions
@@ -203,23 +205,25 @@ CONFIGS = [(t, T1, {}) for t in untrained_spec_types() if t != "none"] + [
     ("draft", SamplingParams(temperature=1.0, top_p=0.9), {"branch_p": 0.95}),
     ("suffix,draft", SamplingParams(temperature=1.0, top_k=5), {"mode": "gain"}),
 ]
+FULL = {("draft", ()), ("draft", ("branch_p",))}  # (spec, options) run RUNS times at T 1; the rest RUNS_MATRIX
 
 
 @pytest.mark.parametrize("spec,params,opts", CONFIGS,
                          ids=[f"{s}-{p.top_p}-{p.top_k}-{'-'.join(o)}" for s, p, o in CONFIGS])
 def test_engine_sampling_matches_plain(tokenizer, spec, params, opts):
+    runs = RUNS if params is T1 and (spec, tuple(opts)) in FULL else RUNS_MATRIX
     engine = _engine(tokenizer)
-    samples = list(run_engine(engine, _drafter(spec, target=engine.target, **opts), params).values())
+    samples = list(run_engine(engine, _drafter(spec, target=engine.target, **opts), params, runs).values())
     p_value, tv = fit(samples, exact_joint(params))
-    assert p_value > 1e-3 and tv < TV_BOUND, (p_value, tv)
+    assert p_value > 1e-3 and tv < TV_BOUND * (RUNS / runs) ** 0.5, (p_value, tv)
 
 
 def test_seeded_output_is_the_same_for_every_drafter(tokenizer):
     """Seeded runs: token-identical to plain decoding with that seed whatever drafts, and (over seeds)
     distributed as plain sampling."""
     params = SamplingParams(temperature=1.0, top_p=0.95)
-    plain = run_engine(_engine(tokenizer), None, params, runs=4000, seeds=True)
+    plain = run_engine(_engine(tokenizer), None, params, runs=2000, seeds=True)
     for spec, opts in [("draft", {"branch_p": 0.95}), ("suffix-tree", {}), ("ngram-mod,draft", {})]:
-        assert run_engine(_engine(tokenizer), _drafter(spec, **opts), params, runs=4000, seeds=True) == plain
+        assert run_engine(_engine(tokenizer), _drafter(spec, **opts), params, runs=2000, seeds=True) == plain
     p_value, tv = fit(list(plain.values()), exact_joint(params))
-    assert p_value > 1e-3 and tv < 2.3 * TV_BOUND, (p_value, tv)  # 4,000 samples: sqrt(5) x the noise
+    assert p_value > 1e-3 and tv < 3.2 * TV_BOUND, (p_value, tv)  # 2,000 samples: sqrt(10) x the noise

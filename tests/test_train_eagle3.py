@@ -140,10 +140,10 @@ def test_bad_settings_are_one_line_errors(tmp_path, capsys, monkeypatch):
 
 @pytest.fixture(scope="module")
 def smollm_cache(smollm_dir, tmp_path_factory):
-    """A 96-conversation SmolLM2 feature cache (64 new tokens each)."""
+    """A 64-conversation SmolLM2 feature cache (64 new tokens each)."""
     from specdec.train.data import build_cache
 
-    return build_cache("smollm2-135m", tmp_path_factory.mktemp("smollm") / "cache", 96, max_new_tokens=64,
+    return build_cache("smollm2-135m", tmp_path_factory.mktemp("smollm") / "cache", 64, max_new_tokens=64,
                        max_prompt_tokens=256, batch=8, progress=False, command="test")
 
 
