@@ -36,7 +36,7 @@ QWEN3 = {"model_type": "qwen3", "vocab_size": 96, "hidden_size": 64, "intermedia
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
          "max_position_embeddings": 256, "rope_theta": 20000.0, "tie_word_embeddings": False}
 FEATURES, BLOCK, MASK, N = (1, 2, 3), 4, 5, 12  # feature layers, block size, mask token, context rows
-RUNS = 6000  # sampled runs through the engine (the EAGLE-3 test runs 8,000; its bound widens as 1 / sqrt(runs))
+RUNS = 6000  # sampled runs through the engine (the EAGLE-3 test runs 8,000)
 
 
 def random_net(c: BlockConfig, seed: int = 0, scale: float = 0.3) -> BlockDraft:

@@ -19,7 +19,7 @@ from specdec.drafters.tree import ROOT, DynamicTree
 from specdec.models.eagle3 import Eagle3Config, Eagle3Head, load_head, save_head
 from specdec.models.loader import load_checkpoint
 from specdec.sampling import SamplingParams, probs_from_logits
-from test_lossless_sampling import TV_BOUND, fit
+from test_lossless_sampling import fit, tv_bound
 
 PROMPTS = ["t5 t9 t12 t5 t9 t12 t5 t9", "t33 t2 t71", "t8 " * 20 + "t4"]
 
@@ -171,7 +171,7 @@ def test_layouts_load_to_the_same_head(tiny_dir, tmp_path):
             torch.testing.assert_close(loaded.state_dict()[k], v, rtol=0, atol=0, msg=f"{path.name}: {k}")
 
 
-V, RUNS, BATCH, MAX_TOKENS = 8, 20_000, 500, 4  # RUNS: the runs TV_BOUND is stated for
+V, BATCH, MAX_TOKENS = 8, 500, 4
 HEAD_RUNS = 8_000  # runs per head family: the engine's rules are tested at 20,000 in tests/test_lossless_sampling.py
 
 
@@ -191,8 +191,8 @@ def _exact_joint(llm, prompt: list[int], params: SamplingParams) -> dict[tuple[i
 
 def engine_fit(target, runs: int = HEAD_RUNS, **spec) -> tuple[int, float, float, float]:
     """`runs` sampled runs (T 1) of the first three tokens through the engine with the drafter `spec` (LLM keywords)
-    against the exact joint of plain sampling -> (tokens drafted, chi-square p-value, total variation, its bound:
-    TV_BOUND for RUNS samples, wider as 1 / sqrt(runs) for fewer)."""
+    against the exact joint of plain sampling -> (tokens drafted, chi-square p-value, total variation, its bound
+    `tv_bound`)."""
     llm = specdec.LLM(str(target), dtype="fp32", context=32, parallel=BATCH, adaptive=False, draft_max=3,
                       progress=False, **spec)
     llm.engine.stop_ids = set()
@@ -213,7 +213,7 @@ def engine_fit(target, runs: int = HEAD_RUNS, **spec) -> tuple[int, float, float
             eng.finish(s)
             samples.append(tuple(s.output_ids[:3]))
             drafted += s.stats.drafted
-    return drafted, *fit(samples, want), TV_BOUND * (RUNS / runs) ** 0.5
+    return drafted, *fit(samples, want), tv_bound(want, len(samples))
 
 
 @pytest.mark.parametrize("topk", [1, 2])
