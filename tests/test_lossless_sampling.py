@@ -2,7 +2,7 @@
 
 A tiny engineered target (a second-order Markov table with peaked rows) and a draft model that is
 more sure of itself than the target (q near 0.9 where p is near 0.5: the case where cutting a draft
-on the drawn token's probability biases the output). 20,000 runs per configuration go through
+on the drawn token's probability biases the output). Every configuration's runs go through
 `Engine` (batched steps, adaptive lengths, p-min, trees, chains); the joint distribution of the
 first three output tokens must match plain sampling, computed exactly from the table:
 chi-square p > 0.001 and total variation below `tv_bound` (1.4x what exact samples give). The draft model's chain and
