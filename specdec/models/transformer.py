@@ -16,6 +16,7 @@ from torch import nn
 
 from specdec.models.config import ModelConfig
 from specdec.models.rope import Rotary, apply_rotary
+from specdec.runtime import small_ops
 from specdec.runtime.attention import attention
 from specdec.runtime.kv_cache import KVCache
 
@@ -27,6 +28,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fast = small_ops.rms_norm(x, self.weight, self.eps)
+        if fast is not None:
+            return fast
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -47,15 +51,17 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: "Batch", cache: KVCache) -> torch.Tensor:
         B, T, _ = x.shape
         c, hd = self.cfg, self.cfg.head_dim
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)  # [B, T, q + 2 kv]
+        roped = not c.qk_norm and small_ops.rope_(qkv, c.num_heads + c.num_kv_heads, hd, batch.cos, batch.sin)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(B, T, c.num_heads, hd)
         k = k.reshape(B, T, c.num_kv_heads, hd)
         v = v.reshape(B, T, c.num_kv_heads, hd)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
-        q = apply_rotary(q, batch.cos, batch.sin)
-        k = apply_rotary(k, batch.cos, batch.sin)
+        if not roped:
+            q, k = apply_rotary(q, batch.cos, batch.sin), apply_rotary(k, batch.cos, batch.sin)
         cache.write(self.layer, batch.slots, batch.cache_index, k, v, batch.write_span)
         keys, values = cache.read(self.layer, batch.slots, batch.kv_len)  # [B, kv_heads, S, hd]
         out = attention(q, keys, values, batch.mask)  # [B, T, heads, hd]
@@ -70,8 +76,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        act = small_ops.silu_mul(gate_up)
+        if act is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):

@@ -237,15 +237,14 @@ def kernel_matmul(parts: list[GGUFLinear], x2: torch.Tensor, path: int | None = 
     """x2 [rows, in] @ the parts' weights -> [rows, sum of outs] in x2's dtype (no bias), in one call of the C
     kernels; None where they cannot run (no library, not on the CPU)."""
     lib = K.library()
-    if lib is None or x2.device.type != "cpu" or any(p.qweight.device.type != "cpu" for p in parts):
+    ws = [p.qweight for p in parts]
+    if lib is None or not x2.is_cpu or not all(w.is_cpu for w in ws):
         return None
-    n = len(parts)
-    types = (ctypes.c_int * n)(*[p.qtype for p in parts])
-    ptrs = (ctypes.c_void_p * n)(*[p.qweight.data_ptr() for p in parts])
-    outs = (ctypes.c_int64 * n)(*[p.out_features for p in parts])
+    key = tuple((w.data_ptr(), p.qtype, p.out_features) for w, p in zip(ws, parts))
+    args = _call_args.get(key) or _call_args.setdefault(key, _make_args(key))
     xf = x2.to(torch.float32).contiguous()
-    y = torch.empty(x2.shape[0], sum(outs), dtype=torch.float32)
-    rc = lib.gq_matmul_parts(n, types, ptrs, outs, parts[0].in_features, xf.data_ptr(), x2.shape[0], y.data_ptr(),
+    y = torch.empty(x2.shape[0], args[-1], dtype=torch.float32)
+    rc = lib.gq_matmul_parts(*args[:-1], parts[0].in_features, xf.data_ptr(), x2.shape[0], y.data_ptr(),
                              torch.get_num_threads(), K.requested_path() if path is None else path)
     if rc < 0:
         return None
@@ -254,6 +253,17 @@ def kernel_matmul(parts: list[GGUFLinear], x2: torch.Tensor, path: int | None = 
         if p.last_path != name:  # a module attribute write is slow; it rarely changes
             p.last_path = name
     return y if x2.dtype == torch.float32 else y.to(x2.dtype)
+
+
+_call_args: dict[tuple, tuple] = {}  # the parts' (weight address, type, outputs) -> gq_matmul_parts' arrays
+
+
+def _make_args(key: tuple) -> tuple:
+    """(n, types, weights, outputs, total outputs) for gq_matmul_parts, from the parts' (address, type, outputs):
+    built once per set of weights (ctypes arrays cost more than the call at one row)."""
+    n = len(key)
+    return (n, (ctypes.c_int * n)(*[k[1] for k in key]), (ctypes.c_void_p * n)(*[k[0] for k in key]),
+            (ctypes.c_int64 * n)(*[k[2] for k in key]), sum(k[2] for k in key))
 
 
 _local = threading.local()

@@ -1,0 +1,50 @@
+"""The small operations of a decoder layer through the C library (`kernels/small_ops.c`): RMS norm, rotary
+embedding of q and k in place, SiLU(gate) * up, one call each where torch takes 3 to 8 (at one row, their dispatch
+costs more than their arithmetic). Each returns None (or False) where the C path does not apply: no library, not
+float32 on the CPU, or gradients wanted; the caller then runs torch's operations. A row's result is the same bits
+however many rows share the call."""
+from __future__ import annotations
+
+import torch
+
+from specdec.runtime import kernels as K
+
+
+def _usable(*ts: torch.Tensor) -> bool:
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+    return not grad and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in ts)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """x [..., dim] -> weight * x / sqrt(mean(x^2) + eps), or None."""
+    dim = x.shape[-1]
+    lib = K.library() if _usable(x, weight) and dim % 8 == 0 else None
+    if lib is None:
+        return None
+    xc = x.contiguous()
+    out = torch.empty_like(xc)
+    lib.gq_rmsnorm(xc.data_ptr(), weight.contiguous().data_ptr(), eps, xc.numel() // dim, dim, out.data_ptr())
+    return out
+
+
+def rope_(qkv: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Rotate the first `heads` heads of each row of qkv [B, T, width] (q's heads then k's) in place by cos, sin
+    [B, 1, T, head_dim]; False (nothing done) where the C path does not apply."""
+    B, T, width = qkv.shape
+    lib = K.library() if _usable(qkv, cos, sin) and qkv.is_contiguous() else None
+    if lib is None:
+        return False
+    c, s = cos.reshape(B * T, head_dim).contiguous(), sin.reshape(B * T, head_dim).contiguous()
+    return lib.gq_rope(qkv.data_ptr(), width, c.data_ptr(), s.data_ptr(), B * T, heads, head_dim) == 0
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """gate_up [..., 2 * inter] (gate, then up) -> silu(gate) * up [..., inter], or None."""
+    inter = gate_up.shape[-1] // 2
+    lib = K.library() if _usable(gate_up) and inter % 8 == 0 else None
+    if lib is None:
+        return None
+    gu = gate_up.contiguous()
+    out = torch.empty(*gu.shape[:-1], inter, dtype=torch.float32)
+    lib.gq_silu_mul(gu.data_ptr(), gu.numel() // (2 * inter), inter, out.data_ptr())
+    return out

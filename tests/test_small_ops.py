@@ -1,0 +1,62 @@
+"""A decoder layer's small operations in C (specdec/runtime/small_ops.py): they match torch's, a row's result is
+the same bits however many rows share the call, and torch runs where the C path does not apply."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec.models.rope import apply_rotary
+from specdec.runtime import kernels as K
+from specdec.runtime import small_ops as S
+
+
+@pytest.fixture(autouse=True)
+def lib():
+    if K.library() is None:
+        pytest.skip(f"kernel library not built here: {K.build_error}")
+
+
+def test_rms_norm_matches_torch_and_rows_are_independent():
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 5, 96) * 3, torch.randn(96)
+    ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    out = S.rms_norm(x, w, 1e-6)
+    assert out.shape == x.shape and torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(S.rms_norm(x[1, 3:4], w, 1e-6), out[1, 3:4])
+
+
+def test_rope_matches_apply_rotary_in_place():
+    torch.manual_seed(1)
+    B, T, H, kvh, hd = 2, 3, 4, 2, 32
+    qkv = torch.randn(B, T, (H + 2 * kvh) * hd)
+    cos, sin = torch.randn(B, 1, T, hd), torch.randn(B, 1, T, hd)
+    q, k, v = qkv.split([H * hd, kvh * hd, kvh * hd], dim=-1)
+    ref_q = apply_rotary(q.reshape(B, T, H, hd).transpose(1, 2), cos, sin)
+    ref_k = apply_rotary(k.reshape(B, T, kvh, hd).transpose(1, 2), cos, sin)
+    v_before = v.clone()
+    assert S.rope_(qkv, H + kvh, hd, cos, sin)
+    assert torch.allclose(q.reshape(B, T, H, hd).transpose(1, 2), ref_q, atol=1e-5)
+    assert torch.allclose(k.reshape(B, T, kvh, hd).transpose(1, 2), ref_k, atol=1e-5)
+    assert torch.equal(v, v_before)  # v's heads are left alone
+
+
+def test_silu_mul_matches_torch_and_rows_are_independent():
+    torch.manual_seed(2)
+    gu = torch.randn(3, 4, 2 * 64) * 4
+    gu[0, 0, :4] = torch.tensor([-100.0, -87.5, 0.0, 100.0])  # the exponential's clamp and zero
+    gate, up = gu.chunk(2, dim=-1)
+    out = S.silu_mul(gu)
+    assert out.shape == (3, 4, 64) and torch.allclose(out, F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+    assert torch.equal(S.silu_mul(gu[2, 1:2]), out[2, 1:2])
+
+
+def test_torch_runs_where_the_c_path_does_not_apply():
+    w = torch.randn(16, requires_grad=True)
+    x = torch.randn(2, 16)
+    assert S.rms_norm(x, w, 1e-6) is None  # gradients wanted
+    with torch.no_grad():
+        assert S.rms_norm(x, w, 1e-6) is not None
+    assert S.rms_norm(x.bfloat16(), w.detach().bfloat16(), 1e-6) is None
+    assert S.silu_mul(torch.randn(2, 2 * 12)) is None  # not a multiple of 8
+    assert not S.rope_(torch.randn(1, 2, 64).bfloat16(), 1, 32, torch.randn(1, 1, 2, 32), torch.randn(1, 1, 2, 32))
