@@ -1,5 +1,7 @@
 """Where one forward of the target goes: each GGUF kernel call (by matrix shape and type) and the attention, timed
-in place, the rest ("everything else": norms, rotary, KV writes, residuals, Python) by difference.
+in place, the rest ("everything else": norms, rotary, KV writes, residuals, Python) by difference. The forward is
+timed as the engine runs it (each decoder layer one C call, `runtime/layer_kernel.py`) and, for the breakdown, with
+the layers' Python path (the same arithmetic, one call per operation).
 
     python scripts/profile_step.py                      # default target, 500-token context, 1 and 8 rows
     python scripts/profile_step.py -m qwen2.5-coder-0.5b --context 1000 --rows 1,4,16
@@ -15,6 +17,7 @@ from pathlib import Path
 import specdec.models.transformer as T
 from specdec.api import LLM
 from specdec.runtime import gguf_linear as GL
+from specdec.runtime.layer_kernel import LayerKernel
 
 FORWARDS = 30
 
@@ -50,8 +53,11 @@ def main() -> None:
         calls["attention"] += 1
         return y
 
+    c_layers = LayerKernel.run
+
     def median_forward(rows: int, n: int, instrument: bool) -> float:
         GL.kernel_matmul, T.attention = (timed_kernel, timed_attention) if instrument else (kernel, attention)
+        LayerKernel.run = (lambda *args: None) if instrument else c_layers
         spent.clear()
         calls.clear()
         ts = []
@@ -59,7 +65,7 @@ def main() -> None:
             t0 = time.perf_counter()
             runner.forward([[100] * rows], [len(ids)], [0])
             ts.append(time.perf_counter() - t0)
-        GL.kernel_matmul, T.attention = kernel, attention
+        GL.kernel_matmul, T.attention, LayerKernel.run = kernel, attention, c_layers
         return sorted(ts)[n // 2]
 
     print(f"{a.model}: {llm.quant_info}; context {len(ids)}, {a.threads} threads, medians of {FORWARDS} forwards")
@@ -67,7 +73,8 @@ def main() -> None:
         median_forward(rows, 3, False)
         plain = median_forward(rows, FORWARDS, False)
         inst = median_forward(rows, FORWARDS, True)
-        print(f"\n### {rows} row(s): forward {plain * 1e3:.1f} ms (instrumented {inst * 1e3:.1f})\n")
+        print(f"\n### {rows} row(s): forward {plain * 1e3:.1f} ms; with the layers' Python path {inst * 1e3:.1f} "
+              f"(instrumented)\n")
         print("| part | ms per forward | calls per forward |\n|---|---|---|")
         total = 0.0
         for name, s in sorted(spent.items(), key=lambda kv: -kv[1]):

@@ -19,6 +19,7 @@ from specdec.models.rope import Rotary, apply_rotary
 from specdec.runtime import small_ops
 from specdec.runtime.attention import attention
 from specdec.runtime.kv_cache import KVCache
+from specdec.runtime.layer_kernel import LayerKernel, StepArgs, step_args
 
 
 class RMSNorm(nn.Module):
@@ -91,10 +92,30 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self._layer_kernel: tuple | None = None  # see _kernel
 
     def forward(self, x: torch.Tensor, batch: "Batch", cache: KVCache) -> torch.Tensor:
+        if batch.fast is not None:  # decode / verification on the CPU: the whole layer in one C call, same bits
+            lk = self._kernel()
+            out = None if lk is None else lk.run(x, batch.fast, self.self_attn.layer, cache)
+            if out is not None:
+                return out
         x = x + self.self_attn(self.input_layernorm(x), batch, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _kernel(self) -> LayerKernel | None:
+        """This layer's C form (`runtime.layer_kernel`), described once; None where it cannot run here."""
+        a, m = self.self_attn, self.mlp
+        modules = (self.input_layernorm, self.post_attention_layernorm, a.qkv_proj, a.o_proj, m.gate_up_proj,
+                   m.down_proj)
+        built = self._layer_kernel  # (the modules it was built from, the C form or None)
+        if built is None or any(x is not y for x, y in zip(built[0], modules)):  # first use, or a module replaced
+            built = self._layer_kernel = (modules, LayerKernel.of(a.cfg, *modules))
+        return built[1]
+
+    def _apply(self, fn, recurse=True):  # weights moved or converted: describe them again at the next step
+        self._layer_kernel = None
+        return super()._apply(fn, recurse)
 
 
 class Backbone(nn.Module):
@@ -115,6 +136,7 @@ class Batch:
     mask: torch.Tensor | None  # [B, 1, T, kv_len] bool (True = attend), None = attend to all
     kv_len: int                # keys read per sequence
     write_span: tuple[int, int, int] | None  # (slot, start, end) for a contiguous single-sequence write
+    fast: StepArgs | None = None  # the step as the C decoder layers take it (`layer_kernel.step_args`)
 
     def to(self, device: torch.device) -> "Batch":
         """The same batch with its tensors on `device` (a model split across devices)."""
@@ -209,6 +231,7 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(tokens) if resume is None else resume
         cos, sin = self.rotary.tables(positions, x.dtype)
         batch = Batch(slots, cache_index, cos, sin, mask, kv_len, KVCache.span(slots, cache_index))
+        batch.fast = None if self.split else step_args(x, batch)
         hidden: dict[int, torch.Tensor] = {}
         batches = {x.device: batch}
         for i, layer in enumerate(self.model.layers[resume_layer:], start=resume_layer):

@@ -37,10 +37,10 @@ def _kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: tor
     lib = K.library() if usable else None
     if lib is None:
         return None
-    qc = q.contiguous()
+    qc = q if q.stride(-1) == 1 else q.contiguous()
     m = None if mask is None else mask.expand(B, 1, T, S).contiguous()
     out = torch.empty(B, T, H, hd, dtype=torch.float32)
-    rc = lib.gq_attention(qc.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1),
-                          None if m is None else m.data_ptr(), B, H, kvh, T, S, hd, 1.0 / math.sqrt(hd),
+    rc = lib.gq_attention(qc.data_ptr(), *qc.stride()[:3], keys.data_ptr(), values.data_ptr(), None, keys.stride(0),
+                          keys.stride(1), None if m is None else m.data_ptr(), B, H, kvh, T, S, hd, 1.0 / math.sqrt(hd),
                           out.data_ptr(), torch.get_num_threads(), K.requested_path())
     return out if rc == 0 else None

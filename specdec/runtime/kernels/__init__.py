@@ -1,6 +1,6 @@
 """Build (once per source, compiler, flags and CPU) and load the CPU kernels: GGUF block matmuls (`ggml_q.c`),
-the attention of decode and verification steps (`attention.c`) and a decoder layer's small operations
-(`small_ops.c`).
+the attention of decode and verification steps (`attention.c`), a decoder layer's small operations
+(`small_ops.c`) and a whole decoder layer in one call (`layer.c`).
 
 The C files are compiled at first use with the system C compiler into
 `$SPECDEC_HOME/kernels/ggml_q-HASH.so`, HASH covering the source, the compiler's version, the flags
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from specdec.paths import home
 
-SOURCES = [Path(__file__).with_name(f) for f in ("ggml_q.c", "attention.c", "small_ops.c")]
+SOURCES = [Path(__file__).with_name(f) for f in ("ggml_q.c", "attention.c", "small_ops.c", "layer.c")]
 HEADERS = [Path(__file__).with_name(f) for f in ("x16_kernels.h", "attention_body.h")]  # included: part of the hash
 CFLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno"]
 PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512bw": 3, "avx512": 4}  # avx512bw: AVX-512 without VNNI
@@ -123,13 +123,16 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gq_dequantize.restype = i32
     lib.gq_repack.argtypes = [i32, p, i64, i64, p, i32]
     lib.gq_repack.restype = i32
-    lib.gq_attention.argtypes = [p, p, p, i64, i64, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, i32, i32]
+    lib.gq_attention.argtypes = [p, i64, i64, i64, p, p, p, i64, i64, p, i64, i64, i64, i64, i64, i64, ctypes.c_float,
+                                 p, i32, i32]
     lib.gq_attention.restype = i32
     lib.gq_rmsnorm.argtypes = [p, p, ctypes.c_float, i64, i64, p]
     lib.gq_rope.argtypes = [p, i64, p, p, i64, i64, i64]
     lib.gq_silu_mul.argtypes = [p, i64, i64, p]
     for f in (lib.gq_rmsnorm, lib.gq_rope, lib.gq_silu_mul):
         f.restype = i32
+    lib.gq_decoder_layer.argtypes = [p, p, p, p, i32, i32]
+    lib.gq_decoder_layer.restype = i32
     lib.gq_best_path.argtypes = []
     lib.gq_best_path.restype = i32
     return lib

@@ -25,8 +25,10 @@ int gq_best_path(void); /* ggml_q.c */
 #define UNROLL _Pragma("GCC unroll 16") /* loops over a block's heads and lanes: their sums stay in registers */
 
 typedef struct {
-    const float *q;       /* [B][H][T][hd] */
-    const float *k, *v;   /* [B] x [kvh] x [S][hd]: element (b, g, s, i) at b * sb + g * sh + s * hd + i */
+    const float *q;       /* element (b, h, t, i) at b * qsb + h * qsh + t * qst + i */
+    int64_t qsb, qsh, qst;
+    const float *k, *v;   /* element (b, g, s, i) at slot(b) * sb + g * sh + s * hd + i */
+    const int64_t *slots; /* slot(b) = slots[b]; NULL: b */
     int64_t sb, sh;
     const uint8_t *mask;  /* [B][T][S], 1 = attend; NULL = every key */
     int64_t B, H, kvh, T, S, hd;
@@ -51,16 +53,16 @@ typedef struct {
 #include "attention_body.h"
 #endif
 
-/* out[B][T][H][hd] = softmax(q k^T * scale, masked) v. q [B][H][T][hd]; k, v as in att_t (the last two dims
- * [S][hd] contiguous); mask [B][T][S] bytes or NULL. path as gq_matmul_parts (0 auto). Returns 0, or negative. */
-int gq_attention(const float *q, const float *k, const float *v, int64_t sb, int64_t sh, const uint8_t *mask,
-                 int64_t B, int64_t H, int64_t kvh, int64_t T, int64_t S, int64_t hd, float scale, float *out,
-                 int nthreads, int path) {
+/* out[B][T][H][hd] = softmax(q k^T * scale, masked) v. q, k, v as in att_t (a head's hd floats and the keys' [S][hd]
+ * contiguous); mask [B][T][S] bytes or NULL. path as gq_matmul_parts (0 auto). Returns 0, or negative. */
+int gq_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qst, const float *k, const float *v,
+                 const int64_t *slots, int64_t sb, int64_t sh, const uint8_t *mask, int64_t B, int64_t H, int64_t kvh,
+                 int64_t T, int64_t S, int64_t hd, float scale, float *out, int nthreads, int path) {
     if (B < 1 || T < 1 || S < 1 || hd < 16 || hd % 16 || hd > MAX_HD || kvh < 1 || H % kvh != 0) return -2;
     const int best = gq_best_path();
     if (path == 0 || path > best) path = best;
     if (nthreads < 1) nthreads = 1;
-    const att_t a = {q, k, v, sb, sh, mask, B, H, kvh, T, S, hd, scale, out};
+    const att_t a = {q, qsb, qsh, qst, k, v, slots, sb, sh, mask, B, H, kvh, T, S, hd, scale, out};
     const int64_t tasks = B * T * kvh;
     int err = 0;
 #pragma omp parallel num_threads(nthreads)

@@ -61,7 +61,7 @@ ATT_T INL void ATT_FN(block)(const att_t *a, int64_t b, int64_t t, int64_t h0, c
     const float *q[4];
     float *o[4];
     UNROLL for (int h = 0; h < NB; h++) {
-        q[h] = a->q + ((b * a->H + h0 + h) * a->T + t) * hd;
+        q[h] = a->q + b * a->qsb + (h0 + h) * a->qsh + t * a->qst;
         o[h] = a->out + ((b * a->T + t) * a->H + h0 + h) * hd;
     }
     for (int32_t j = 0; j < n; j++) {
@@ -122,7 +122,8 @@ ATT_T INL void ATT_FN(block)(const att_t *a, int64_t b, int64_t t, int64_t h0, c
 /* the query heads of kv head g for one (b, t); sc: scratch of 4 x sp floats, idx: of S ints */
 ATT_T INL void ATT_FN(group)(const att_t *a, int64_t b, int64_t t, int64_t g, float *sc, int32_t *idx) {
     const int64_t G = a->H / a->kvh, sp = (a->S + 15) / 16 * 16;
-    const float *K = a->k + b * a->sb + g * a->sh, *V = a->v + b * a->sb + g * a->sh;
+    const int64_t at = (a->slots ? a->slots[b] : b) * a->sb + g * a->sh;
+    const float *K = a->k + at, *V = a->v + at;
     const uint8_t *m = a->mask ? a->mask + (b * a->T + t) * a->S : NULL;
     int32_t n = 0;
     for (int64_t s = 0; s < a->S; s++)

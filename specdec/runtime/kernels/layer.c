@@ -1,0 +1,92 @@
+/* One decoder layer of a Llama / Qwen2 / Mistral model in one call, for decode and verification steps on the CPU
+ * (float32 activations, GGUF weights): RMS norm, q/k/v, rotary, K/V written to the cache, attention, o_proj and the
+ * residual, RMS norm, gate/up, SiLU * up, down and the residual. The same functions in the same order as the
+ * layer's Python code (models/transformer.py) runs them one by one, so the two give the same bits; at a few rows the
+ * Python between those calls costs more than the arithmetic. Written for specdec.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int gq_matmul_parts(int nparts, const int *types, const uint8_t *const *Ws, const int64_t *outs, int64_t in,
+                    const float *x, int64_t rows, float *y, int nthreads, int path);
+int gq_rmsnorm(const float *x, const float *w, float eps, int64_t rows, int64_t dim, float *out);
+int gq_rope(float *x, int64_t stride, const float *cos, const float *sin, int64_t rows, int64_t heads, int64_t hd);
+int gq_silu_mul(const float *gu, int64_t rows, int64_t inter, float *out);
+int gq_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qst, const float *k, const float *v,
+                 const int64_t *slots, int64_t sb, int64_t sh, const uint8_t *mask, int64_t B, int64_t H, int64_t kvh,
+                 int64_t T, int64_t S, int64_t hd, float scale, float *out, int nthreads, int path);
+
+typedef struct { /* a linear layer: GGUF matrices side by side (as gq_matmul_parts takes them), bias or NULL */
+    int n;
+    const int *types;
+    const uint8_t *const *w;
+    const int64_t *outs;
+    const float *bias;
+} lin_t;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, inter;
+    float eps;
+    const float *norm1, *norm2; /* [hidden]: before attention, before the MLP */
+    lin_t qkv, o, gate_up, down;
+} layer_t;
+
+typedef struct {
+    int64_t B, T, S;        /* sequences, rows per sequence, keys each sequence reads */
+    const float *cos, *sin; /* [B * T][head_dim] */
+    float *kc, *vc;         /* this layer's cache: element (slot, g, position, i) at slot * sb + g * sh + position * hd + i */
+    int64_t sb, sh;
+    const int64_t *slots;   /* [B] */
+    const int64_t *index;   /* [B * T]: the cache position each row's K/V is written to */
+    const uint8_t *mask;    /* [B][T][S], 1 = attend; NULL = every key */
+} step_t;
+
+static int linear(const lin_t *l, const float *x, int64_t rows, int64_t in, float *y, int nthreads, int path) {
+    const int rc = gq_matmul_parts(l->n, l->types, l->w, l->outs, in, x, rows, y, nthreads, path);
+    if (rc < 0 || !l->bias) return rc;
+    int64_t out = 0;
+    for (int i = 0; i < l->n; i++) out += l->outs[i];
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < out; i++) y[r * out + i] = y[r * out + i] + l->bias[i];
+    return rc;
+}
+
+/* out [B * T][hidden] = the layer applied to x [B * T][hidden]. path as gq_matmul_parts (0 auto). Returns the
+ * kernels' path, or a negative error (then nothing but the cache rows of this step may have been written). */
+int gq_decoder_layer(const layer_t *L, const step_t *s, const float *x, float *out, int nthreads, int path) {
+    const int64_t rows = s->B * s->T, H = L->hidden, hd = L->head_dim, q = L->heads * hd, kv = L->kv_heads * hd;
+    const int64_t W = q + 2 * kv, I = L->inter;
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(rows * (H + W + q + 3 * I)));
+    if (!buf) return -3;
+    float *h = buf, *qkv = h + rows * H, *att = qkv + rows * W, *gu = att + rows * q, *act = gu + rows * 2 * I;
+    int rc = gq_rmsnorm(x, L->norm1, L->eps, rows, H, h);
+    if (rc >= 0) rc = linear(&L->qkv, h, rows, H, qkv, nthreads, path);
+    if (rc >= 0 && (rc = gq_rope(qkv, W, s->cos, s->sin, rows, L->heads + L->kv_heads, hd)) >= 0) {
+        for (int64_t b = 0; b < s->B; b++)
+            for (int64_t t = 0; t < s->T; t++) {
+                const float *row = qkv + (b * s->T + t) * W;
+                const int64_t at = s->slots[b] * s->sb + s->index[b * s->T + t] * hd;
+                for (int64_t g = 0; g < L->kv_heads; g++) {
+                    memcpy(s->kc + at + g * s->sh, row + q + g * hd, sizeof(float) * (size_t)hd);
+                    memcpy(s->vc + at + g * s->sh, row + q + kv + g * hd, sizeof(float) * (size_t)hd);
+                }
+            }
+        rc = gq_attention(qkv, s->T * W, hd, W, s->kc, s->vc, s->slots, s->sb, s->sh, s->mask, s->B, L->heads,
+                          L->kv_heads, s->T, s->S, hd, (float)(1.0 / sqrt((double)hd)), att, nthreads, path);
+    }
+    if (rc >= 0) rc = linear(&L->o, att, rows, q, out, nthreads, path);
+    if (rc >= 0) {
+        for (int64_t i = 0; i < rows * H; i++) out[i] = x[i] + out[i];
+        rc = gq_rmsnorm(out, L->norm2, L->eps, rows, H, h);
+    }
+    if (rc >= 0) rc = linear(&L->gate_up, h, rows, H, gu, nthreads, path);
+    if (rc >= 0) rc = gq_silu_mul(gu, rows, I, act);
+    int used = 0;
+    if (rc >= 0) rc = used = linear(&L->down, act, rows, I, h, nthreads, path);
+    if (rc >= 0)
+        for (int64_t i = 0; i < rows * H; i++) out[i] = out[i] + h[i];
+    free(buf);
+    return rc < 0 ? rc : used;
+}

@@ -1,0 +1,113 @@
+"""A decoder layer in one C call (`kernels/layer.c`) for decode and verification steps: float32 activations on the
+CPU, GGUF weights through the kernels. It runs the same C functions in the same order as the layer's Python code
+(norm, q/k/v + bias, rotary, K/V write, attention, o_proj + residual, norm, gate/up, SiLU * up, down + residual),
+so the result is the same bits; at a few rows the Python between those calls is a large share of a step (Zen 3:
+~0.5 ms of a layer's ~4 ms).
+
+`LayerKernel.of(...)` describes a layer's weights once (None where the layer cannot run here: not GGUF, qk-norm,
+not on the CPU, no library); `step_args(...)` describes a forward's rows once for every layer; `run(...)` returns the
+layer's output, or None where the C path does not take this step (the caller then runs the Python layer)."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from specdec.runtime import kernels as K
+from specdec.runtime.attention import KERNEL_ROWS
+from specdec.runtime.gguf_linear import EXACT_ROWS, GGUFConcatLinear, GGUFLinear
+
+i64, ptr = ctypes.c_int64, ctypes.c_void_p
+FILE_LAYOUT_ROWS = 8  # rows up to which every layout takes the kernels (gguf_linear.use_kernel)
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("n", ctypes.c_int), ("types", ptr), ("w", ptr), ("outs", ptr), ("bias", ptr)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("hidden", i64), ("heads", i64), ("kv_heads", i64), ("head_dim", i64), ("inter", i64),
+                ("eps", ctypes.c_float), ("norm1", ptr), ("norm2", ptr),
+                ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("B", i64), ("T", i64), ("S", i64), ("cos", ptr), ("sin", ptr), ("kc", ptr), ("vc", ptr),
+                ("sb", i64), ("sh", i64), ("slots", ptr), ("index", ptr), ("mask", ptr)]
+
+
+def _parts(module) -> tuple[list[GGUFLinear], torch.Tensor | None] | None:
+    if isinstance(module, GGUFConcatLinear):
+        return list(module.parts), module.bias
+    if isinstance(module, GGUFLinear):
+        return [module], None if module.bias is None else module.bias.data
+    return None
+
+
+class LayerKernel:
+    """One decoder layer's weights as `gq_decoder_layer` takes them (the tensors and arrays kept alive here)."""
+
+    def __init__(self, spec: _Layer, keep: list, max_rows: int):
+        self.spec, self.keep, self.max_rows = spec, keep, max_rows
+
+    @classmethod
+    def of(cls, cfg, norm1, norm2, qkv, o, gate_up, down) -> "LayerKernel | None":
+        """The C layer for these modules, or None where it cannot run them (the caller keeps its Python path)."""
+        lins = [_parts(m) for m in (qkv, o, gate_up, down)]
+        norms = (norm1.weight, norm2.weight)
+        if (K.library() is None or cfg.qk_norm or any(x is None for x in lins) or cfg.head_dim % 16
+                or any(n.dtype != torch.float32 or not n.is_cpu for n in norms)
+                or any(p.qweight.device.type != "cpu" for ps, _ in lins for p in ps)):
+            return None
+        keep: list = [n.detach().contiguous() for n in norms]
+        structs = []
+        for ps, bias in lins:
+            n = len(ps)
+            arrays = ((ctypes.c_int * n)(*[p.qtype for p in ps]), (ptr * n)(*[p.qweight.data_ptr() for p in ps]),
+                      (i64 * n)(*[p.out_features for p in ps]))
+            b = None if bias is None else bias.detach().float().contiguous()
+            keep += [*arrays, b]
+            structs.append(_Linear(n, *[ctypes.cast(a, ptr) for a in arrays], None if b is None else b.data_ptr()))
+        spec = _Layer(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+                      norm1.eps, keep[0].data_ptr(), keep[1].data_ptr(), *structs)
+        x16 = all(p.qtype & K.X16 for ps, _ in lins for p in ps)
+        return cls(spec, keep, EXACT_ROWS if x16 else FILE_LAYOUT_ROWS)
+
+    def run(self, x: torch.Tensor, step: "StepArgs | None", layer: int, cache) -> torch.Tensor | None:
+        """x [B, T, hidden] -> the layer's output, its K/V written to `cache`; None where the C path does not apply."""
+        if step is None or x.shape[0] * x.shape[1] > self.max_rows or not x.is_contiguous():
+            return None
+        kc, vc = cache.k[layer], cache.v[layer]
+        if kc.dtype != torch.float32 or not kc.is_cpu or kc.stride() != vc.stride() or kc.stride(-1) != 1:
+            return None
+        s = step.spec
+        s.kc, s.vc, s.sb, s.sh = kc.data_ptr(), vc.data_ptr(), kc.stride(0), kc.stride(1)
+        out = torch.empty_like(x)
+        rc = K.library().gq_decoder_layer(ctypes.byref(self.spec), ctypes.byref(s), x.data_ptr(), out.data_ptr(),
+                                          torch.get_num_threads(), K.requested_path())
+        return out if rc >= 0 else None
+
+
+class StepArgs:
+    """A forward's rows as `gq_decoder_layer` takes them: the same for every layer (the cache pointers are set
+    per layer)."""
+
+    def __init__(self, batch, B: int, T: int):
+        hd = batch.cos.shape[-1]
+        self.keep = [batch.cos.reshape(B * T, hd).contiguous(), batch.sin.reshape(B * T, hd).contiguous(),
+                     batch.slots.to(torch.int64).contiguous(), batch.cache_index.to(torch.int64).contiguous(),
+                     None if batch.mask is None else batch.mask.expand(B, 1, T, batch.kv_len).contiguous()]
+        c, s, slots, index, mask = self.keep
+        self.spec = _Step(B, T, batch.kv_len, c.data_ptr(), s.data_ptr(), None, None, 0, 0, slots.data_ptr(),
+                          index.data_ptr(), None if mask is None else mask.data_ptr())
+
+
+def step_args(x: torch.Tensor, batch) -> StepArgs | None:
+    """The step's description for the C layers, or None where they cannot take it (not float32 on the CPU,
+    gradients wanted, more rows per sequence than the C attention takes)."""
+    B, T = x.shape[0], x.shape[1]
+    if (x.dtype != torch.float32 or not x.is_cpu or T > KERNEL_ROWS or torch.is_grad_enabled()
+            or batch.cos.dtype != torch.float32 or K.library() is None):
+        return None
+    return StepArgs(batch, B, T)
+

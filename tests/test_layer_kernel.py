@@ -1,0 +1,82 @@
+"""The decoder layer in one C call (specdec/runtime/layer_kernel.py): the same bits as the layer's Python path on
+decode, chain verification, ragged batches and trees (logits and the K/V it writes), on a tiny mixed-type GGUF and
+on the real SmolLM2 pack; the Python path where the C layer does not apply."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.api import LLM
+from specdec.runtime import kernels as K
+from specdec.runtime.layer_kernel import LayerKernel
+from specdec.runtime.runner import ModelRunner
+
+pytest.importorskip("gguf")
+
+from test_quant_target import PROMPT, tiny_gguf  # noqa: E402,F401  (the tiny mixed-type GGUF fixture)
+
+
+@pytest.fixture(autouse=True)
+def lib():
+    if K.library() is None:
+        pytest.skip(f"kernel library not built here: {K.build_error}")
+
+
+def _counting(monkeypatch, off: bool = False) -> list[int]:
+    """Count the layer calls the C path took (or, off, make it decline every one)."""
+    ran, run = [], LayerKernel.run
+
+    def counted(self, *args):
+        out = None if off else run(self, *args)
+        ran.append(out is not None)
+        return out
+    monkeypatch.setattr(LayerKernel, "run", counted)
+    return ran
+
+
+def _steps(runner: ModelRunner) -> list:
+    """Decode, a 5-row chain, a ragged batch of two sequences and a tree, after prefilling both slots."""
+    runner.prefill(PROMPT, 0)
+    runner.prefill(PROMPT[:9], 1)
+    n = len(PROMPT)
+    out = [runner.forward([[7]], [n], [0])[0],
+           runner.forward([[7, 5, 9, 14, 3]], [n], [0])[0],
+           *runner.forward([[7, 5], [3, 7, 5, 9]], [n, 9], [0, 1]),
+           runner.verify_tree(0, n, [7, 5, 9, 2, 4], [-1, 0, -1, 2])]
+    return out + [t.clone() for t in runner.cache.k + runner.cache.v]
+
+
+def _compare(model, monkeypatch) -> None:
+    with monkeypatch.context() as mp:
+        ran = _counting(mp)
+        fast = _steps(ModelRunner(model, num_slots=2, context=64))
+    assert ran and all(ran)  # every layer of every step took the C path (prefill: more rows, the Python path)
+    with monkeypatch.context() as mp:
+        _counting(mp, off=True)
+        slow = _steps(ModelRunner(model, num_slots=2, context=64))
+    for a, b in zip(fast, slow, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_same_bits_as_the_python_layer(tiny_gguf, monkeypatch):
+    """Q4_K/Q5_0/Q6_K/Q8_0 matrices, q/k/v biases, two KV heads for four query heads."""
+    llm = LLM(str(tiny_gguf), quant="gguf", dtype="fp32", progress=False)
+    _compare(llm.runner.model, monkeypatch)
+
+
+@pytest.mark.real
+def test_same_bits_on_smollm2(smollm_dir, monkeypatch):
+    llm = LLM("smollm2-135m", quant="gguf", dtype="fp32", progress=False)
+    _compare(llm.runner.model, monkeypatch)
+
+
+def test_python_path_where_the_c_layer_does_not_apply(tiny_gguf, monkeypatch):
+    llm = LLM(str(tiny_gguf), quant="gguf", dtype="fp32", progress=False)
+    ran = _counting(monkeypatch)
+    runner = ModelRunner(llm.runner.model, num_slots=1, context=200)
+    runner.prefill(PROMPT * 5, 0)  # 85 rows in one chunk: more than the C attention takes
+    assert ran == []  # the step was not offered to the C layers
+    with torch.no_grad():
+        bf16 = LLM(str(tiny_gguf), quant="gguf", dtype="bf16", progress=False)
+        bf16.runner.forward([[7]], [0], [0])
+    assert ran == []
