@@ -96,3 +96,30 @@ def test_a_draft_models_setup_is_paid_only_where_it_is_repaid(tmp_path, setup_pe
     drafter = DraftModelDrafter(MarkovRunner(DRAFT, 1, context=1024), V)
     seq = engine.generate([1, 2, 3, 4, 5] * 10, SamplingParams(max_tokens=100), drafter=drafter)
     assert (seq.stats.drafted > 0) == drafts, seq.stats.drafted
+
+
+def test_row_cost_is_the_measured_slope_and_raises_the_confidence_threshold(tmp_path):
+    """A draft model stops where one more token's expected yield no longer pays for drafting it and for the row
+    it adds to the verification (on AVX2 an 8-row forward costs ~2.5x a one-row one)."""
+    from test_lossless_sampling import DRAFT, TARGET, MarkovRunner, TickClock, V, word_tokenizer
+    from specdec.drafters.draft_model import DraftModelDrafter
+    from specdec.engine.engine import Engine, SpecConfig
+    from specdec.models.tokenizer import Tokenizer
+    from specdec.sampling import SamplingParams
+
+    cost = CostModel()
+    assert cost.row_cost() == 0.0
+    cost.observe_verify(1, 0.08)
+    assert cost.row_cost() == 0.0  # one size: no slope yet
+    cost.observe_verify(9, 0.24)
+    assert cost.row_cost() == pytest.approx(0.02)
+    word_tokenizer(tmp_path, V)
+    engine = Engine(MarkovRunner(TARGET, 1, context=1024), Tokenizer(tmp_path), SpecConfig(draft_max=4),
+                    clock=TickClock())
+    seq = engine.generate([1, 2, 3], SamplingParams(max_tokens=8), drafter=DraftModelDrafter(
+        MarkovRunner(DRAFT, 1, context=1024), V))
+    seq.params = SamplingParams(max_tokens=100)  # room to draft again
+    seq.acceptance = AcceptanceEstimate([0.99] * 16)
+    engine.cost.verify_s, engine.cost.draft_s = {1: 0.08, 9: 0.24}, {seq.drafter.name: 0.02}
+    k, min_path_prob = engine._draft_len(seq, None)
+    assert k == 4 and min_path_prob == pytest.approx((0.02 + 0.02) / 0.08)

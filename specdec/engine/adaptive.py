@@ -10,8 +10,8 @@ Expected tokens for a draft of k: E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j (the bon
 always comes). Expected time: T(k) = k * draft_cost + verify(k + 1). Choose argmax E/T.
 
 Drafters that know their confidence (the draft model) instead get the budget k_max and stop by
-themselves once the product of their token probabilities falls below draft_cost / verify(1):
-past that point another draft token is expected to save less target time than it costs.
+themselves once the product of their token probabilities falls below (draft_cost + row_cost) / verify(1):
+past that point another draft token is expected to save less target time than drafting and verifying it costs.
 
 A drafter that must first catch up on a new prompt (a draft model's own prefill) drafts for a sequence only where
 that one-off setup (measured seconds per token) is expected to be repaid over the rest of the request: the time a
@@ -77,6 +77,15 @@ class CostModel:
     def draft_cost(self, drafter: str = "") -> float:
         """Seconds per drafted token (0 until measured)."""
         return self.draft_s.get(drafter, 0.0)
+
+    def row_cost(self) -> float:
+        """Seconds one more token adds to a target forward: the slope between the smallest and the largest
+        measured sizes (0 until two are measured). Near 0 where verification is memory-bound (AVX-512 VNNI);
+        on AVX2 an 8-row forward costs ~2.5x a one-row one."""
+        if len(self.verify_s) < 2:
+            return 0.0
+        lo, hi = min(self.verify_s), max(self.verify_s)
+        return max(0.0, (self.verify_s[hi] - self.verify_s[lo]) / (hi - lo))
 
     def verify_cost(self, tokens: float) -> float:
         """Forward time for `tokens`, interpolated between measured sizes; below the smallest, as the

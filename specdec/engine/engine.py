@@ -260,9 +260,10 @@ class Engine:
         if not drafter.confidence_stop:
             return k, 0.0
         # Draft one more token while its expected yield (the chance the path so far is accepted, times the
-        # target forward it saves) beats what drafting it costs.
+        # target forward it saves) beats what drafting it and verifying one more row cost.
         draft_s = self.cost.draft_cost(drafter.name)
-        min_path_prob = draft_s / self.cost.verify_cost(1) if draft_s > 0 and self.cost.verify_s else 0.0
+        min_path_prob = ((draft_s + self.cost.row_cost()) / self.cost.verify_cost(1)
+                         if draft_s > 0 and self.cost.verify_s else 0.0)
         return (k if probe else k_max), min_path_prob
 
     def _setup_pays(self, seq: Sequence, k_max: int) -> bool:
