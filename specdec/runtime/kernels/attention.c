@@ -18,6 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec_exp.h"
+
 int gq_best_path(void); /* ggml_q.c */
 
 #define INL static inline __attribute__((always_inline))

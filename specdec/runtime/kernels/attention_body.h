@@ -15,24 +15,7 @@ typedef int32_t ATT_FN(vi) __attribute__((vector_size(AW * 4), aligned(4)));
 
 ATT_T INL VF ATT_FN(ld)(const float *p) { return *(const VF *)(const void *)p; } /* VF is 4-byte aligned */
 
-ATT_T INL VF ATT_FN(exp_neg)(VF x) { /* e^x for x <= 0, lane by lane */
-    const VF zero = {0}, lo = zero - 87.0f;
-    const VI below = x < lo; /* all-ones lanes where x < -87 */
-    x = (VF)(((VI)lo & below) | ((VI)x & ~below));
-    const VF magic = zero + 12582912.0f; /* 1.5 * 2^23: adding and subtracting it rounds to the nearest integer */
-    const VF n = (x * 1.44269504088896341f + magic) - magic;
-    x = x - n * 0.693359375f + n * 2.12194440e-4f;
-    const VF z = x * x;
-    VF p = zero + 1.9875691500E-4f;
-    p = p * x + 1.3981999507E-3f;
-    p = p * x + 8.3334519073E-3f;
-    p = p * x + 4.1665795894E-2f;
-    p = p * x + 1.6666665459E-1f;
-    p = p * x + 5.0000001201E-1f;
-    p = p * z + x + 1.0f;
-    const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
-    return p * (VF)bits;
-}
+VEC_EXP_NEG(ATT_FN(exp_neg), VF, VI, ATT_T) /* vec_exp.h */
 
 /* The sum of a 16-lane value x[0..NV) in a fixed tree: lane l + lane l + 8, then + 4, + 2, + 1 */
 ATT_T INL float ATT_FN(hsum)(const VF *x) {

@@ -8,6 +8,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "vec_exp.h"
+
 #define INL static inline __attribute__((always_inline))
 
 int gq_best_path(void); /* ggml_q.c: 2 and up = AVX2 + FMA */
@@ -53,24 +55,7 @@ INL int rope(float *x, int64_t stride, const float *cos, const float *sin, int64
 typedef float v8f __attribute__((vector_size(32), aligned(4)));
 typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
 
-/* e^x for x <= 0, lane by lane (Cephes expf's polynomial, relative error ~1e-7; below -87, e^-87) */
-INL v8f exp_neg8(v8f x) {
-    const v8f zero = {0}, lo = zero - 87.0f;
-    const v8i below = x < lo;
-    x = (v8f)(((v8i)lo & below) | ((v8i)x & ~below));
-    const v8f magic = zero + 12582912.0f; /* 1.5 * 2^23: adding and subtracting it rounds to the nearest integer */
-    const v8f n = (x * 1.44269504088896341f + magic) - magic;
-    x = x - n * 0.693359375f + n * 2.12194440e-4f;
-    const v8f z = x * x;
-    v8f p = zero + 1.9875691500E-4f;
-    p = p * x + 1.3981999507E-3f;
-    p = p * x + 8.3334519073E-3f;
-    p = p * x + 4.1665795894E-2f;
-    p = p * x + 1.6666665459E-1f;
-    p = p * x + 5.0000001201E-1f;
-    p = p * z + x + 1.0f;
-    return p * (v8f)((__builtin_convertvector(n, v8i) + 127) << 23);
-}
+VEC_EXP_NEG(exp_neg8, v8f, v8i, ) /* vec_exp.h */
 
 /* out[r][i] = silu(gu[r][i]) * gu[r][inter + i]: gu [rows][2 * inter] (gate, then up), out [rows][inter], inter a
  * multiple of 8. silu(g) = g / (1 + e^-g), computed from e = e^-|g| as g / (1 + e) for g >= 0 and g e / (1 + e)
