@@ -229,19 +229,21 @@ def use_kernel(parts, rows: int, dtype: torch.dtype) -> bool:
     to EXACT_ROWS, so that decode and verification run the same per-row arithmetic (a noisy calibration must not
     send a verify step to dequantize + matmul while decoding takes the kernel: the tokens would differ at
     near-ties). At least 8 rows on any layout."""
-    floor = EXACT_ROWS if all(p.qtype & K.X16 for p in parts) else 8
-    return rows <= floor or rows <= kernel_max_rows(dtype)
+    return rows <= kernel_floor(parts) or rows <= kernel_max_rows(dtype)
+
+
+def kernel_floor(parts) -> int:
+    """Rows up to which `parts` always take the kernels, whatever the calibration (`use_kernel`)."""
+    return EXACT_ROWS if all(p.qtype & K.X16 for p in parts) else 8
 
 
 def kernel_matmul(parts: list[GGUFLinear], x2: torch.Tensor, path: int | None = None) -> torch.Tensor | None:
     """x2 [rows, in] @ the parts' weights -> [rows, sum of outs] in x2's dtype (no bias), in one call of the C
     kernels; None where they cannot run (no library, not on the CPU)."""
     lib = K.library()
-    ws = [p.qweight for p in parts]
-    if lib is None or not x2.is_cpu or not all(w.is_cpu for w in ws):
+    if lib is None or not x2.is_cpu or not all(p.qweight.is_cpu for p in parts):
         return None
-    key = tuple((w.data_ptr(), p.qtype, p.out_features) for w, p in zip(ws, parts))
-    args = _call_args.get(key) or _call_args.setdefault(key, _make_args(key))
+    args = matmul_args(parts)
     xf = x2.to(torch.float32).contiguous()
     y = torch.empty(x2.shape[0], args[-1], dtype=torch.float32)
     rc = lib.gq_matmul_parts(*args[:-1], parts[0].in_features, xf.data_ptr(), x2.shape[0], y.data_ptr(),
@@ -258,12 +260,18 @@ def kernel_matmul(parts: list[GGUFLinear], x2: torch.Tensor, path: int | None = 
 _call_args: dict[tuple, tuple] = {}  # the parts' (weight address, type, outputs) -> gq_matmul_parts' arrays
 
 
-def _make_args(key: tuple) -> tuple:
-    """(n, types, weights, outputs, total outputs) for gq_matmul_parts, from the parts' (address, type, outputs):
-    built once per set of weights (ctypes arrays cost more than the call at one row)."""
-    n = len(key)
-    return (n, (ctypes.c_int * n)(*[k[1] for k in key]), (ctypes.c_void_p * n)(*[k[0] for k in key]),
-            (ctypes.c_int64 * n)(*[k[2] for k in key]), sum(k[2] for k in key))
+def matmul_args(parts) -> tuple:
+    """(n, types, weights, outputs, total outputs): the arrays gq_matmul_parts takes for these parts, built once per
+    set of weights (ctypes arrays cost more than the call at one row); keyed by address, type and outputs, so a
+    weight moved or replaced gets its own."""
+    key = tuple((p.qweight.data_ptr(), p.qtype, p.out_features) for p in parts)
+    args = _call_args.get(key)
+    if args is None:
+        n = len(key)
+        args = _call_args[key] = (n, (ctypes.c_int * n)(*[k[1] for k in key]),
+                                  (ctypes.c_void_p * n)(*[k[0] for k in key]),
+                                  (ctypes.c_int64 * n)(*[k[2] for k in key]), sum(k[2] for k in key))
+    return args
 
 
 _local = threading.local()

@@ -10,15 +10,15 @@ layer's output, or None where the C path does not take this step (the caller the
 from __future__ import annotations
 
 import ctypes
+from functools import cached_property
 
 import torch
 
 from specdec.runtime import kernels as K
 from specdec.runtime.attention import KERNEL_ROWS
-from specdec.runtime.gguf_linear import EXACT_ROWS, GGUFConcatLinear, GGUFLinear
+from specdec.runtime.gguf_linear import GGUFConcatLinear, GGUFLinear, kernel_floor, matmul_args
 
 i64, ptr = ctypes.c_int64, ctypes.c_void_p
-FILE_LAYOUT_ROWS = 8  # rows up to which every layout takes the kernels (gguf_linear.use_kernel)
 
 
 class _Linear(ctypes.Structure):
@@ -62,16 +62,14 @@ class LayerKernel:
         keep: list = [n.detach().contiguous() for n in norms]
         structs = []
         for ps, bias in lins:
-            n = len(ps)
-            arrays = ((ctypes.c_int * n)(*[p.qtype for p in ps]), (ptr * n)(*[p.qweight.data_ptr() for p in ps]),
-                      (i64 * n)(*[p.out_features for p in ps]))
+            n, types, weights, outs, _ = args = matmul_args(ps)
             b = None if bias is None else bias.detach().float().contiguous()
-            keep += [*arrays, b]
-            structs.append(_Linear(n, *[ctypes.cast(a, ptr) for a in arrays], None if b is None else b.data_ptr()))
+            keep += [args, b]
+            structs.append(_Linear(n, *[ctypes.cast(a, ptr) for a in (types, weights, outs)],
+                                   None if b is None else b.data_ptr()))
         spec = _Layer(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
                       norm1.eps, keep[0].data_ptr(), keep[1].data_ptr(), *structs)
-        x16 = all(p.qtype & K.X16 for ps, _ in lins for p in ps)
-        return cls(spec, keep, EXACT_ROWS if x16 else FILE_LAYOUT_ROWS)
+        return cls(spec, keep, min(kernel_floor(ps) for ps, _ in lins))
 
     def run(self, x: torch.Tensor, step: "StepArgs | None", layer: int, cache) -> torch.Tensor | None:
         """x [B, T, hidden] -> the layer's output, its K/V written to `cache`; None where the C path does not apply."""
@@ -93,13 +91,19 @@ class StepArgs:
     per layer)."""
 
     def __init__(self, batch, B: int, T: int):
+        self.batch, self.B, self.T = batch, B, T
+
+    @cached_property
+    def spec(self) -> _Step:
+        """Built at the first layer that runs in C (a model whose layers cannot pays nothing)."""
+        batch, B, T = self.batch, self.B, self.T
         hd = batch.cos.shape[-1]
         self.keep = [batch.cos.reshape(B * T, hd).contiguous(), batch.sin.reshape(B * T, hd).contiguous(),
                      batch.slots.to(torch.int64).contiguous(), batch.cache_index.to(torch.int64).contiguous(),
                      None if batch.mask is None else batch.mask.expand(B, 1, T, batch.kv_len).contiguous()]
         c, s, slots, index, mask = self.keep
-        self.spec = _Step(B, T, batch.kv_len, c.data_ptr(), s.data_ptr(), None, None, 0, 0, slots.data_ptr(),
-                          index.data_ptr(), None if mask is None else mask.data_ptr())
+        return _Step(B, T, batch.kv_len, c.data_ptr(), s.data_ptr(), None, None, 0, 0, slots.data_ptr(),
+                     index.data_ptr(), None if mask is None else mask.data_ptr())
 
 
 def step_args(x: torch.Tensor, batch) -> StepArgs | None:
@@ -110,4 +114,3 @@ def step_args(x: torch.Tensor, batch) -> StepArgs | None:
             or batch.cos.dtype != torch.float32 or K.library() is None):
         return None
     return StepArgs(batch, B, T)
-
