@@ -929,8 +929,10 @@ T512 INL __m512i v5_dot(__m512i acc, const __m512i *w, const int32_t *a, int K, 
 #define X16_DOT v5_dot
 #define X16_SIGNED_Q8 1
 #include "x16_kernels.h"
+#include "x16_avx2.h"
 #define X16_T T256 /* AVX2 */
 #define X16_FN(name) kx16_avx2_##name
+#define X16_KQUANT kx16_avx2_kquant
 #define V(op) v2_##op
 #define VI v2i
 #define VF v2f

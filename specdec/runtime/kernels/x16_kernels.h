@@ -2,7 +2,8 @@
  * set. The includer defines X16_T (the target attribute), X16_FN(name) (the copy's function names), V(op) (its
  * vector operations), VI / VF / VNEG (its vector types: 16 dwords, 16 floats, Q8_0's signs), X16_DOT (the 4-byte
  * dots, ggml_q.c) and X16_SIGNED_Q8 (1: Q8_0's quants split into |q| and signs; 0: kept unsigned, + 128, as
- * vpdpbusd takes them); this file undefines them at its end, so each inclusion states all of them.
+ * vpdpbusd takes them); X16_KQUANT, optional, names the includer's own kernel for Q4_K and Q6_K (AVX2: x16_avx2.h),
+ * else the body below serves them; this file undefines them at its end, so each inclusion states all of them.
  *
  * The repacked quants load straight into dword lanes (one 16-lane vector = 4 inputs x 16 outputs, a nibble shift
  * apart from the next 4), so each row needs one 4-byte dot per lane and 4 inputs and nothing is transposed. */
@@ -110,8 +111,11 @@ X16_T static void X16_FN(matmul)(int type, const uint8_t *W, const act_t *A, int
         if (nr == 1) BODY(T, W, A, r0, 1, y, ystride, b0, b1, accum);                                        \
         else BODY(T, W, A, r0, nr, y, ystride, b0, b1, accum);                                               \
         break;
-    KX16_CASE(GQ_X16 + GQ_Q4_K, X16_FN(body))
-    KX16_CASE(GQ_X16 + GQ_Q6_K, X16_FN(body))
+#ifndef X16_KQUANT
+#define X16_KQUANT X16_FN(body)
+#endif
+    KX16_CASE(GQ_X16 + GQ_Q4_K, X16_KQUANT)
+    KX16_CASE(GQ_X16 + GQ_Q6_K, X16_KQUANT)
     KX16_CASE(GQ_X16 + GQ_Q8_0, X16_FN(body32))
     KX16_CASE(GQ_X16 + GQ_Q5_0, X16_FN(body32))
     KX16_CASE(GQ_X16 + GQ_Q4_1, X16_FN(body32))
@@ -127,3 +131,4 @@ X16_T static void X16_FN(matmul)(int type, const uint8_t *W, const act_t *A, int
 #undef VNEG
 #undef X16_DOT
 #undef X16_SIGNED_Q8
+#undef X16_KQUANT

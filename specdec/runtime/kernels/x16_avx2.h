@@ -1,0 +1,160 @@
+/* AVX2 kernels for the x16 layout's K-quants (Q4_K, Q6_K), included by ggml_q.c after its v2_ helpers. AVX2 has 16
+ * vector registers and no VNNI, so a 4-input dot costs vpmaddubsw + vpaddw per 16 outputs and a row: what else runs
+ * per dot decides the speed once several rows share the weights (verification, prefill). Here
+ *   - rows go in tiles of up to 4 that share each weight register (one nibble unpack serves 4 rows);
+ *   - a group's 16-bit pair sums are scaled by the group's integer scale with vpmaddwd into 32-bit sums over the
+ *     superblock, converted to float once per superblock and row (the shared body converts per group);
+ *   - Q6_K always, and Q4_K from X2_UNPACK_ROWS rows on, first unpack the superblock's quants into bytes in L1
+ *     (U: group g's lines at U + 64 * lines * g), so the tiles read ready bytes.
+ * A row's arithmetic is the same for every tile size and either source (integer sums, then the same float steps in
+ * the same order), so its result does not depend on how many rows share the call. Measured on AMD Zen 3, one core,
+ * weights in L1 (python scripts/bench_kernels.py for whole projections): Q4_K 73 -> 107 GMAC/s and Q6_K 58 -> 85 at
+ * 64 rows. Group sums stay in range: Q4_K 8 lines x 2 x 15 x 128 < 2^15 before widening, Q6_K 2 lines x 2 x 63 x 128. */
+
+#define X2_UNPACK_ROWS 16
+
+/* 16 scale bytes at p (unsigned Q4_K, signed Q6_K) -> the 16 outputs' scales as int16 pairs (s, s) per dword */
+T256 INL v2i x2_scale_pairs(const uint8_t *p, int is_signed) {
+    const __m128i a = _mm_loadl_epi64((const __m128i *)p), b = _mm_loadl_epi64((const __m128i *)(p + 8));
+    const __m256i l = is_signed ? _mm256_cvtepi8_epi32(a) : _mm256_cvtepu8_epi32(a);
+    const __m256i h = is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+    return (v2i){_mm256_blend_epi16(l, _mm256_slli_epi32(l, 16), 0xAA), _mm256_blend_epi16(h, _mm256_slli_epi32(h, 16), 0xAA)};
+}
+
+/* s[r] += the 16-bit dots of n lines at L (16 outputs x 4 inputs each) with row r's activation dwords a[r][0..n);
+ * nib < 0: the lines are bytes as they are; 0 or 4: the nibble at that shift */
+T256 INL void x2_lines(const uint8_t *L, int n, int nib, const int8_t *const *a, int R, __m256i *sl, __m256i *sh) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int i = 0; i < n; i++) {
+        __m256i wl = _mm256_loadu_si256((const __m256i *)(L + 64 * i));
+        __m256i wh = _mm256_loadu_si256((const __m256i *)(L + 64 * i + 32));
+        if (nib > 0) {
+            wl = _mm256_srli_epi16(wl, nib);
+            wh = _mm256_srli_epi16(wh, nib);
+        }
+        if (nib >= 0) {
+            wl = _mm256_and_si256(wl, m4);
+            wh = _mm256_and_si256(wh, m4);
+        }
+        for (int r = 0; r < R; r++) {
+            const __m256i av = _mm256_set1_epi32((int)rd32((const uint8_t *)a[r] + 4 * i));
+            sl[r] = _mm256_add_epi16(sl[r], _mm256_maddubs_epi16(wl, av));
+            sh[r] = _mm256_add_epi16(sh[r], _mm256_maddubs_epi16(wh, av));
+            __asm__("" : "+x"(sl[r]), "+x"(sh[r])); /* keeps gcc from regrouping the sums (and spilling them) */
+        }
+    }
+}
+
+/* group g of rows r0 .. r0 + R: il/ih += the scaled integer sums (widened every `terms` lines), acc += its offsets */
+T256 INL void x2_group(int q6, const uint8_t *P, const uint8_t *U, const act_t *A, int64_t r0, int R, int64_t b, int g,
+                       int nib, const int8_t *const *a, __m256i *il, __m256i *ih, const v2f *oc, v2f *acc) {
+    const int ngr = q6 ? 16 : 8, nl = q6 ? 4 : 8, terms = q6 ? 2 : 8;
+    const uint8_t *L = U ? U + 64 * nl * g : P + 512 * (g % 4);
+    const v2i sc = x2_scale_pairs(P + (q6 ? X6_SC : X4_SC) + 16 * g, q6);
+    for (int i = 0; i < nl; i += terms) {
+        const int8_t *ai[4];
+        __m256i sl[4], sh[4];
+        for (int r = 0; r < R; r++) {
+            ai[r] = a[r] + 4 * (nl * g + i);
+            sl[r] = sh[r] = _mm256_setzero_si256();
+        }
+        x2_lines(L + 64 * i, terms, nib, ai, R, sl, sh);
+        for (int r = 0; r < R; r++) {
+            il[r] = _mm256_add_epi32(il[r], _mm256_madd_epi16(sl[r], sc.l));
+            ih[r] = _mm256_add_epi32(ih[r], _mm256_madd_epi16(sh[r], sc.h));
+        }
+    }
+    const int64_t ns = A->in / A->S;
+    for (int r = 0; r < R; r++) acc[r] = v2_fma(oc[g], v2_setf(A->s[(r0 + r) * ns + b * ngr + g]), acc[r]);
+}
+
+/* Rows r0 .. r0 + R of superblock b (at P; its quants unpacked at U, or U == NULL: Q4_K's nibbles read at P) into
+ * acc[0..R): groups of 32 (Q4_K) or 16 (Q6_K) inputs, widened every 8 or 2 lines; oc[g]: the group's offset
+ * constants per output (Q4_K -dmin * m, Q6_K -32 * d * sc), times the row's activation sum of the group */
+T256 INL void x2_tile(int q6, const uint8_t *P, const uint8_t *U, const act_t *A, int64_t r0, int R, int64_t b,
+                      v2f dv, const v2f *oc, v2f *acc) {
+    const int ngr = q6 ? 16 : 8;
+    const int64_t in = A->in, ng = in / A->G;
+    const int8_t *a[4];
+    __m256i il[4], ih[4];
+    for (int r = 0; r < R; r++) {
+        a[r] = A->q + (r0 + r) * in + b * 256;
+        il[r] = ih[r] = _mm256_setzero_si256();
+    }
+    for (int g = 0; g < ngr / 2; g++) x2_group(q6, P, U, A, r0, R, b, g, U ? -1 : 0, a, il, ih, oc, acc);
+    for (int g = ngr / 2; g < ngr; g++) x2_group(q6, P, U, A, r0, R, b, g, U ? -1 : 4, a, il, ih, oc, acc);
+    for (int r = 0; r < R; r++)
+        acc[r] = v2_fma(v2_cvt((v2i){il[r], ih[r]}), v2_mul(dv, v2_setf(A->d[(r0 + r) * ng + b])), acc[r]);
+}
+
+/* Q4_K superblock at P -> U: group g (low nibbles of lines 8g.., or high nibbles of lines 8(g - 4)..) at U + 512 g */
+T256 INL void x2_unpack_q4(const uint8_t *P, uint8_t *U) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int k = 0; k < 64; k++) {
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(P + 32 * k));
+        _mm256_storeu_si256((__m256i *)(U + 32 * k), _mm256_and_si256(w, m4));
+        _mm256_storeu_si256((__m256i *)(U + 2048 + 32 * k), _mm256_and_si256(_mm256_srli_epi16(w, 4), m4));
+    }
+}
+
+/* Q6_K superblock at P -> U: group g's 4 lines of 6-bit values at U + 256 g (groups 4h + j: low nibbles of lines
+ * 16h + 4j + i; 8 + 4h + j: high nibbles; bits 4-5 from high-bit line 4j + i at bits 2h, resp. 4 + 2h) */
+T256 INL void x2_unpack_q6(const uint8_t *P, uint8_t *U) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < 4; j++)
+            for (int i = 0; i < 4; i++)
+                for (int k = 0; k < 2; k++) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(P + 64 * (16 * h + 4 * j + i) + 32 * k));
+                    const __m256i hb = _mm256_loadu_si256((const __m256i *)(P + X6_HB + 64 * (4 * j + i) + 32 * k));
+                    const __m256i lo = _mm256_or_si256(_mm256_and_si256(w, m4), _mm256_and_si256(_mm256_slli_epi16(hb, h ? 2 : 4), m30));
+                    const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), m4),
+                                                       _mm256_and_si256(h ? _mm256_srli_epi16(hb, 2) : hb, m30));
+                    _mm256_storeu_si256((__m256i *)(U + 256 * (4 * h + j) + 64 * i + 32 * k), lo);
+                    _mm256_storeu_si256((__m256i *)(U + 256 * (8 + 4 * h + j) + 64 * i + 32 * k), hi);
+                }
+}
+
+/* every tile of up to 4 rows, R a constant in each copy */
+#define X2_TILES(Q6, SRC)                                                                                    \
+    do {                                                                                                     \
+        int r = 0;                                                                                           \
+        for (; r + 4 <= nr; r += 4) x2_tile(Q6, P, SRC, A, r0 + r, 4, b, dv, oc, acc + r);                   \
+        switch (nr - r) {                                                                                    \
+        case 3: x2_tile(Q6, P, SRC, A, r0 + r, 3, b, dv, oc, acc + r); break;                                \
+        case 2: x2_tile(Q6, P, SRC, A, r0 + r, 2, b, dv, oc, acc + r); break;                                \
+        case 1: x2_tile(Q6, P, SRC, A, r0 + r, 1, b, dv, oc, acc + r); break;                                \
+        }                                                                                                    \
+    } while (0)
+
+/* The x16 kernel's signature (x16_kernels.h) for Q4_K / Q6_K on AVX2. */
+T256 static void kx16_avx2_kquant(int type, const uint8_t *W, const act_t *A, int64_t r0, int nr, float *y,
+                                  int64_t ystride, int64_t b0, int64_t b1, int accum) {
+    const int q6 = type == GQ_X16 + GQ_Q6_K, unpack = q6 || nr >= X2_UNPACK_ROWS;
+    v2f acc[RT];
+    uint8_t U[4096] __attribute__((aligned(32)));
+    for (int r = 0; r < nr; r++) acc[r] = v2_zerof();
+    for (int64_t b = b0; b < b1; b++) {
+        const uint8_t *P = W + b * (q6 ? X6_BYTES : X4_BYTES);
+        prefetch_weights(P, q6 ? X6_BYTES : X4_BYTES);
+        const v2f dv = v2_half(P + (q6 ? X6_D : X4_D));
+        const v2f mv = q6 ? v2_mul(dv, v2_setf(-32.0f)) : v2_mul(v2_half(P + X4_DMIN), v2_setf(-1.0f));
+        v2f oc[16];
+        for (int g = 0; g < (q6 ? 16 : 8); g++) oc[g] = v2_mul(v2_scales(P + (q6 ? X6_SC : X4_M) + 16 * g, q6), mv);
+        if (q6) {
+            x2_unpack_q6(P, U);
+            X2_TILES(1, U);
+        } else if (unpack) {
+            x2_unpack_q4(P, U);
+            X2_TILES(0, U);
+        } else {
+            X2_TILES(0, NULL);
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        v2f v = acc[r];
+        if (accum) v = v2_add(v, v2_loadf(y + r * ystride));
+        v2_storef(y + r * ystride, v);
+    }
+}
+#undef X2_TILES
