@@ -178,15 +178,16 @@ def test_x16_layout_is_the_same_weight(name, lib):
 def test_x16_row_is_the_same_bits_at_any_row_count(name, lib):
     """Decode (1 row) and verification (2 to 40 rows) give every row the same bits: greedy speculative decoding can
     then equal plain decoding exactly on a quantized target. The row counts cover each size of the AVX2 kernel's
-    last row tile (1-4 rows) and both sides of the row count from which it unpacks Q4_K first (16)."""
+    last row tile (1-4 rows), both sides of the row count from which it unpacks Q4_K first (16), and prefill-sized
+    calls (150 rows: three tiles of up to 64 rows, in blocks of tasks)."""
     if not K.runs_x16():
         pytest.skip("the x16 layout runs on AVX2 and AVX-512 only")
     rng = np.random.default_rng(9)
-    x16 = GGUFLinear.from_blocks(random_blocks(K.TYPES[name], 32, 8960, rng), name, (32, 8960)).repacked()
-    x = torch.randn(40, 8960)
+    x16 = GGUFLinear.from_blocks(random_blocks(K.TYPES[name], 96, 8960, rng), name, (96, 8960)).repacked()
+    x = torch.randn(150, 8960)
     for path in x16_paths():
-        alone = torch.cat([x16._kernel(x[i:i + 1], K.PATHS[path]) for i in range(40)])
-        for rows in (2, 3, 5, 7, 15, 16, 17, 40):
+        alone = torch.cat([x16._kernel(x[i:i + 1], K.PATHS[path]) for i in range(150)])
+        for rows in (2, 3, 5, 7, 15, 16, 17, 40, 150):
             assert torch.equal(x16._kernel(x[:rows], K.PATHS[path]), alone[:rows]), (path, rows)
 
 
