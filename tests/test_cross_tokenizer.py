@@ -16,6 +16,7 @@ import specdec
 from conftest import make_tiny, word_tokenizer
 from specdec.drafters.cross_tokenizer import CrossTokenizerDrafter, clean_tail, encode_after, span_text, text, window
 from specdec.engine.engine import SpecConfig
+from specdec.errors import SpecdecError
 from specdec.models.tokenizer import Tokenizer
 from specdec.sampling import SamplingParams
 from specdec.sequence import Sequence
@@ -91,6 +92,11 @@ def test_drafter_is_chosen_and_greedy_equals_plain(pair):
     plain = llm.generate(PROMPT_TEXT, max_tokens=24, spec_type="none")
     spec = llm.generate(PROMPT_TEXT, max_tokens=24)
     assert spec.token_ids == plain.token_ids and spec.stats.drafted > 0
+
+
+def test_draft_vocab_is_refused_across_tokenizers(pair):
+    with pytest.raises(SpecdecError, match="draft-vocab"):
+        specdec.LLM(str(pair[0]), draft=str(pair[1]), spec_type="draft", dtype="fp32", draft_vocab=16, progress=False)
 
 
 def test_batched_steps_chains_and_a_full_context(pair):

@@ -129,12 +129,13 @@ def tokenizer(tmp_path_factory) -> Tokenizer:
 
 
 def _drafter(spec: str, p_min: float = P_MIN, branch_p: float = 0.0, mode: str = "first",
-             target: MarkovRunner | None = None):
+             target: MarkovRunner | None = None, vocab: int = V):
+    """`vocab`: the draft model's logits cover token ids below it only (`--draft-vocab`)."""
     parts = spec.split(",")
     if len(parts) > 1:
         return ChainDrafter([_drafter(p, p_min, branch_p, target=target) for p in parts], mode)
     if spec == "draft":
-        return DraftModelDrafter(MarkovRunner(DRAFT, BATCH), V, p_min=p_min, branch_p=branch_p)
+        return DraftModelDrafter(MarkovRunner(DRAFT[..., :vocab], BATCH), V, p_min=p_min, branch_p=branch_p)
     if spec == "early-exit":  # DRAFT stands for the target's first layers, writing into the target's own history
         shallow = MarkovRunner(DRAFT, BATCH)
         shallow.hist = target.hist
@@ -210,6 +211,7 @@ CONFIGS = [(t, T1, {}) for t in untrained_spec_types() if t != "none"] + [
     ("suffix-tree,draft", T1, {"mode": "gain", "branch_p": 0.95}),        # chain by expected gain, tree members
     ("draft", SamplingParams(temperature=1.0, top_p=0.9), {"branch_p": 0.95}),
     ("suffix,draft", SamplingParams(temperature=1.0, top_k=5), {"mode": "gain"}),
+    ("draft", T1, {"vocab": 4}),                                          # reduced draft vocabulary: 4, 5 never drafted
 ]
 FULL = {("draft", ()), ("draft", ("branch_p",))}  # (spec, options) run RUNS times at T 1; the rest RUNS_MATRIX
 

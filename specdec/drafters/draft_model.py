@@ -19,6 +19,7 @@ import torch
 from specdec.drafters import cross_tokenizer
 from specdec.drafters.base import SETUP_TOKENS, Draft, Drafter, draft_distribution, draw
 from specdec.drafters.registry import BuildContext, DrafterType, Option
+from specdec.errors import SpecdecError
 from specdec.runtime.prefix_cache import Block
 from specdec.runtime.runner import ModelRunner
 from specdec.sequence import Sequence
@@ -189,15 +190,23 @@ BRANCH_P = Option("draft_branch_p", "--draft-branch-p", 0.0, "draft model: where
                   "this, also propose its second choice (sampling: a second draw) as a sibling (a token tree "
                   "verified in one forward); 0 = chains only (default 0)", float, "in [0, 1]")
 
+VOCAB = Option("draft_vocab", "--draft-vocab", 0, "draft model: compute its logits over the first N token ids only "
+               "(BPE vocabularies list the most frequent merges first), so each drafted token reads N rows of its LM "
+               "head instead of all; the target checks every token as before, so the output is unchanged; 0 = the "
+               "whole vocabulary (default 0)", int, ">= 0")
+
 
 def build(ctx: BuildContext) -> Drafter:
     """The -md model's drafter; across tokenizers when its vocabulary differs from the target's."""
     runner, opts, tokenizers = ctx.draft_runner(), ctx.options, ctx.draft_tokenizers()
     if tokenizers is not None:
+        if opts["draft_vocab"]:
+            raise SpecdecError("--draft-vocab is not supported with a draft model of another tokenizer")
         return cross_tokenizer.build(runner, tokenizers, ctx.target.vocab_size, opts["draft_p_min"],
                                      opts["draft_branch_p"])
+    runner.model.keep_head_rows(opts["draft_vocab"])
     return DraftModelDrafter(runner, ctx.target.vocab_size, opts["draft_p_min"], opts["draft_branch_p"])
 
 
 TYPES = (DrafterType("draft", build, "a smaller model (-md); with another tokenizer than the target's, through text",
-                     (P_MIN, BRANCH_P), draft_model=True, per_scope=False),)
+                     (P_MIN, BRANCH_P, VOCAB), draft_model=True, per_scope=False),)

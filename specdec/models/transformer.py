@@ -172,6 +172,20 @@ class Transformer(nn.Module):
             self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
         self.split = False  # layers on more than one device (`place`)
 
+    def keep_head_rows(self, n: int) -> None:
+        """Compute logits for the first `n` token ids only, 0: all of them again (a draft model's reduced
+        vocabulary: its LM head reads n rows per token; the embedding table keeps every row)."""
+        if not hasattr(self, "_whole_head"):
+            self._whole_head = [self.lm_head]  # a list: not a second registered module
+        head = self._whole_head[0]
+        if n == 0 or n >= head.out_features:
+            self.lm_head = head
+        elif hasattr(head, "first_outputs"):  # GGUF blocks
+            self.lm_head = head.first_outputs(n)
+        else:
+            self.lm_head = nn.Linear(head.in_features, n, bias=False, device=head.weight.device, dtype=head.weight.dtype)
+            self.lm_head.weight = nn.Parameter(head.weight[:n], requires_grad=False)
+
     def place(self, devices: dict[str, str]) -> "Transformer":
         """Move parts to devices: {"model.embed_tokens" | "model.layers.i" | "model.norm" | "lm_head": device}
         (`runtime.placement.Placement.module_devices`). Hidden states cross devices once per split."""

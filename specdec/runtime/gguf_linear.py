@@ -113,6 +113,12 @@ class GGUFLinear(nn.Module):
         name = next(k for k, v in K.TYPES.items() if v == self.qtype & ~K.X16)
         return f"{name} x16" if self.qtype & K.X16 else name
 
+    def first_outputs(self, n: int) -> "GGUFLinear":
+        """This layer's first `n` outputs (rounded up to a multiple of 16 in the x16 layout), sharing its blocks."""
+        n = min(self.out_features, -(-n // 16) * 16 if self.qtype & K.X16 else n)
+        return GGUFLinear(self.qweight[:n], self.qtype, self.in_features, n,
+                          None if self.bias is None else self.bias.data[:n])
+
     def repacked(self) -> "GGUFLinear":
         """This layer with its blocks rearranged for the AVX-512 kernel: 16 outputs interleaved per 256
         inputs, the same quants and scales (ggml_q.c, 'x16 layout'); the values are the file's, only the

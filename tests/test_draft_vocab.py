@@ -1,0 +1,36 @@
+"""`--draft-vocab N`: the draft model's logits over the first N token ids only. The target checks every drafted
+token as before, so greedy outputs equal plain decoding's (here) and sampling stays exact
+(tests/test_lossless_sampling.py, the `vocab` configuration)."""
+import pytest
+
+import specdec
+from specdec import LLM
+
+PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n" \
+         "def factorial(n):\n"
+
+
+def test_tiny_greedy_equality_with_a_reduced_draft_vocabulary(tiny_dir):
+    target, draft = tiny_dir("llama"), tiny_dir("llama", seed=1, layers=1)
+    llm = specdec.LLM(str(target), draft=str(draft), dtype="fp32", context=64, draft_vocab=40, progress=False)
+    llm.engine.stop_ids = set()
+    for prompt in ("t5 t9 t12 t5 t9", "t33 t2 t71", "t60"):
+        base = llm.generate(prompt, max_tokens=30, spec_type="none")
+        assert llm.generate(prompt, max_tokens=30, spec_type="draft").token_ids == base.token_ids
+    model = llm.drafter_for("draft").runner.model
+    assert model.lm_head.out_features == 40 and model.model.embed_tokens.weight.shape[0] == 96
+    model.keep_head_rows(0)
+    assert model.lm_head.out_features == 96
+
+
+@pytest.mark.real
+def test_smollm_gguf_head_rows_keep_greedy_output(smollm_dir):
+    """The SmolLM2 pack's Q8_0 head (x16 on AVX2/AVX-512: its first rows, rounded up to 16, sharing the blocks): the
+    same tokens as plain decoding, with drafts accepted."""
+    llm = LLM("smollm2-135m", draft="smollm2-135m", dtype="fp32", draft_vocab=5000, draft_max=7, progress=False)
+    plain = llm.generate(PROMPT, max_tokens=40, spec_type="none")
+    r = llm.generate(PROMPT, max_tokens=40, spec_type="draft")
+    assert r.token_ids == plain.token_ids and r.stats.accepted > 0
+    head = llm.drafter_for("draft").runner.model.lm_head
+    assert head.out_features in (5000, 5008) and head.qweight.shape[0] == head.out_features
+    assert llm.runner.model.lm_head.out_features == 49152  # the target (the same file) keeps its whole head
