@@ -18,9 +18,9 @@
  * of 16 outputs are unpacked and transposed so that the lanes are outputs and one vpdpbusd covers
  * 4 inputs x 16 outputs of a row (ktile16_avx512): about 5.5 vector ops per row, output and 256 inputs
  * instead of ~19. The inputs are walked in chunks of 2048 (activations stay in L2).
- * On AVX-512 the loader repacks the blocks once (gq_repack, "x16": 16 outputs interleaved per block, the same
- * values) and the x16 kernel (x16_kernels.h; with VNNI or without) serves every row count: a row's result is then the same bits however many rows share
- * the call. Several matrices with the same input (fused q/k/v, gate/up) go in one call (gq_matmul_parts).
+ * On AVX2 and AVX-512 the loader repacks the blocks once (gq_repack, "x16": 16 outputs interleaved per block, the
+ * same values) and the x16 kernel (x16_kernels.h; AVX2's Q4_K/Q6_K: x16_avx2.h) serves every row count: a row's
+ * result is then the same bits however many rows share the call. Several matrices with the same input (fused q/k/v, gate/up) go in one call (gq_matmul_parts).
  * Threads (OpenMP, count passed in) split the outputs in tasks of 32, each thread one contiguous range.
  *
  * One build runs on any x86-64: the AVX2 and AVX-512 paths carry function-level target attributes

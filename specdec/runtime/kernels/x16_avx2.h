@@ -131,7 +131,7 @@ T256 INL void x2_unpack_q6(const uint8_t *P, uint8_t *U) {
 /* The x16 kernel's signature (x16_kernels.h) for Q4_K / Q6_K on AVX2. */
 T256 static void kx16_avx2_kquant(int type, const uint8_t *W, const act_t *A, int64_t r0, int nr, float *y,
                                   int64_t ystride, int64_t b0, int64_t b1, int accum) {
-    const int q6 = type == GQ_X16 + GQ_Q6_K, unpack = q6 || nr >= X2_UNPACK_ROWS;
+    const int q6 = type == GQ_X16 + GQ_Q6_K;
     v2f acc[RT];
     uint8_t U[4096] __attribute__((aligned(32)));
     for (int r = 0; r < nr; r++) acc[r] = v2_zerof();
@@ -145,7 +145,7 @@ T256 static void kx16_avx2_kquant(int type, const uint8_t *W, const act_t *A, in
         if (q6) {
             x2_unpack_q6(P, U);
             X2_TILES(1, U);
-        } else if (unpack) {
+        } else if (nr >= X2_UNPACK_ROWS) {
             x2_unpack_q4(P, U);
             X2_TILES(0, U);
         } else {
