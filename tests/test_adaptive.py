@@ -123,3 +123,68 @@ def test_row_cost_is_the_measured_slope_and_raises_the_confidence_threshold(tmp_
     engine.cost.verify_s, engine.cost.draft_s = {1: 0.08, 9: 0.24}, {seq.drafter.name: 0.02}
     k, min_path_prob = engine._draft_len(seq, None)
     assert k == 4 and min_path_prob == pytest.approx((0.02 + 0.02) / 0.08)
+
+
+def test_in_a_batch_a_draft_must_beat_the_batchs_cheaper_plain_tokens():
+    """Where a forward over B rows costs little more than one row (compute-bound verification on AVX2 grows
+    slower than the rows), plain decoding in a batch of B costs verify(B) / B per token: a draft that pays alone
+    can lose there, and the confidence threshold rises by the same factor."""
+    from specdec.engine.adaptive import expected_saving, plain_cost
+
+    cost = CostModel(verify_s={1: 0.10, 2: 0.11, 4: 0.13, 8: 0.25, 16: 0.45}, draft_s={"d": 0.03})
+    acc = AcceptanceEstimate([0.7] * 16)
+    cost.history["d"] = acc
+    assert plain_cost(cost, 1) == pytest.approx(0.10) and plain_cost(cost, 4) == pytest.approx(0.0325)
+    assert choose_draft_len(cost, acc, 0, 8, "d") > 0  # alone, drafting pays
+    assert choose_draft_len(cost, acc, 0, 8, "d", batch=4) == 0  # in a batch of 4 it does not
+    assert expected_saving(cost, 8, "d") > 0 and expected_saving(cost, 8, "d", batch=4) == 0
+    # batch 1 is the single-sequence formula: E(k) / (k * draft + verify(k + 1))
+    k = choose_draft_len(cost, acc, 0, 8, "d")
+    exp = 1 + sum(0.7 ** i for i in range(1, k + 1))
+    assert exp / (k * 0.03 + cost.verify_cost(k + 1)) > 1 / 0.10
+
+
+def test_a_batched_chain_forward_is_measured_by_its_tokens(tmp_path):
+    """A step of two sequences runs one forward over their tokens: the cost model learns what that many tokens
+    cost (before, only single-sequence steps were measured, so a batch's drafts ran on no measured costs)."""
+    from test_lossless_sampling import TARGET, MarkovRunner, TickClock, V, word_tokenizer
+    from specdec.engine.engine import Engine, SpecConfig
+    from specdec.models.tokenizer import Tokenizer
+    from specdec.sampling import SamplingParams
+
+    word_tokenizer(tmp_path, V)
+    engine = Engine(MarkovRunner(TARGET, 2, context=1024), Tokenizer(tmp_path), SpecConfig(draft_max=4),
+                    clock=TickClock())
+    seqs = [engine.new_sequence([1, 2, 3], SamplingParams(max_tokens=8), slot=i) for i in range(2)]
+    for s in seqs:
+        engine.prefill(s)
+    engine.step(seqs)
+    assert list(engine.cost.verify_s) == [2]
+
+
+def test_in_a_batch_a_probe_never_pays_a_catch_up_on_a_new_prompt(tmp_path):
+    """Where drafting is not expected to pay, the draft model's one-token probes re-measure it; in a batch they do
+    so only on sequences whose prompt it has already read: a probe there never buys its prefill of a new prompt
+    (at 2 clients on AVX2, ~1 s per code-edit prompt while the other sequence waits). Alone, a probe may."""
+    from test_lossless_sampling import DRAFT, TARGET, MarkovRunner, TickClock, V, word_tokenizer
+    from specdec.drafters.draft_model import DraftModelDrafter
+    from specdec.engine.engine import Engine, SpecConfig
+    from specdec.models.tokenizer import Tokenizer
+    from specdec.sampling import SamplingParams
+
+    word_tokenizer(tmp_path, V)
+    drafted = []
+    for batch in (1, 2):
+        engine = Engine(MarkovRunner(TARGET, batch, context=1024), Tokenizer(tmp_path), SpecConfig(draft_max=4),
+                        clock=TickClock())
+        engine.cost.verify_s = {k: 0.01 for k in range(1, 6)}
+        engine.cost.draft_s, engine.cost.ema = {"draft": 0.3}, 0.0
+        drafter = DraftModelDrafter(MarkovRunner(DRAFT, batch, context=1024), V)
+        seqs = [engine.new_sequence([1, 2, 3, 4, 5] * 10, SamplingParams(max_tokens=100), slot=i, drafter=drafter)
+                for i in range(batch)]
+        for s in seqs:
+            engine.prefill(s)
+        while any(s.finish_reason is None for s in seqs):
+            engine.step([s for s in seqs if s.finish_reason is None])
+        drafted.append(sum(s.stats.drafted for s in seqs))
+    assert drafted[0] > 0 and drafted[1] == 0, drafted

@@ -8,9 +8,14 @@ Two measured ingredients:
 
 Expected tokens for a draft of k: E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j (the bonus token
 always comes). Expected time: T(k) = k * draft_cost + verify(k + 1). Choose argmax E/T.
+In a step over B sequences a sequence pays its share of the plain forward and the rows its draft adds:
+T(k) = k * draft_cost + verify(B) / B + verify(B + k) - verify(B), against plain decoding's verify(B) / B
+per token (forward costs are measured by the tokens of a forward, whichever sequences they belong to).
+On a compute-bound CPU a forward over B rows costs little more than one row, so each token of plain
+decoding gets cheaper with B while a draft's rows do not: drafts that pay alone may not pay in a batch.
 
 Drafters that know their confidence (the draft model) instead get the budget k_max and stop by
-themselves once the product of their token probabilities falls below (draft_cost + row_cost) / verify(1):
+themselves once the product of their token probabilities falls below (draft_cost + row_cost) / (verify(B) / B):
 past that point another draft token is expected to save less target time than drafting and verifying it costs.
 
 A drafter that must first catch up on a new prompt (a draft model's own prefill) drafts for a sequence only where
@@ -19,7 +24,8 @@ token saves at the best draft length, from the drafter's acceptance over earlier
 
 Every drafter, the draft model included, drafts nothing in a step where no k > 0 is expected to beat
 plain decoding. Its acceptance estimates then drift back toward the prior, and after PROBE_EVERY
-undrafted steps it drafts one token anyway, so costs and acceptance that changed get measured again.
+undrafted steps it drafts one token anyway, so costs and acceptance that changed get measured again;
+in a batch, a probe skips a sequence whose prompt the drafter has not read (its catch-up would hold up the batch).
 """
 from __future__ import annotations
 
@@ -106,28 +112,42 @@ class CostModel:
         return self.verify_s[lo] * (tokens / lo if self.proportional_above else 1.0)
 
 
-def _rate(cost: CostModel, acc: AcceptanceEstimate, k_min: int, k_max: int, drafter: str) -> tuple[int, float]:
-    """(k, expected tokens per second) for the best k in [k_min, k_max], or k = 0 (plain decoding)."""
+def _rate(cost: CostModel, acc: AcceptanceEstimate, k_min: int, k_max: int, drafter: str,
+          batch: int = 1) -> tuple[int, float]:
+    """(k, expected tokens per second) for the best k in [k_min, k_max], or k = 0 (plain decoding), for a sequence
+    in a step over `batch` sequences: its share of the plain forward plus the rows its draft adds (batch 1: the
+    whole forward over its k + 1 tokens)."""
     draft_s = cost.draft_cost(drafter)
-    best_k, best_rate = 0, 1.0 / cost.verify_cost(1)
+    base = cost.verify_cost(batch)
+    share = plain_cost(cost, batch)
+    best_k, best_rate = 0, 1.0 / share
     expected = 1.0  # the bonus token always comes
     for k, survive in enumerate(acc.survival(k_max), start=1):
         expected += survive
         if k < k_min:
             continue
-        rate = expected / (k * draft_s + cost.verify_cost(k + 1))
+        rate = expected / (k * draft_s + share + cost.verify_cost(batch + k) - base)
         if rate > best_rate:
             best_k, best_rate = k, rate
     return best_k, best_rate
 
 
-def choose_draft_len(cost: CostModel, acc: AcceptanceEstimate, k_min: int, k_max: int, drafter: str = "") -> int:
-    """The k in [k_min, k_max] (or 0) with the most expected tokens per second for `drafter`."""
-    return _rate(cost, acc, k_min, k_max, drafter)[0]
+def choose_draft_len(cost: CostModel, acc: AcceptanceEstimate, k_min: int, k_max: int, drafter: str = "",
+                     batch: int = 1) -> int:
+    """The k in [k_min, k_max] (or 0) with the most expected tokens per second for `drafter` in a step over
+    `batch` sequences."""
+    return _rate(cost, acc, k_min, k_max, drafter, batch)[0]
 
 
-def expected_saving(cost: CostModel, k_max: int, drafter: str = "") -> float:
-    """Seconds per token that drafting up to k_max tokens a step saves over plain decoding, at the best draft
-    length and with `drafter`'s acceptance over earlier sequences (0 when drafting is not expected to pay)."""
-    _, rate = _rate(cost, cost.acceptance(drafter), 1, k_max, drafter)
-    return max(0.0, cost.verify_cost(1) - 1.0 / rate)
+def expected_saving(cost: CostModel, k_max: int, drafter: str = "", batch: int = 1) -> float:
+    """Seconds per token that drafting up to k_max tokens a step saves over plain decoding in steps over `batch`
+    sequences, at the best draft length and with `drafter`'s acceptance over earlier sequences (0 when drafting is
+    not expected to pay)."""
+    _, rate = _rate(cost, cost.acceptance(drafter), 1, k_max, drafter, batch)
+    return max(0.0, plain_cost(cost, batch) - 1.0 / rate)
+
+
+def plain_cost(cost: CostModel, batch: int = 1) -> float:
+    """Seconds per token of plain decoding in steps over `batch` sequences: what a token a draft gets accepted
+    saves."""
+    return cost.verify_cost(batch) / batch

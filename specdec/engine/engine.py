@@ -9,7 +9,7 @@ import torch
 
 from specdec.drafters.base import Drafter
 from specdec.drafters.registry import VerifyHook
-from specdec.engine.adaptive import CostModel, choose_draft_len, expected_saving
+from specdec.engine.adaptive import CostModel, choose_draft_len, expected_saving, plain_cost
 from specdec.engine.stops import StopScan
 from specdec.errors import SpecdecError
 from specdec.models.tokenizer import Detokenizer, Tokenizer
@@ -189,8 +189,8 @@ class Engine:
         logits, feats = self._forward(seqs, [p.draft for p in props])
         forward_s = self.clock() - t1
         drafted = sum(len(p.draft.tokens) for p in props)
-        if len(seqs) == 1:  # the cost model describes single-sequence steps
-            self.cost.observe_verify(drafted + 1, forward_s)
+        if len(seqs) == 1 or all(p.draft.parents is None and not self._resumed(p.draft) for p in props):
+            self.cost.observe_verify(drafted + len(seqs), forward_s)  # one forward over that many tokens
         for seq, prop, seq_logits, seq_feats in zip(seqs, props, logits, feats):
             # 3. verify: the accepted path and the tokens to commit; 4. commit them, roll back the rest
             verdict = self._guarded(seq, self._verify, seq, prop.draft, seq_logits)
@@ -237,9 +237,10 @@ class Engine:
             return seeded_pick(logits[0], seq.params, len(seq.tokens))
         return int(sample(probs_from_logits(logits, seq.params), seq.generator)[0])
 
-    def _draft_len(self, seq: Sequence, cap: int | None) -> tuple[int, float]:
-        """(tokens to ask the drafter for, the path probability below which it should stop by itself).
-        Only drafts that can still matter: room in the context and in max_tokens, less the bonus token."""
+    def _draft_len(self, seq: Sequence, cap: int | None, batch: int = 1) -> tuple[int, float]:
+        """(tokens to ask the drafter for, the path probability below which it should stop by itself) in a step
+        over `batch` sequences. Only drafts that can still matter: room in the context and in max_tokens, less
+        the bonus token."""
         room = min(self.target.context - len(seq.tokens), seq.params.max_tokens - len(seq.output_ids)) - 1
         k_max = min(self.spec.draft_max if seq.draft_max is None else seq.draft_max, room)
         if cap is not None:
@@ -248,25 +249,26 @@ class Engine:
         if not self.spec.adaptive or k_max == 0:
             return k_max, 0.0
         drafter = seq.drafter
-        k = choose_draft_len(self.cost, seq.acceptance, min(self.spec.draft_min, k_max), k_max, drafter.name)
+        k = choose_draft_len(self.cost, seq.acceptance, min(self.spec.draft_min, k_max), k_max, drafter.name, batch)
         probe = k == 0
         if probe:  # drafting is not expected to pay: skip it, but now and then draft one token to re-measure
             seq.acceptance.relax()
-            if not self.cost.probe_due(drafter.name):
-                return 0, 0.0
+            new_prompt = drafter.pending_setup(seq) > len(seq.output_ids)
+            if not self.cost.probe_due(drafter.name) or (batch > 1 and new_prompt):
+                return 0, 0.0  # in a batch a probe never pays a catch-up on a new prompt: the batch would wait
             k = min(k_max, max(1, self.spec.draft_min))
-        if not self._setup_pays(seq, k_max):
+        if not self._setup_pays(seq, k_max, batch):
             return 0, 0.0
         if not drafter.confidence_stop:
             return k, 0.0
         # Draft one more token while its expected yield (the chance the path so far is accepted, times the
         # target forward it saves) beats what drafting it and verifying one more row cost.
         draft_s = self.cost.draft_cost(drafter.name)
-        min_path_prob = ((draft_s + self.cost.row_cost()) / self.cost.verify_cost(1)
+        min_path_prob = ((draft_s + self.cost.row_cost()) / plain_cost(self.cost, batch)
                          if draft_s > 0 and self.cost.verify_s else 0.0)
         return (k if probe else k_max), min_path_prob
 
-    def _setup_pays(self, seq: Sequence, k_max: int) -> bool:
+    def _setup_pays(self, seq: Sequence, k_max: int, batch: int = 1) -> bool:
         """Whether the drafter's pending catch-up on this sequence (its own prefill of a new prompt) is expected to
         be repaid over the rest of the request (engine/adaptive.py); unmeasured, it is paid and so measured. A
         sequence refused at its first step lets the drafter's history drift back toward the prior, so a later
@@ -276,7 +278,7 @@ class Engine:
         if setup_s == 0:
             return True
         left = min(self.target.context - len(seq.tokens), seq.params.max_tokens - len(seq.output_ids))
-        if left * expected_saving(self.cost, k_max, drafter.name) > setup_s:
+        if left * expected_saving(self.cost, k_max, drafter.name, batch) > setup_s:
             return True
         if seq.stats.target_forwards == 1:
             self.cost.acceptance(drafter.name).relax()
@@ -291,21 +293,21 @@ class Engine:
             if s.drafter is not None and s.drafter.batched:
                 groups.setdefault(id(s.drafter), []).append(s)
             else:
-                out[id(s)] = self._guarded(s, self._propose, s, cap)
+                out[id(s)] = self._guarded(s, self._propose, s, cap, len(seqs))
         for group in groups.values():
-            out.update(self._propose_batch(group, cap))
+            out.update(self._propose_batch(group, cap, len(seqs)))
         return out
 
-    def _propose(self, seq: Sequence, cap: int | None) -> Proposal:
-        """The drafter's draft for this step, timed."""
-        k, min_path_prob = self._draft_len(seq, cap) if seq.drafter else (0, 0.0)
+    def _propose(self, seq: Sequence, cap: int | None, batch: int = 1) -> Proposal:
+        """The drafter's draft for this step (over `batch` sequences), timed."""
+        k, min_path_prob = self._draft_len(seq, cap, batch) if seq.drafter else (0, 0.0)
         return self._propose_alone(seq, k, min_path_prob)
 
-    def _propose_batch(self, seqs: list[Sequence], cap: int | None) -> dict[int, Proposal | None]:
+    def _propose_batch(self, seqs: list[Sequence], cap: int | None, batch: int) -> dict[int, Proposal | None]:
         """Proposals of sequences sharing one batched drafter, from one `propose_batch` call whose time is shared
         by drafted tokens (each sequence's catch-up on a new prompt apart). If that call fails, each sequence
         drafts alone, so a failure ends only the sequence it belongs to."""
-        lens = {id(s): self._guarded(s, self._draft_len, s, cap) for s in seqs}
+        lens = {id(s): self._guarded(s, self._draft_len, s, cap, batch) for s in seqs}
         live = [s for s in seqs if lens[id(s)] is not None]
         todo = [s for s in live if lens[id(s)][0] > 0]
         setups = {id(s): s.drafter.pending_setup(s) for s in todo}
