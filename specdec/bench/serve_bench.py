@@ -35,6 +35,7 @@ def run_serve_bench(args: argparse.Namespace) -> Path:
     import torch
 
     from specdec.api import build_llm
+    from specdec.engine.adaptive import CostModel
     from specdec.models.packs import DEFAULT_DRAFT, DEFAULT_TARGET
 
     levels = _ints(args.concurrency)
@@ -61,6 +62,7 @@ def run_serve_bench(args: argparse.Namespace) -> Path:
         for mode in modes:  # interleaved per level so drift hits every mode alike
             print(f"concurrency {c}, {mode}: {n} conversations...", file=sys.stderr)
             llm.reset_drafters()
+            llm.engine.cost = CostModel()  # a fresh server's measurements: no mode steers the next one's drafts
             if llm.prefix_cache is not None:
                 llm.prefix_cache.clear()  # no mode starts with what another one cached
             res, report = _level(llm, convs, c, mode, n, args.max_tokens or 64)
