@@ -126,9 +126,9 @@ def test_row_cost_is_the_measured_slope_and_raises_the_confidence_threshold(tmp_
 
 
 def test_in_a_batch_a_draft_must_beat_the_batchs_cheaper_plain_tokens():
-    """Where a forward over B rows costs little more than one row (compute-bound verification on AVX2 grows
-    slower than the rows), plain decoding in a batch of B costs verify(B) / B per token: a draft that pays alone
-    can lose there, and the confidence threshold rises by the same factor."""
+    """Where a forward over B rows costs little more than one row (weight reads dominate), plain decoding in a
+    batch of B costs verify(B) / B per token: a draft that pays alone can lose there, and the confidence
+    threshold rises by the same factor."""
     from specdec.engine.adaptive import expected_saving, plain_cost
 
     cost = CostModel(verify_s={1: 0.10, 2: 0.11, 4: 0.13, 8: 0.25, 16: 0.45}, draft_s={"d": 0.03})
