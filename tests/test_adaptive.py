@@ -12,6 +12,25 @@ def _cost(draft_per_token, verify_slope=0.01):
     return c
 
 
+def _markov_engine(tmp_path, slots: int = 1, tick: float = 0.3):
+    """An engine over the Markov test target of tests/test_lossless_sampling.py, with `slots` sequence slots."""
+    from test_lossless_sampling import TARGET, MarkovRunner, TickClock, V, word_tokenizer
+    from specdec.engine.engine import Engine, SpecConfig
+    from specdec.models.tokenizer import Tokenizer
+
+    word_tokenizer(tmp_path, V)
+    return Engine(MarkovRunner(TARGET, slots, context=1024), Tokenizer(tmp_path), SpecConfig(draft_max=4),
+                  clock=TickClock(tick))
+
+
+def _markov_draft_model(slots: int = 1):
+    """That pair's draft model, as a `draft` drafter."""
+    from test_lossless_sampling import DRAFT, MarkovRunner, V
+    from specdec.drafters.draft_model import DraftModelDrafter
+
+    return DraftModelDrafter(MarkovRunner(DRAFT, slots, context=1024), V)
+
+
 def test_free_drafts_with_high_acceptance_use_the_maximum():
     acc = AcceptanceEstimate()
     for _ in range(20):
@@ -61,18 +80,13 @@ def test_probe_due_every_probe_every_undrafted_steps():
 def test_a_drafter_that_does_not_pay_drafts_only_probes(tmp_path, spec):
     """Drafting costs far more than a target forward: after its first measurement the drafter is asked for
     nothing but a one-token probe every PROBE_EVERY steps (never slower than plain decoding, give or take)."""
-    from test_lossless_sampling import DRAFT, TARGET, MarkovRunner, TickClock, V, _drafter, word_tokenizer
-    from specdec.drafters.draft_model import DraftModelDrafter
-    from specdec.engine.engine import Engine, SpecConfig
-    from specdec.models.tokenizer import Tokenizer
+    from test_lossless_sampling import _drafter
     from specdec.sampling import SamplingParams
 
-    word_tokenizer(tmp_path, V)
-    engine = Engine(MarkovRunner(TARGET, 1, context=1024), Tokenizer(tmp_path), SpecConfig(draft_max=4),
-                    clock=TickClock())
+    engine = _markov_engine(tmp_path)
     engine.cost.verify_s = {k: 0.01 for k in range(1, 6)}  # one tick of drafting (0.3 s) is 30 target forwards
     engine.cost.ema = 0.0
-    drafter = DraftModelDrafter(MarkovRunner(DRAFT, 1, context=1024), V) if spec == "draft" else _drafter(spec)
+    drafter = _markov_draft_model() if spec == "draft" else _drafter(spec)
     seq = engine.generate([1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], SamplingParams(max_tokens=400), drafter=drafter)
     steps, drafted = seq.stats.target_forwards, seq.stats.drafted
     assert steps > 300 and 0 < drafted <= 4 + steps / PROBE_EVERY, (steps, drafted)
@@ -82,29 +96,18 @@ def test_a_drafter_that_does_not_pay_drafts_only_probes(tmp_path, spec):
 def test_a_draft_models_setup_is_paid_only_where_it_is_repaid(tmp_path, setup_per_token, drafts):
     """A draft model must first prefill a new prompt itself: with that catch-up measured dearer than anything
     drafting can save over the request's tokens left, it never drafts (no probe either); cheap, it drafts."""
-    from test_lossless_sampling import DRAFT, TARGET, MarkovRunner, TickClock, V, word_tokenizer
-    from specdec.drafters.draft_model import DraftModelDrafter
-    from specdec.engine.engine import Engine, SpecConfig
-    from specdec.models.tokenizer import Tokenizer
     from specdec.sampling import SamplingParams
 
-    word_tokenizer(tmp_path, V)
-    engine = Engine(MarkovRunner(TARGET, 1, context=1024), Tokenizer(tmp_path), SpecConfig(draft_max=4),
-                    clock=TickClock(0.0))
+    engine = _markov_engine(tmp_path, tick=0.0)
     engine.cost.verify_s = {k: 0.01 for k in range(1, 6)}
     engine.cost.draft_s, engine.cost.setup_s, engine.cost.ema = {"draft": 1e-4}, {"draft": setup_per_token}, 0.0
-    drafter = DraftModelDrafter(MarkovRunner(DRAFT, 1, context=1024), V)
-    seq = engine.generate([1, 2, 3, 4, 5] * 10, SamplingParams(max_tokens=100), drafter=drafter)
+    seq = engine.generate([1, 2, 3, 4, 5] * 10, SamplingParams(max_tokens=100), drafter=_markov_draft_model())
     assert (seq.stats.drafted > 0) == drafts, seq.stats.drafted
 
 
 def test_row_cost_is_the_measured_slope_and_raises_the_confidence_threshold(tmp_path):
     """A draft model stops where one more token's expected yield no longer pays for drafting it and for the row
     it adds to the verification (on AVX2 an 8-row forward costs ~2.5x a one-row one)."""
-    from test_lossless_sampling import DRAFT, TARGET, MarkovRunner, TickClock, V, word_tokenizer
-    from specdec.drafters.draft_model import DraftModelDrafter
-    from specdec.engine.engine import Engine, SpecConfig
-    from specdec.models.tokenizer import Tokenizer
     from specdec.sampling import SamplingParams
 
     cost = CostModel()
@@ -113,11 +116,8 @@ def test_row_cost_is_the_measured_slope_and_raises_the_confidence_threshold(tmp_
     assert cost.row_cost() == 0.0  # one size: no slope yet
     cost.observe_verify(9, 0.24)
     assert cost.row_cost() == pytest.approx(0.02)
-    word_tokenizer(tmp_path, V)
-    engine = Engine(MarkovRunner(TARGET, 1, context=1024), Tokenizer(tmp_path), SpecConfig(draft_max=4),
-                    clock=TickClock())
-    seq = engine.generate([1, 2, 3], SamplingParams(max_tokens=8), drafter=DraftModelDrafter(
-        MarkovRunner(DRAFT, 1, context=1024), V))
+    engine = _markov_engine(tmp_path)
+    seq = engine.generate([1, 2, 3], SamplingParams(max_tokens=8), drafter=_markov_draft_model())
     seq.params = SamplingParams(max_tokens=100)  # room to draft again
     seq.acceptance = AcceptanceEstimate([0.99] * 16)
     engine.cost.verify_s, engine.cost.draft_s = {1: 0.08, 9: 0.24}, {seq.drafter.name: 0.02}
@@ -147,14 +147,9 @@ def test_in_a_batch_a_draft_must_beat_the_batchs_cheaper_plain_tokens():
 def test_a_batched_chain_forward_is_measured_by_its_tokens(tmp_path):
     """A step of two sequences runs one forward over their tokens: the cost model learns what that many tokens
     cost (before, only single-sequence steps were measured, so a batch's drafts ran on no measured costs)."""
-    from test_lossless_sampling import TARGET, MarkovRunner, TickClock, V, word_tokenizer
-    from specdec.engine.engine import Engine, SpecConfig
-    from specdec.models.tokenizer import Tokenizer
     from specdec.sampling import SamplingParams
 
-    word_tokenizer(tmp_path, V)
-    engine = Engine(MarkovRunner(TARGET, 2, context=1024), Tokenizer(tmp_path), SpecConfig(draft_max=4),
-                    clock=TickClock())
+    engine = _markov_engine(tmp_path, slots=2)
     seqs = [engine.new_sequence([1, 2, 3], SamplingParams(max_tokens=8), slot=i) for i in range(2)]
     for s in seqs:
         engine.prefill(s)
@@ -165,21 +160,15 @@ def test_a_batched_chain_forward_is_measured_by_its_tokens(tmp_path):
 def test_in_a_batch_a_probe_never_pays_a_catch_up_on_a_new_prompt(tmp_path):
     """Where drafting is not expected to pay, the draft model's one-token probes re-measure it; in a batch they do
     so only on sequences whose prompt it has already read: a probe there never buys its prefill of a new prompt
-    (at 2 clients on AVX2, ~1 s per code-edit prompt while the other sequence waits). Alone, a probe may."""
-    from test_lossless_sampling import DRAFT, TARGET, MarkovRunner, TickClock, V, word_tokenizer
-    from specdec.drafters.draft_model import DraftModelDrafter
-    from specdec.engine.engine import Engine, SpecConfig
-    from specdec.models.tokenizer import Tokenizer
+    (while the other sequences wait). Alone, a probe may."""
     from specdec.sampling import SamplingParams
 
-    word_tokenizer(tmp_path, V)
     drafted = []
     for batch in (1, 2):
-        engine = Engine(MarkovRunner(TARGET, batch, context=1024), Tokenizer(tmp_path), SpecConfig(draft_max=4),
-                        clock=TickClock())
+        engine = _markov_engine(tmp_path, slots=batch)
         engine.cost.verify_s = {k: 0.01 for k in range(1, 6)}
         engine.cost.draft_s, engine.cost.ema = {"draft": 0.3}, 0.0
-        drafter = DraftModelDrafter(MarkovRunner(DRAFT, batch, context=1024), V)
+        drafter = _markov_draft_model(batch)
         seqs = [engine.new_sequence([1, 2, 3, 4, 5] * 10, SamplingParams(max_tokens=100), slot=i, drafter=drafter)
                 for i in range(batch)]
         for s in seqs:

@@ -13,7 +13,7 @@ T(k) = k * draft_cost + verify(B) / B + verify(B + k) - verify(B), against plain
 per token (forward costs are measured by the tokens of a forward, whichever sequences they belong to).
 While a forward is bound by reading the weights, B rows cost little more than one, so each token of plain
 decoding gets cheaper with B while a draft's extra rows (past that point) do not: drafts that pay alone may
-not pay in a batch (on AVX2: 2 rows cost about 1, 34 rows about 6).
+not pay in a batch (docs/benchmarks.md section 20).
 
 Drafters that know their confidence (the draft model) instead get the budget k_max and stop by
 themselves once the product of their token probabilities falls below (draft_cost + row_cost) / (verify(B) / B):

@@ -253,8 +253,9 @@ class Engine:
         probe = k == 0
         if probe:  # drafting is not expected to pay: skip it, but now and then draft one token to re-measure
             seq.acceptance.relax()
-            new_prompt = drafter.pending_setup(seq) > len(seq.output_ids)
-            if not self.cost.probe_due(drafter.name) or (batch > 1 and new_prompt):
+            if not self.cost.probe_due(drafter.name):
+                return 0, 0.0
+            if batch > 1 and drafter.pending_setup(seq) > len(seq.output_ids):
                 return 0, 0.0  # in a batch a probe never pays a catch-up on a new prompt: the batch would wait
             k = min(k_max, max(1, self.spec.draft_min))
         if not self._setup_pays(seq, k_max, batch):
