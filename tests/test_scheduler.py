@@ -129,3 +129,24 @@ def test_a_failing_sequence_ends_alone(tiny_dir):
 
 def test_tiny_temperatures_are_greedy():
     assert SamplingParams(temperature=1e-300).greedy and not SamplingParams(temperature=0.1).greedy
+
+
+def test_the_engine_thread_hands_freed_heap_back_when_idle(tiny_dir, monkeypatch):
+    """Going idle after a request, the loop trims the heap (a server's RSS would otherwise stay at its largest
+    batch's high-water mark; tests/test_soak.py bounds RSS growth)."""
+    import threading
+
+    from specdec.engine import scheduler
+
+    trims = threading.Semaphore(0)
+    monkeypatch.setattr(scheduler, "release_free_memory", trims.release)
+    llm = _llm(tiny_dir)
+    sched = Scheduler(llm.engine, 2)
+    done = threading.Event()
+    sched.start()
+    try:
+        assert trims.acquire(timeout=30)  # idle at start
+        sched.submit(Request(llm.encode(PROMPTS[0]), SamplingParams(max_tokens=5), on_done=lambda _: done.set()))
+        assert done.wait(30) and trims.acquire(timeout=30)  # idle again after the request
+    finally:
+        sched.stop(timeout=30)

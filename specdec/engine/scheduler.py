@@ -14,6 +14,7 @@ from specdec.engine.engine import Engine
 from specdec.engine.load_control import LoadController
 from specdec.sequence import Sequence, StreamCallback
 from specdec.errors import SpecdecError
+from specdec.runtime.cpu import release_free_memory
 from specdec.runtime.runner import PREFILL_CHUNK
 from specdec.sampling import SamplingParams
 
@@ -132,7 +133,13 @@ class Scheduler:
             self._die(f"{type(e).__name__}: {e}")
 
     def _wait_for_work(self) -> bool:
-        """Block until there is work; False once stopped with nothing left."""
+        """Block until there is work; False once stopped with nothing left. Going idle, hand the heap freed by
+        the last batches back to the OS first (glibc keeps it otherwise: a server's RSS would stay at the
+        high-water mark of its largest batch)."""
+        with self._cv:
+            idle = not (self.waiting or self.prefilling or self.running or self._stop)
+        if idle:
+            release_free_memory()
         with self._cv:
             while not (self.waiting or self.prefilling or self.running or self._stop):
                 self._cv.wait()

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.runtime.cpu import release_free_memory
+
 SMALL_BATCH = 4  # rows up to which the int8 kernel beats dequantize + bf16 matmul
 
 
@@ -95,17 +97,3 @@ def _quantize(module: nn.Module, kind: str) -> None:
             setattr(module, name, Int4Linear(child) if four else Int8Linear(child))
         else:
             _quantize(child, kind)
-
-
-def release_free_memory() -> None:
-    """Hand freed heap back to the OS (glibc). The bf16 weights replaced above are each below glibc's
-    grown mmap threshold by then, so without this 0.5-1 GB of freed memory stayed resident for the
-    default draft (docs/planning.md)."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass

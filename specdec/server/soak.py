@@ -1,9 +1,9 @@
 """Soak `specdec serve` on loopback with mixed traffic: chat and completions, streaming or not, random
 disconnects, random `speculative` objects, seeds, stop strings, two API keys and a few invalid requests, at a
-given concurrency. It checks that no request hangs or gets an unexpected status, that the server's RSS stays
-bounded, that the server is idle and answers afterwards and exits 0 on SIGTERM, and that every greedy or seeded
+given concurrency. It checks that no request hangs or gets an unexpected status, that the server's anonymous RSS
+(`anon_mb`) stays bounded, that the server is idle and answers afterwards and exits 0 on SIGTERM, and that every greedy or seeded
 output equals the plain output (`"speculative": false`) of the same request. With `--cache-mb` the server keeps a
-prefix cache (repeated shapes hit it), and the server's RSS and the cache's bytes are sampled over the run (checked
+prefix cache (repeated shapes hit it), and the server's anonymous RSS and the cache's bytes are sampled over the run (checked
 against the budget; `--samples` writes them as CSV with a plot). Needs the dev extras (httpx, psutil).
 `python scripts/soak.py --help`; tests/test_soak.py runs it at CI size."""
 from __future__ import annotations
@@ -88,11 +88,11 @@ class Report:
     sent: int
     outcomes: Counter  # "200", "400", ..., "disconnected", "hung"
     compared: int      # greedy or seeded outputs checked against the plain output of the same request
-    rss_before_mb: float
+    rss_before_mb: float  # the server's anonymous RSS (anon_mb)
     rss_after_mb: float
     wall_s: float
     problems: list[str] = field(default_factory=list)
-    samples: list[tuple[float, float, float]] = field(default_factory=list)  # (s, server RSS MB, prefix cache MB)
+    samples: list[tuple[float, float, float]] = field(default_factory=list)  # (s, anon_mb, prefix cache MB)
 
     @property
     def rss_growth_mb(self) -> float:
@@ -103,7 +103,7 @@ class Report:
 
     def summary(self) -> str:
         return (f"sent {self.sent} requests in {self.wall_s:.1f} s: {dict(sorted(self.outcomes.items()))}; "
-                f"{self.compared} outputs equal to plain decoding; server RSS {self.rss_before_mb:.0f} -> "
+                f"{self.compared} outputs equal to plain decoding; server anonymous RSS {self.rss_before_mb:.0f} -> "
                 f"{self.rss_after_mb:.0f} MB ({self.rss_growth_mb:+.1f} MB); {len(self.problems)} problems")
 
 
@@ -311,10 +311,10 @@ def _settle(url: str, timeout_s: float = 30.0) -> list[str]:
 def soak(url: str, pid: int, requests: int, concurrency: int, minutes: float = 0.0, seed: int = 0,
          hang_s: float = 120.0, sample_s: float = 60.0) -> Report:
     """Warm up, then send `requests` planned requests (stopping early after `minutes`, if given) and check;
-    the server's RSS and prefix-cache bytes are sampled every `sample_s` seconds meanwhile."""
+    the server's anonymous RSS and prefix-cache bytes are sampled every `sample_s` seconds meanwhile."""
     warm = asyncio.run(_drive(url, warmup(concurrency, seed), concurrency, hang_s, None))
     proc = psutil.Process(pid)
-    before = proc.memory_info().rss / 2**20
+    before = anon_mb(proc)
     start = time.monotonic()
     deadline = start + 60 * minutes if minutes else None
     with _Sampler(url, proc, sample_s) as sampler:
@@ -323,11 +323,19 @@ def soak(url: str, pid: int, requests: int, concurrency: int, minutes: float = 0
     found, compared = problems(outcomes)
     found += [f"warm-up {p}" for p in problems(warm)[0]] + _settle(url) + sampler.over_budget()
     return Report(len(outcomes), Counter(_label(o) for o in outcomes), compared, before,
-                  proc.memory_info().rss / 2**20, wall, found, sampler.samples)
+                  anon_mb(proc), wall, found, sampler.samples)
+
+
+def anon_mb(proc: psutil.Process) -> float:
+    """Resident MB not backed by a file (RSS less file and shared pages): what a leak grows. The weights' pages,
+    mapped from their safetensors file, count in RSS only while the kernel keeps them, so RSS also moves with the
+    machine's memory pressure."""
+    info = proc.memory_info()
+    return (info.rss - info.shared) / 2**20
 
 
 class _Sampler:
-    """From a thread, every `every` seconds (and at the end): (seconds since start, server RSS MB, prefix cache MB)."""
+    """From a thread, every `every` seconds (and at the end): (seconds since start, anon_mb, prefix cache MB)."""
 
     def __init__(self, url: str, proc: psutil.Process, every: float):
         self.url, self.proc, self.every = url, proc, every
@@ -356,7 +364,7 @@ class _Sampler:
         metrics = httpx.get(self.url + "/metrics", headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=30).text
         values = dict(ln.rsplit(" ", 1) for ln in metrics.splitlines() if ln.startswith("specdec_prefix_cache_b"))
         self.budget_mb = float(values.get("specdec_prefix_cache_budget_bytes", 0)) / 2**20
-        self.samples.append((round(time.monotonic() - self._start, 1), self.proc.memory_info().rss / 2**20,
+        self.samples.append((round(time.monotonic() - self._start, 1), anon_mb(self.proc),
                              float(values.get("specdec_prefix_cache_bytes", 0)) / 2**20))
 
     def over_budget(self) -> list[str]:
@@ -365,15 +373,15 @@ class _Sampler:
 
 
 def write_samples(report: Report, path: Path) -> None:
-    """The samples as CSV at `path` and, beside it, a plot of RSS and cache bytes over time (.png)."""
+    """The samples as CSV at `path` and, beside it, a plot of anonymous RSS and cache bytes over time (.png)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    path.write_text("seconds,rss_mb,prefix_cache_mb\n" + "".join(f"{t},{r:.1f},{c:.1f}\n" for t, r, c in report.samples))
+    path.write_text("seconds,anon_rss_mb,prefix_cache_mb\n" + "".join(f"{t},{r:.1f},{c:.1f}\n" for t, r, c in report.samples))
     fig, ax = plt.subplots(figsize=(7, 4))
     minutes = [t / 60 for t, _, _ in report.samples]
-    ax.plot(minutes, [r for _, r, _ in report.samples], marker="o", label="server RSS")
+    ax.plot(minutes, [r for _, r, _ in report.samples], marker="o", label="server anonymous RSS")
     ax.plot(minutes, [c for _, _, c in report.samples], marker="o", label="prefix cache")
     ax.set_xlabel("minutes")
     ax.set_ylabel("MB")
@@ -456,10 +464,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-c", "--context", type=int, default=256, help="context per slot (default 256)")
     p.add_argument("--minutes", type=float, default=0.0, help="start no request after this long (default: no limit)")
     p.add_argument("--seed", type=int, default=0, help="seed of the request mix (default 0)")
-    p.add_argument("--rss-limit-mb", type=float, default=64.0, help="allowed server RSS growth (default 64)")
+    p.add_argument("--rss-limit-mb", type=float, default=64.0, help="allowed growth of the server's anonymous RSS (default 64)")
     p.add_argument("--cache-mb", type=int, default=0, help="the server's prefix cache (serve --cache-mb; default 0)")
     p.add_argument("--sample-every", type=float, default=60.0, metavar="S",
-                   help="seconds between samples of the server's RSS and prefix-cache bytes (default 60)")
+                   help="seconds between samples of the server's anonymous RSS and prefix-cache bytes (default 60)")
     p.add_argument("--samples", type=Path, metavar="CSV", help="write the samples here, and a plot beside it (.png)")
     args = p.parse_args(argv)
     report = run(args.model, args.draft, args.requests, args.concurrency, args.parallel, args.context, args.minutes,
