@@ -5,6 +5,10 @@ the layers' Python path (the same arithmetic, one call per operation).
 
     python scripts/profile_step.py                      # default target, 500-token context, 1 and 8 rows
     python scripts/profile_step.py -m qwen2.5-coder-0.5b --context 1000 --rows 1,4,16
+    python scripts/profile_step.py --rows 512 --context 100 --last-only   # a prefill chunk: logits of its last row
+
+Above the kernels' row limit the projections dequantize and multiply in torch (`GGUFLinear._dequant_matmul`, fused
+parts in `GGUFConcatLinear._dequant_matmul`): timed as "dequantize + matmul" per shape.
 
 Prints one Markdown table per row count (docs/benchmarks.md run 10 shows its output)."""
 from __future__ import annotations
@@ -19,15 +23,16 @@ from specdec.api import LLM
 from specdec.runtime import gguf_linear as GL
 from specdec.runtime.layer_kernel import LayerKernel
 
-FORWARDS = 30
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--context", type=int, default=500, help="tokens in the KV cache before the timed forwards")
+    ap.add_argument("--last-only", action="store_true", help="the LM head on the last row only (as prefill runs it)")
     ap.add_argument("--rows", default="1,8", help="query rows per forward (1 = decode, more = verification)")
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("-n", "--forwards", type=int, default=30, help="timed forwards per row count (the median is shown)")
     a = ap.parse_args()
     llm = LLM(a.model, spec_type="none", threads=a.threads, progress=False)
     runner = llm.runner
@@ -53,33 +58,54 @@ def main() -> None:
         calls["attention"] += 1
         return y
 
+    def timed_dequant(cls):
+        """`cls._dequant_matmul` timed per shape (where `cls` has one)"""
+        inner = getattr(cls, "_dequant_matmul", None)
+
+        def timed(self, x2):
+            t0 = time.perf_counter()
+            y = inner(self, x2)
+            parts = getattr(self, "parts", [self])
+            name = ("+".join(p.type_name for p in parts) + f" {self.out_features}x{self.in_features} "
+                    "dequantize + matmul")
+            spent[name] += time.perf_counter() - t0
+            calls[name] += 1
+            return y
+        return inner, timed
+
+    dequants = {cls: timed_dequant(cls) for cls in (GL.GGUFLinear, GL.GGUFConcatLinear)
+                if hasattr(cls, "_dequant_matmul")}
     c_layers = LayerKernel.run
 
     def median_forward(rows: int, n: int, instrument: bool) -> float:
         GL.kernel_matmul, T.attention = (timed_kernel, timed_attention) if instrument else (kernel, attention)
         LayerKernel.run = (lambda *args: None) if instrument else c_layers
+        for cls, (inner, timed) in dequants.items():
+            cls._dequant_matmul = timed if instrument else inner
         spent.clear()
         calls.clear()
         ts = []
         for _ in range(n):
             t0 = time.perf_counter()
-            runner.forward([[100] * rows], [len(ids)], [0])
+            runner.forward([[100] * rows], [len(ids)], [0], last_only=a.last_only)
             ts.append(time.perf_counter() - t0)
         GL.kernel_matmul, T.attention, LayerKernel.run = kernel, attention, c_layers
+        for cls, (inner, _) in dequants.items():
+            cls._dequant_matmul = inner
         return sorted(ts)[n // 2]
 
-    print(f"{a.model}: {llm.quant_info}; context {len(ids)}, {a.threads} threads, medians of {FORWARDS} forwards")
+    print(f"{a.model}: {llm.quant_info}; context {len(ids)}, {a.threads} threads, medians of {a.forwards} forwards")
     for rows in (int(r) for r in a.rows.split(",")):
         median_forward(rows, 3, False)
-        plain = median_forward(rows, FORWARDS, False)
-        inst = median_forward(rows, FORWARDS, True)
+        plain = median_forward(rows, a.forwards, False)
+        inst = median_forward(rows, a.forwards, True)
         print(f"\n### {rows} row(s): forward {plain * 1e3:.1f} ms; with the layers' Python path {inst * 1e3:.1f} "
               f"(instrumented)\n")
         print("| part | ms per forward | calls per forward |\n|---|---|---|")
         total = 0.0
         for name, s in sorted(spent.items(), key=lambda kv: -kv[1]):
-            total += s / FORWARDS
-            print(f"| {name} | {s / FORWARDS * 1e3:.2f} | {calls[name] // FORWARDS} |")
+            total += s / a.forwards
+            print(f"| {name} | {s / a.forwards * 1e3:.2f} | {calls[name] // a.forwards} |")
         print(f"| everything else | {(inst - total) * 1e3:.2f} | |")
 
 

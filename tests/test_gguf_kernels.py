@@ -366,3 +366,35 @@ def test_model_from_gguf_blocks_matches_dequantized_model(tmp_path, lib, tied):
     best, span = ld.amax(-1), ld.amax(-1) - ld.amin(-1)
     assert bool((pick >= best - 0.03 * span).all())
     assert (lq.argmax(-1) == ld.argmax(-1)).float().mean() >= 0.75
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_transposed_bf16_dequantize_is_the_same_weight(name, lib):
+    """The prefill's dequantize + bf16 matmul reads x16 Q4_K / Q6_K transposed ([in, out], gq_dequantize_t, AVX512-BF16
+    with VBMI): the same bf16 values as the row-major dequantization, for all rows and for a chunk of them; the
+    product equals the one through the row-major weight's transpose."""
+    rng = np.random.default_rng(11)
+    lin = GGUFLinear.from_blocks(random_blocks(K.TYPES[name], 96, 1536, rng), name, (96, 1536)).repacked()
+    buf = torch.empty(96 * 1536, dtype=torch.bfloat16)
+    if lib.gq_dequantize_t(lin.qtype, lin.qweight.data_ptr(), 1536, 0, 96, buf.data_ptr(), 96, 2) != 0:
+        pytest.skip("no AVX512-BF16 + VBMI here: the row-major dequantization serves")
+    ref = lin.dequantize(torch.bfloat16)
+    assert torch.equal(lin._dequantize_into(buf, 0, 96), ref.T)
+    assert torch.equal(lin._dequantize_into(buf[:32 * 1536], 48, 80), ref[48:80].T)
+    x = torch.randn(300, 1536)
+    assert torch.allclose(lin._dequant_matmul(x), (x.bfloat16() @ ref.T).float(), rtol=1e-2, atol=1e-2)
+
+
+def test_fused_parts_above_the_kernel_rows_share_one_matmul(lib):
+    """Above the kernel rows, x16 Q4_K / Q6_K parts are dequantized side by side into one buffer for one bf16 matmul
+    (where this CPU writes them transposed): the parts' own results, biases included."""
+    rng = np.random.default_rng(12)
+    parts = [GGUFLinear.from_blocks(random_blocks(qt, out, 512, rng), qt, (out, 512), bias=torch.randn(out)).repacked()
+             for qt, out in ((K.Q4_K, 64), (K.Q6_K, 32), (K.Q4_K, 96))]
+    cat = GGUFConcatLinear(parts)
+    x = torch.randn(600, 512)
+    if cat._dequant_matmul(x) is None:
+        pytest.skip("no transposed bf16 dequantization here: each part runs alone")
+    y, ref = cat(x), torch.cat([p(x) for p in parts], dim=-1)
+    assert cat.last_path == "dequant" and y.shape == (600, 192)
+    assert torch.allclose(y, ref, rtol=1e-3, atol=1e-3 * float(ref.abs().max()))

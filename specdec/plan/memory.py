@@ -309,7 +309,11 @@ def _compute(spec: ModelSpec, fmt: Format, context: int, slots: int, draft_max: 
     if fmt.runtime:
         rb = RUNTIME_DTYPES[fmt.weights]
         b = chunk * width * rb + chunk * kv_rows(context, "specdec") + 2 * (draft_max + 1) * d.vocab * 4
-        return b, f"one {chunk}-token prefill chunk of activations + its mask + fp32 logits of a verify step"
+        note = f"one {chunk}-token prefill chunk of activations + its mask + fp32 logits of a verify step"
+        if fmt.quant == "gguf":  # prefill dequantizes a fused gate/up into one bf16 buffer (gguf_linear._scratch)
+            b += d.hidden * 2 * d.intermediate * 2
+            note += " + the prefill's dequantized gate/up (bf16)"
+        return b, note
     b = chunk * (width + d.vocab) * 4 + d.vocab * 4 * slots
     return b, (f"one {chunk}-token ubatch of f32 activations and logits (flash attention on); "
                "llama.cpp logs the real figure")

@@ -178,23 +178,32 @@ class GGUFLinear(nn.Module):
     def _dequant_matmul(self, x2: torch.Tensor) -> torch.Tensor:
         dtype = torch.bfloat16 if x2.dtype == torch.bfloat16 or has_bf16() else torch.float32  # native bf16: ~4x fp32
         xd = x2.to(dtype)
-        step = min(self.out_features, max(64, DEQUANT_CHUNK_BYTES // (self.in_features * xd.element_size())))
+        step = min(self.out_features, max(64, DEQUANT_CHUNK_BYTES // (self.in_features * xd.element_size())) // 32 * 32)
         self.last_path = "dequant"
         if x2.device.type != "cpu":
             return (xd @ self.dequantize(dtype).T).to(x2.dtype)
         y = torch.empty(x2.shape[0], self.out_features, dtype=dtype)
         for o0 in range(0, self.out_features, step):
             o1 = min(o0 + step, self.out_features)
-            w = self._dequantize_into(_scratch(dtype, (o1 - o0) * self.in_features), o0, o1)
+            w = self._dequantize_into(_scratch(dtype, (o1 - o0) * self.in_features), o0, o1)  # [in, o1 - o0]
             if o1 - o0 == self.out_features:
-                torch.matmul(xd, w.T, out=y)
+                torch.matmul(xd, w, out=y)
             else:
-                y[:, o0:o1] = xd @ w.T
+                y[:, o0:o1] = xd @ w
         return y.to(x2.dtype)
 
     def _dequantize_into(self, buf: torch.Tensor, o0: int, o1: int) -> torch.Tensor:
-        w = buf.view(o1 - o0, self.in_features)
-        return w if self._dequantize_c(o0, o1, w) else w.copy_(self.dequantize(w.dtype, slice(o0, o1)))
+        """Rows [o0, o1) of the weight, transposed ([in, o1 - o0]), in `buf`: written transposed by the C library
+        where it can (x16 Q4_K / Q6_K to bf16 on AVX512-BF16 with VBMI, `gq_dequantize_t`: vectorized, where the
+        row-major writer unpacks element by element; docs/benchmarks.md section 21), else a view of the row-major
+        rows."""
+        lib, n = K.library(), o1 - o0
+        if (lib is not None and buf.dtype == torch.bfloat16 and lib.gq_dequantize_t(
+                self.qtype, self.qweight.data_ptr(), self.in_features, o0, o1, buf.data_ptr(), n,
+                torch.get_num_threads()) == 0):
+            return buf.view(self.in_features, n)
+        w = buf.view(n, self.in_features)
+        return (w if self._dequantize_c(o0, o1, w) else w.copy_(self.dequantize(w.dtype, slice(o0, o1)))).T
 
 
 class GGUFConcatLinear(nn.Module):
@@ -219,12 +228,29 @@ class GGUFConcatLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         rows = x2.shape[0]
-        y = kernel_matmul(list(self.parts), x2) if use_kernel(self.parts, rows, x2.dtype) else None
+        y = kernel_matmul(list(self.parts), x2) if use_kernel(self.parts, rows, x2.dtype) else self._dequant_matmul(x2)
         if y is None:
             return torch.cat([p(x) for p in self.parts], dim=-1)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _dequant_matmul(self, x2: torch.Tensor) -> torch.Tensor | None:
+        """Above the kernel rows: every part dequantized transposed, side by side, into one bf16 buffer ([in, out]) and
+        one matmul, instead of a matmul per part and a concatenation of their float outputs (`torch.cat` took ~0.2 s
+        of a 512-row forward of the 1.5B in torch's profiler, session 16); None where the C library cannot write a
+        part so (not AVX512-BF16 with VBMI, not x16 Q4_K / Q6_K): each part on its own then."""
+        lib = K.library()
+        if lib is None or x2.device.type != "cpu":
+            return None
+        w = _scratch(torch.bfloat16, self.in_features * self.out_features).view(self.in_features, self.out_features)
+        col = 0
+        for p in self.parts:
+            if lib.gq_dequantize_t(p.qtype, p.qweight.data_ptr(), p.in_features, 0, p.out_features,
+                                   w[:, col:].data_ptr(), self.out_features, torch.get_num_threads()) != 0:
+                return None
+            p.last_path, col = "dequant", col + p.out_features
+        return (x2.to(torch.bfloat16) @ w).to(x2.dtype)
 
 
 EXACT_ROWS = 64  # x16 layout: rows that always take the kernel (runtime.attention.KERNEL_ROWS, a tree's size)

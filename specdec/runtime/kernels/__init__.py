@@ -121,6 +121,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gq_matmul_parts.restype = i32
     lib.gq_dequantize.argtypes = [i32, p, i64, i64, i64, p, i32, i32]
     lib.gq_dequantize.restype = i32
+    lib.gq_dequantize_t.argtypes = [i32, p, i64, i64, i64, p, i64, i32]
+    lib.gq_dequantize_t.restype = i32
     lib.gq_repack.argtypes = [i32, p, i64, i64, p, i32]
     lib.gq_repack.restype = i32
     lib.gq_attention.argtypes = [p, i64, i64, i64, p, p, p, i64, i64, p, i64, i64, i64, i64, i64, i64, ctypes.c_float,

@@ -1173,6 +1173,65 @@ T512 static void dequant_512(int type, const uint8_t *W, int64_t in, int64_t o0,
 }
 T256 static void quant_256(const float *x, int64_t r0, int64_t r1, act_t *A) { quantize_rows(x, r0, r1, A); }
 T512 static void quant_512(const float *x, int64_t r0, int64_t r1, act_t *A) { quantize_rows(x, r0, r1, A); }
+/* x16 Q4_K / Q6_K -> bfloat16, transposed (dst[i * ld + t]: input i, output t of the group), for the prefill's
+ * dequantize + bf16 matmul on CPUs with AVX512-BF16 (and VBMI): a line of the layout (4 inputs x 16 outputs, output-
+ * major) regrouped by one byte permute into 4 x 16 bytes, one input's 16 outputs each; a value is gs * q + gm
+ * (mul, then add), as dequant_rows gives it, rounded to nearest even. */
+#define T512BF __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bf16,avx2,fma,f16c")))
+T512BF static inline __attribute__((always_inline)) __m256i x16_bf16(__m512i q32, __m512 gs, __m512 gm) {
+    return (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_mul_ps(gs, _mm512_cvtepi32_ps(q32)), gm));
+}
+/* The quants of inputs 4k..4k+3 of one group's superblock P as 4 x 16 bytes (lane j: input 4k + j, byte t: output t) */
+T512BF static inline __attribute__((always_inline)) __m512i x16_quads(int q6, const uint8_t *P, int k, __m512i idx) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(0x03);
+    const __m512i v = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(P + 64 * (k % 32)));
+    __m512i q = _mm512_and_si512(k < 32 ? v : _mm512_srli_epi16(v, 4), m4);
+    if (q6) {
+        const __m512i h = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(P + X6_HB + 64 * (k % 16)));
+        q = _mm512_or_si512(q, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * (k / 16)), m3), 4));
+    }
+    return q;
+}
+T512BF static inline __attribute__((always_inline)) void x16_group_scales(int q6, const uint8_t *P, __m512 *gs, __m512 *gm) {
+    const __m512 dv = v5_half(P + (q6 ? X6_D : X4_D)), zero = _mm512_setzero_ps();
+    for (int g = 0; g < (q6 ? 16 : 8); g++) {
+        gs[g] = _mm512_mul_ps(v5_scales(P + (q6 ? X6_SC : X4_SC) + 16 * g, q6), dv);
+        gm[g] = q6 ? zero : _mm512_mul_ps(_mm512_sub_ps(zero, v5_half(P + X4_DMIN)), v5_scales(P + X4_M + 16 * g, 0));
+    }
+}
+/* Two neighbouring groups (32 outputs: Wg and Wg + 16 rows), so that each input's 32 outputs fill a 64-byte line. */
+T512BF static void x16_dequant_t_pair(int type, const uint8_t *Wg, int64_t gbytes, int64_t nbk, uint16_t *dst, int64_t ld) {
+    const int q6 = type == GQ_X16 + GQ_Q6_K;
+    const int64_t sb = q6 ? X6_BYTES : X4_BYTES;
+    uint8_t ix[64];
+    for (int k = 0; k < 64; k++) ix[k] = (uint8_t)(4 * (k % 16) + k / 16); /* lane j, byte t <- byte 4t + j */
+    const __m512i idx = _mm512_loadu_si512(ix), off = _mm512_set1_epi32(q6 ? 32 : 0);
+    for (int64_t b = 0; b < nbk; b++) {
+        const uint8_t *P[2] = {Wg + b * sb, Wg + gbytes + b * sb};
+        uint16_t *D = dst + b * 256 * ld;
+        __m512 gs[2][16], gm[2][16];
+        for (int h = 0; h < 2; h++) x16_group_scales(q6, P[h], gs[h], gm[h]);
+        for (int k = 0; k < 64; k++) { /* inputs 4k .. 4k + 3 */
+            const int g = q6 ? k / 4 : k / 8;
+            const __m512i qa = x16_quads(q6, P[0], k, idx), qb = x16_quads(q6, P[1], k, idx);
+#define X16_LANE(q, j) _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(q, j)), off)
+#define X16_ROW(j)                                                                                              \
+    _mm512_storeu_si512(D + (4 * k + j) * ld,                                                                   \
+                        _mm512_inserti64x4(_mm512_castsi256_si512(x16_bf16(X16_LANE(qa, j), gs[0][g], gm[0][g])), \
+                                           x16_bf16(X16_LANE(qb, j), gs[1][g], gm[1][g]), 1))
+            X16_ROW(0);
+            X16_ROW(1);
+            X16_ROW(2);
+            X16_ROW(3);
+#undef X16_ROW
+#undef X16_LANE
+        }
+    }
+}
+static int has_bf16_dequant(void) {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bf16") && gq_best_path() >= PATH_AVX512BW;
+}
 #endif
 
 static void quant_path(int path, const float *x, int64_t r0, int64_t r1, act_t *A) {
@@ -1202,6 +1261,27 @@ int gq_dequantize(int type, const uint8_t *W, int64_t in, int64_t o0, int64_t o1
         dequant_any(type, W, in, c, e, o0, dst, bf16);
     }
     return 0;
+}
+
+/* x16 Q4_K / Q6_K weight rows [o0, o1) (multiples of 16) -> bfloat16, transposed: dst[i * ld + (o - o0)] for input
+ * i (x16_dequant_t_group). Returns 0, -1 where the type or this CPU (AVX512-BF16 and VBMI) has no such path, -2 on
+ * bad shapes. */
+int gq_dequantize_t(int type, const uint8_t *W, int64_t in, int64_t o0, int64_t o1, uint16_t *dst, int64_t ld,
+                    int nthreads) {
+#ifdef GQ_X86
+    if ((type != GQ_X16 + GQ_Q4_K && type != GQ_X16 + GQ_Q6_K) || !has_bf16_dequant()) return -1;
+    if (in % 256 || o0 % 16 || o1 % 16 || o1 < o0 || ld < o1 - o0) return -2;
+    if (nthreads < 1) nthreads = 1;
+    const int64_t nbk = in / 256, rowbytes = nbk * block_bytes(type);
+    if ((o1 - o0) % 32) return -2;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t o = o0; o < o1; o += 32)
+        x16_dequant_t_pair(type, W + o * rowbytes, 16 * rowbytes, nbk, dst + (o - o0), ld);
+    return 0;
+#else
+    (void)type, (void)W, (void)in, (void)o0, (void)o1, (void)dst, (void)ld, (void)nthreads;
+    return -1;
+#endif
 }
 
 /* Q4_K / Q6_K / Q8_0 / Q5_0 / Q4_1 blocks [out][in] in the file's layout -> the x16 layout (GQ_X16 + type) at dst
