@@ -10,18 +10,14 @@ decides by throughput, never by acceptance rate alone:
   requests (at most the slots). Keying by load instead of the current batch keeps a filling server
   from speculating through its ramp-up at high concurrency.
 - Measured goodput: per load bucket and arm, committed tokens per second over all sequences
-  (running averages of tokens and of step seconds), with the drafters' catch-up on new prompts (a
-  draft model prefilling them: one-off per sequence, paid only by arms that draft) spread over the
-  tokens it serves: seconds per committed token, averaged slowly per arm (SETUP_EMA), so a request's
-  catch-up counts against the arm's goodput over the next tens of tokens instead of as one step's spike. A measurement expires after `ttl` steps of its
+  (running averages of tokens and of step seconds). A measurement expires after `ttl` steps of its
   bucket, so a losing arm is re-examined now and then (the ttl doubles each time it loses again).
 - Predicted goodput, for arms not (or no longer) measured in a bucket: from measured parts that
   carry across batch sizes: target forward seconds by total tokens, drafting seconds per step by
   batch size (a draft model drafts a step's sequences in one batch, so its cost grows slower than
   the batch; unmeasured sizes: interpolated, or per sequence times the batch), tokens and draft
   tokens per sequence-step with that arm:
-      goodput(arm, b) = b * tokens_per_seq(arm) / (draft_s(arm, b) + forward(b * (1 + drafted_per_seq(arm)))
-                                                   + b * tokens_per_seq(arm) * setup_per_token(arm))
+      goodput(arm, b) = b * tokens_per_seq(arm) / (draft_s(arm, b) + forward(b * (1 + drafted_per_seq(arm))))
   An arm is run only when its (measured or predicted) goodput is the best, so a hopeless arm at
   high load costs nothing to rule out.
 """
@@ -33,7 +29,6 @@ from specdec.engine.adaptive import CostModel
 from specdec.engine.engine import StepInfo
 
 EMA = 0.25
-SETUP_EMA = 0.05  # catch-up seconds per committed token: its average spreads one catch-up over ~20 steps
 TTL = 48          # steps of a bucket before a losing arm's measurement expires (doubles per loss)
 MAX_TTL = 1536
 MIN_OBS = 2       # observations before a measured goodput replaces the prediction
@@ -57,6 +52,10 @@ class _Avg:
         self.seconds += w * (seconds - self.seconds)
         self.n += 1
 
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
 
 @dataclass
 class _ArmParts:
@@ -66,7 +65,6 @@ class _ArmParts:
     draft_s: float = 0.0
     n: int = 0
     by_batch: CostModel = field(default_factory=lambda: CostModel(ema=EMA, proportional_above=True))  # step draft s
-    setup: float = 0.0  # drafters' catch-up seconds per committed token (SETUP_EMA)
 
     def add(self, info: StepInfo) -> None:
         w = 1.0 if self.n == 0 else EMA
@@ -75,7 +73,6 @@ class _ArmParts:
         self.drafted += w * (info.drafted / b - self.drafted)
         self.draft_s += w * (info.draft_s / b - self.draft_s)
         self.by_batch.observe_verify(b, info.draft_s)
-        self.setup += (1.0 if self.n == 0 else SETUP_EMA) * (info.setup_s / max(1, info.committed) - self.setup)
         self.n += 1
 
     def draft_cost(self, batch: int) -> float:
@@ -119,13 +116,7 @@ class LoadController:
     def goodput(self, arm: int | None, batch: int) -> float:
         """Measured goodput of `arm` in this batch size's bucket while fresh, else the prediction."""
         b = bucket(batch)
-        return self._measured(arm, b) if self._fresh(arm, b) else self.predict(arm, batch)
-
-    def _measured(self, arm: int | None, b: int) -> float:
-        """Committed tokens per second of `arm` in bucket `b`, its catch-up per token included."""
-        avg = self.measured[(b, arm)].avg
-        t = avg.seconds + avg.tokens * self.parts[arm].setup
-        return avg.tokens / t if t > 0 else 0.0
+        return self.measured[(b, arm)].avg.rate if self._fresh(arm, b) else self.predict(arm, batch)
 
     def _fresh(self, arm: int | None, b: int) -> bool:
         m = self.measured.get((b, arm))
@@ -133,7 +124,7 @@ class LoadController:
 
     def predict(self, arm: int | None, batch: int) -> float:
         p = self.parts[arm] if self.parts[arm].n else self._scaled(arm)
-        t = p.draft_cost(batch) + self.forward.verify_cost(batch * (1 + p.drafted)) + batch * p.tokens * p.setup
+        t = p.draft_cost(batch) + self.forward.verify_cost(batch * (1 + p.drafted))
         return batch * p.tokens / t if t > 0 else float("inf")
 
     def _scaled(self, arm: int | None) -> _ArmParts:
@@ -143,7 +134,7 @@ class LoadController:
             return _ArmParts(1.0, 0.0, 0.0, 0)
         f = min(1.0, arm / full.drafted) if full.drafted > 0 else 1.0
         by_batch = CostModel({b: s * f for b, s in full.by_batch.verify_s.items()}, ema=EMA, proportional_above=True)
-        return _ArmParts(1 + (full.tokens - 1) * f, full.drafted * f, full.draft_s * f, 0, by_batch, full.setup)
+        return _ArmParts(1 + (full.tokens - 1) * f, full.drafted * f, full.draft_s * f, 0, by_batch)
 
     def observe(self, arm: int | None, info: StepInfo, load: int | None = None) -> None:
         """A step ran with `arm` at `load` (default: its batch). A step that stepped no sequence (every
@@ -161,7 +152,7 @@ class LoadController:
         # A re-examined arm that still loses is left alone twice as long next time.
         others = [self.goodput(a, load) for a in self.arms if a != arm]
         key = (b, arm)
-        if m.avg.n >= MIN_OBS and others and self._measured(arm, b) < max(others):
+        if m.avg.n >= MIN_OBS and others and m.avg.rate < max(others):
             self.ttl[key] = min(MAX_TTL, 2 * self.ttl.get(key, TTL // 2))
         elif m.avg.n >= MIN_OBS:
             self.ttl[key] = TTL
