@@ -10,14 +10,19 @@ decides by throughput, never by acceptance rate alone:
   requests (at most the slots). Keying by load instead of the current batch keeps a filling server
   from speculating through its ramp-up at high concurrency.
 - Measured goodput: per load bucket and arm, committed tokens per second over all sequences
-  (running averages of tokens and of step seconds). A measurement expires after `ttl` steps of its
+  (running averages of tokens and of step seconds), plus, for the arms that draft, the drafters'
+  catch-up on new prompts (a draft model prefilling them, one-off per sequence) as seconds per
+  committed token: a slow average over every step of any arm (SETUP_EMA), so a catch-up is spread
+  over the tokens after it, and the charge fades while nothing catches up (a catch-up once paid is
+  sunk: an arm must not stay ruled out by it). A measurement expires after `ttl` steps of its
   bucket, so a losing arm is re-examined now and then (the ttl doubles each time it loses again).
 - Predicted goodput, for arms not (or no longer) measured in a bucket: from measured parts that
   carry across batch sizes: target forward seconds by total tokens, drafting seconds per step by
   batch size (a draft model drafts a step's sequences in one batch, so its cost grows slower than
   the batch; unmeasured sizes: interpolated, or per sequence times the batch), tokens and draft
   tokens per sequence-step with that arm:
-      goodput(arm, b) = b * tokens_per_seq(arm) / (draft_s(arm, b) + forward(b * (1 + drafted_per_seq(arm))))
+      goodput(arm, b) = b * tokens_per_seq(arm) / (draft_s(arm, b) + forward(b * (1 + drafted_per_seq(arm)))
+                                                   + b * tokens_per_seq(arm) * setup_per_token)   (0 for off)
   An arm is run only when its (measured or predicted) goodput is the best, so a hopeless arm at
   high load costs nothing to rule out.
 """
@@ -29,6 +34,7 @@ from specdec.engine.adaptive import CostModel
 from specdec.engine.engine import StepInfo
 
 EMA = 0.25
+SETUP_EMA = 0.05  # catch-up seconds per committed token: its average spreads one catch-up over ~20 steps
 TTL = 48          # steps of a bucket before a losing arm's measurement expires (doubles per loss)
 MAX_TTL = 1536
 MIN_OBS = 2       # observations before a measured goodput replaces the prediction
@@ -51,10 +57,6 @@ class _Avg:
         self.tokens += w * (tokens - self.tokens)
         self.seconds += w * (seconds - self.seconds)
         self.n += 1
-
-    @property
-    def rate(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 @dataclass
@@ -100,6 +102,7 @@ class LoadController:
         self.ttl: dict[tuple[int, int | None], int] = {}
         self.steps: dict[int, int] = {}      # bucket -> steps run
         self.chosen: dict[int, int | None] = {}  # bucket -> arm of the last step (for reports)
+        self.setup = 0.0  # drafters' catch-up seconds per committed token, over every step (SETUP_EMA)
 
     def choose(self, batch: int) -> int | None:
         """The draft cap for the next step at load `batch`."""
@@ -116,7 +119,17 @@ class LoadController:
     def goodput(self, arm: int | None, batch: int) -> float:
         """Measured goodput of `arm` in this batch size's bucket while fresh, else the prediction."""
         b = bucket(batch)
-        return self.measured[(b, arm)].avg.rate if self._fresh(arm, b) else self.predict(arm, batch)
+        return self._measured(arm, b) if self._fresh(arm, b) else self.predict(arm, batch)
+
+    def _measured(self, arm: int | None, b: int) -> float:
+        """Committed tokens per second of `arm` in bucket `b`, its catch-up per token included."""
+        avg = self.measured[(b, arm)].avg
+        t = avg.seconds + avg.tokens * self._setup(arm)
+        return avg.tokens / t if t > 0 else 0.0
+
+    def _setup(self, arm: int | None) -> float:
+        """Catch-up seconds per committed token that `arm` is charged (none for plain decoding)."""
+        return 0.0 if arm == 0 else self.setup
 
     def _fresh(self, arm: int | None, b: int) -> bool:
         m = self.measured.get((b, arm))
@@ -124,7 +137,7 @@ class LoadController:
 
     def predict(self, arm: int | None, batch: int) -> float:
         p = self.parts[arm] if self.parts[arm].n else self._scaled(arm)
-        t = p.draft_cost(batch) + self.forward.verify_cost(batch * (1 + p.drafted))
+        t = p.draft_cost(batch) + self.forward.verify_cost(batch * (1 + p.drafted)) + batch * p.tokens * self._setup(arm)
         return batch * p.tokens / t if t > 0 else float("inf")
 
     def _scaled(self, arm: int | None) -> _ArmParts:
@@ -145,6 +158,7 @@ class LoadController:
         b = bucket(load)
         self.steps[b] = step = self.steps.get(b, 0) + 1
         self.forward.observe_verify(info.forward_tokens, info.forward_s)
+        self.setup += SETUP_EMA * (info.setup_s / max(1, info.committed) - self.setup)
         self.parts[arm].add(info)
         m = self.measured.setdefault((b, arm), _Measured())
         m.avg.add(info.committed, info.seconds)
@@ -152,7 +166,7 @@ class LoadController:
         # A re-examined arm that still loses is left alone twice as long next time.
         others = [self.goodput(a, load) for a in self.arms if a != arm]
         key = (b, arm)
-        if m.avg.n >= MIN_OBS and others and m.avg.rate < max(others):
+        if m.avg.n >= MIN_OBS and others and self._measured(arm, b) < max(others):
             self.ttl[key] = min(MAX_TTL, 2 * self.ttl.get(key, TTL // 2))
         elif m.avg.n >= MIN_OBS:
             self.ttl[key] = TTL
