@@ -1263,17 +1263,16 @@ int gq_dequantize(int type, const uint8_t *W, int64_t in, int64_t o0, int64_t o1
     return 0;
 }
 
-/* x16 Q4_K / Q6_K weight rows [o0, o1) (multiples of 16) -> bfloat16, transposed: dst[i * ld + (o - o0)] for input
- * i (x16_dequant_t_group). Returns 0, -1 where the type or this CPU (AVX512-BF16 and VBMI) has no such path, -2 on
- * bad shapes. */
+/* x16 Q4_K / Q6_K weight rows [o0, o1) (o0 a multiple of 16, o1 - o0 of 32) -> bfloat16, transposed:
+ * dst[i * ld + (o - o0)] for input i (x16_dequant_t_pair). Returns 0, -1 where the type or this CPU (AVX512-BF16
+ * and VBMI) has no such path, -2 on bad shapes. */
 int gq_dequantize_t(int type, const uint8_t *W, int64_t in, int64_t o0, int64_t o1, uint16_t *dst, int64_t ld,
                     int nthreads) {
 #ifdef GQ_X86
     if ((type != GQ_X16 + GQ_Q4_K && type != GQ_X16 + GQ_Q6_K) || !has_bf16_dequant()) return -1;
-    if (in % 256 || o0 % 16 || o1 % 16 || o1 < o0 || ld < o1 - o0) return -2;
+    if (in % 256 || o0 % 16 || (o1 - o0) % 32 || o1 < o0 || ld < o1 - o0) return -2;
     if (nthreads < 1) nthreads = 1;
     const int64_t nbk = in / 256, rowbytes = nbk * block_bytes(type);
-    if ((o1 - o0) % 32) return -2;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t o = o0; o < o1; o += 32)
         x16_dequant_t_pair(type, W + o * rowbytes, 16 * rowbytes, nbk, dst + (o - o0), ld);
