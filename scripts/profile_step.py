@@ -24,7 +24,6 @@ from specdec.runtime import gguf_linear as GL
 from specdec.runtime.layer_kernel import LayerKernel
 
 
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b")

@@ -104,9 +104,11 @@ def test_load_controller_speculates_at_low_load_and_stops_at_high_load():
     assert c.report()["16"]["chosen"] == "off"
 
 
-def _plain_and_spec(setup_every: int = 0, setup_s: float = 0.0, steps: int = 200, start: LoadController | None = None):
+def _plain_and_spec(setup_every: int = 0, setup_s: float = 0.0, steps: int = 200,
+                    start: LoadController | None = None) -> tuple[LoadController, int]:
     """A controller at batch 1 where plain decoding gives 1 token per 0.25 s and speculation 3 per 0.625 s (1.2x),
-    plus a catch-up of `setup_s` on every `setup_every`-th speculative step (a new request)."""
+    plus a catch-up of `setup_s` on every `setup_every`-th speculative step (a new request); and how many of the
+    `steps` it speculated."""
     c = start or LoadController(draft_max=8)
     if start is None:  # both arms measured once, as a server has them after its first requests
         c.observe(0, _step(1, 1, 0, 0.0, 0.25))
@@ -119,28 +121,27 @@ def _plain_and_spec(setup_every: int = 0, setup_s: float = 0.0, steps: int = 200
             spec += 1
             info.setup_s = setup_s if setup_every and spec % setup_every == 1 else 0.0
         c.observe(arm, info)
-    c.spec_steps = spec
-    return c
+    return c, spec
 
 
 def test_load_controller_counts_a_draft_models_catch_up():
     """Speculation that gains 1.2x per step but pays a catch-up on every new prompt (3 s per 33-token request) runs
-    on far fewer steps than the same steps without the catch-up, which run on nearly all. The catch-up is spread over the tokens
-    after it."""
-    fast, slow = _plain_and_spec(), _plain_and_spec(setup_every=11, setup_s=3.0)
-    assert fast.spec_steps > 0.9 * 200
-    assert slow.spec_steps < 0.6 * fast.spec_steps and slow.setup > 0.005  # seconds per committed token
+    on far fewer steps than the same steps without the catch-up, which run on nearly all. The catch-up is spread
+    over the tokens after it."""
+    (_, fast), (slow, slow_steps) = _plain_and_spec(), _plain_and_spec(setup_every=11, setup_s=3.0)
+    assert fast > 0.9 * 200
+    assert slow_steps < 0.6 * fast and slow.setup > 0.005  # seconds per committed token
 
 
 def test_load_controller_forgets_a_paid_catch_up():
     """One catch-up (3 s) rules speculation out for a while; plain steps wear the charge down (no catch-up is paid
     in them), and speculation, 1.2x per step, comes back."""
-    c = _plain_and_spec(steps=0)
+    c, _ = _plain_and_spec(steps=0)
     info = _step(1, 3, 4, 0.1, 0.525)
     info.setup_s = 3.0
     c.observe(None, info)
     assert c.choose(1) == 0
-    assert _plain_and_spec(steps=300, start=c).choose(1) != 0
+    assert _plain_and_spec(steps=300, start=c)[0].choose(1) != 0
 
 
 def test_a_failing_sequence_ends_alone(tiny_dir):

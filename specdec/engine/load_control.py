@@ -137,7 +137,8 @@ class LoadController:
 
     def predict(self, arm: int | None, batch: int) -> float:
         p = self.parts[arm] if self.parts[arm].n else self._scaled(arm)
-        t = p.draft_cost(batch) + self.forward.verify_cost(batch * (1 + p.drafted)) + batch * p.tokens * self._setup(arm)
+        t = (p.draft_cost(batch) + self.forward.verify_cost(batch * (1 + p.drafted))
+             + batch * p.tokens * self._setup(arm))
         return batch * p.tokens / t if t > 0 else float("inf")
 
     def _scaled(self, arm: int | None) -> _ArmParts:

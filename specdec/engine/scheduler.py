@@ -137,13 +137,17 @@ class Scheduler:
         the last batches back to the OS first (glibc keeps it otherwise: a server's RSS would stay at the
         high-water mark of its largest batch)."""
         with self._cv:
-            idle = not (self.waiting or self.prefilling or self.running or self._stop)
+            idle = not self._awake()
         if idle:
             release_free_memory()
         with self._cv:
-            while not (self.waiting or self.prefilling or self.running or self._stop):
+            while not self._awake():
                 self._cv.wait()
             return bool(self.waiting or self.prefilling or self.running)
+
+    def _awake(self) -> bool:
+        """Work to do, or a stop to act on (call holding the lock)."""
+        return bool(self.waiting or self.prefilling or self.running or self._stop)
 
     def _fail_in_flight(self, error: str) -> None:
         """End every admitted request with `error`, freeing its slot."""

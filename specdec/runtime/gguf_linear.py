@@ -197,13 +197,20 @@ class GGUFLinear(nn.Module):
         where it can (x16 Q4_K / Q6_K to bf16 on AVX512-BF16 with VBMI, `gq_dequantize_t`: vectorized, where the
         row-major writer unpacks element by element; docs/benchmarks.md section 21), else a view of the row-major
         rows."""
-        lib, n = K.library(), o1 - o0
-        if (lib is not None and buf.dtype == torch.bfloat16 and lib.gq_dequantize_t(
-                self.qtype, self.qweight.data_ptr(), self.in_features, o0, o1, buf.data_ptr(), n,
-                torch.get_num_threads()) == 0):
-            return buf.view(self.in_features, n)
+        n = o1 - o0
+        wt = buf.view(self.in_features, n)
+        if self._dequantize_t(wt, o0, o1):
+            return wt
         w = buf.view(n, self.in_features)
         return (w if self._dequantize_c(o0, o1, w) else w.copy_(self.dequantize(w.dtype, slice(o0, o1)))).T
+
+    def _dequantize_t(self, dst: torch.Tensor, o0: int, o1: int) -> bool:
+        """Rows [o0, o1) into dst (bf16 [in, o1 - o0], rows `dst.stride(0)` apart), transposed, through the C library
+        (`gq_dequantize_t`); False where it has no such path. An empty range (o0 == o1) only asks whether it has."""
+        lib = K.library()
+        return lib is not None and dst.dtype == torch.bfloat16 and lib.gq_dequantize_t(
+            self.qtype, self.qweight.data_ptr(), self.in_features, o0, o1, dst.data_ptr(), dst.stride(0),
+            torch.get_num_threads()) == 0
 
 
 class GGUFConcatLinear(nn.Module):
@@ -240,14 +247,13 @@ class GGUFConcatLinear(nn.Module):
         one matmul, instead of a matmul per part and a concatenation of their float outputs (`torch.cat` took ~0.2 s
         of a 512-row forward of the 1.5B in torch's profiler, session 16); None where the C library cannot write a
         part so (not AVX512-BF16 with VBMI, not x16 Q4_K / Q6_K): each part on its own then."""
-        lib = K.library()
-        if lib is None or x2.device.type != "cpu":
-            return None
+        probe = torch.empty(0, 0, dtype=torch.bfloat16)
+        if x2.device.type != "cpu" or not all(p._dequantize_t(probe, 0, 0) for p in self.parts):
+            return None  # asked before the buffer is made: elsewhere it would only cost memory
         w = _scratch(torch.bfloat16, self.in_features * self.out_features).view(self.in_features, self.out_features)
         col = 0
         for p in self.parts:
-            if lib.gq_dequantize_t(p.qtype, p.qweight.data_ptr(), p.in_features, 0, p.out_features,
-                                   w[:, col:].data_ptr(), self.out_features, torch.get_num_threads()) != 0:
+            if not p._dequantize_t(w[:, col:col + p.out_features], 0, p.out_features):
                 return None
             p.last_path, col = "dequant", col + p.out_features
         return (x2.to(torch.bfloat16) @ w).to(x2.dtype)

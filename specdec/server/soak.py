@@ -1,10 +1,10 @@
 """Soak `specdec serve` on loopback with mixed traffic: chat and completions, streaming or not, random
 disconnects, random `speculative` objects, seeds, stop strings, two API keys and a few invalid requests, at a
 given concurrency. It checks that no request hangs or gets an unexpected status, that the server's anonymous RSS
-(`anon_mb`) stays bounded, that the server is idle and answers afterwards and exits 0 on SIGTERM, and that every greedy or seeded
-output equals the plain output (`"speculative": false`) of the same request. With `--cache-mb` the server keeps a
-prefix cache (repeated shapes hit it), and the server's anonymous RSS and the cache's bytes are sampled over the run (checked
-against the budget; `--samples` writes them as CSV with a plot). Needs the dev extras (httpx, psutil).
+(`anon_mb`) stays bounded, that the server is idle and answers afterwards and exits 0 on SIGTERM, and that every
+greedy or seeded output equals the plain output (`"speculative": false`) of the same request. With `--cache-mb` the
+server keeps a prefix cache (repeated shapes hit it), and the server's anonymous RSS and the cache's bytes are
+sampled over the run (checked against the budget; `--samples` writes them as CSV with a plot). Needs the dev extras (httpx, psutil).
 `python scripts/soak.py --help`; tests/test_soak.py runs it at CI size."""
 from __future__ import annotations
 
@@ -378,7 +378,8 @@ def write_samples(report: Report, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    path.write_text("seconds,anon_rss_mb,prefix_cache_mb\n" + "".join(f"{t},{r:.1f},{c:.1f}\n" for t, r, c in report.samples))
+    path.write_text("seconds,anon_rss_mb,prefix_cache_mb\n"
+                    + "".join(f"{t},{r:.1f},{c:.1f}\n" for t, r, c in report.samples))
     fig, ax = plt.subplots(figsize=(7, 4))
     minutes = [t / 60 for t, _, _ in report.samples]
     ax.plot(minutes, [r for _, r, _ in report.samples], marker="o", label="server anonymous RSS")
@@ -464,7 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-c", "--context", type=int, default=256, help="context per slot (default 256)")
     p.add_argument("--minutes", type=float, default=0.0, help="start no request after this long (default: no limit)")
     p.add_argument("--seed", type=int, default=0, help="seed of the request mix (default 0)")
-    p.add_argument("--rss-limit-mb", type=float, default=64.0, help="allowed growth of the server's anonymous RSS (default 64)")
+    p.add_argument("--rss-limit-mb", type=float, default=64.0,
+                   help="allowed growth of the server's anonymous RSS (default 64)")
     p.add_argument("--cache-mb", type=int, default=0, help="the server's prefix cache (serve --cache-mb; default 0)")
     p.add_argument("--sample-every", type=float, default=60.0, metavar="S",
                    help="seconds between samples of the server's anonymous RSS and prefix-cache bytes (default 60)")

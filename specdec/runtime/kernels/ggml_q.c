@@ -1192,7 +1192,8 @@ T512BF static inline __attribute__((always_inline)) __m512i x16_quads(int q6, co
     }
     return q;
 }
-T512BF static inline __attribute__((always_inline)) void x16_group_scales(int q6, const uint8_t *P, __m512 *gs, __m512 *gm) {
+T512BF static inline __attribute__((always_inline)) void x16_group_scales(int q6, const uint8_t *P, __m512 *gs,
+                                                                         __m512 *gm) {
     const __m512 dv = v5_half(P + (q6 ? X6_D : X4_D)), zero = _mm512_setzero_ps();
     for (int g = 0; g < (q6 ? 16 : 8); g++) {
         gs[g] = _mm512_mul_ps(v5_scales(P + (q6 ? X6_SC : X4_SC) + 16 * g, q6), dv);
@@ -1200,7 +1201,8 @@ T512BF static inline __attribute__((always_inline)) void x16_group_scales(int q6
     }
 }
 /* Two neighbouring groups (32 outputs: Wg and Wg + 16 rows), so that each input's 32 outputs fill a 64-byte line. */
-T512BF static void x16_dequant_t_pair(int type, const uint8_t *Wg, int64_t gbytes, int64_t nbk, uint16_t *dst, int64_t ld) {
+T512BF static void x16_dequant_t_pair(int type, const uint8_t *Wg, int64_t gbytes, int64_t nbk, uint16_t *dst,
+                                      int64_t ld) {
     const int q6 = type == GQ_X16 + GQ_Q6_K;
     const int64_t sb = q6 ? X6_BYTES : X4_BYTES;
     uint8_t ix[64];
@@ -1229,8 +1231,7 @@ T512BF static void x16_dequant_t_pair(int type, const uint8_t *Wg, int64_t gbyte
     }
 }
 static int has_bf16_dequant(void) {
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bf16") && gq_best_path() >= PATH_AVX512BW;
+    return gq_best_path() >= PATH_AVX512BW && __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bf16");
 }
 #endif
 
