@@ -295,7 +295,8 @@ def test_llama_methods_skipped_without_binary(tmp_path):
 
 @pytest.mark.real
 def test_bench_serve_sweep(smollm_dir, tmp_path, capsys):
-    work = write_jsonl(tmp_path / "w.jsonl", [{"id": "a", "category": "code", "prompt": "Write 1, 2, 3, 4."},
+    work = write_jsonl(tmp_path / "w.jsonl", [{"id": "a", "category": "code", "prompt": "Write 1, 2, 3, 4.",
+                                               "max_tokens": 3},
                                               {"id": "b", "category": "chat", "prompt": "Say hi."}])
     out = tmp_path / "serve"
     assert main(["bench", "serve", "-m", str(smollm_dir), "-md", str(smollm_dir), "--dtype", "fp32", "-c", "256",
@@ -304,7 +305,8 @@ def test_bench_serve_sweep(smollm_dir, tmp_path, capsys):
     res = json.loads((out / "results.json").read_text())
     assert [(r["concurrency"], r["mode"]) for r in res["runs"]] == [(c, m) for c in (1, 2) for m in ("off", "on", "auto")]
     for r in res["runs"]:
-        assert r["errors"] == 0 and 0 < r["tokens"] <= 12 and r["throughput_tok_s"] > 0 and r["ttft_s"] > 0
+        # a: the workload's 3 tokens, b: -n 6
+        assert r["errors"] == 0 and 0 < r["tokens"] <= 9 and r["throughput_tok_s"] > 0 and r["ttft_s"] > 0
     assert all((out / p).exists() for p in ("report.md", "serve_throughput.png", "serve_ttft.png", "serve_tpot.png"))
     assert "auto/off" in capsys.readouterr().out
 

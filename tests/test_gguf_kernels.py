@@ -368,9 +368,9 @@ def test_model_from_gguf_blocks_matches_dequantized_model(tmp_path, lib, tied):
     assert (lq.argmax(-1) == ld.argmax(-1)).float().mean() >= 0.75
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q4_1"])
 def test_transposed_bf16_dequantize_is_the_same_weight(name, lib):
-    """The prefill's dequantize + bf16 matmul reads x16 Q4_K / Q6_K transposed ([in, out], gq_dequantize_t, AVX512-BF16
+    """The prefill's dequantize + bf16 matmul reads x16 blocks transposed ([in, out], gq_dequantize_t, AVX512-BF16
     with VBMI): the same bf16 values as the row-major dequantization, for all rows and for a chunk of them; the
     product equals the one through the row-major weight's transpose."""
     rng = np.random.default_rng(11)
@@ -386,15 +386,15 @@ def test_transposed_bf16_dequantize_is_the_same_weight(name, lib):
 
 
 def test_fused_parts_above_the_kernel_rows_share_one_matmul(lib):
-    """Above the kernel rows, x16 Q4_K / Q6_K parts are dequantized side by side into one buffer for one bf16 matmul
+    """Above the kernel rows, x16 parts are dequantized side by side into one buffer for one bf16 matmul
     (where this CPU writes them transposed): the parts' own results, biases included."""
     rng = np.random.default_rng(12)
     parts = [GGUFLinear.from_blocks(random_blocks(qt, out, 512, rng), qt, (out, 512), bias=torch.randn(out)).repacked()
-             for qt, out in ((K.Q4_K, 64), (K.Q6_K, 32), (K.Q4_K, 96))]
+             for qt, out in ((K.Q4_K, 64), (K.Q6_K, 32), (K.Q4_K, 96), (K.Q5_0, 32), (K.Q8_0, 64))]
     cat = GGUFConcatLinear(parts)
     x = torch.randn(600, 512)
     if cat._dequant_matmul(x) is None:
         pytest.skip("no transposed bf16 dequantization here: each part runs alone")
     y, ref = cat(x), torch.cat([p(x) for p in parts], dim=-1)
-    assert cat.last_path == "dequant" and y.shape == (600, 192)
+    assert cat.last_path == "dequant" and y.shape == (600, 288)
     assert torch.allclose(y, ref, rtol=1e-3, atol=1e-3 * float(ref.abs().max()))

@@ -10,6 +10,7 @@ import statistics
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -19,6 +20,13 @@ from specdec.errors import SpecdecError
 
 MODES = ("off", "on", "auto")
 NOCACHE = "-nocache"  # mode suffix: the same mode with `cache_prompt: false` on every request
+SERVE_MAX_TOKENS = 64  # new tokens per turn where the workload gives none and -n is not set
+
+
+@dataclass
+class Conversation:
+    turns: list[str]
+    max_tokens: int  # per turn: the workload's own limit (capped by -n), else -n or SERVE_MAX_TOKENS
 
 
 def _ints(s: str) -> list[int]:
@@ -52,11 +60,13 @@ def run_serve_bench(args: argparse.Namespace) -> Path:
     out_dir = Path(args.out or Path("bench-out") / datetime.now().strftime("serve-%Y%m%d-%H%M%S"))
     out_dir.mkdir(parents=True, exist_ok=True)
     llm = build_llm(args, spec_type=spec, parallel=max(levels))
-    convs = [list(p.turns) for p in prompts]
+    convs = [Conversation(list(p.turns),
+                          p.limit(args.max_tokens) if p.max_tokens else args.max_tokens or SERVE_MAX_TOKENS)
+             for p in prompts]
     meta = {**bench_meta(args, llm, prompts), "spec_type": spec, "concurrency": levels, "modes": modes,
             "cache_mb": llm.config.cache_mb}
     runs: list[dict] = []
-    _level(llm, [convs[0][:1]], 1, "on", 1, 8)  # warm-up
+    _level(llm, [Conversation(convs[0].turns[:1], 8)], 1, "on", 1)  # warm-up
     for c in levels:
         n = args.requests or max(4, 2 * c)
         for mode in modes:  # interleaved per level so drift hits every mode alike
@@ -65,7 +75,7 @@ def run_serve_bench(args: argparse.Namespace) -> Path:
             llm.engine.cost = CostModel()  # a fresh server's measurements: no mode steers the next one's drafts
             if llm.prefix_cache is not None:
                 llm.prefix_cache.clear()  # no mode starts with what another one cached
-            res, report = _level(llm, convs, c, mode, n, args.max_tokens or 64)
+            res, report = _level(llm, convs, c, mode, n)
             runs.append({"concurrency": c, "mode": mode, **_summary(res), "controller": report, "requests": res})
             _write(out_dir, runs, meta)
     print(render(runs, meta))
@@ -73,7 +83,7 @@ def run_serve_bench(args: argparse.Namespace) -> Path:
     return out_dir
 
 
-def _level(llm, convs: list[list[str]], conc: int, mode: str, n: int, max_tokens: int) -> tuple[list[dict], dict]:
+def _level(llm, convs: list["Conversation"], conc: int, mode: str, n: int) -> tuple[list[dict], dict]:
     """`n` conversations (one streaming request per turn) from `conc` client threads against a fresh server in
     `mode`."""
     import httpx
@@ -89,7 +99,7 @@ def _level(llm, convs: list[list[str]], conc: int, mode: str, n: int, max_tokens
              **({"cache_prompt": False} if mode.endswith(NOCACHE) else {})}
     controller = LoadController(llm.engine.spec.draft_max) if spec_mode == "auto" else None
     scheduler = Scheduler(llm.engine, conc, max_queue=n, controller=controller)
-    srv = ServerThread(create_app(llm, scheduler, ServerConfig("m", SamplingParams(max_tokens=max_tokens))))
+    srv = ServerThread(create_app(llm, scheduler, ServerConfig("m", SamplingParams(max_tokens=SERVE_MAX_TOKENS))))
     results: list[dict] = []
     lock, counter = threading.Lock(), iter(range(n))
 
@@ -100,7 +110,8 @@ def _level(llm, convs: list[list[str]], conc: int, mode: str, n: int, max_tokens
                     i = next(counter, None)
                 if i is None:
                     return
-                results.extend(_conversation(client, srv.url, llm, convs[i % len(convs)], max_tokens, extra, i))
+                conv = convs[i % len(convs)]
+                results.extend(_conversation(client, srv.url, llm, conv.turns, conv.max_tokens, extra, i))
     try:
         threads = [threading.Thread(target=worker) for _ in range(conc)]
         for t in threads:
@@ -195,13 +206,18 @@ def render(runs: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _max_tokens_note(meta: dict) -> str:
+    cap = meta["max_tokens"]
+    return f"the workload's, at most {cap} (-n)" if cap else f"the workload's, else {SERVE_MAX_TOKENS}"
+
+
 def _write(out_dir: Path, runs: list[dict], meta: dict) -> None:
     write_atomic(out_dir / "results.json", json.dumps({"runs": runs, "meta": meta}, indent=1))
     plots = _plots(out_dir, runs, meta)
     text = ["# specdec bench serve", "", f"`{meta['command']}`", "",
             f"{meta['date']} · {meta['machine']['cpu']} · {meta['dtype']} · {meta['threads']} threads · "
             f"target {meta['models']['target']} · spec type `{meta['spec_type']}` for on/auto · "
-            f"workload {meta['workload']} · max tokens {meta['max_tokens'] or 64}", "",
+            f"workload {meta['workload']} · max tokens per turn: {_max_tokens_note(meta)}", "",
             "Throughput: completion tokens over all requests / wall time of the level. TTFT and TPOT: medians "
             "per request (streaming). off: `speculative: false`; on: speculation at any load; auto: the "
             f"load controller (engine/load_control.py); MODE{NOCACHE}: `cache_prompt: false` (prefix cache "

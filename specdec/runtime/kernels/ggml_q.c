@@ -1173,7 +1173,7 @@ T512 static void dequant_512(int type, const uint8_t *W, int64_t in, int64_t o0,
 }
 T256 static void quant_256(const float *x, int64_t r0, int64_t r1, act_t *A) { quantize_rows(x, r0, r1, A); }
 T512 static void quant_512(const float *x, int64_t r0, int64_t r1, act_t *A) { quantize_rows(x, r0, r1, A); }
-/* x16 Q4_K / Q6_K -> bfloat16, transposed (dst[i * ld + t]: input i, output t of the group), for the prefill's
+/* x16 blocks -> bfloat16, transposed (dst[i * ld + t]: input i, output t of the group), for the prefill's
  * dequantize + bf16 matmul on CPUs with AVX512-BF16 (and VBMI): a line of the layout (4 inputs x 16 outputs, output-
  * major) regrouped by one byte permute into 4 x 16 bytes, one input's 16 outputs each; a value is gs * q + gm
  * (mul, then add), as dequant_rows gives it, rounded to nearest even. */
@@ -1200,6 +1200,8 @@ T512BF static inline __attribute__((always_inline)) void x16_group_scales(int q6
         gm[g] = q6 ? zero : _mm512_mul_ps(_mm512_sub_ps(zero, v5_half(P + X4_DMIN)), v5_scales(P + X4_M + 16 * g, 0));
     }
 }
+/* Lane j of 4 x 16 quants as 16 signed values (less the layout's offset `off`) */
+#define X16_LANE(q, j) _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(q, j)), off)
 /* Two neighbouring groups (32 outputs: Wg and Wg + 16 rows), so that each input's 32 outputs fill a 64-byte line. */
 T512BF static void x16_dequant_t_pair(int type, const uint8_t *Wg, int64_t gbytes, int64_t nbk, uint16_t *dst,
                                       int64_t ld) {
@@ -1216,7 +1218,6 @@ T512BF static void x16_dequant_t_pair(int type, const uint8_t *Wg, int64_t gbyte
         for (int k = 0; k < 64; k++) { /* inputs 4k .. 4k + 3 */
             const int g = q6 ? k / 4 : k / 8;
             const __m512i qa = x16_quads(q6, P[0], k, idx), qb = x16_quads(q6, P[1], k, idx);
-#define X16_LANE(q, j) _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(q, j)), off)
 #define X16_ROW(j)                                                                                              \
     _mm512_storeu_si512(D + (4 * k + j) * ld,                                                                   \
                         _mm512_inserti64x4(_mm512_castsi256_si512(x16_bf16(X16_LANE(qa, j), gs[0][g], gm[0][g])), \
@@ -1226,7 +1227,45 @@ T512BF static void x16_dequant_t_pair(int type, const uint8_t *Wg, int64_t gbyte
             X16_ROW(2);
             X16_ROW(3);
 #undef X16_ROW
-#undef X16_LANE
+        }
+    }
+}
+/* The same for the 32-input types (Q8_0, Q5_0, Q4_1): a block of one group is 32 inputs, its quants unsigned (q + off). */
+T512BF static inline __attribute__((always_inline)) __m512i x16_quads32(int type, const uint8_t *P, int k, __m512i idx) {
+    if (type == GQ_X16 + GQ_Q8_0) return _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(P + 64 * k));
+    const __m512i v = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(P + 64 * (k % 4)));
+    __m512i q = _mm512_and_si512(k < 4 ? v : _mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+    if (type == GQ_X16 + GQ_Q5_0) { /* bit 4t + j of mask k -> byte 4t + j -> lane j, byte t */
+        uint64_t m;
+        memcpy(&m, P + X5_HB + 8 * k, 8);
+        q = _mm512_or_si512(q, _mm512_and_si512(_mm512_permutexvar_epi8(idx, _mm512_movm_epi8(m)), _mm512_set1_epi8(0x10)));
+    }
+    return q;
+}
+static int x16_body32(int type) {
+    return type == GQ_X16 + GQ_Q8_0 || type == GQ_X16 + GQ_Q5_0 || type == GQ_X16 + GQ_Q4_1;
+}
+T512BF static void x16_dequant_t_pair32(int type, const uint8_t *Wg, int64_t gbytes, int64_t nbk, uint16_t *dst,
+                                        int64_t ld) {
+    const int q8 = type == GQ_X16 + GQ_Q8_0, q41 = type == GQ_X16 + GQ_Q4_1;
+    const int64_t sb = q8 ? X8_BYTES : q41 ? X41_BYTES : X5_BYTES, d_at = q8 ? X8_D : q41 ? X41_D : X5_D;
+    uint8_t ix[64];
+    for (int k = 0; k < 64; k++) ix[k] = (uint8_t)(4 * (k % 16) + k / 16); /* lane j, byte t <- byte 4t + j */
+    const __m512i idx = _mm512_loadu_si512(ix), off = _mm512_set1_epi32(q8 ? 128 : q41 ? 0 : 16);
+    for (int64_t b = 0; b < nbk; b++) {
+        const uint8_t *P[2] = {Wg + b * sb, Wg + gbytes + b * sb};
+        uint16_t *D = dst + b * 32 * ld;
+        __m512 gs[2], gm[2];
+        for (int h = 0; h < 2; h++) {
+            gs[h] = v5_half(P[h] + d_at);
+            gm[h] = q41 ? v5_half(P[h] + X41_M) : _mm512_setzero_ps();
+        }
+        for (int k = 0; k < 8; k++) { /* inputs 4k .. 4k + 3 */
+            const __m512i qa = x16_quads32(type, P[0], k, idx), qb = x16_quads32(type, P[1], k, idx);
+            for (int j = 0; j < 4; j++)
+                _mm512_storeu_si512(D + (4 * k + j) * ld,
+                                    _mm512_inserti64x4(_mm512_castsi256_si512(x16_bf16(X16_LANE(qa, j), gs[0], gm[0])),
+                                                       x16_bf16(X16_LANE(qb, j), gs[1], gm[1]), 1));
         }
     }
 }
@@ -1264,19 +1303,21 @@ int gq_dequantize(int type, const uint8_t *W, int64_t in, int64_t o0, int64_t o1
     return 0;
 }
 
-/* x16 Q4_K / Q6_K weight rows [o0, o1) (o0 a multiple of 16, o1 - o0 of 32) -> bfloat16, transposed:
- * dst[i * ld + (o - o0)] for input i (x16_dequant_t_pair). Returns 0, -1 where the type or this CPU (AVX512-BF16
+/* x16 Q4_K / Q6_K / Q8_0 / Q5_0 / Q4_1 weight rows [o0, o1) (o0 a multiple of 16, o1 - o0 of 32) -> bfloat16,
+ * transposed: dst[i * ld + (o - o0)] for input i (x16_dequant_t_pair, x16_dequant_t_pair32). Returns 0, -1 where the type or this CPU (AVX512-BF16
  * and VBMI) has no such path, -2 on bad shapes. */
 int gq_dequantize_t(int type, const uint8_t *W, int64_t in, int64_t o0, int64_t o1, uint16_t *dst, int64_t ld,
                     int nthreads) {
 #ifdef GQ_X86
-    if ((type != GQ_X16 + GQ_Q4_K && type != GQ_X16 + GQ_Q6_K) || !has_bf16_dequant()) return -1;
-    if (in % 256 || o0 % 16 || (o1 - o0) % 32 || o1 < o0 || ld < o1 - o0) return -2;
+    const int b32 = x16_body32(type);
+    if ((type != GQ_X16 + GQ_Q4_K && type != GQ_X16 + GQ_Q6_K && !b32) || !has_bf16_dequant()) return -1;
+    const int be = block_elems(type);
+    if (in % be || o0 % 16 || (o1 - o0) % 32 || o1 < o0 || ld < o1 - o0) return -2;
     if (nthreads < 1) nthreads = 1;
-    const int64_t nbk = in / 256, rowbytes = nbk * block_bytes(type);
+    const int64_t nbk = in / be, rowbytes = nbk * block_bytes(type);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t o = o0; o < o1; o += 32)
-        x16_dequant_t_pair(type, W + o * rowbytes, 16 * rowbytes, nbk, dst + (o - o0), ld);
+        (b32 ? x16_dequant_t_pair32 : x16_dequant_t_pair)(type, W + o * rowbytes, 16 * rowbytes, nbk, dst + (o - o0), ld);
     return 0;
 #else
     (void)type, (void)W, (void)in, (void)o0, (void)o1, (void)dst, (void)ld, (void)nthreads;
