@@ -21,6 +21,7 @@ from specdec.models.tokenizer import Tokenizer
 from specdec.runtime.prefix_cache import PrefixCache, PrefixStore
 from specdec.runtime.quant import quantize_
 from specdec.runtime.runner import ModelRunner
+from specdec.runtime.cpu import release_openmp_workers
 from specdec.sampling import SamplingParams
 from specdec.stats import Stats
 
@@ -89,6 +90,7 @@ class LLM:
                                                                                        dict(own)),
                                                    self.config.chain_mode)
                     self._forget_option_drafters()
+                release_openmp_workers()  # building may run in a request's thread, which does not decode
         return self._drafters[key]
 
     def _forget_option_drafters(self) -> None:

@@ -451,7 +451,7 @@ def make_parser() -> argparse.ArgumentParser:
                    help="only these categories, comma-separated (after --per-category sampling, so the same "
                    "prompts as a run over all categories)")
     w.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=_positive_int,
-                   help="cap on new tokens per turn (default: the prompt's max_tokens, else 128)")
+                   help="cap on new tokens per turn (default: the prompt's max_tokens, else 128; 64 for bench serve)")
     w.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy, outputs checked (default 0)")
     w.add_argument("--seed", type=int, default=0, help="seed for --per-category sampling and sampled runs (0)")
     w.add_argument("--unseeded", action="store_true",

@@ -14,7 +14,7 @@ from specdec.engine.engine import Engine
 from specdec.engine.load_control import LoadController
 from specdec.sequence import Sequence, StreamCallback
 from specdec.errors import SpecdecError
-from specdec.runtime.cpu import release_free_memory
+from specdec.runtime.cpu import release_free_memory, release_openmp_workers
 from specdec.runtime.runner import PREFILL_CHUNK
 from specdec.sampling import SamplingParams
 
@@ -99,8 +99,10 @@ class Scheduler:
             self._cv.notify()
 
     def start(self) -> None:
+        """Start the engine thread; the caller's OpenMP workers end (they would slow the engine's)."""
         if self._thread and self._thread.is_alive():
             return
+        release_openmp_workers()
         self._thread = threading.Thread(target=self._loop, name="specdec-engine", daemon=True)
         self._thread.start()
 
