@@ -6,6 +6,10 @@ the layers' Python path (the same arithmetic, one call per operation).
     python scripts/profile_step.py                      # default target, 500-token context, 1 and 8 rows
     python scripts/profile_step.py -m qwen2.5-coder-0.5b --context 1000 --rows 1,4,16
     python scripts/profile_step.py --rows 512 --context 100 --last-only   # a prefill chunk: logits of its last row
+    python scripts/profile_step.py --rows 1 --other-thread [--keep-workers]  # forwards on a thread of their own
+
+`--other-thread` runs the forwards on a new thread after the main thread (which loaded the model and prefilled)
+ends its OpenMP workers, as the server's engine thread runs; `--keep-workers` leaves them (before session 18).
 
 Above the kernels' row limit the projections dequantize and multiply in torch (`GGUFLinear._dequant_matmul`, fused
 parts in `GGUFConcatLinear._dequant_matmul`): timed as "dequantize + matmul" per shape.
@@ -15,12 +19,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import threading
 import time
 from pathlib import Path
 
 import specdec.models.transformer as T
 from specdec.api import LLM
 from specdec.runtime import gguf_linear as GL
+from specdec.runtime.cpu import release_openmp_workers
 from specdec.runtime.layer_kernel import LayerKernel
 
 
@@ -32,6 +38,9 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8", help="query rows per forward (1 = decode, more = verification)")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-n", "--forwards", type=int, default=30, help="timed forwards per row count (the median is shown)")
+    ap.add_argument("--other-thread", action="store_true", help="the forwards on a new thread (as the server's)")
+    ap.add_argument("--keep-workers", action="store_true", help="with --other-thread: the main thread's OpenMP "
+                    "workers kept (not `release_openmp_workers`)")
     a = ap.parse_args()
     llm = LLM(a.model, spec_type="none", threads=a.threads, progress=False)
     runner = llm.runner
@@ -93,7 +102,21 @@ def main() -> None:
             cls._dequant_matmul = inner
         return sorted(ts)[n // 2]
 
-    print(f"{a.model}: {llm.quant_info}; context {len(ids)}, {a.threads} threads, medians of {a.forwards} forwards")
+    print(f"{a.model}: {llm.quant_info}; context {len(ids)}, {a.threads} threads, medians of {a.forwards} forwards"
+          + (f"; on another thread, main's OpenMP workers {'kept' if a.keep_workers else 'ended'}"
+             if a.other_thread else ""))
+    if not a.other_thread:
+        report(a, median_forward, spent, calls)
+        return
+    if not a.keep_workers:
+        release_openmp_workers()
+    t = threading.Thread(target=report, args=(a, median_forward, spent, calls))
+    t.start()
+    t.join()
+
+
+def report(a: argparse.Namespace, median_forward, spent: dict, calls: collections.Counter) -> None:
+    """One Markdown table per row count: the forward's median, and where an instrumented forward's time goes."""
     for rows in (int(r) for r in a.rows.split(",")):
         median_forward(rows, 3, False)
         plain = median_forward(rows, a.forwards, False)

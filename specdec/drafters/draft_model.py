@@ -8,12 +8,19 @@ the adaptive `min_path_prob`) reads only what was known before the position's to
 `propose_batch` drafts several sequences at once: their short catch-ups in one ragged forward, then one forward
 per draft position over the sequences still drafting (the engine calls it for a step's sequences). With a
 prefix cache (`ModelRunner.prefix`), a new prompt starts from the draft K/V of its longest cached prefix.
+
+With `lookup` > 0 (chains), each drafting forward also feeds up to that many guessed tokens after the drawn one:
+what followed the context's last 3 tokens earlier in it (prompt lookup). Where the draft then draws the
+guessed token, the logits after it are ready and its forward is saved; from the first token drawn otherwise on,
+the guessed rows are dropped (length pointer). Every token is still drawn from the draft's own logits for its
+position, so the draft is the same as without guesses; only its cost changes.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from specdec.drafters import cross_tokenizer
@@ -23,6 +30,9 @@ from specdec.errors import SpecdecError
 from specdec.runtime.prefix_cache import Block
 from specdec.runtime.runner import ModelRunner
 from specdec.sequence import Sequence
+
+
+GUESS_NGRAM = 3  # `lookup` guesses follow a match of the context's last this many tokens
 
 
 @dataclass
@@ -39,6 +49,7 @@ class _Drafting:
     last: int = -1           # node index of the newest main-chain token
     depth: int = 0           # main-chain tokens so far
     path_prob: float = 1.0   # the draft's own estimate that the main chain so far is accepted
+    ahead: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (guessed token, [V_target] logits after it)
 
     def advance(self, p_min: float, branch_p: float) -> int | None:
         """Draw the next main-chain token (and maybe a sibling) from `logits`; return the token whose logits
@@ -75,9 +86,12 @@ class DraftModelDrafter(Drafter):
     confidence_stop = True
     batched = True
 
-    def __init__(self, runner: ModelRunner, target_vocab: int, p_min: float = 0.0, branch_p: float = 0.0):
+    def __init__(self, runner: ModelRunner, target_vocab: int, p_min: float = 0.0, branch_p: float = 0.0,
+                 lookup: int = 0):
         self.runner, self.target_vocab = runner, target_vocab
         self.p_min, self.branch_p = p_min, branch_p
+        self.lookup = 0 if branch_p > 0 else lookup  # guessed tokens fed per drafting forward (chains only)
+        self.reach: dict[int, int] = {}  # slot -> guessed tokens to feed next: 2 x the last guess's matches + 1
         self.cached: dict[int, list[int]] = {}  # slot -> tokens whose K/V the draft cache holds, in order
         self.drafted_from: dict[int, int] = {}  # slot -> length of `cached` when the last draft began
         self.held: dict[int, Block | None] = {}  # slot -> the prefix-cache block its sequence holds
@@ -97,19 +111,49 @@ class DraftModelDrafter(Drafter):
         """Drafts for several sequences (distinct slots), each draft-model forward one ragged batch over them."""
         states = [_Drafting(s, k, p) for s, k, p in zip(seqs, max_tokens, min_path_probs)]
         self._catch_up(states)
-        feed = [(st, st.advance(self.p_min, self.branch_p)) for st in states]
-        feed = [(st, tok) for st, tok in feed if tok is not None]
+        feed = [(st, tok) for st, tok in ((st, self._advance(st)) for st in states) if tok is not None]
         while feed:
             slots = [st.seq.slot for st, _ in feed]
-            out = self.runner.forward([[tok] for _, tok in feed], [len(self.cached[s]) for s in slots], slots,
-                                      last_only=True)  # per sequence [1, V_draft]
+            chunks = [[tok, *self._guess(st)] for st, tok in feed]
+            out = self.runner.forward(chunks, [len(self.cached[s]) for s in slots], slots,
+                                      last_only=all(len(c) == 1 for c in chunks))  # per sequence [T_i, V_draft]
             self._after_forward([st for st, _ in feed])
-            for (st, tok), logits in zip(feed, out):
+            for (st, tok), chunk, logits in zip(feed, chunks, out):
                 self.cached[st.seq.slot].append(tok)
-                st.logits = self._fit_vocab(logits[-1])
-            feed = [(st, tok) for st, tok in ((st, st.advance(self.p_min, self.branch_p)) for st, _ in feed)
-                    if tok is not None]
+                st.logits = self._fit_vocab(logits[0])
+                st.ahead = [(g, self._fit_vocab(row)) for g, row in zip(chunk[1:], logits[1:])]
+            feed = [(st, tok) for st, tok in ((st, self._advance(st)) for st, _ in feed) if tok is not None]
         return [st.draft() for st in states]
+
+    def _advance(self, st: _Drafting) -> int | None:
+        """Draw the next token(s): on through the guessed rows while the draws match them; the token to feed next,
+        or None when the draft is done."""
+        tok, guessed, slot = st.advance(self.p_min, self.branch_p), len(st.ahead), st.seq.slot
+        while tok is not None and st.ahead and st.ahead[0][0] == tok:
+            self.cached[slot].append(tok)  # its K/V was written by the guessing forward
+            st.logits = st.ahead.pop(0)[1]
+            tok = st.advance(self.p_min, self.branch_p)
+        if guessed:  # next time guess a little beyond what matched: a wrong guess costs its rows
+            self.reach[slot] = min(self.lookup, 2 * (guessed - len(st.ahead)) + 1)
+        st.ahead = []  # rows after a token drawn otherwise are stale (overwritten by the next forward)
+        return tok
+
+    def _guess(self, st: _Drafting) -> list[int]:
+        """Up to `reach` tokens (no more than the draft can still use): what followed the context's last 3 tokens
+        at their latest earlier occurrence (the context: the sequence and the draft so far). Shorter matches
+        guessed new text wrongly too often to pay for their rows."""
+        want = min(self.reach.get(st.seq.slot, self.lookup), st.max_tokens - len(st.tokens) - 1)
+        if want <= 0:
+            return []
+        ctx, n = np.asarray(st.seq.tokens + st.tokens, dtype=np.int64), GUESS_NGRAM
+        if len(ctx) <= n:
+            return []
+        windows = np.lib.stride_tricks.sliding_window_view(ctx[:-1], n)  # [L - n, n] earlier n-grams
+        hits = np.flatnonzero((windows == ctx[-n:]).all(axis=1))
+        if not hits.size:
+            return []
+        start = int(hits[-1]) + n
+        return ctx[start:start + want].tolist()
 
     def _catch_up(self, states: list[_Drafting]) -> None:
         """Feed each sequence's tokens the draft has not seen yet (prompt, accepted drafts, bonus token) and set
@@ -181,6 +225,7 @@ class DraftModelDrafter(Drafter):
             self.runner.prefix.release(self.held.pop(seq.slot, None))
         self.cached.pop(seq.slot, None)
         self.drafted_from.pop(seq.slot, None)
+        self.reach.pop(seq.slot, None)
 
 
 P_MIN = Option("draft_p_min", "--draft-p-min", 0.0, "draft, eagle3: stop drafting when the draft's largest "
@@ -190,6 +235,10 @@ BRANCH_P = Option("draft_branch_p", "--draft-branch-p", 0.0, "draft model: where
                   "this, also propose its second choice (sampling: a second draw) as a sibling (a token tree "
                   "verified in one forward); 0 = chains only (default 0)", float, "in [0, 1]")
 
+LOOKUP = Option("draft_lookup", "--draft-lookup", 8, "draft model: feed up to N guessed tokens (prompt lookup: what "
+               "followed the context's last 3 tokens earlier in it) after each drafted token in the same draft "
+               "forward; where the draft draws them, their forwards are saved; the draft is unchanged (chains, same "
+               "tokenizer; 0 = off, default 8)", int, ">= 0")
 VOCAB = Option("draft_vocab", "--draft-vocab", 0, "draft model: compute its logits over the first N token ids only "
                "(BPE vocabularies list the most frequent merges first), so each drafted token reads N rows of its LM "
                "head instead of all; the target checks every token as before, so the output is unchanged; 0 = the "
@@ -205,8 +254,9 @@ def build(ctx: BuildContext) -> Drafter:
         return cross_tokenizer.build(runner, tokenizers, ctx.target.vocab_size, opts["draft_p_min"],
                                      opts["draft_branch_p"])
     runner.model.keep_head_rows(opts["draft_vocab"])
-    return DraftModelDrafter(runner, ctx.target.vocab_size, opts["draft_p_min"], opts["draft_branch_p"])
+    return DraftModelDrafter(runner, ctx.target.vocab_size, opts["draft_p_min"], opts["draft_branch_p"],
+                             opts["draft_lookup"])
 
 
 TYPES = (DrafterType("draft", build, "a smaller model (-md); with another tokenizer than the target's, through text",
-                     (P_MIN, BRANCH_P, VOCAB), draft_model=True, per_scope=False),)
+                     (P_MIN, BRANCH_P, VOCAB, LOOKUP), draft_model=True, per_scope=False),)
