@@ -25,6 +25,7 @@ import torch
 
 from specdec.drafters import cross_tokenizer
 from specdec.drafters.base import SETUP_TOKENS, Draft, Drafter, draft_distribution, draw
+from specdec.drafters.ngram_index import latest_continuation
 from specdec.drafters.registry import BuildContext, DrafterType, Option
 from specdec.errors import SpecdecError
 from specdec.runtime.prefix_cache import Block
@@ -145,15 +146,7 @@ class DraftModelDrafter(Drafter):
         want = min(self.reach.get(st.seq.slot, self.lookup), st.max_tokens - len(st.tokens) - 1)
         if want <= 0:
             return []
-        ctx, n = np.asarray(st.seq.tokens + st.tokens, dtype=np.int64), GUESS_NGRAM
-        if len(ctx) <= n:
-            return []
-        windows = np.lib.stride_tricks.sliding_window_view(ctx[:-1], n)  # [L - n, n] earlier n-grams
-        hits = np.flatnonzero((windows == ctx[-n:]).all(axis=1))
-        if not hits.size:
-            return []
-        start = int(hits[-1]) + n
-        return ctx[start:start + want].tolist()
+        return latest_continuation(np.asarray(st.seq.tokens + st.tokens, dtype=np.int64), GUESS_NGRAM, want) or []
 
     def _catch_up(self, states: list[_Drafting]) -> None:
         """Feed each sequence's tokens the draft has not seen yet (prompt, accepted drafts, bonus token) and set

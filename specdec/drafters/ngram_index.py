@@ -54,6 +54,19 @@ def window_hashes(tokens: list[int], start: int, stop: int, max_len: int) -> np.
     return out
 
 
+def latest_continuation(ctx: np.ndarray, n: int, want: int) -> list[int] | None:
+    """Up to `want` tokens that followed the latest earlier occurrence of the last `n` tokens of ctx ([L] int64);
+    None where they do not occur earlier (prompt lookup)."""
+    if len(ctx) <= n:
+        return None
+    windows = np.lib.stride_tricks.sliding_window_view(ctx[:-1], n)  # [L - n, n] earlier n-grams
+    hits = np.flatnonzero((windows == ctx[-n:]).all(axis=1))
+    if not hits.size:
+        return None
+    start = int(hits[-1]) + n  # most recent occurrence
+    return ctx[start:start + want].tolist()
+
+
 def chain_lookups(context: list[int], want: int, step: Callable[[list[int]], int | None]) -> list[int]:
     """Draft by repeated look-up: append `step(context + drafted)` until it gives None or `want` tokens."""
     ctx, out = list(context), []

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from specdec.drafters.base import Draft, Drafter
-from specdec.drafters.ngram_index import NGRAM_M, NGRAM_N
+from specdec.drafters.ngram_index import NGRAM_M, NGRAM_N, latest_continuation
 from specdec.drafters.registry import DrafterType, Option
 from specdec.sequence import Sequence
 
@@ -23,13 +23,9 @@ class NgramSimpleDrafter(Drafter):
         ctx = np.asarray(seq.tokens, dtype=np.int64)
         want = min(self.m, max_tokens)
         for n in range(self.n, self.n_min - 1, -1):
-            if len(ctx) <= n or want <= 0:
-                continue
-            windows = np.lib.stride_tricks.sliding_window_view(ctx[:-1], n)  # [L-n, n] earlier n-grams
-            hits = np.flatnonzero((windows == ctx[-n:]).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n  # most recent occurrence
-                return Draft(ctx[start:start + want].tolist())
+            found = latest_continuation(ctx, n, want) if want > 0 else None
+            if found is not None:
+                return Draft(found)
         return Draft([])
 
 
