@@ -34,3 +34,31 @@ def test_smollm_gguf_head_rows_keep_greedy_output(smollm_dir):
     head = llm.drafter_for("draft").runner.model.lm_head
     assert head.out_features in (5000, 5008) and head.qweight.shape[0] == head.out_features
     assert llm.runner.model.lm_head.out_features == 49152  # the target (the same file) keeps its whole head
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_weight_only_quantized_head_keeps_its_first_rows(kind):
+    """`--draft-quant int8|int4` with `--draft-vocab`: the reduced head gives the whole head's first logits."""
+    import torch
+    from torch import nn
+
+    from specdec.runtime.quant import Int4Linear, Int8Linear
+    torch.manual_seed(0)
+    head = nn.Linear(128, 96, bias=False, dtype=torch.bfloat16)
+    q = (Int4Linear if kind == "int4" else Int8Linear)(head)
+    part = q.first_outputs(40)
+    n = part.out_features  # int4: rounded up to 16
+    assert n == (48 if kind == "int4" else 40) and part.in_features == 128
+    for rows in (1, 6):  # the packed one-row kernel and the dequantizing path
+        x = torch.randn(rows, 128, dtype=torch.bfloat16)
+        assert torch.equal(part(x), q(x)[:, :n])
+
+
+def test_auto_cuts_only_large_vocabularies():
+    from specdec.drafters.draft_model import AUTO_VOCAB, VOCAB, head_rows
+    assert VOCAB.default == "auto" and VOCAB.check("auto") == "auto" and VOCAB.check("5000") == 5000
+    assert head_rows("auto", 151936) == AUTO_VOCAB == 65536  # Qwen2.5
+    assert head_rows("auto", 49152) == 0 and head_rows("auto", 96) == 0  # SmolLM2, tiny models: every row
+    assert head_rows(0, 151936) == 0 and head_rows(5000, 49152) == 5000
+    with pytest.raises(specdec.SpecdecError, match="draft_vocab"):
+        VOCAB.check(-1)

@@ -9,7 +9,8 @@ the adaptive `min_path_prob`) reads only what was known before the position's to
 per draft position over the sequences still drafting (the engine calls it for a step's sequences). With a
 prefix cache (`ModelRunner.prefix`), a new prompt starts from the draft K/V of its longest cached prefix.
 
-With `lookup` > 0 (chains), each drafting forward also feeds up to that many guessed tokens after the drawn one:
+With `lookup` > 0 (chains), each drafting forward also feeds up to that many guessed tokens after the drawn one
+(and the forward that catches up on a step's committed tokens, after the last of them):
 what followed the context's last 3 tokens earlier in it (prompt lookup). Where the draft then draws the
 guessed token, the logits after it are ready and its forward is saved; from the first token drawn otherwise on,
 the guessed rows are dropped (length pointer). Every token is still drawn from the draft's own logits for its
@@ -172,12 +173,14 @@ class DraftModelDrafter(Drafter):
         if short:
             slots = [st.seq.slot for st in short]
             starts = [len(self.cached[s]) for s in slots]
-            out = self.runner.forward([st.seq.tokens[n:] for st, n in zip(short, starts)], starts, slots,
-                                      last_only=True)  # per sequence [1, V_draft]
+            guesses = [self._guess(st) if self.lookup else [] for st in short]  # rows for the first drafted tokens
+            out = self.runner.forward([st.seq.tokens[n:] + g for st, n, g in zip(short, starts, guesses)], starts,
+                                      slots, last_only=not any(guesses))  # per sequence [1 or T_i, V_draft]
             self._after_forward(short)
-            for st, logits in zip(short, out):
+            for st, g, logits in zip(short, guesses, out):
                 self.cached[st.seq.slot][:] = st.seq.tokens
-                st.logits = self._fit_vocab(logits[-1])
+                st.logits = self._fit_vocab(logits[-1 - len(g)])
+                st.ahead = [(t, self._fit_vocab(row)) for t, row in zip(g, logits[len(logits) - len(g):])]
         for st in states:
             self.drafted_from[st.seq.slot] = len(self.cached[st.seq.slot])
 
@@ -232,21 +235,30 @@ LOOKUP = Option("draft_lookup", "--draft-lookup", 8, "draft model: feed up to N 
                "followed the context's last 3 tokens earlier in it) after each drafted token in the same draft "
                "forward; where the draft draws them, their forwards are saved; the draft is unchanged (chains, same "
                "tokenizer; 0 = off, default 8)", int, ">= 0")
-VOCAB = Option("draft_vocab", "--draft-vocab", 0, "draft model: compute its logits over the first N token ids only "
-               "(BPE vocabularies list the most frequent merges first), so each drafted token reads N rows of its LM "
-               "head instead of all; the target checks every token as before, so the output is unchanged; 0 = the "
-               "whole vocabulary (default 0)", int, ">= 0")
+AUTO_VOCAB = 65536  # `--draft-vocab auto`: larger vocabularies are cut to this many ids (docs/benchmarks.md section 23)
+VOCAB = Option("draft_vocab", "--draft-vocab", "auto", "draft model: compute its logits over the first N token ids "
+               "only (BPE vocabularies list the most frequent merges first), so each drafted token reads N rows of its "
+               "LM head instead of all; the target checks every token as before, so the output is unchanged; 0 = the "
+               f"whole vocabulary; auto = {AUTO_VOCAB} where the vocabulary is larger (Qwen2.5, Llama 3), else all "
+               "(default auto)", lambda t: t if t == "auto" else int(t), "auto or >= 0")
+
+
+def head_rows(option: int | str, vocab: int) -> int:
+    """`--draft-vocab`'s value for a draft of `vocab` ids -> the LM-head rows it computes (0 = all)."""
+    if option == "auto":
+        return AUTO_VOCAB if vocab > AUTO_VOCAB else 0
+    return option
 
 
 def build(ctx: BuildContext) -> Drafter:
     """The -md model's drafter; across tokenizers when its vocabulary differs from the target's."""
     runner, opts, tokenizers = ctx.draft_runner(), ctx.options, ctx.draft_tokenizers()
     if tokenizers is not None:
-        if opts["draft_vocab"]:
+        if opts["draft_vocab"] not in (0, "auto"):
             raise SpecdecError("--draft-vocab is not supported with a draft model of another tokenizer")
         return cross_tokenizer.build(runner, tokenizers, ctx.target.vocab_size, opts["draft_p_min"],
                                      opts["draft_branch_p"])
-    runner.model.keep_head_rows(opts["draft_vocab"])
+    runner.model.keep_head_rows(head_rows(opts["draft_vocab"], runner.vocab_size))
     return DraftModelDrafter(runner, ctx.target.vocab_size, opts["draft_p_min"], opts["draft_branch_p"],
                              opts["draft_lookup"])
 

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 # rule -> test of a value, for `Option.rule`
 RULES: dict[str, Callable[[Any], bool]] = {
     ">= 0": lambda v: v >= 0,
+    "auto or >= 0": lambda v: v == "auto" or v >= 0,
     ">= 1": lambda v: v >= 1,
     "in [0, 1]": lambda v: 0 <= v <= 1,
     "> 0 and finite": lambda v: 0 < v < math.inf,

@@ -180,7 +180,7 @@ class Transformer(nn.Module):
         head = self._whole_head[0]
         if n == 0 or n >= head.out_features:
             self.lm_head = head
-        elif hasattr(head, "first_outputs"):  # GGUF blocks
+        elif hasattr(head, "first_outputs"):  # GGUF blocks, int8 / int4 (runtime.quant)
             self.lm_head = head.first_outputs(n)
         else:
             self.lm_head = nn.Linear(head.in_features, n, bias=False, device=head.weight.device, dtype=head.weight.dtype)

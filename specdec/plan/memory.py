@@ -79,6 +79,7 @@ class ModelMemory:
     kv_layer: int                 # KV bytes of one layer, all slots
     compute: int
     compute_note: str
+    head_rows: int = 0            # LM-head rows a decode step reads (a draft's `--draft-vocab`); 0 = all
 
     @property
     def weights(self) -> int:
@@ -265,7 +266,9 @@ def kv_layer_bytes(spec: ModelSpec, kv_type: str, rows: int, slots: int) -> int:
                            f"{spec.label} has {d.num_kv_heads * d.head_dim_k} per position") from None
 
 
-def model_memory(spec: ModelSpec, fmt: Format, context: int, slots: int, draft_max: int = 16) -> ModelMemory:
+def model_memory(spec: ModelSpec, fmt: Format, context: int, slots: int, draft_max: int = 16,
+                 head_rows: int = 0) -> ModelMemory:
+    """`head_rows` > 0: a decode step reads only that many rows of the LM head (a draft's `--draft-vocab`)."""
     d = spec.dims
     both = _sizes(spec, fmt)
     sizes = {k: v[0] for k, v in both.items()}
@@ -294,11 +297,14 @@ def model_memory(spec: ModelSpec, fmt: Format, context: int, slots: int, draft_m
             head_read += embed  # the shared matrix (llama.cpp: or its GPU copy; gguf: its blocks) is the LM head
             if not fmt.runtime:
                 head_gpu_extra = embed
+    head_rows = head_rows if 0 < head_rows < d.vocab else 0
+    if head_rows:
+        head_read = head_read * head_rows // d.vocab
     rows = kv_rows(context, fmt.style)
     kv_layer = kv_layer_bytes(spec, fmt.kv, rows, slots)
     compute, note = _compute(spec, fmt, context, slots, draft_max)
     return ModelMemory(spec, fmt, context, slots, sizes, layers, reads, embed, head, head_read, head_gpu_extra,
-                       other, rows, kv_layer, compute, note)
+                       other, rows, kv_layer, compute, note, head_rows)
 
 
 def _compute(spec: ModelSpec, fmt: Format, context: int, slots: int, draft_max: int) -> tuple[int, str]:

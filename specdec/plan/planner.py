@@ -253,12 +253,16 @@ class _Planner:
                  tfmt: Format, dfmt: Format | None):
         self.i, self.hw, self.tspec, self.dspec, self.tfmt, self.dfmt = i, hw, tspec, dspec, tfmt, dfmt
         self.use_draft = dspec is not None
+        self.draft_head_rows = 0  # LM-head rows a draft step reads: specdec's `--draft-vocab` (0 = all)
+        if dspec is not None and dfmt is not None and dfmt.runtime and abs(dspec.dims.vocab - tspec.dims.vocab) <= 1024:
+            from specdec.drafters.draft_model import head_rows  # not across tokenizers (notes below)
+            self.draft_head_rows = head_rows((i.drafter_options or {}).get("draft_vocab", "auto"), dspec.dims.vocab)
 
     def memories(self, ctx: int, dctx: int | None) -> tuple[ModelMemory, ModelMemory | None]:
         t = model_memory(self.tspec, self.tfmt, ctx, self.i.slots, self.i.draft_max)
         d = None
         if self.dspec is not None and self.dfmt is not None:
-            d = model_memory(self.dspec, self.dfmt, dctx or ctx, self.i.slots, self.i.draft_max)
+            d = model_memory(self.dspec, self.dfmt, dctx or ctx, self.i.slots, self.i.draft_max, self.draft_head_rows)
         return t, d
 
     def host_overhead(self, t: ModelMemory, d: ModelMemory | None) -> int:
@@ -458,6 +462,9 @@ def _notes(plan: Plan) -> list[str]:
         notes.append(f"the draft's vocabulary ({d.vocab}) is not the target's ({plan.target.spec.dims.vocab}): "
                      "specdec drafts across tokenizers (drafts re-tokenized through text, docs/cross-tokenizer.md); "
                      "the --export configurations assume a shared tokenizer")
+    if runtime and drafting and d and plan.draft and plan.draft.head_rows:
+        notes.append(f"the draft computes its logits over its first {plan.draft.head_rows} of {d.vocab} token ids "
+                     "(--draft-vocab); the draft step's bytes count those rows of its LM head")
     if runtime and drafting:
         notes.append("specdec picks each step's draft length itself (--spec-adaptive on, up to --draft-max) "
                      "from measured costs; the k above is for fixed-length engines (llama.cpp, vLLM)")

@@ -18,11 +18,21 @@ SMALL_BATCH = 4  # rows up to which the int8 kernel beats dequantize + bf16 matm
 class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
+        self.in_features, self.out_features, self.bias = linear.in_features, linear.out_features, linear.bias
+        if linear.weight.is_meta:  # `first_outputs` sets the buffers
+            return
         w = linear.weight.detach().float()  # [out, in]
         scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12)  # [out]
         self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
         self.register_buffer("scale", scale.to(linear.weight.dtype))
-        self.bias = linear.bias
+
+    def first_outputs(self, n: int) -> "Int8Linear":
+        """The first `n` outputs only (a draft's reduced vocabulary, `Transformer.keep_head_rows`)."""
+        part = Int8Linear(nn.Linear(self.in_features, n, bias=False, device="meta"))
+        part.register_buffer("qweight", self.qweight[:n])
+        part.register_buffer("scale", self.scale[:n])
+        part.bias = None if self.bias is None else self.bias[:n]
+        return part
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape  # [..., in]
@@ -44,21 +54,36 @@ class Int4Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
+        self.in_features, self.out_features, self.bias = linear.in_features, linear.out_features, linear.bias
+        if linear.weight.is_meta:  # `first_outputs` sets the buffers
+            return
         w = linear.weight.detach().float()  # [out, in]
         out, inp = w.shape
         g = w.reshape(-1, self.GROUP)  # [out * in / GROUP, GROUP]
         lo, hi = g.amin(1, keepdim=True), g.amax(1, keepdim=True)
         scale = (hi - lo).clamp(min=1e-6) / 15
         q = g.sub(lo).div(scale).round().clamp(0, 15).to(torch.int32).reshape(out, inp)  # [out, in] in 0..15
-        zero = lo + 8 * scale  # the kernel computes (q - 8) * scale + zero
-        dtype = linear.weight.dtype
-        sz = torch.cat([scale.reshape(out, -1, 1), zero.reshape(out, -1, 1)], 2).transpose(0, 1)  # [groups, out, 2]
+        self._pack(q, scale.reshape(out, -1).to(linear.weight.dtype), lo.reshape(out, -1).to(linear.weight.dtype))
+
+    def _pack(self, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> None:
+        """q [out, in] int32 in 0..15, scale and low [out, groups] -> the buffers both paths read."""
+        zero = low + 8 * scale  # the kernel computes (q - 8) * scale + zero
+        sz = torch.stack([scale, zero], 2).transpose(0, 1)  # [groups, out, 2]
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8))
         self.register_buffer("nibbles", (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8))  # [out, in / 2]
-        self.register_buffer("scales_zeros", sz.contiguous().to(dtype))
-        self.register_buffer("scale", scale.reshape(out, -1).to(dtype))  # [out, groups]
-        self.register_buffer("low", lo.reshape(out, -1).to(dtype))       # [out, groups]
-        self.bias = linear.bias
+        self.register_buffer("scales_zeros", sz.contiguous())
+        self.register_buffer("scale", scale)  # [out, groups]
+        self.register_buffer("low", low)      # [out, groups]
+
+    def first_outputs(self, n: int) -> "Int4Linear":
+        """The first `n` outputs, rounded up to 16 as the packed kernel needs (a draft's reduced vocabulary,
+        `Transformer.keep_head_rows`)."""
+        n = min(self.out_features, -(-n // 16) * 16)
+        part = Int4Linear(nn.Linear(self.in_features, n, bias=False, device="meta"))
+        nib = self.nibbles[:n].to(torch.int32)
+        part._pack(torch.stack([nib >> 4, nib & 15], -1).reshape(n, -1), self.scale[:n], self.low[:n])
+        part.bias = None if self.bias is None else self.bias[:n]
+        return part
 
     @staticmethod
     def supports(linear: nn.Linear) -> bool:
