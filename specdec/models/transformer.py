@@ -219,6 +219,15 @@ class Transformer(nn.Module):
     def layer_devices(self) -> list[torch.device]:
         return [next(layer.parameters()).device for layer in self.model.layers]
 
+    def layers_in_c(self, rows: int) -> bool:
+        """Whether a forward of `rows` query rows in all runs every decoder layer in one C call (`layer_kernel`):
+        float32 on the CPU, GGUF weights, not split, at most the kernels' row count. There each row's result is
+        independent of how rows are grouped into sequences, so ragged chunks can go one row per entry."""
+        if self.split or self.device.type != "cpu" or self.model.embed_tokens.weight.dtype != torch.float32:
+            return False
+        kernels = [layer._kernel() for layer in self.model.layers]
+        return all(k is not None and k.takes(rows) for k in kernels)
+
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache,
                 cache_index: torch.Tensor | None = None, mask: torch.Tensor | None = None,

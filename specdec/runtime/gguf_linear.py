@@ -27,7 +27,7 @@ from specdec.runtime import kernels as K
 from specdec.runtime.cpu import has_bf16
 
 DEQUANT_CHUNK_BYTES = 32 << 20  # dequantized weight held at once in the prefill path
-CALIBRATION_ROWS = (16, 32, 64, 128, 256, 512)  # 512: a whole prefill chunk (runner.PREFILL_CHUNK)
+CALIBRATION_ROWS = (16, 32, 64, 96, 128, 256, 512)  # 512: a whole prefill chunk (runner.PREFILL_CHUNK)
 _max_rows: dict[tuple[torch.dtype, int], int] = {}
 
 
@@ -37,7 +37,7 @@ def kernel_max_rows(dtype: torch.dtype) -> int:
     Where the crossover lies depends on the CPU and the layout more than on the layer (Zen 5 with AVX512-BF16,
     2 threads, Q4_K 8960x1536: the x16 kernel 15.8 ms at 512 rows against 16.0 ms dequantized to bf16 and 74 ms
     to fp32; the file-layout kernels on AVX2 lose earlier). So it is measured once per process, dtype and thread
-    count, on a 1024x2048 Q4_K layer in this CPU's layout, at 16, 32, ..., 512 rows (well under a second): the
+    count, on a 1024x2048 Q4_K layer in this CPU's layout, at 16, 32, 64, 96, ..., 512 rows (well under a second): the
     largest row count up to which the kernel was faster at every step (at least 8). SPECDEC_GGUF_KERNEL_ROWS=N
     sets it instead."""
     env = os.environ.get("SPECDEC_GGUF_KERNEL_ROWS")

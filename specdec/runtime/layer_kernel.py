@@ -16,7 +16,7 @@ import torch
 
 from specdec.runtime import kernels as K
 from specdec.runtime.attention import KERNEL_ROWS
-from specdec.runtime.gguf_linear import GGUFConcatLinear, GGUFLinear, kernel_floor, matmul_args
+from specdec.runtime.gguf_linear import GGUFConcatLinear, GGUFLinear, matmul_args, use_kernel
 
 i64, ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -47,8 +47,13 @@ def _parts(module) -> tuple[list[GGUFLinear], torch.Tensor | None] | None:
 class LayerKernel:
     """One decoder layer's weights as `gq_decoder_layer` takes them (the tensors and arrays kept alive here)."""
 
-    def __init__(self, spec: _Layer, keep: list, max_rows: int):
-        self.spec, self.keep, self.max_rows = spec, keep, max_rows
+    def __init__(self, spec: _Layer, keep: list, linears: list[list[GGUFLinear]]):
+        self.spec, self.keep, self.linears = spec, keep, linears
+
+    def takes(self, rows: int) -> bool:
+        """Whether a step of `rows` rows runs here: where each of its matrices takes the kernels at that many rows
+        (`use_kernel`, as the Python layer decides), so both paths do the same arithmetic."""
+        return all(use_kernel(ps, rows, torch.float32) for ps in self.linears)
 
     @classmethod
     def of(cls, cfg, norm1, norm2, qkv, o, gate_up, down) -> "LayerKernel | None":
@@ -69,11 +74,11 @@ class LayerKernel:
                                    None if b is None else b.data_ptr()))
         spec = _Layer(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
                       norm1.eps, keep[0].data_ptr(), keep[1].data_ptr(), *structs)
-        return cls(spec, keep, min(kernel_floor(ps) for ps, _ in lins))
+        return cls(spec, keep, [ps for ps, _ in lins])
 
     def run(self, x: torch.Tensor, step: "StepArgs | None", layer: int, cache) -> torch.Tensor | None:
         """x [B, T, hidden] -> the layer's output, its K/V written to `cache`; None where the C path does not apply."""
-        if step is None or x.shape[0] * x.shape[1] > self.max_rows or not x.is_contiguous():
+        if step is None or not x.is_contiguous() or not self.takes(x.shape[0] * x.shape[1]):
             return None
         kc, vc = cache.k[layer], cache.v[layer]
         if kc.dtype != torch.float32 or not kc.is_cpu or kc.stride() != vc.stride() or kc.stride(-1) != 1:

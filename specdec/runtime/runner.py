@@ -124,14 +124,14 @@ class ModelRunner:
         """Indices for `Transformer.forward`: the captured layers, then the final norm's input."""
         return () if self._capture is None else self._capture.layers + (self.model.config.num_layers,)
 
-    def _collect(self, hidden: dict[int, torch.Tensor], lens: list[int]) -> list[Features] | None:
-        """Per sequence b the first lens[b] rows of the captured states (hidden i: [B, T, H])."""
+    def _collect(self, hidden: dict[int, torch.Tensor], where: list[tuple[int, int, int]]) -> list[Features] | None:
+        """Per sequence its rows of the captured states (hidden i: [B, T, H]): where = (entry b, first row t, rows n)."""
         if self._capture is None:
             return None
         final = hidden[self.model.config.num_layers]
         parts = [hidden[i].to(final.device) for i in self._hidden_layers()]
         stacked = torch.stack(parts, dim=2).cpu()  # [B, T, L+1, H]
-        return [Features(stacked[b, :n, :-1], stacked[b, :n, -1]) for b, n in enumerate(lens)]
+        return [Features(stacked[b, t:t + n, :-1], stacked[b, t:t + n, -1]) for b, t, n in where]
 
     @property
     def vocab_size(self) -> int:
@@ -142,8 +142,9 @@ class ModelRunner:
                 resume_layer: int = 0) -> list[torch.Tensor]:
         """Feed chunk i of tokens at positions starts[i].. into slot slots[i].
 
-        Chunks are padded to the longest; padding writes at most up to the spare row past the context, so
-        a long draft beside a sequence near the end of its context stays inside the cache.
+        Ragged chunks go one row per entry where the model runs every layer in C (`Transformer.layers_in_c`: no
+        padding computed), else padded to the longest; padding writes at most up to the spare row past the
+        context, so a long draft beside a sequence near the end of its context stays inside the cache.
         resume: per chunk [T_i, H], the residual stream entering layer `resume_layer` for its tokens (their K/V
         below that layer already cached): the forward starts there (`Draft.resume`; no `capture` then).
         Returns per sequence logits [T_i, V] (or [1, V] with last_only), float32; sets `features` (`capture`).
@@ -151,30 +152,26 @@ class ModelRunner:
         lens = [len(c) for c in chunks]
         if any(s + n > self.context for s, n in zip(starts, lens)):
             raise SpecdecError(f"sequence exceeds the context of {self.context} tokens")
-        T = max(lens)
-        tokens = torch.zeros(len(chunks), T, dtype=torch.long)
-        for i, c in enumerate(chunks):
-            tokens[i, :len(c)] = torch.tensor(c)
-        positions = torch.tensor(starts)[:, None] + torch.arange(T)[None, :]  # [B, T]
+        if resume is not None and self._capture is not None:
+            raise SpecdecError("a resumed forward cannot capture target features")
+        flat = not last_only and len(set(lens)) > 1 and self.model.layers_in_c(sum(lens))
+        tokens, positions, row_slots, x = (_one_row_each if flat else _padded)(chunks, starts, slots, resume)
         cache_index = positions.clamp(max=self.cache.max_len - 1)  # real positions are below the context
         logits_index = torch.tensor([[n - 1] for n in lens]) if last_only else None
-        x = None
-        if resume is not None:
-            if self._capture is not None:
-                raise SpecdecError("a resumed forward cannot capture target features")
-            x = resume[0].new_zeros(len(chunks), T, resume[0].shape[-1])  # [B, T, H]
-            for i, h in enumerate(resume):
-                x[i, :len(h)] = h
-            x = x.to(self.device)
-        logits, hidden = self.model(tokens.to(self.device), positions.to(self.device),
-                                    torch.tensor(slots).to(self.device), self.cache, cache_index.to(self.device),
-                                    logits_index=None if logits_index is None else logits_index.to(self.device),
-                                    hidden_layers=self._hidden_layers(), resume=x, resume_layer=resume_layer)
-        self.features = self._collect(hidden, lens)
+        dev = self.device
+        logits, hidden = self.model(tokens.to(dev), positions.to(dev), row_slots.to(dev), self.cache,
+                                    cache_index.to(dev), logits_index=None if logits_index is None else logits_index.to(dev),
+                                    hidden_layers=self._hidden_layers(), resume=None if x is None else x.to(dev),
+                                    resume_layer=resume_layer)
+        # where sequence i's rows are: (entry, first row, rows) of the [B, T, ...] outputs
+        where = [(0, off, n) for off, n in zip(_offsets(lens), lens)] if flat else [(b, 0, n) for b, n in enumerate(lens)]
+        if flat:  # [N, 1, ...] -> [1, N, ...]
+            logits, hidden = logits.transpose(0, 1), {i: h.transpose(0, 1) for i, h in hidden.items()}
+        self.features = self._collect(hidden, where)
         logits = logits.cpu()
         if last_only:
             return [logits[i] for i in range(len(chunks))]
-        return [logits[i, :n] for i, n in enumerate(lens)]
+        return [logits[b, t:t + n] for b, t, n in where]
 
     def prefill(self, tokens: list[int], slot: int, start: int = 0) -> torch.Tensor:
         """Feed a long run of tokens in chunks; return the last position's logits [V].
@@ -212,7 +209,7 @@ class ModelRunner:
                                     torch.tensor([slot], device=self.device), self.cache,
                                     cache_index=cache_index.to(self.device), mask=mask.to(self.device),
                                     hidden_layers=self._hidden_layers())
-        self.features = self._collect(hidden, [n])
+        self.features = self._collect(hidden, [(0, 0, n)])
         return logits[0].cpu()
 
     def keep_path(self, slot: int, start: int, path: list[int]) -> None:
@@ -223,3 +220,36 @@ class ModelRunner:
         moves = [(s, d) for s, d in zip(src, dst) if s != d]
         if moves:
             self.cache.move(slot, [s for s, _ in moves], [d for _, d in moves])
+
+
+def _offsets(lens: list[int]) -> list[int]:
+    """Where each of runs of these lengths starts when they are laid end to end."""
+    return [sum(lens[:i]) for i in range(len(lens))]
+
+
+Rows = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]  # tokens, positions [B, T], slots [B], x
+
+
+def _padded(chunks: list[list[int]], starts: list[int], slots: list[int], resume: list[torch.Tensor] | None) -> Rows:
+    """One entry per chunk, padded to the longest: tokens, positions [B, T], slots [B], resume [B, T, H] or None."""
+    T = max(len(c) for c in chunks)
+    tokens = torch.zeros(len(chunks), T, dtype=torch.long)
+    for i, c in enumerate(chunks):
+        tokens[i, :len(c)] = torch.tensor(c)
+    positions = torch.tensor(starts)[:, None] + torch.arange(T)[None, :]
+    x = None
+    if resume is not None:
+        x = resume[0].new_zeros(len(chunks), T, resume[0].shape[-1])
+        for i, h in enumerate(resume):
+            x[i, :len(h)] = h
+    return tokens, positions, torch.tensor(slots), x
+
+
+def _one_row_each(chunks: list[list[int]], starts: list[int], slots: list[int],
+                  resume: list[torch.Tensor] | None) -> Rows:
+    """One entry per token, no padding: tokens, positions [N, 1], slots [N], resume [N, 1, H] or None."""
+    tokens = torch.tensor([t for c in chunks for t in c])[:, None]
+    positions = torch.tensor([s + j for c, s in zip(chunks, starts) for j in range(len(c))])[:, None]
+    row_slots = torch.tensor([slot for c, slot in zip(chunks, slots) for _ in c])
+    x = None if resume is None else torch.cat(resume)[:, None]
+    return tokens, positions, row_slots, x
