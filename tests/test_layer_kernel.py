@@ -82,18 +82,21 @@ def test_python_path_where_the_c_layer_does_not_apply(tiny_gguf, monkeypatch):
     assert ran == []
 
 
-def _ragged(runner: ModelRunner, resume: bool) -> list:
-    """Three sequences' chunks of 3, 1 and 6 tokens in one forward (features captured, or resumed at layer 1),
-    then the K/V each sequence holds."""
+def _ragged(runner: ModelRunner, mode: str) -> list:
+    """Three sequences' chunks of 3, 1 and 6 tokens in one forward (mode: features captured, resumed at layer 1,
+    or last-row logits only), then the K/V each sequence holds."""
     runner.prefill(PROMPT, 0)
     runner.prefill(PROMPT[:9], 1)
     runner.prefill(PROMPT[:5], 2)
     n, chunks = len(PROMPT), [[7, 5, 9], [3], [1, 2, 3, 4, 5, 6]]
     starts = [n, 9, 5]
-    if resume:
+    if mode == "resume":
         h = [torch.randn(len(c), runner.model.config.hidden_size, generator=torch.Generator().manual_seed(i))
              for i, c in enumerate(chunks)]
         out = runner.forward(chunks, starts, [0, 1, 2], resume=h, resume_layer=1)
+    elif mode == "last":
+        out = runner.forward(chunks, starts, [0, 1, 2], last_only=True)
+        assert [o.shape[0] for o in out] == [1, 1, 1]
     else:
         runner.capture = FeatureSpec((0, 1))
         out = runner.forward(chunks, starts, [0, 1, 2])
@@ -102,8 +105,8 @@ def _ragged(runner: ModelRunner, resume: bool) -> list:
     return out + [t[slot, :, :end].clone() for t in runner.cache.k + runner.cache.v for slot, end in enumerate(ends)]
 
 
-@pytest.mark.parametrize("resume", [False, True])
-def test_ragged_chunks_one_row_each(tiny_gguf, monkeypatch, resume):
+@pytest.mark.parametrize("mode", ["features", "resume", "last"])
+def test_ragged_chunks_one_row_each(tiny_gguf, monkeypatch, mode):
     """Chunks of different lengths go one row per entry through the C layers (no padding computed): the same
     logits, features and K/V bits as padded to the longest."""
     model = LLM(str(tiny_gguf), quant="gguf", dtype="fp32", progress=False).runner.model
@@ -112,9 +115,9 @@ def test_ragged_chunks_one_row_each(tiny_gguf, monkeypatch, resume):
         forward = type(model).forward
         mp.setattr(type(model), "forward", lambda self, tokens, *a, **k: shapes.append(tuple(tokens.shape))
                    or forward(self, tokens, *a, **k))
-        flat = _ragged(ModelRunner(model, num_slots=3, context=64), resume)
+        flat = _ragged(ModelRunner(model, num_slots=3, context=64), mode)
     assert shapes[-1] == (10, 1)
     monkeypatch.setattr(type(model), "layers_in_c", lambda self, rows: False)
-    padded = _ragged(ModelRunner(model, num_slots=3, context=64), resume)
+    padded = _ragged(ModelRunner(model, num_slots=3, context=64), mode)
     for a, b in zip(flat, padded, strict=True):
         assert torch.equal(a, b)

@@ -237,11 +237,12 @@ class Transformer(nn.Module):
         """Run a chunk of tokens through the model.
 
         tokens, positions: [B, T]; slots: [B]; cache_index: [B, T] (defaults to positions);
-        mask: [B, 1, T, S] bool, default causal over cache positions; logits_index: [B, T'] which
-        of the T positions to project to logits (default all).
-        Returns logits [B, T', V] in float32 and {i: hidden [B, T, H]} for i in `hidden_layers`, all T rows:
-        hidden i = the residual stream entering decoder layer i (0 = the token embeddings, i = output of
-        layer i - 1), and i = num_layers = the input of the final norm (the last hidden state, pre-norm).
+        mask: [B, 1, T, S] bool, default causal over cache positions; logits_index: [B', T'] which
+        rows to project to logits (indices b * T + t into the B * T rows; default all).
+        Returns logits [B', T', V] ([B, T, V] by default) in float32 and {i: hidden [B, T, H]} for i in
+        `hidden_layers`, all T rows: hidden i = the residual stream entering decoder layer i (0 = the token
+        embeddings, i = output of layer i - 1), and i = num_layers = the input of the final norm (the last
+        hidden state, pre-norm).
         The tensors are the forward's own activations (no copies).
         resume [B, T, H]: the residual stream entering layer `resume_layer`, computed before (with the K/V of the
         layers below it in the cache already): the forward starts there, and `hidden_layers` below it are absent.
@@ -272,5 +273,5 @@ class Transformer(nn.Module):
             hidden[len(self.model.layers)] = x
         x = self.model.norm(x)
         if logits_index is not None:
-            x = torch.gather(x, 1, logits_index[:, :, None].expand(-1, -1, x.shape[-1]))
+            x = x.reshape(-1, x.shape[-1])[logits_index]
         return self.lm_head(x).float(), hidden

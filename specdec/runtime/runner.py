@@ -154,19 +154,21 @@ class ModelRunner:
             raise SpecdecError(f"sequence exceeds the context of {self.context} tokens")
         if resume is not None and self._capture is not None:
             raise SpecdecError("a resumed forward cannot capture target features")
-        flat = not last_only and len(set(lens)) > 1 and self.model.layers_in_c(sum(lens))
+        flat = len(set(lens)) > 1 and self.model.layers_in_c(sum(lens))
         tokens, positions, row_slots, x = (_one_row_each if flat else _padded)(chunks, starts, slots, resume)
         cache_index = positions.clamp(max=self.cache.max_len - 1)  # real positions are below the context
-        logits_index = torch.tensor([[n - 1] for n in lens]) if last_only else None
+        # where sequence i's rows are: (entry, first row, rows) of the [B, T, ...] outputs
+        where = [(0, off, n) for off, n in zip(_offsets(lens), lens)] if flat else [(b, 0, n) for b, n in enumerate(lens)]
+        T = tokens.shape[1]
+        logits_index = torch.tensor([[b * T + t + n - 1] for b, t, n in where]) if last_only else None  # [B', 1]
         dev = self.device
         logits, hidden = self.model(tokens.to(dev), positions.to(dev), row_slots.to(dev), self.cache,
                                     cache_index.to(dev), logits_index=None if logits_index is None else logits_index.to(dev),
                                     hidden_layers=self._hidden_layers(), resume=None if x is None else x.to(dev),
                                     resume_layer=resume_layer)
-        # where sequence i's rows are: (entry, first row, rows) of the [B, T, ...] outputs
-        where = [(0, off, n) for off, n in zip(_offsets(lens), lens)] if flat else [(b, 0, n) for b, n in enumerate(lens)]
         if flat:  # [N, 1, ...] -> [1, N, ...]
-            logits, hidden = logits.transpose(0, 1), {i: h.transpose(0, 1) for i, h in hidden.items()}
+            hidden = {i: h.transpose(0, 1) for i, h in hidden.items()}
+            logits = logits if last_only else logits.transpose(0, 1)
         self.features = self._collect(hidden, where)
         logits = logits.cpu()
         if last_only:
