@@ -13,23 +13,12 @@ where not, that column says so (the runner pads then).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from bench_kernels import timeit  # scripts/: median ms per call
 
 from specdec.api import LLM
 from specdec.runtime.runner import ModelRunner
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
 
 
 def main() -> None:
@@ -38,7 +27,7 @@ def main() -> None:
     ap.add_argument("--chunks", nargs="+", default=["17,9,13,14", "17,3,5,2", "5,2,3,1"],
                     help="chunk sets, each comma-separated lengths (one per sequence)")
     ap.add_argument("--context", type=int, default=400, help="tokens each sequence holds before the chunk")
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=7, help="timed forwards per figure (at least)")
     ap.add_argument("-t", "--threads", type=int, default=2)
     args = ap.parse_args()
     sets = [[int(n) for n in s.split(",")] for s in args.chunks]
@@ -56,10 +45,10 @@ def main() -> None:
 
         def step():
             return runner.forward(chunks, starts, slots)
-        flat = median_ms(step, args.repeats) if len(set(lens)) > 1 and model.layers_in_c(sum(lens)) else None
+        flat = timeit(step, min_calls=args.repeats) if len(set(lens)) > 1 and model.layers_in_c(sum(lens)) else None
         type(model).layers_in_c = lambda self, rows: False
         try:
-            padded = median_ms(step, args.repeats)
+            padded = timeit(step, min_calls=args.repeats)
         finally:
             type(model).layers_in_c = real_in_c
         one_row = "n/a (equal lengths, or not every layer in C)" if flat is None else f"{flat:.1f}"
