@@ -177,3 +177,37 @@ def test_in_a_batch_a_probe_never_pays_a_catch_up_on_a_new_prompt(tmp_path):
             engine.step([s for s in seqs if s.finish_reason is None])
         drafted.append(sum(s.stats.drafted for s in seqs))
     assert drafted[0] > 0 and drafted[1] == 0, drafted
+
+
+def test_plain_due_while_unmeasured_and_every_remeasure_steps():
+    from specdec.engine.adaptive import REMEASURE
+
+    cost = CostModel(verify_s={17: 0.3})
+    assert cost.plain_due(1)  # plain decoding alone was never measured: a 17-row forward says nothing about it
+    cost.observe_verify(1, 0.1)
+    due = [cost.plain_due(1) for _ in range(2 * REMEASURE)]
+    assert due.index(True) == REMEASURE and cost.plain_due(2)
+    cost.observe_verify(1, 0.1)  # any forward over one token re-measures it
+    assert not cost.plain_due(1)
+
+
+def test_an_adaptive_engine_measures_plain_decoding_at_its_batch(tmp_path):
+    """Every draft is weighed against plain decoding at the step's batch: a step runs plain while that cost is
+    unmeasured, and again after REMEASURE steps without a forward over that many tokens."""
+    from test_lossless_sampling import _drafter
+    from specdec.engine.adaptive import REMEASURE
+    from specdec.sampling import SamplingParams
+
+    engine = _markov_engine(tmp_path)
+    caps, propose_all = [], engine._propose_all
+    engine._propose_all = lambda seqs, cap: caps.append(cap) or propose_all(seqs, cap)
+    seq = engine.new_sequence([1, 2, 3, 4, 5] * 10, SamplingParams(max_tokens=1000), drafter=_drafter("suffix"))
+    engine.prefill(seq)
+    plain = [engine.step([seq]).forward_tokens == 1 for _ in range(3 * REMEASURE)]
+    assert seq.finish_reason is None
+    assert caps[0] == 0 and 1 in engine.cost.verify_s
+    assert any(c is None for c in caps)
+    for i in range(len(plain) - REMEASURE):
+        assert any(plain[i:i + REMEASURE + 1]), i  # never more than REMEASURE steps without a plain forward
+    forced = [i for i, c in enumerate(caps) if c == 0]
+    assert all(not any(plain[i - REMEASURE:i]) for i in forced[1:])  # and only when it is due

@@ -146,7 +146,7 @@ def _drafter(spec: str, p_min: float = P_MIN, branch_p: float = 0.0, mode: str =
 def _engine(tokenizer: Tokenizer) -> Engine:
     engine = Engine(MarkovRunner(TARGET, BATCH), tokenizer, SpecConfig(draft_max=4, adaptive=True),
                     clock=TickClock())
-    engine.cost.verify_s = {k: 1.0 + 0.05 * k for k in range(1, 7)}
+    engine.cost.verify_s = {k: 1.0 + 0.05 * min(k, 6) for k in range(1, BATCH + 1)}  # every batch's plain cost known
     engine.cost.ema = 0.0  # costs stay as first measured: deterministic adaptive lengths
     return engine
 

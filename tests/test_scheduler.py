@@ -219,3 +219,15 @@ def test_a_thread_can_end_its_openmp_workers():
     finally:
         torch.set_num_threads(n)
     assert results[0] - results[1] == 1  # the thread's pool had one worker (2 threads); released
+
+
+def test_load_controller_drops_a_losing_arm_at_one_client():
+    """At load 1 plain decoding is measured by the plain steps the engine runs now and then to measure it (StepInfo.cap
+    0, engine/adaptive.py REMEASURE), not guessed from the 17-token verifications: a drafting arm that gives 4 tokens/s
+    where plain decoding gives 6.7 is dropped."""
+    c = LoadController(draft_max=16)
+    for i in range(40):
+        arm = c.choose(1)
+        plain = arm == 0 or i % 20 == 0  # the engine's own plain steps where the controller asked for drafts
+        c.observe(0 if plain else arm, _step(1, 1, 0, 0.0, 0.15) if plain else _step(1, 2, 16, 0.0, 0.5))
+    assert c.choose(1) == 0

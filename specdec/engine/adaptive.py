@@ -27,6 +27,11 @@ Every drafter, the draft model included, drafts nothing in a step where no k > 0
 plain decoding. Its acceptance estimates then drift back toward the prior, and after PROBE_EVERY
 undrafted steps it drafts one token anyway, so costs and acceptance that changed get measured again;
 in a batch, a probe skips a sequence whose prompt the drafter has not read (its catch-up would hold up the batch).
+
+Every draft is weighed against plain decoding at the step's batch, verify(B), so that cost must be measured, not
+guessed from larger forwards (a one-sequence server that always drafts 16 tokens would otherwise take a one-row
+forward to cost as much as a 17-row one): a step over B sequences runs plain while a forward over B tokens is
+unmeasured, and again every REMEASURE steps over B sequences without one (costs drift with the machine's load).
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ from dataclasses import dataclass, field
 from specdec.acceptance import EMA, AcceptanceEstimate
 
 PROBE_EVERY = 32  # undrafted steps (per drafter, over all sequences) before a one-token probe
+REMEASURE = 64    # steps over B sequences without a forward over B tokens before a plain step re-measures it
 
 
 @dataclass
@@ -44,6 +50,7 @@ class CostModel:
     setup_s: dict[str, float] = field(default_factory=dict)   # drafter name -> seconds per token of catch-up
     history: dict[str, AcceptanceEstimate] = field(default_factory=dict)  # drafter name -> over all sequences
     idle: dict[str, int] = field(default_factory=dict)        # drafter name -> undrafted steps since its last draft
+    unmeasured: dict[int, int] = field(default_factory=dict)  # batch size -> steps since a forward over that many tokens
     ema: float = EMA
     # Above the largest measured size, forwards cost as much as it (False: verifying a few more tokens
     # is nearly free on our hardware until measured) or grow in proportion to tokens (True: compute-bound,
@@ -53,6 +60,13 @@ class CostModel:
     def observe_verify(self, tokens: int, seconds: float) -> None:
         old = self.verify_s.get(tokens)
         self.verify_s[tokens] = seconds if old is None else old + self.ema * (seconds - old)
+        self.unmeasured[tokens] = 0
+
+    def plain_due(self, batch: int) -> bool:
+        """Count a step over `batch` sequences; True when plain decoding at that batch (a forward over `batch`
+        tokens) is unmeasured or was last measured REMEASURE such steps ago: time for a plain step."""
+        n = self.unmeasured[batch] = self.unmeasured.get(batch, 0) + 1
+        return batch not in self.verify_s or n > REMEASURE
 
     def observe_draft(self, drafted: int, seconds: float, drafter: str = "") -> None:
         if drafted:

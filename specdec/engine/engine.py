@@ -49,6 +49,7 @@ class StepInfo:
     draft_s: float        # drafting, setup excluded
     seconds: float        # the whole step, setup excluded
     setup_s: float = 0.0  # drafters catching up on new prompts (one-off per sequence)
+    cap: int | None = None  # the draft cap it ran with: 0 also where it ran plain to measure plain decoding
 
 
 @dataclass
@@ -177,8 +178,11 @@ class Engine:
         """One speculative step for every (prefilled, unfinished) sequence: draft up to `draft_cap`
         tokens each, run one target forward over each sequence's last token plus its draft (ragged
         chains batched; trees one forward each), then verify, roll back and commit each on its own.
-        A failure in one sequence ends that sequence ("error"), not the batch."""
+        A failure in one sequence ends that sequence ("error"), not the batch. With adaptive lengths, a step runs
+        plain where plain decoding at this batch is due a measurement (engine/adaptive.py)."""
         t0 = self.clock()
+        if self.spec.adaptive and draft_cap != 0 and self.cost.plain_due(len(seqs)):
+            draft_cap = 0
         # 1. propose: each sequence's drafter drafts (timed; its catch-up on a new prompt counted apart)
         proposals = self._propose_all(seqs, draft_cap)
         seqs = [s for s in seqs if s.error is None]
@@ -199,7 +203,7 @@ class Engine:
         setup_s = sum(p.draft.setup_s for p in props)
         return StepInfo(batch=len(seqs), committed=sum(len(s.tokens) for s in seqs) - before, drafted=drafted,
                         forward_tokens=drafted + len(seqs), forward_s=forward_s, draft_s=t1 - t0 - setup_s,
-                        seconds=self.clock() - t0 - setup_s, setup_s=setup_s)
+                        seconds=self.clock() - t0 - setup_s, setup_s=setup_s, cap=draft_cap)
 
     def finish(self, seq: Sequence, reason: str | None = None) -> None:
         """Close a sequence (finished, or cancelled with `reason`): flush its stream, free drafter state."""

@@ -207,10 +207,10 @@ class Scheduler:
                 self._release(r, error=f"decoding failed: {e}")
             return
         self.steps += 1
-        self.spec_steps += can_draft and cap != 0
+        self.spec_steps += can_draft and info.cap != 0
         self.tokens_out += info.committed
         if self.controller and can_draft:
-            self.controller.observe(cap, info, load)
+            self.controller.observe(info.cap, info, load)  # a plain step that measured plain decoding counts as off
         self._close_finished()
 
     def _admit(self) -> None:
