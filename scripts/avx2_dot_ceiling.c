@@ -3,9 +3,10 @@
  * The many-row path of kernels/x16_avx2.h spends its time in one pattern per "line-row" (16 outputs x 4 inputs of
  * one activation row, 64 multiply-adds): broadcast the row's 4 activation bytes, two vpmaddubsw against the line's
  * two weight registers, two vpaddw into 16-bit sums; 4 rows share each weight register. This program runs that
- * pattern on data in L1 (no memory traffic, no unpacking, no widening) and prints nanoseconds per line-row, the floor
- * the kernel can reach with this mix. Compare it with a kernel timing (python scripts/bench_kernels.py) divided by
- * its line-rows per thread: out/16 x in/4 x rows / threads.
+ * pattern on data in L1 (no memory traffic, no unpacking, no widening) and prints nanoseconds per line-row: what this
+ * mix costs on this CPU. Compare it with a kernel timing (python scripts/bench_kernels.py) divided by its line-rows
+ * per thread, out/16 x in/4 x rows / threads; the kernel, which interleaves more independent work, has measured a
+ * little faster (docs/benchmarks.md section 27), so read it as the mix's speed, not a strict floor.
  *
  *     gcc -O2 -o /tmp/avx2_dot_ceiling scripts/avx2_dot_ceiling.c && /tmp/avx2_dot_ceiling
  *     (/tmp/avx2_dot_ceiling & /tmp/avx2_dot_ceiling & wait)   # both cores at once
