@@ -279,6 +279,8 @@ typedef struct {
     int8_t *q;  /* [rows][in] */
     float *d;   /* [rows][in / G] */
     float *s;   /* [rows][in / S]: d * sum(q) over each S-group */
+    int32_t *p; /* [rows][in / 16] where S == 16 (Q6_K), else NULL: per 16-group, 32 x the sums of q over inputs 4k,
+                 * 4k + 1 and over 4k + 2, 4k + 3 (k < 4) as the low and high int16 (the AVX2 kernel's -32) */
     int64_t in;
     int G, S;
 } act_t;
@@ -304,6 +306,12 @@ INL void quantize_rows(const float *x, int64_t r0, int64_t r1, act_t *A) {
             for (int i = 0; i < A->S; i++) sum += q[s * A->S + i];
             A->s[r * ns + s] = A->d[r * ng + (s * A->S) / A->G] * (float)sum;
         }
+        if (A->p)
+            for (int64_t s = 0; s < in / 16; s++) {
+                int lo = 0, hi = 0; /* within +-32 x 8 x 127 < 2^15 */
+                for (int i = 0; i < 16; i++) *(i % 4 < 2 ? &lo : &hi) += 32 * q[16 * s + i];
+                A->p[r * (in / 16) + s] = (int32_t)((uint32_t)(uint16_t)lo | (uint32_t)(uint16_t)hi << 16);
+            }
     }
 }
 
@@ -963,7 +971,7 @@ int gq_best_path(void) {
 
 #define MAXPARTS 8
 
-static void act_free(act_t *A) { free(A->q); free(A->d); free(A->s); }
+static void act_free(act_t *A) { free(A->q); free(A->d); free(A->s); free(A->p); }
 
 /* y[rows][sum outs] (float32) = x[rows][in] (float32) @ [W_0; W_1; ...]^T: up to MAXPARTS weight matrices that
  * share the input (a fused q/k/v or gate/up), their outputs side by side, in one call: the activations are
@@ -1008,8 +1016,9 @@ int gq_matmul_parts(int nparts, const int *types, const uint8_t *const *Ws, cons
         A->q = (int8_t *)malloc((size_t)(rows * in) + 64);
         A->d = (float *)malloc(sizeof(float) * (size_t)(rows * (in / G)) + 64);
         A->s = (float *)malloc(sizeof(float) * (size_t)(rows * (in / S)) + 64);
+        A->p = S == 16 ? (int32_t *)malloc(sizeof(int32_t) * (size_t)(rows * (in / 16)) + 64) : NULL;
         act_of[p] = nacts++;
-        if (!A->q || !A->d || !A->s) err = 1;
+        if (!A->q || !A->d || !A->s || (S == 16 && !A->p)) err = 1;
     }
     if (err) {
         for (int a = 0; a < nacts; a++) act_free(&acts[a]);

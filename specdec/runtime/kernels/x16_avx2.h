@@ -9,8 +9,8 @@
  * A row's arithmetic is the same for every tile size and either source (integer sums, then the same float steps in
  * the same order), so its result does not depend on how many rows share the call. On AMD Zen 3 (2 threads,
  * python scripts/bench_kernels.py; docs/benchmarks.md section 19) Q4_K 8960x1536 went from 76.1 to 35.9 ms at 512 rows
- * and from 1.80 to 0.82 ms at 8. Group sums stay in range: Q4_K 8 lines x 2 x 15 x 128 < 2^15 before widening, Q6_K
- * 2 lines x 2 x 63 x 128. */
+ * and from 1.80 to 0.82 ms at 8. Q4_K's group sums stay in range before widening (8 lines x 2 x 15 x 127 < 2^15);
+ * Q6_K's take the -32 in 16 bits (x2_group), so they too widen once per group and need no float offsets. */
 
 #define X2_UNPACK_ROWS 16
 
@@ -46,32 +46,39 @@ T256 INL void x2_lines(const uint8_t *L, int n, int nib, const int8_t *const *a,
     }
 }
 
-/* group g of rows r0 .. r0 + R: il/ih += the scaled integer sums (widened every `terms` lines), acc += its offsets */
+/* group g of rows r0 .. r0 + R: il/ih += its integer sums times the group's scale. Q4_K: its 8 lines' 16-bit sums
+ * (in range, see above) widened at once; acc += the group's offsets (oc) times the row's activation sum. Q6_K: its 4
+ * lines' 16-bit sums less the row's A->p (32 x the activations of the same lanes) are its sums of (q - 32) * a,
+ * within +-8 x 32 x 127 < 2^15, so exact although the partial sums may wrap (vpaddw and vpsubw are modular and no
+ * vpmaddubsw pair saturates: 2 x 63 x 127), then widened: no float offsets */
 T256 INL void x2_group(int q6, const uint8_t *P, const uint8_t *U, const act_t *A, int64_t r0, int R, int64_t b, int g,
                        int nib, const int8_t *const *a, __m256i *il, __m256i *ih, const v2f *oc, v2f *acc) {
-    const int ngr = q6 ? 16 : 8, nl = q6 ? 4 : 8, terms = q6 ? 2 : 8;
+    const int nl = q6 ? 4 : 8;
     const uint8_t *L = U ? U + 64 * nl * g : P + 512 * (g % 4);
     const v2i sc = x2_scale_pairs(P + (q6 ? X6_SC : X4_SC) + 16 * g, q6);
-    for (int i = 0; i < nl; i += terms) {
-        const int8_t *ai[4];
-        __m256i sl[4], sh[4];
-        for (int r = 0; r < R; r++) {
-            ai[r] = a[r] + 4 * (nl * g + i);
-            sl[r] = sh[r] = _mm256_setzero_si256();
-        }
-        x2_lines(L + 64 * i, terms, nib, ai, R, sl, sh);
-        for (int r = 0; r < R; r++) {
-            il[r] = _mm256_add_epi32(il[r], _mm256_madd_epi16(sl[r], sc.l));
-            ih[r] = _mm256_add_epi32(ih[r], _mm256_madd_epi16(sh[r], sc.h));
-        }
+    const int8_t *ai[4];
+    __m256i sl[4], sh[4];
+    for (int r = 0; r < R; r++) {
+        ai[r] = a[r] + 4 * nl * g;
+        sl[r] = sh[r] = _mm256_setzero_si256();
     }
+    x2_lines(L, nl, nib, ai, R, sl, sh);
+    for (int r = 0; r < R; r++) {
+        if (q6) {
+            const __m256i off = _mm256_set1_epi32(A->p[(r0 + r) * (A->in / 16) + b * 16 + g]);
+            sl[r] = _mm256_sub_epi16(sl[r], off);
+            sh[r] = _mm256_sub_epi16(sh[r], off);
+        }
+        il[r] = _mm256_add_epi32(il[r], _mm256_madd_epi16(sl[r], sc.l));
+        ih[r] = _mm256_add_epi32(ih[r], _mm256_madd_epi16(sh[r], sc.h));
+    }
+    if (q6) return;
     const int64_t ns = A->in / A->S;
-    for (int r = 0; r < R; r++) acc[r] = v2_fma(oc[g], v2_setf(A->s[(r0 + r) * ns + b * ngr + g]), acc[r]);
+    for (int r = 0; r < R; r++) acc[r] = v2_fma(oc[g], v2_setf(A->s[(r0 + r) * ns + b * 8 + g]), acc[r]);
 }
 
 /* Rows r0 .. r0 + R of superblock b (at P; its quants unpacked at U, or U == NULL: Q4_K's nibbles read at P) into
- * acc[0..R): groups of 32 (Q4_K) or 16 (Q6_K) inputs, widened every 8 or 2 lines; oc[g]: the group's offset
- * constants per output (Q4_K -dmin * m, Q6_K -32 * d * sc), times the row's activation sum of the group */
+ * acc[0..R): groups of 32 (Q4_K) or 16 (Q6_K) inputs; oc[g] (Q4_K): the group's offsets per output, -dmin * m */
 T256 INL void x2_tile(int q6, const uint8_t *P, const uint8_t *U, const act_t *A, int64_t r0, int R, int64_t b,
                       v2f dv, const v2f *oc, v2f *acc) {
     const int ngr = q6 ? 16 : 8;
@@ -139,9 +146,11 @@ T256 static void kx16_avx2_kquant(int type, const uint8_t *W, const act_t *A, in
         const uint8_t *P = W + b * (q6 ? X6_BYTES : X4_BYTES);
         prefetch_weights(P, q6 ? X6_BYTES : X4_BYTES);
         const v2f dv = v2_half(P + (q6 ? X6_D : X4_D));
-        const v2f mv = q6 ? v2_mul(dv, v2_setf(-32.0f)) : v2_mul(v2_half(P + X4_DMIN), v2_setf(-1.0f));
-        v2f oc[16];
-        for (int g = 0; g < (q6 ? 16 : 8); g++) oc[g] = v2_mul(v2_scales(P + (q6 ? X6_SC : X4_M) + 16 * g, q6), mv);
+        v2f oc[8];
+        if (!q6) {
+            const v2f mv = v2_mul(v2_half(P + X4_DMIN), v2_setf(-1.0f));
+            for (int g = 0; g < 8; g++) oc[g] = v2_mul(v2_scales(P + X4_M + 16 * g, 0), mv);
+        }
         if (q6) {
             x2_unpack_q6(P, U);
             X2_TILES(1, U);
