@@ -279,8 +279,8 @@ typedef struct {
     int8_t *q;  /* [rows][in] */
     float *d;   /* [rows][in / G] */
     float *s;   /* [rows][in / S]: d * sum(q) over each S-group */
-    int32_t *p; /* [rows][in / 16] where S == 16 (Q6_K), else NULL: per 16-group, 32 x the sums of q over inputs 4k,
-                 * 4k + 1 and over 4k + 2, 4k + 3 (k < 4) as the low and high int16 (the AVX2 kernel's -32) */
+    int32_t *p; /* [rows][in / 16] on the AVX2 path where S == 16 (Q6_K), else NULL: per 16-group, 32 x the sums of q
+                 * over inputs 4k, 4k + 1 and over 4k + 2, 4k + 3 (k < 4) as the low and high int16 (x16_avx2.h's -32) */
     int64_t in;
     int G, S;
 } act_t;
@@ -1016,9 +1016,10 @@ int gq_matmul_parts(int nparts, const int *types, const uint8_t *const *Ws, cons
         A->q = (int8_t *)malloc((size_t)(rows * in) + 64);
         A->d = (float *)malloc(sizeof(float) * (size_t)(rows * (in / G)) + 64);
         A->s = (float *)malloc(sizeof(float) * (size_t)(rows * (in / S)) + 64);
-        A->p = S == 16 ? (int32_t *)malloc(sizeof(int32_t) * (size_t)(rows * (in / 16)) + 64) : NULL;
+        const int with_p = S == 16 && path == PATH_AVX2; /* only the AVX2 x16 kernel reads it */
+        A->p = with_p ? (int32_t *)malloc(sizeof(int32_t) * (size_t)(rows * (in / 16)) + 64) : NULL;
         act_of[p] = nacts++;
-        if (!A->q || !A->d || !A->s || (S == 16 && !A->p)) err = 1;
+        if (!A->q || !A->d || !A->s || (with_p && !A->p)) err = 1;
     }
     if (err) {
         for (int a = 0; a < nacts; a++) act_free(&acts[a]);
