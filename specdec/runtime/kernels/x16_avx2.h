@@ -6,6 +6,8 @@
  *     superblock, converted to float once per superblock and row (the shared body converts per group);
  *   - Q6_K always, and Q4_K from X2_UNPACK_ROWS rows on, first unpack the superblock's quants into bytes in L1
  *     (U: group g's lines at U + 64 * lines * g), so the tiles read ready bytes.
+ *   - the first tile of a superblock prefetches the weights PREFETCH_AHEAD bytes on, a share in each group
+ *     (x2_prefetch_share), except Q4_K at X2_UNPACK_ROWS rows and more (compute-bound: all at the superblock's start).
  * A row's arithmetic is the same for every tile size and either source (integer sums, then the same float steps in
  * the same order), so its result does not depend on how many rows share the call. On AMD Zen 3 (2 threads,
  * python scripts/bench_kernels.py; docs/benchmarks.md section 19) Q4_K 8960x1536 went from 76.1 to 35.9 ms at 512 rows
@@ -14,12 +16,28 @@
 
 #define X2_UNPACK_ROWS 16
 
-/* 16 scale bytes at p (unsigned Q4_K, signed Q6_K) -> the 16 outputs' scales as int16 pairs (s, s) per dword */
+/* 16 scale bytes at p (unsigned Q4_K, signed Q6_K) -> the 16 outputs' scales as int16 pairs (s, s) per dword: the
+ * bytes in both 128-bit lanes, each dword's pair picked by one vpshufb (signed: into the high bytes, then shifted
+ * down arithmetically) */
 T256 INL v2i x2_scale_pairs(const uint8_t *p, int is_signed) {
-    const __m128i a = _mm_loadl_epi64((const __m128i *)p), b = _mm_loadl_epi64((const __m128i *)(p + 8));
-    const __m256i l = is_signed ? _mm256_cvtepi8_epi32(a) : _mm256_cvtepu8_epi32(a);
-    const __m256i h = is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
-    return (v2i){_mm256_blend_epi16(l, _mm256_slli_epi32(l, 16), 0xAA), _mm256_blend_epi16(h, _mm256_slli_epi32(h, 16), 0xAA)};
+    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    const char z = (char)0x80;
+    if (is_signed) {
+        const __m256i l = _mm256_setr_epi8(z, 0, z, 0, z, 1, z, 1, z, 2, z, 2, z, 3, z, 3, z, 4, z, 4, z, 5, z, 5, z, 6, z, 6, z, 7, z, 7);
+        const __m256i h = _mm256_add_epi8(l, _mm256_set1_epi16(8 << 8));
+        return (v2i){_mm256_srai_epi16(_mm256_shuffle_epi8(b, l), 8), _mm256_srai_epi16(_mm256_shuffle_epi8(b, h), 8)};
+    }
+    const __m256i l = _mm256_setr_epi8(0, z, 0, z, 1, z, 1, z, 2, z, 2, z, 3, z, 3, z, 4, z, 4, z, 5, z, 5, z, 6, z, 6, z, 7, z, 7, z);
+    const __m256i h = _mm256_add_epi8(l, _mm256_set1_epi16(8));
+    return (v2i){_mm256_shuffle_epi8(b, l), _mm256_shuffle_epi8(b, h)};
+}
+
+/* group g's share (of ngr) of the cache lines PREFETCH_AHEAD bytes past the superblock at P (n bytes): spread over
+ * the groups, the prefetches leave the loads room, where all at the superblock's start they stalled them (Zen 3, one
+ * row, Q4_K 17920x1536: 20 -> 24-26 GB/s; docs/benchmarks.md section 29) */
+INL void x2_prefetch_share(const uint8_t *P, int n, int g, int ngr) {
+    const int lines = (n + 63) / 64;
+    for (int k = g * lines / ngr; k < (g + 1) * lines / ngr; k++) _mm_prefetch((const char *)P + PREFETCH_AHEAD + 64 * k, _MM_HINT_T0);
 }
 
 /* s[r] += the 16-bit dots of n lines at L (16 outputs x 4 inputs each) with row r's activation dwords a[r][0..n);
@@ -52,8 +70,9 @@ T256 INL void x2_lines(const uint8_t *L, int n, int nib, const int8_t *const *a,
  * within +-8 x 32 x 127 < 2^15, so exact although the partial sums may wrap (vpaddw and vpsubw are modular and no
  * vpmaddubsw pair saturates: 2 x 63 x 127), then widened: no float offsets */
 T256 INL void x2_group(int q6, const uint8_t *P, const uint8_t *U, const act_t *A, int64_t r0, int R, int64_t b, int g,
-                       int nib, const int8_t *const *a, __m256i *il, __m256i *ih, const v2f *oc, v2f *acc) {
+                       int nib, const int8_t *const *a, __m256i *il, __m256i *ih, const v2f *oc, v2f *acc, int pf) {
     const int nl = q6 ? 4 : 8;
+    if (pf) x2_prefetch_share(P, q6 ? X6_BYTES : X4_BYTES, g, q6 ? 16 : 8);
     const uint8_t *L = U ? U + 64 * nl * g : P + 512 * (g % 4);
     const v2i sc = x2_scale_pairs(P + (q6 ? X6_SC : X4_SC) + 16 * g, q6);
     const int8_t *ai[4];
@@ -80,7 +99,7 @@ T256 INL void x2_group(int q6, const uint8_t *P, const uint8_t *U, const act_t *
 /* Rows r0 .. r0 + R of superblock b (at P; its quants unpacked at U, or U == NULL: Q4_K's nibbles read at P) into
  * acc[0..R): groups of 32 (Q4_K) or 16 (Q6_K) inputs; oc[g] (Q4_K): the group's offsets per output, -dmin * m */
 T256 INL void x2_tile(int q6, const uint8_t *P, const uint8_t *U, const act_t *A, int64_t r0, int R, int64_t b,
-                      v2f dv, const v2f *oc, v2f *acc) {
+                      v2f dv, const v2f *oc, v2f *acc, int pf) {
     const int ngr = q6 ? 16 : 8;
     const int64_t in = A->in, ng = in / A->G;
     const int8_t *a[4];
@@ -89,8 +108,8 @@ T256 INL void x2_tile(int q6, const uint8_t *P, const uint8_t *U, const act_t *A
         a[r] = A->q + (r0 + r) * in + b * 256;
         il[r] = ih[r] = _mm256_setzero_si256();
     }
-    for (int g = 0; g < ngr / 2; g++) x2_group(q6, P, U, A, r0, R, b, g, U ? -1 : 0, a, il, ih, oc, acc);
-    for (int g = ngr / 2; g < ngr; g++) x2_group(q6, P, U, A, r0, R, b, g, U ? -1 : 4, a, il, ih, oc, acc);
+    for (int g = 0; g < ngr / 2; g++) x2_group(q6, P, U, A, r0, R, b, g, U ? -1 : 0, a, il, ih, oc, acc, pf);
+    for (int g = ngr / 2; g < ngr; g++) x2_group(q6, P, U, A, r0, R, b, g, U ? -1 : 4, a, il, ih, oc, acc, pf);
     for (int r = 0; r < R; r++)
         acc[r] = v2_fma(v2_cvt((v2i){il[r], ih[r]}), v2_mul(dv, v2_setf(A->d[(r0 + r) * ng + b])), acc[r]);
 }
@@ -123,15 +142,20 @@ T256 INL void x2_unpack_q6(const uint8_t *P, uint8_t *U) {
                 }
 }
 
-/* every tile of up to 4 rows, R a constant in each copy */
-#define X2_TILES(Q6, SRC)                                                                                    \
+/* every tile of up to 4 rows, R a constant in each copy; PF: the first tile prefetches (x2_group) */
+#define X2_TILE(Q6, SRC, R, PF) x2_tile(Q6, P, SRC, A, r0 + r, R, b, dv, oc, acc + r, PF)
+#define X2_TILES(Q6, SRC, PF)                                                                                \
     do {                                                                                                     \
         int r = 0;                                                                                           \
-        for (; r + 4 <= nr; r += 4) x2_tile(Q6, P, SRC, A, r0 + r, 4, b, dv, oc, acc + r);                   \
+        if (nr >= 4) {                                                                                       \
+            X2_TILE(Q6, SRC, 4, PF);                                                                         \
+            r = 4;                                                                                           \
+        }                                                                                                    \
+        for (; r + 4 <= nr; r += 4) X2_TILE(Q6, SRC, 4, 0);                                                  \
         switch (nr - r) {                                                                                    \
-        case 3: x2_tile(Q6, P, SRC, A, r0 + r, 3, b, dv, oc, acc + r); break;                                \
-        case 2: x2_tile(Q6, P, SRC, A, r0 + r, 2, b, dv, oc, acc + r); break;                                \
-        case 1: x2_tile(Q6, P, SRC, A, r0 + r, 1, b, dv, oc, acc + r); break;                                \
+        case 3: X2_TILE(Q6, SRC, 3, PF && r == 0); break;                                                    \
+        case 2: X2_TILE(Q6, SRC, 2, PF && r == 0); break;                                                    \
+        case 1: X2_TILE(Q6, SRC, 1, PF && r == 0); break;                                                    \
         }                                                                                                    \
     } while (0)
 
@@ -144,7 +168,6 @@ T256 static void kx16_avx2_kquant(int type, const uint8_t *W, const act_t *A, in
     for (int r = 0; r < nr; r++) acc[r] = v2_zerof();
     for (int64_t b = b0; b < b1; b++) {
         const uint8_t *P = W + b * (q6 ? X6_BYTES : X4_BYTES);
-        prefetch_weights(P, q6 ? X6_BYTES : X4_BYTES);
         const v2f dv = v2_half(P + (q6 ? X6_D : X4_D));
         v2f oc[8];
         if (!q6) {
@@ -153,12 +176,13 @@ T256 static void kx16_avx2_kquant(int type, const uint8_t *W, const act_t *A, in
         }
         if (q6) {
             x2_unpack_q6(P, U);
-            X2_TILES(1, U);
+            X2_TILES(1, U, 1);
         } else if (nr >= X2_UNPACK_ROWS) {
+            prefetch_weights(P, X4_BYTES);
             x2_unpack_q4(P, U);
-            X2_TILES(0, U);
+            X2_TILES(0, U, 0);
         } else {
-            X2_TILES(0, NULL);
+            X2_TILES(0, NULL, 1);
         }
     }
     for (int r = 0; r < nr; r++) {
@@ -168,3 +192,4 @@ T256 static void kx16_avx2_kquant(int type, const uint8_t *W, const act_t *A, in
     }
 }
 #undef X2_TILES
+#undef X2_TILE
