@@ -8,7 +8,7 @@ import torch
 
 from specdec.api import LLM
 from specdec.runtime import kernels as K
-from specdec.runtime.layer_kernel import LayerKernel
+from specdec.runtime.layer_kernel import LayerKernel, LayerStack
 from specdec.runtime.runner import FeatureSpec, ModelRunner
 
 pytest.importorskip("gguf")
@@ -23,14 +23,14 @@ def lib():
 
 
 def _counting(monkeypatch, off: bool = False) -> list[int]:
-    """Count the layer calls the C path took (or, off, make it decline every one)."""
-    ran, run = [], LayerKernel.run
-
-    def counted(self, *args):
-        out = None if off else run(self, *args)
-        ran.append(out is not None)
-        return out
-    monkeypatch.setattr(LayerKernel, "run", counted)
+    """Count the calls the C path took, one layer's or the whole stack's (or, off, make it decline every one)."""
+    ran = []
+    for cls in (LayerKernel, LayerStack):
+        def counted(self, *args, run=cls.run):
+            out = None if off else run(self, *args)
+            ran.append(out is not None)
+            return out
+        monkeypatch.setattr(cls, "run", counted)
     return ran
 
 

@@ -19,7 +19,7 @@ from specdec.models.rope import Rotary, apply_rotary
 from specdec.runtime import small_ops
 from specdec.runtime.attention import attention
 from specdec.runtime.kv_cache import KVCache
-from specdec.runtime.layer_kernel import LayerKernel, StepArgs, step_args
+from specdec.runtime.layer_kernel import LayerKernel, LayerStack, StepArgs, step_args
 
 
 class RMSNorm(nn.Module):
@@ -228,6 +228,15 @@ class Transformer(nn.Module):
         kernels = [layer._kernel() for layer in self.model.layers]
         return all(k is not None and k.takes(rows) for k in kernels)
 
+    def _stack(self, cache: KVCache) -> LayerStack | None:
+        """Every decoder layer in one C call (`layer_kernel.LayerStack`), rebuilt when a layer or the cache changed;
+        None where a layer cannot run in C."""
+        kernels = [layer._kernel() for layer in self.model.layers]
+        stack = self.__dict__.get("_layer_stack")
+        if stack is None or not stack.serves(kernels, cache):
+            stack = self._layer_stack = LayerStack.of(kernels, cache)
+        return stack
+
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache,
                 cache_index: torch.Tensor | None = None, mask: torch.Tensor | None = None,
@@ -258,7 +267,10 @@ class Transformer(nn.Module):
         batch.fast = None if self.split else step_args(x, batch)
         hidden: dict[int, torch.Tensor] = {}
         batches = {x.device: batch}
-        for i, layer in enumerate(self.model.layers[resume_layer:], start=resume_layer):
+        stack = self._stack(cache) if batch.fast is not None and resume is None and not any(
+            i < len(self.model.layers) for i in hidden_layers) else None
+        out = None if stack is None else stack.run(x, batch.fast)
+        for i, layer in enumerate(self.model.layers[resume_layer:] if out is None else (), start=resume_layer):
             if self.split:
                 dev = cache.k[i].device
                 x = x.to(dev)
@@ -266,6 +278,7 @@ class Transformer(nn.Module):
             if i in hidden_layers:
                 hidden[i] = x
             x = layer(x, batch, cache)
+        x = x if out is None else out
         if self.split:
             x = x.to(self.lm_head.weight.device)
             logits_index = None if logits_index is None else logits_index.to(x.device)

@@ -16,7 +16,7 @@ import torch
 
 from specdec.runtime import kernels as K
 from specdec.runtime.attention import KERNEL_ROWS
-from specdec.runtime.gguf_linear import GGUFConcatLinear, GGUFLinear, matmul_args, use_kernel
+from specdec.runtime.gguf_linear import GGUFConcatLinear, GGUFLinear, kernel_floor, matmul_args, use_kernel
 
 i64, ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -49,6 +49,11 @@ class LayerKernel:
 
     def __init__(self, spec: _Layer, keep: list, linears: list[list[GGUFLinear]]):
         self.spec, self.keep, self.linears = spec, keep, linears
+
+    @cached_property
+    def floor(self) -> int:
+        """Rows up to which this layer always runs here (`kernel_floor`)."""
+        return min(kernel_floor(ps) for ps in self.linears)
 
     def takes(self, rows: int) -> bool:
         """Whether a step of `rows` rows runs here: where each of its matrices takes the kernels at that many rows
@@ -88,6 +93,47 @@ class LayerKernel:
         out = torch.empty_like(x)
         rc = K.library().gq_decoder_layer(ctypes.byref(self.spec), ctypes.byref(s), x.data_ptr(), out.data_ptr(),
                                           torch.get_num_threads(), K.requested_path())
+        return out if rc >= 0 else None
+
+
+class LayerStack:
+    """Every decoder layer in one C call (`gq_decoder_stack`), where each would run in C on its own (`LayerKernel.run`):
+    the layers' descriptions and their caches' addresses, built once per model and cache; at a few rows the Python
+    around 28 layer calls is a measurable share of a decode step."""
+
+    def __init__(self, kernels: list[LayerKernel], cache):
+        n = len(kernels)
+        self.kernels, self.cache, self.floor = kernels, cache, min(k.floor for k in kernels)
+        self.specs = (ptr * n)(*[ctypes.addressof(k.spec) for k in kernels])
+        self.kc, self.vc = ((ptr * n)(*[t.data_ptr() for t in ts]) for ts in (cache.k, cache.v))
+
+    @classmethod
+    def of(cls, kernels: list, cache) -> "LayerStack | None":
+        k0 = cache.k[0]
+        if (not kernels or any(k is None for k in kernels) or len(cache.k) != len(kernels) or k0.stride(-1) != 1
+                or any(t.dtype != torch.float32 or not t.is_cpu or t.stride() != k0.stride() for t in cache.k + cache.v)):
+            return None
+        return cls(kernels, cache)
+
+    def serves(self, kernels: list, cache) -> bool:
+        """Whether this stack was built for these layers and this cache, as they are now."""
+        return (cache is self.cache and len(kernels) == len(self.kernels)
+                and all(a is b for a, b in zip(kernels, self.kernels))
+                and all(t.data_ptr() == p for ts, ps in ((cache.k, self.kc), (cache.v, self.vc)) for t, p in zip(ts, ps)))
+
+    def run(self, x: torch.Tensor, step: "StepArgs | None") -> torch.Tensor | None:
+        """x [B, T, hidden] -> the last layer's output, every layer's K/V written; None where the C path does not
+        take this step (the caller then runs the layers one by one, which write the same K/V again)."""
+        rows = x.shape[0] * x.shape[1]
+        if (step is None or not x.is_contiguous()
+                or (rows > self.floor and not all(k.takes(rows) for k in self.kernels))):
+            return None
+        s, k0 = step.spec, self.cache.k[0]
+        s.sb, s.sh = k0.stride(0), k0.stride(1)
+        out, tmp = torch.empty_like(x), torch.empty_like(x)
+        rc = K.library().gq_decoder_stack(self.specs, len(self.kernels), ctypes.byref(s), self.kc, self.vc,
+                                          x.data_ptr(), out.data_ptr(), tmp.data_ptr(), torch.get_num_threads(),
+                                          K.requested_path())
         return out if rc >= 0 else None
 
 

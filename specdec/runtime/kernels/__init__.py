@@ -135,6 +135,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         f.restype = i32
     lib.gq_decoder_layer.argtypes = [p, p, p, p, i32, i32]
     lib.gq_decoder_layer.restype = i32
+    lib.gq_decoder_stack.argtypes = [p, i32, p, p, p, p, p, p, i32, i32]
+    lib.gq_decoder_stack.restype = i32
     lib.gq_best_path.argtypes = []
     lib.gq_best_path.restype = i32
     return lib

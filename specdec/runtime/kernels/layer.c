@@ -90,3 +90,20 @@ int gq_decoder_layer(const layer_t *L, const step_t *s, const float *x, float *o
     free(buf);
     return rc < 0 ? rc : used;
 }
+
+/* The decoder stack in one call: layers L[0..n) in a row, layer l's cache at kc[l] / vc[l] (s's strides), x -> out
+ * [B * T][hidden], tmp a second buffer of that size (a layer's output may not overwrite its input). Returns as
+ * gq_decoder_layer; on an error the layers after it have not run. */
+int gq_decoder_stack(const layer_t *const *L, int n, step_t *s, float *const *kc, float *const *vc, const float *x,
+                     float *out, float *tmp, int nthreads, int path) {
+    int rc = 0;
+    const float *in = x;
+    for (int l = 0; l < n && rc >= 0; l++) {
+        float *dst = (n - 1 - l) % 2 ? tmp : out; /* the last layer writes out */
+        s->kc = kc[l];
+        s->vc = vc[l];
+        rc = gq_decoder_layer(L[l], s, in, dst, nthreads, path);
+        in = dst;
+    }
+    return rc;
+}
