@@ -836,16 +836,17 @@ T256 INL v2f v2_scales(const uint8_t *p, int is_signed) { /* 16 scale bytes -> f
     return is_signed ? (v2f){_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))}
                      : (v2f){_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(a)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b))};
 }
-T256 INL __m256i v2_bytes_of_bits(uint32_t m) { /* byte b = 0xFF where bit b of m is set */
-    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    return _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)m), pick), bit), bit);
-}
 T256 INL v2i v2_bits(const uint8_t *p, v2i v) { /* v where bit b of the 64-bit mask at p is set (byte b), else 0 */
-    uint64_t m;
+    long long m;
     memcpy(&m, p, 8);
-    return (v2i){_mm256_and_si256(v2_bytes_of_bits((uint32_t)m), v.l), _mm256_and_si256(v2_bytes_of_bits((uint32_t)(m >> 32)), v.h)};
+    const __m256i all = _mm256_set1_epi64x(m); /* the mask in every qword; each byte picks its mask byte, then its bit */
+    const __m256i pl = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                        2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i ph = _mm256_add_epi8(pl, _mm256_set1_epi8(4));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i l = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(all, pl), bit), bit);
+    const __m256i h = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(all, ph), bit), bit);
+    return (v2i){_mm256_and_si256(l, v.l), _mm256_and_si256(h, v.h)};
 }
 T256 INL v2i v2_q8split(v2i w, v2i *neg) { /* Q8_0 quants + 128 -> |q|; *neg: q (its signs) */
     const __m256i f = _mm256_set1_epi8((char)0x80);
