@@ -225,13 +225,16 @@ class Transformer(nn.Module):
         independent of how rows are grouped into sequences, so ragged chunks can go one row per entry."""
         if self.split or self.device.type != "cpu" or self.model.embed_tokens.weight.dtype != torch.float32:
             return False
-        kernels = [layer._kernel() for layer in self.model.layers]
-        return all(k is not None and k.takes(rows) for k in kernels)
+        return all(k is not None and k.takes(rows) for k in self._kernels())
+
+    def _kernels(self) -> list[LayerKernel | None]:
+        """Each decoder layer's C form (`DecoderLayer._kernel`), None where a layer has none."""
+        return [layer._kernel() for layer in self.model.layers]
 
     def _stack(self, cache: KVCache) -> LayerStack | None:
         """Every decoder layer in one C call (`layer_kernel.LayerStack`), rebuilt when a layer or the cache changed;
         None where a layer cannot run in C."""
-        kernels = [layer._kernel() for layer in self.model.layers]
+        kernels = self._kernels()
         stack = self.__dict__.get("_layer_stack")
         if stack is None or not stack.serves(kernels, cache):
             stack = self._layer_stack = LayerStack.of(kernels, cache)

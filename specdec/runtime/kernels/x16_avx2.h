@@ -34,7 +34,7 @@ T256 INL v2i x2_scale_pairs(const uint8_t *p, int is_signed) {
 
 /* group g's share (of ngr) of the cache lines PREFETCH_AHEAD bytes past the superblock at P (n bytes): spread over
  * the groups, the prefetches leave the loads room, where all at the superblock's start they stalled them (Zen 3, one
- * row, Q4_K 17920x1536: 20 -> 24-26 GB/s; docs/benchmarks.md section 29) */
+ * row, Q4_K 17920x1536: 17.9 -> 19.6 GB/s, Q6_K 1536x8960: 15.6 -> 19.0; docs/benchmarks.md section 29) */
 INL void x2_prefetch_share(const uint8_t *P, int n, int g, int ngr) {
     const int lines = (n + 63) / 64;
     for (int k = g * lines / ngr; k < (g + 1) * lines / ngr; k++) _mm_prefetch((const char *)P + PREFETCH_AHEAD + 64 * k, _MM_HINT_T0);
