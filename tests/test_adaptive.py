@@ -105,6 +105,27 @@ def test_a_draft_models_setup_is_paid_only_where_it_is_repaid(tmp_path, setup_pe
     assert (seq.stats.drafted > 0) == drafts, seq.stats.drafted
 
 
+@pytest.mark.parametrize("setup_per_token, model_asked", [(1.0, False), (1e-7, True)])
+def test_a_chain_leaves_out_a_member_whose_setup_does_not_pay(tmp_path, setup_per_token, model_asked):
+    """`draft,suffix`: where the draft model's catch-up on the prompt is not repaid, the chain drafts without it
+    (the suffix drafter alone, from the first step on) instead of paying it or drafting nothing."""
+    from test_lossless_sampling import _drafter
+    from specdec.drafters.chain import ChainDrafter
+    from specdec.sampling import SamplingParams
+
+    engine = _markov_engine(tmp_path, tick=0.0)
+    model, asked = _markov_draft_model(), []
+    propose = model.propose
+    model.propose = lambda *a: asked.append(1) or propose(*a)
+    chain = ChainDrafter([model, _drafter("suffix")])
+    engine.cost.verify_s = {k: 0.01 for k in range(1, 6)}
+    engine.cost.draft_s, engine.cost.setup_s = {chain.name: 1e-4}, {chain.name: setup_per_token}
+    engine.cost.ema = 0.0
+    seq = engine.generate([1, 2, 3, 4, 5] * 10, SamplingParams(max_tokens=100), drafter=chain)
+    assert bool(asked) == model_asked and seq.stats.drafted > 0, (len(asked), seq.stats.drafted)
+    assert not chain.declined  # released with the sequence
+
+
 def test_row_cost_is_the_measured_slope_and_raises_the_confidence_threshold(tmp_path):
     """A draft model stops where one more token's expected yield no longer pays for drafting it and for the row
     it adds to the verification (on AVX2 an 8-row forward costs ~2.5x a one-row one)."""

@@ -37,6 +37,11 @@ class Drafter(ABC):
         where that setup is expected to be repaid (`engine.adaptive.expected_saving`)."""
         return 0
 
+    def decline_setup(self, seq: Sequence) -> bool:
+        """The engine judged the pending catch-up on `seq` not worth paying: True if this drafter can still draft
+        for `seq` without it (a chain then leaves out the members that need one), False to draft nothing."""
+        return False
+
     def update(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """Feedback after verification (`seq.tokens` already holds the committed tokens)."""
 

@@ -5,6 +5,8 @@
 per-position acceptance on this sequence; a drafter that knows its confidence (the draft model,
 the expensive one) is only asked when even a full-length draft from it could beat the best so far,
 and a draft it samples (temperature > 0, unseeded) is then used whatever its length.
+A member whose catch-up on a new prompt (the draft model's own prefill) the engine declines sits out the rest of
+that sequence, and the others draft without it.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ class ChainDrafter(Drafter):
         self.name = ",".join(m.name for m in members)
         self.acceptance: dict[int, list[AcceptanceEstimate]] = {}  # slot -> per member
         self.chosen: dict[int, int] = {}  # slot -> member whose draft was used last
+        self.declined: dict[int, set[int]] = {}  # slot -> members whose catch-up the engine declined
         for m in members:
             if m.features is not None:
                 self.features = m.features.union(self.features)
@@ -36,7 +39,10 @@ class ChainDrafter(Drafter):
         best, best_gain = Draft([]), 0.0
         setup_s = 0.0  # every member's catch-up, whichever draft is used
         est = self.acceptance.setdefault(seq.slot, [AcceptanceEstimate() for _ in self.members])
+        declined = self.declined.get(seq.slot, ())
         for i, m in enumerate(self.members):
+            if i in declined:
+                continue
             if self.mode == "gain" and m.confidence_stop and best_gain >= sum(est[i].survival(max_tokens)):
                 continue
             draft = m.propose(seq, max_tokens, min_path_prob)
@@ -51,6 +57,15 @@ class ChainDrafter(Drafter):
             if gain > best_gain:
                 best, best_gain, self.chosen[seq.slot] = replace(draft, source=m.name), gain, i
         return replace(best, setup_s=setup_s)
+
+    def pending_setup(self, seq: Sequence) -> int:
+        declined = self.declined.get(seq.slot, ())
+        return sum(m.pending_setup(seq) for i, m in enumerate(self.members) if i not in declined)
+
+    def decline_setup(self, seq: Sequence) -> bool:
+        declined = self.declined.setdefault(seq.slot, set())
+        declined.update(i for i, m in enumerate(self.members) if m.pending_setup(seq))
+        return len(declined) < len(self.members)
 
     def update(self, seq: Sequence, drafted: int, accepted: int) -> None:
         who = self.chosen.pop(seq.slot, None)
@@ -67,6 +82,7 @@ class ChainDrafter(Drafter):
     def release(self, seq: Sequence) -> None:
         self.acceptance.pop(seq.slot, None)
         self.chosen.pop(seq.slot, None)
+        self.declined.pop(seq.slot, None)
         for m in self.members:
             m.release(seq)
 

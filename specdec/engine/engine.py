@@ -262,7 +262,7 @@ class Engine:
             if batch > 1 and drafter.pending_setup(seq) > len(seq.output_ids):
                 return 0, 0.0  # in a batch a probe never pays a catch-up on a new prompt: the batch would wait
             k = min(k_max, max(1, self.spec.draft_min))
-        if not self._setup_pays(seq, k_max, batch):
+        if not self._setup_pays(seq, k_max, batch) and not drafter.decline_setup(seq):
             return 0, 0.0
         if not drafter.confidence_stop:
             return k, 0.0
