@@ -115,8 +115,8 @@ def test_a_chain_leaves_out_a_member_whose_setup_does_not_pay(tmp_path, setup_pe
 
     engine = _markov_engine(tmp_path, tick=0.0)
     model, asked = _markov_draft_model(), []
-    propose = model.propose
-    model.propose = lambda *a: asked.append(1) or propose(*a)
+    propose = model.propose_batch
+    model.propose_batch = lambda *a: asked.append(1) or propose(*a)
     chain = ChainDrafter([model, _drafter("suffix")])
     engine.cost.verify_s = {k: 0.01 for k in range(1, 6)}
     engine.cost.draft_s, engine.cost.setup_s = {chain.name: 1e-4}, {chain.name: setup_per_token}

@@ -10,7 +10,7 @@ that sequence, and the others draft without it.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from specdec.acceptance import AcceptanceEstimate
@@ -22,12 +22,23 @@ from specdec.sequence import Sequence
 CHAIN_MODES = ("first", "gain")
 
 
+@dataclass
+class _Pick:
+    """One sequence's choice among its members' drafts so far."""
+    draft: Draft = field(default_factory=lambda: Draft([]))
+    gain: float = 0.0     # expected accepted tokens of `draft` (`gain`)
+    setup_s: float = 0.0  # every asked member's catch-up, whichever draft is used
+    final: bool = False   # settled: no further member is asked
+
+
 class ChainDrafter(Drafter):
-    """Every member hears `update` and `release`, so each keeps its per-sequence state in step."""
+    """Every member hears `update` and `release`, so each keeps its per-sequence state in step. Members that draft
+    in batches (the draft model) draft every sequence of a step that asks them in one call."""
 
     def __init__(self, members: list[Drafter], mode: str = "first"):
         self.members, self.mode = members, mode
         self.name = ",".join(m.name for m in members)
+        self.batched = any(m.batched for m in members)
         self.acceptance: dict[int, list[AcceptanceEstimate]] = {}  # slot -> per member
         self.chosen: dict[int, int] = {}  # slot -> member whose draft was used last
         self.declined: dict[int, set[int]] = {}  # slot -> members whose catch-up the engine declined
@@ -36,27 +47,42 @@ class ChainDrafter(Drafter):
                 self.features = m.features.union(self.features)
 
     def propose(self, seq: Sequence, max_tokens: int, min_path_prob: float = 0.0) -> Draft:
-        best, best_gain = Draft([]), 0.0
-        setup_s = 0.0  # every member's catch-up, whichever draft is used
-        est = self.acceptance.setdefault(seq.slot, [AcceptanceEstimate() for _ in self.members])
-        declined = self.declined.get(seq.slot, ())
+        return self.propose_batch([seq], [max_tokens], [min_path_prob])[0]
+
+    def propose_batch(self, seqs: list[Sequence], max_tokens: list[int], min_path_probs: list[float]) -> list[Draft]:
+        """Each member in turn drafts for the sequences still asking it (in one call where it drafts in batches)."""
+        picks = [_Pick() for _ in seqs]
         for i, m in enumerate(self.members):
-            if i in declined:
+            ask = [j for j, s in enumerate(seqs) if self._asks(i, s, max_tokens[j], picks[j])]
+            if not ask:
                 continue
-            if self.mode == "gain" and m.confidence_stop and best_gain >= sum(est[i].survival(max_tokens)):
-                continue
-            draft = m.propose(seq, max_tokens, min_path_prob)
-            setup_s += draft.setup_s
-            if not draft.tokens:
-                continue
-            if self.mode == "first" or draft.probs is not None:
-                # A sampled draft is used once drawn: choosing by its (random) length would bias its tokens.
-                self.chosen[seq.slot] = i
-                return replace(draft, setup_s=setup_s, source=m.name)
-            gain = sum(est[i].survival(draft.depth))  # expected accepted tokens
-            if gain > best_gain:
-                best, best_gain, self.chosen[seq.slot] = replace(draft, source=m.name), gain, i
-        return replace(best, setup_s=setup_s)
+            args = ([seqs[j] for j in ask], [max_tokens[j] for j in ask], [min_path_probs[j] for j in ask])
+            drafts = m.propose_batch(*args) if m.batched else [m.propose(*a) for a in zip(*args)]
+            for j, draft in zip(ask, drafts):
+                self._offer(seqs[j].slot, picks[j], i, draft)
+        return [replace(p.draft, setup_s=p.setup_s) for p in picks]
+
+    def _asks(self, i: int, seq: Sequence, max_tokens: int, pick: _Pick) -> bool:
+        """Whether member i drafts for `seq`: nothing settled yet, its catch-up not declined and (`gain`) if it
+        knows its confidence, a full-length draft from it could beat the best so far."""
+        if pick.final or i in self.declined.get(seq.slot, ()):
+            return False
+        est = self.acceptance.setdefault(seq.slot, [AcceptanceEstimate() for _ in self.members])[i]
+        return not (self.mode == "gain" and self.members[i].confidence_stop
+                    and pick.gain >= sum(est.survival(max_tokens)))
+
+    def _offer(self, slot: int, pick: _Pick, i: int, draft: Draft) -> None:
+        """Member i's draft for the sequence in `slot`: used at once (`first`, or sampled), or if it is the best."""
+        pick.setup_s += draft.setup_s
+        if not draft.tokens:
+            return
+        if self.mode == "first" or draft.probs is not None:
+            # A sampled draft is used once drawn: choosing by its (random) length would bias its tokens.
+            pick.draft, pick.final, self.chosen[slot] = replace(draft, source=self.members[i].name), True, i
+            return
+        gain = sum(self.acceptance[slot][i].survival(draft.depth))  # expected accepted tokens
+        if gain > pick.gain:
+            pick.draft, pick.gain, self.chosen[slot] = replace(draft, source=self.members[i].name), gain, i
 
     def pending_setup(self, seq: Sequence) -> int:
         declined = self.declined.get(seq.slot, ())
