@@ -9,5 +9,5 @@ specdec models pull qwen2.5-coder-1.5b qwen2.5-coder-0.5b
 prompt=specdec/bench/prompts/code-edit.txt
 echo "== plain decoding (--spec-type none) =="
 specdec generate -f "$prompt" --chat -n 256 --spec-type none
-echo "== speculative decoding with the 0.5B draft (-md qwen2.5-coder-0.5b) =="
+echo "== speculative decoding, the default: suffix tree, then the 0.5B draft (--spec-type suffix-tree,draft) =="
 specdec generate -f "$prompt" --chat -n 256

@@ -46,7 +46,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that loads models."""
     from specdec import compat
     from specdec.config import DTYPES, Config
-    from specdec.drafters import REGISTRY, spec_types
+    from specdec.drafters import DEFAULT_WITH_DRAFT_MODEL, REGISTRY, spec_types
     from specdec.drafters.chain import CHAIN_MODES
     from specdec.models.loader import QUANT_CHOICES
 
@@ -77,7 +77,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--spec-type", type=_spec_type, metavar="TYPE[,TYPE...]",
                    help=f"drafter: {' | '.join(spec_types())}; a comma list is a chain, the first that drafts wins "
-                   "(default: draft with -md or no -m, else none)")
+                   f"(default: {DEFAULT_WITH_DRAFT_MODEL} with -md or no -m, else none)")
     s.add_argument("--spec-chain", dest="chain_mode", choices=CHAIN_MODES, default=D.chain_mode,
                    help="with a chain a,b: first = the first drafter that drafts (llama.cpp); gain = the draft with "
                    "the most expected accepted tokens by each drafter's measured acceptance (default first)")

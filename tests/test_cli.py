@@ -61,11 +61,14 @@ def test_unsupported_architecture(tmp_path, tiny_dir):
 
 @pytest.mark.real
 def test_draft_with_other_tokenizer(smollm_dir, tiny_dir):
-    """A draft model with another tokenizer drafts across tokenizers (docs/cross-tokenizer.md): not an error."""
+    """A draft model with another tokenizer drafts across tokenizers (docs/cross-tokenizer.md): not an error; the default
+    spec type with a draft model is the suffix tree, then the draft model."""
+    from specdec.drafters import DEFAULT_WITH_DRAFT_MODEL
+
     res = run("generate", "-m", str(smollm_dir), "-md", str(tiny_dir("llama")), "-p", "hi", "-n", "8", "--dtype", "fp32",
               "--json")
     assert res.returncode == 0, res.stderr
-    assert json.loads(res.stdout)["spec_type"] == "draft"
+    assert json.loads(res.stdout)["spec_type"] == DEFAULT_WITH_DRAFT_MODEL == "suffix-tree,draft"
 
 
 def test_prompt_longer_than_context(tiny_dir):

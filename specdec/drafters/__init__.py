@@ -5,6 +5,10 @@ from specdec.drafters.chain import assemble
 from specdec.drafters.registry import REGISTRY, BuildContext, DrafterType, Option, register
 from specdec.errors import SpecdecError
 
+# The spec type when none is given and there is a draft model (the default pair too): the suffix tree first, the draft
+# model where the suffix tree has nothing (docs/benchmarks.md section 30).
+DEFAULT_WITH_DRAFT_MODEL = "suffix-tree,draft"
+
 for _module in (draft_model, ngram_simple, ngram_map_k, ngram_mod, suffix, synthetic, eagle3, medusa, mtp, early_exit, dflash, dspark):  # registry lines
     for _t in _module.TYPES:
         register(_t)
@@ -42,5 +46,5 @@ def is_lossy(spec: str) -> bool:
     return any(p != "none" and REGISTRY.get(p).lossy for p in parse_spec_type(spec))
 
 
-__all__ = ["REGISTRY", "BuildContext", "Draft", "Drafter", "DrafterType", "Option", "build_drafter", "is_lossy",
+__all__ = ["DEFAULT_WITH_DRAFT_MODEL", "REGISTRY", "BuildContext", "Draft", "Drafter", "DrafterType", "Option", "build_drafter", "is_lossy",
            "parse_spec_type", "register", "spec_types"]
