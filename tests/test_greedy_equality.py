@@ -2,12 +2,12 @@
 import pytest
 
 import specdec
-from specdec.drafters import REGISTRY
+from specdec.drafters import DEFAULT_WITH_DRAFT_MODEL, REGISTRY
 
 PROMPTS_TINY = ["t5 t9 t12 t5 t9 t12 t5 t9", "t33 t2 t71", "t8 " * 20 + "t4", "t60"]
 MODEL_FREE = tuple(n for n, t in REGISTRY.types.items() if t.model_free)
 CHAIN = "ngram-mod,draft"
-SPECS = ("draft", *MODEL_FREE, CHAIN)
+SPECS = ("draft", *MODEL_FREE, CHAIN, DEFAULT_WITH_DRAFT_MODEL)
 
 
 def _tiny_llm(tiny_dir, family, draft_seed, **kw):
@@ -32,7 +32,7 @@ def test_tiny_greedy_equality(tiny_dir, family, adaptive, draft_seed):
             base = llm.generate(prompt, max_tokens=max_tokens, spec_type="none")
             # model-free drafters do not depend on the draft model: once per family is enough; with adaptive
             # length draft_max is only a cap, so the newer drafters sweep it only without
-            for spec in ("draft", CHAIN) + (MODEL_FREE if draft_seed is None else ()):
+            for spec in ("draft", CHAIN, DEFAULT_WITH_DRAFT_MODEL) + (MODEL_FREE if draft_seed is None else ()):
                 for k in (1, 3, 8) if spec == "draft" or not adaptive else (8,):
                     llm.engine.spec.draft_max = k
                     r = llm.generate(prompt, max_tokens=max_tokens, spec_type=spec)
@@ -130,7 +130,7 @@ def test_smollm_greedy_equality(smollm_dir):
         for spec, k, branch_p in (("draft", 4, 0.0), ("draft", 10, 0.0), ("draft", 10, 0.6), ("ngram-simple", 6, 0.0),
                                   ("ngram-map-k", 6, 0.0), ("ngram-map-k4v", 6, 0.0), ("ngram-map-k-tree", 6, 0.0),
                                   ("ngram-mod", 6, 0.0), ("suffix", 16, 0.0), ("suffix-tree", 16, 0.0),
-                                  (CHAIN, 6, 0.0)):
+                                  (CHAIN, 6, 0.0), (DEFAULT_WITH_DRAFT_MODEL, 16, 0.0)):
             llm.engine.spec.draft_max, drafter.branch_p = k, branch_p
             r = llm.generate(prompt, max_tokens=48, chat=True, spec_type=spec)
             assert r.token_ids == base.token_ids, (prompt, spec, k, branch_p)

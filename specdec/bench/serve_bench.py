@@ -52,7 +52,7 @@ def run_serve_bench(args: argparse.Namespace) -> Path:
     if not modes or any(m.removesuffix(NOCACHE) not in MODES for m in modes):
         raise SpecdecError(f"--modes: choose from {', '.join(MODES)}, each optionally with {NOCACHE}")
     prompts = load_workload(args.workload, args.workload_dir, args.per_category, args.seed, args.categories)
-    spec = args.spec_type or DEFAULT_WITH_DRAFT_MODEL  # what `specdec serve` runs without --spec-type
+    spec = args.spec_type or DEFAULT_WITH_DRAFT_MODEL  # what `specdec serve` runs with a draft model and no --spec-type
     if args.model is None:
         args.model, args.draft = DEFAULT_TARGET, args.draft or DEFAULT_DRAFT
     if "draft" in spec.split(",") and args.draft is None:
