@@ -199,10 +199,17 @@ def load_model(name: str, quant: str, dtype: str, n_gpu_layers: int = 0, progres
 
 
 def _offload(model, n_gpu_layers: int) -> None:
-    """`-ngl`: the first n decoder layers (and embeddings; norm + head when all) on the GPU, when there is one."""
+    """`-ngl`: the first n decoder layers (and embeddings; norm + head when all) on the GPU, when there is one;
+    GGUF blocks placed there are dequantized once to the model's dtype (the GGUF kernels run on the CPU)."""
     if n_gpu_layers and torch.cuda.is_available():
+        from specdec.models.gguf_quantized import densify
         from specdec.runtime.placement import place_layers
-        model.place(place_layers(model.config.num_layers, n_gpu_layers).module_devices())
+        devices = place_layers(model.config.num_layers, n_gpu_layers).module_devices()
+        dtype = model.model.embed_tokens.weight.dtype
+        for name in (n for n, d in devices.items() if d != "cpu"):
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, densify(model.get_submodule(name), dtype))
+        model.place(devices)
 
 
 def build_llm(args: argparse.Namespace, progress: bool = True, **override: Any) -> LLM:

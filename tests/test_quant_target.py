@@ -168,3 +168,22 @@ def test_generate_json_reports_quant(smollm_dir):
                          timeout=300)
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["quant"].startswith("gguf: ")
+
+
+def test_densify_holds_the_files_weights(tiny_gguf):
+    """`-ngl`'s GPU parts of a GGUF target: every GGUF module becomes a dense one with the file's dequantized
+    weights (fused parts side by side), norms untouched."""
+    from specdec.models.gguf_quantized import GGUFEmbedding, densify, load_gguf_quantized
+    from specdec.runtime.gguf_linear import GGUFConcatLinear, GGUFLinear
+
+    model, _ = load_gguf_quantized(tiny_gguf, torch.float32)
+    fused = model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(fused, GGUFConcatLinear)
+    want = {"model.layers.0.self_attn.qkv_proj": torch.cat([p.dequantize() for p in fused.parts]),
+            "model.layers.1.mlp.down_proj": model.model.layers[1].mlp.down_proj.dequantize(),
+            "model.embed_tokens": model.model.embed_tokens.table.dequantize()}
+    norm = model.model.norm.weight
+    assert densify(model, torch.float32) is model and model.model.norm.weight is norm
+    assert not any(isinstance(m, (GGUFEmbedding, GGUFLinear, GGUFConcatLinear)) for m in model.modules())
+    for name, w in want.items():
+        torch.testing.assert_close(model.get_submodule(name).weight, w, rtol=0, atol=0)

@@ -62,18 +62,20 @@ class DFlashDrafter(PairedHeadDrafter):
         positions = torch.arange(anchor, anchor + c.block_size)[None]  # [1, B]
         cos, sin = self.rotary.tables(positions, g.dtype)
         slots = torch.tensor([seq.slot])
-        batch = Batch(slots, positions, cos, sin, None, anchor + c.block_size, KVCache.span(slots, positions))
+        batch = Batch(slots, positions, cos, sin, None, anchor + c.block_size,
+                      KVCache.span(slots, positions)).to(self.device)
         block = [tokens[-1]] + [c.mask_token_id] * (c.block_size - 1)
-        logits, h = self.run(self.embed(torch.tensor([block])), g[None], batch, depth)
-        return logits[0], h[0]
+        logits, h = self.run(self.embed_ids([block], g.dtype), g[None], batch, depth)
+        return logits[0].cpu(), h[0]
 
     def run(self, emb: torch.Tensor, g: torch.Tensor, batch: Batch, depth: int | None):
         """Inject context g [1, n, H] just before the block, run the block emb [1, B, H] -> (logits [1, D, V] fp32,
         states [1, D, H]) of its draft slots."""
-        n, first = g.shape[1], batch.cache_index[0, 0]
+        n, first = g.shape[1], int(batch.cache_index[0, 0])
         ctx = torch.arange(first - n, first)[None]  # [1, n]
         cos, sin = self.rotary.tables(ctx, g.dtype)
-        self.net.inject(g, Batch(batch.slots, ctx, cos, sin, None, int(first), KVCache.span(batch.slots, ctx)),
+        slots = batch.slots.cpu()
+        self.net.inject(g, Batch(slots, ctx, cos, sin, None, first, KVCache.span(slots, ctx)).to(self.device),
                         self.cache)
         h = self.net.block(emb, batch, self.cache)[:, self.net.config.first_slot:]  # [1, D, H]
         return self.lm_head(h).float(), h  # the network runs in the target's activation dtype
@@ -88,7 +90,7 @@ class DFlashDrafter(PairedHeadDrafter):
         for k in range(min(max_tokens, len(logits))):
             if self.threshold > 0 and self._confidence(h[k], prev) < self.threshold:
                 break
-            full = logits[k] + self.net.markov_bias(torch.tensor(prev))  # [V]
+            full = logits[k] + self.net.markov_bias(torch.tensor(prev, device=self.device)).cpu()  # [V]
             q = draft_distribution(full, seq, self.p_min > 0 or min_path_prob > 0)  # [V] or None
             top = 1.0 if q is None else float(q.max())
             if top < self.p_min or (tokens and path_prob * top < min_path_prob):  # decided before drawing
@@ -103,7 +105,7 @@ class DFlashDrafter(PairedHeadDrafter):
 
     def _confidence(self, h: torch.Tensor, prev: int) -> float:
         """The confidence head's P(accepted) for a draft slot's state h [H] after token `prev`."""
-        return float(torch.sigmoid(self.net.confidence(h, torch.tensor(prev))))
+        return float(torch.sigmoid(self.net.confidence(h, torch.tensor(prev, device=h.device))))
 
 
 def head_path(options: Mapping[str, Any], model: str | None, kind: str, flag: str) -> Path:
@@ -133,7 +135,7 @@ def build(ctx: BuildContext, kind: str, flag: str, threshold: float = 0.0,
     """A `kind` drafter (class `cls`) from the directory the options name, loaded in the target's dtype and device."""
     target = ctx.target
     path = head_path(ctx.options, ctx.model, kind, flag)
-    net = load_block_drafter(path, target.model.model.norm.weight.dtype).to(target.model.device)
+    net = load_block_drafter(path, target.model.model.norm.weight.dtype).to(target.head_device)
     L, t = net.config.layer, target.model.config
     if L.vocab_size != t.vocab_size or L.hidden_size != t.hidden_size:
         raise SpecdecError(f"{kind} drafter {path} was made for another target (vocabulary {L.vocab_size}, hidden "

@@ -42,6 +42,7 @@ class Eagle3Drafter(PairedHeadDrafter):
     def __init__(self, head: Eagle3Head, target: ModelRunner, p_min: float = 0.0, topk: int = 1, nodes: int = 0):
         c = head.config
         self.head = head
+        self.draft_ids = head.draft_to_target.cpu()  # [Vd] target id of each draft entry, where logits come back
         self.topk, self.nodes = min(topk, c.draft_vocab_size), nodes  # tree width (1: chains); node budget (0: any)
         self.features = FeatureSpec(tuple(c.aux_layers))
         cache = KVCache.allocate(1, target.cache.num_slots, c.num_kv_heads, target.context + HEADROOM, c.head_dim,
@@ -57,7 +58,7 @@ class Eagle3Drafter(PairedHeadDrafter):
     def full(self, logits: torch.Tensor) -> torch.Tensor:
         """[Vd] -> [V] target-vocabulary logits, -inf outside the draft vocabulary."""
         out = logits.new_full((self.vocab,), float("-inf"))
-        out[self.head.draft_to_target] = logits
+        out[self.draft_ids] = logits
         return out
 
     def _draft(self, seq: Sequence, logits: torch.Tensor, h: torch.Tensor, max_tokens: int, min_path_prob: float,
@@ -112,10 +113,10 @@ class Eagle3Drafter(PairedHeadDrafter):
         rows = torch.tensor([[base + tree.rows[c] for c in chosen]])         # [1, m], consecutive
         cos, sin = self.rotary.tables(positions, g.dtype)
         slots = torch.tensor([seq.slot])
-        batch = Batch(slots, rows, cos, sin, mask[None, None], end, KVCache.span(slots, rows))
-        emb = self.embed(torch.tensor([[tree.tokens[c] for c in chosen]])).to(g.dtype)  # [1, m, H]
+        batch = Batch(slots, rows, cos, sin, mask[None, None], end, KVCache.span(slots, rows)).to(self.device)
+        emb = self.embed_ids([[tree.tokens[c] for c in chosen]], g.dtype)  # [1, m, H]
         logits, h = self.run(emb, g[None], batch, tree.depths[chosen[0]] + 1)
-        return logits[0], h[0]
+        return logits[0].cpu(), h[0]
 
 
 def head_path(options: Mapping[str, Any], model: str | None) -> Path:
@@ -147,7 +148,8 @@ def _memory(q: MemoryQuery) -> HeadMemory:
 def _build(ctx: BuildContext) -> Eagle3Drafter:
     path = head_path(ctx.options, ctx.model)
     target = ctx.target
-    head = load_head(path, target.model.config.num_layers, target.model.model.norm.weight.dtype)
+    head = load_head(path, target.model.config.num_layers, target.model.model.norm.weight.dtype).to(
+        target.head_device)
     if head.config.vocab_size != target.vocab_size or head.config.target_hidden_size != target.model.config.hidden_size:
         raise SpecdecError(f"EAGLE-3 head {path} was made for another target (vocabulary {head.config.vocab_size}, "
                            f"hidden {head.config.target_hidden_size})")

@@ -48,7 +48,7 @@ class MedusaDrafter(Drafter):
     @torch.inference_mode()
     def head_probs(self, final: torch.Tensor) -> torch.Tensor:
         """A pre-norm final state [H] -> each head's distribution over the draft vocabulary [K, Vd]."""
-        return self.heads(self.norm(final[None]))[0].softmax(-1)
+        return self.heads(self.norm(final[None].to(self.norm.weight.device)))[0].softmax(-1)
 
     def propose(self, seq: Sequence, max_tokens: int, min_path_prob: float = 0.0) -> Draft:
         slot = seq.slot
@@ -122,7 +122,7 @@ def _build(ctx: BuildContext) -> MedusaDrafter:
     path = head_path(ctx.options, ctx.model)
     target = ctx.target
     norm = target.model.model.norm
-    heads = load_heads(path, norm.weight.dtype)
+    heads = load_heads(path, norm.weight.dtype).to(target.head_device)
     c, t = heads.config, target.model.config
     if c.vocab_size != target.vocab_size or c.hidden_size != t.hidden_size:
         raise SpecdecError(f"Medusa head {path} was made for another target (vocabulary {c.vocab_size}, hidden "

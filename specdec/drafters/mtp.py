@@ -84,7 +84,7 @@ def _build(ctx: BuildContext) -> MtpDrafter:
     if c.vocab_size != target.vocab_size or c.hidden_size != t.hidden_size:
         raise SpecdecError(f"MTP head {path} was made for another target (vocabulary {c.vocab_size}, hidden "
                            f"{c.hidden_size}; this target: {target.vocab_size}, {t.hidden_size})")
-    return MtpDrafter(head.to(target.model.device), target, ctx.options["draft_p_min"])
+    return MtpDrafter(head.to(target.head_device), target, ctx.options["draft_p_min"])
 
 
 HEAD = Option("mtp_head", "--spec-mtp-head", "auto", "mtp: the MTP blocks' directory (a checkpoint with native "

@@ -31,6 +31,7 @@ class PairedHeadDrafter(Drafter):
 
     def __init__(self, embed: nn.Embedding, rotary: Rotary, cache: KVCache, vocab: int, p_min: float = 0.0):
         self.embed, self.rotary, self.cache, self.vocab, self.p_min = embed, rotary, cache, vocab, p_min
+        self.device = cache.k[0].device  # the head's (the target's head device, `ModelRunner.head_device`)
         self.owner: dict[int, Sequence] = {}              # slot -> the sequence its state belongs to
         self.waiting: dict[int, list[torch.Tensor]] = {}  # slot -> states [n, H] not yet fed
         self.fed: dict[int, int] = {}                     # slot -> positions whose pair is in the head's cache
@@ -57,11 +58,16 @@ class PairedHeadDrafter(Drafter):
     @torch.inference_mode()
     def observe_features(self, seq: Sequence, feats: Features) -> None:
         self._state(seq)
-        self.waiting[seq.slot].append(self.state(feats))  # [n, H]
+        self.waiting[seq.slot].append(self.state(feats.to(self.device)))  # [n, H]
         self.seen[seq.slot] += len(feats)
 
+    def embed_ids(self, tokens: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+        """The target's embeddings of token ids [1, n] (looked up where they sit) on the head's device [1, n, H]."""
+        return self.embed(torch.tensor(tokens, device=self.embed.weight.device)).to(self.device, dtype)
+
     def _step(self, seq: Sequence, tokens: list[int], g: torch.Tensor, start: int, depth: int | None):
-        """Feed pairs (tokens[i], g[i]) at positions start.. -> (logits [V'] and state [1, H] of the last one)."""
+        """Feed pairs (tokens[i], g[i]) at positions start.. -> (logits [V'] on the CPU, like the target's, and
+        state [1, H] of the last one)."""
         n = len(tokens)
         positions = torch.arange(start, start + n)[None]  # [1, n]
         cos, sin = self.rotary.tables(positions, g.dtype)
@@ -69,10 +75,9 @@ class PairedHeadDrafter(Drafter):
         if n > 1:
             mask = (torch.arange(start + n)[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [1, 1, n, S]
         slots = torch.tensor([seq.slot])
-        batch = Batch(slots, positions, cos, sin, mask, start + n, KVCache.span(slots, positions))
-        emb = self.embed(torch.tensor([tokens])).to(g.dtype)  # [1, n, H]
-        logits, h = self.run(emb, g[None], batch, depth)
-        return logits[0, -1], h[0, -1:]
+        batch = Batch(slots, positions, cos, sin, mask, start + n, KVCache.span(slots, positions)).to(self.device)
+        logits, h = self.run(self.embed_ids([tokens], g.dtype), g[None], batch, depth)
+        return logits[0, -1].cpu(), h[0, -1:]
 
     @torch.inference_mode()
     def propose(self, seq: Sequence, max_tokens: int, min_path_prob: float = 0.0) -> Draft:

@@ -158,6 +158,23 @@ def quantize_from_gguf(model: Transformer, gguf_path: Path | str, dtype: torch.d
     return model.eval()
 
 
+def densify(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`module` with every GGUF module in it (itself included) replaced by a dense one in `dtype`, its weights
+    dequantized once on the host: for the parts `-ngl` places on a GPU, where the C kernels do not run."""
+    if isinstance(module, GGUFEmbedding):
+        return nn.Embedding.from_pretrained(module.table.dequantize(dtype), freeze=True)
+    if isinstance(module, (GGUFLinear, GGUFConcatLinear)):
+        parts = list(module.parts) if isinstance(module, GGUFConcatLinear) else [module]
+        dense = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+        dense.weight = nn.Parameter(torch.cat([p.dequantize(dtype) for p in parts]), requires_grad=False)
+        if module.bias is not None:
+            dense.bias = nn.Parameter(module.bias.detach().to(dtype), requires_grad=False)
+        return dense
+    for name, child in list(module.named_children()):
+        setattr(module, name, densify(child, dtype))
+    return module
+
+
 def describe(model: nn.Module) -> str:
     """Which path a model from `quantize_from_gguf` runs, e.g. 'gguf: Q4_K/Q5_0/Q6_K/Q8_0 kernel path avx512, x16
     layout' (x16: repacked at load for the AVX-512 kernel), plus e.g. '; Q5_1 dequantized to float32' for matrices of

@@ -189,12 +189,14 @@ class Transformer(nn.Module):
     def place(self, devices: dict[str, str]) -> "Transformer":
         """Move parts to devices: {"model.embed_tokens" | "model.layers.i" | "model.norm" | "lm_head": device}
         (`runtime.placement.Placement.module_devices`). Hidden states cross devices once per split."""
-        tied = self.lm_head.weight is self.model.embed_tokens.weight
+        embed = self.model.embed_tokens.weight
+        tied = getattr(self.lm_head, "weight", None) is embed  # (a GGUF head has no weight)
+        if tied and devices.get("lm_head") != devices.get("model.embed_tokens"):
+            # a tied head on another device: its own copy first (moving a shared parameter moves it for both)
+            self.lm_head.weight = nn.Parameter(embed.detach().clone(), requires_grad=False)
         for name, device in devices.items():
             self.get_submodule(name).to(device)
-        head = torch.device(devices.get("lm_head", str(self.lm_head.weight.device)))
-        if tied and self.model.embed_tokens.weight.device != head:  # a tied head on another device: its own copy
-            self.lm_head.weight = nn.Parameter(self.model.embed_tokens.weight.detach().to(head), requires_grad=False)
+        head = self.model.norm.weight.device  # the final norm goes with the LM head
         self.rotary.cos, self.rotary.sin = self.rotary.cos.to(self.device), self.rotary.sin.to(self.device)
         self.split = len({str(d) for d in self.layer_devices} | {str(self.device), str(head)}) > 1
         return self

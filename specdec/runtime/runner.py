@@ -56,6 +56,9 @@ class Features:
     def __len__(self) -> int:
         return self.final.shape[0]
 
+    def to(self, device: torch.device) -> "Features":
+        return Features(self.layers.to(device), self.final.to(device))
+
     def rows(self, index: list[int]) -> "Features":
         """The given rows, in that order (a copy)."""
         idx = torch.tensor(index, dtype=torch.long)
@@ -132,6 +135,12 @@ class ModelRunner:
         parts = [hidden[i].to(final.device) for i in self._hidden_layers()]
         stacked = torch.stack(parts, dim=2).cpu()  # [B, T, L+1, H]
         return [Features(stacked[b, t:t + n, :-1], stacked[b, t:t + n, -1]) for b, t, n in where]
+
+    @property
+    def head_device(self) -> torch.device:
+        """Where the final norm and LM head sit (the last part of a model split by `-ngl`): trained heads, which
+        share them, run there."""
+        return self.model.model.norm.weight.device
 
     @property
     def vocab_size(self) -> int:
