@@ -472,6 +472,9 @@ def make_parser() -> argparse.ArgumentParser:
     sb.add_argument("--modes", default="off,on,auto",
                     help="off (no speculation), on (speculate at any load), auto (load controller), each also as "
                     "MODE-nocache (cache_prompt: false; with --cache-mb); default off,on,auto")
+    sb.add_argument("--passes", type=_positive_int, default=2,
+                    help="runs of every mode per level, alternating the order (as given, then reversed, ...); "
+                    "figures: means over passes, ratios: geometric means of each pass's (default 2)")
     sb.add_argument("--requests", type=_positive_int,
                     help="conversations per level and mode, a request per turn (default max(4, 2 x concurrency))")
     sb.add_argument("--cache-mb", type=int, metavar="MIB",

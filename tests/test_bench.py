@@ -303,12 +303,30 @@ def test_bench_serve_sweep(smollm_dir, tmp_path, capsys):
                  "--concurrency", "1,2", "--requests", "2", "-n", "6", "--workload", str(work),
                  "--out", str(out)]) == 0
     res = json.loads((out / "results.json").read_text())
-    assert [(r["concurrency"], r["mode"]) for r in res["runs"]] == [(c, m) for c in (1, 2) for m in ("off", "on", "auto")]
+    order = ("off", "on", "auto", "auto", "on", "off")  # two passes by default, the second reversed
+    assert [(r["concurrency"], r["mode"], r["pass"]) for r in res["runs"]] == \
+        [(c, m, i // 3) for c in (1, 2) for i, m in enumerate(order)]
     for r in res["runs"]:
         # a: the workload's 3 tokens, b: -n 6
         assert r["errors"] == 0 and 0 < r["tokens"] <= 9 and r["throughput_tok_s"] > 0 and r["ttft_s"] > 0
     assert all((out / p).exists() for p in ("report.md", "serve_throughput.png", "serve_ttft.png", "serve_tpot.png"))
     assert "auto/off" in capsys.readouterr().out
+
+
+def test_bench_serve_report_combines_passes(capsys):
+    """Figures are means over passes; a ratio to off is the geometric mean of each pass's ratio, shown beside it;
+    a mode given twice is refused (--passes repeats)."""
+    from specdec.bench.serve_bench import pass_order, render
+
+    assert pass_order(["off", "auto"], 3) == [(0, "off"), (0, "auto"), (1, "auto"), (1, "off"), (2, "off"),
+                                              (2, "auto")]
+    tok = {(0, "off"): 10.0, (0, "auto"): 20.0, (1, "auto"): 9.0, (1, "off"): 12.0}
+    runs = [{"concurrency": 4, "mode": m, "pass": p, "throughput_tok_s": v, "ttft_s": 1.0, "tpot_s": None}
+            for (p, m), v in tok.items()]
+    row = render(runs, {"modes": ["off", "auto"], "concurrency": [4]}).splitlines()[-1]
+    assert row == "| 4 | 11.00 | 1.00 |  | 14.50 | 1.00 |  | 1.22x (2.00, 0.75) |"  # sqrt(2 x 0.75)
+    assert main(["bench", "serve", "--modes", "off,auto,off", "-m", "x"]) == 1
+    assert "each mode once" in capsys.readouterr().err
 
 
 class _FakeServer:

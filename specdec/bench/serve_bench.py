@@ -1,11 +1,14 @@
 """`specdec bench serve`: sweep client concurrency against the live server with speculation off, always
 on, and load-controlled (auto), each also without the prefix cache (`MODE-nocache`: every request says
 `cache_prompt: false`); throughput, TTFT and time per output token, with plots. A prompt of several turns is a
-conversation: one request per turn, each carrying the earlier turns and the server's answers."""
+conversation: one request per turn, each carrying the earlier turns and the server's answers. Each level runs every
+mode `--passes` times in alternating order (as given, then reversed: drift over time hits every mode alike); a
+mode's figures are its passes' means, a ratio to off the geometric mean of the ratios within each pass."""
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import threading
@@ -39,6 +42,11 @@ def _ints(s: str) -> list[int]:
     return vals
 
 
+def pass_order(modes: list[str], passes: int) -> list[tuple[int, str]]:
+    """(pass, mode) in run order: the modes as given, then reversed, and so on."""
+    return [(p, m) for p in range(passes) for m in (modes if p % 2 == 0 else modes[::-1])]
+
+
 def run_serve_bench(args: argparse.Namespace) -> Path:
     import torch
 
@@ -51,6 +59,8 @@ def run_serve_bench(args: argparse.Namespace) -> Path:
     modes = [m.strip() for m in args.modes.split(",")]
     if not modes or any(m.removesuffix(NOCACHE) not in MODES for m in modes):
         raise SpecdecError(f"--modes: choose from {', '.join(MODES)}, each optionally with {NOCACHE}")
+    if len(set(modes)) < len(modes):
+        raise SpecdecError("--modes: each mode once (--passes repeats them)")
     prompts = load_workload(args.workload, args.workload_dir, args.per_category, args.seed, args.categories)
     spec = args.spec_type or DEFAULT_WITH_DRAFT_MODEL  # what `specdec serve` runs with a draft model and no --spec-type
     if args.model is None:
@@ -65,19 +75,20 @@ def run_serve_bench(args: argparse.Namespace) -> Path:
                           p.limit(args.max_tokens) if p.max_tokens else args.max_tokens or SERVE_MAX_TOKENS)
              for p in prompts]
     meta = {**bench_meta(args, llm, prompts), "spec_type": spec, "concurrency": levels, "modes": modes,
-            "cache_mb": llm.config.cache_mb}
+            "passes": args.passes, "cache_mb": llm.config.cache_mb}
     runs: list[dict] = []
     _level(llm, [Conversation(convs[0].turns[:1], 8)], 1, "on", 1)  # warm-up
     for c in levels:
         n = args.requests or max(4, 2 * c)
-        for mode in modes:  # interleaved per level so drift hits every mode alike
-            print(f"concurrency {c}, {mode}: {n} conversations...", file=sys.stderr)
+        for p, mode in pass_order(modes, args.passes):  # interleaved per level so drift hits every mode alike
+            print(f"concurrency {c}, {mode} (pass {p + 1}/{args.passes}): {n} conversations...", file=sys.stderr)
             llm.reset_drafters()
             llm.engine.cost = CostModel()  # a fresh server's measurements: no mode steers the next one's drafts
             if llm.prefix_cache is not None:
                 llm.prefix_cache.clear()  # no mode starts with what another one cached
             res, report = _level(llm, convs, c, mode, n)
-            runs.append({"concurrency": c, "mode": mode, **_summary(res), "controller": report, "requests": res})
+            runs.append({"concurrency": c, "mode": mode, "pass": p, **_summary(res), "controller": report,
+                         "requests": res})
             _write(out_dir, runs, meta)
     print(render(runs, meta))
     print(f"results: {out_dir}/results.json, {out_dir}/report.md", file=sys.stderr)
@@ -182,27 +193,43 @@ def _summary(res: list[dict]) -> dict:
             "acceptance_rate": round(sum(r["accepted"] for r in ok) / drafted, 4) if drafted else None}
 
 
+def combined(runs: list[dict], c: int, mode: str, key: str) -> float | None:
+    """The mean of `key` over a mode's passes at concurrency `c` (None where no pass measured it)."""
+    vals = [r[key] for r in runs if r["concurrency"] == c and r["mode"] == mode and r[key] is not None]
+    return statistics.fmean(vals) if vals else None
+
+
+def ratios(runs: list[dict], c: int, mode: str, base: str, key: str) -> list[float]:
+    """Per pass at concurrency `c`: `mode`'s `key` over `base`'s in the same pass."""
+    by = {(r["pass"], r["mode"]): r[key] for r in runs if r["concurrency"] == c and r[key] is not None}
+    return [by[p, mode] / by[p, base] for p, m in by if m == base and by.get((p, mode)) and by[p, base]]
+
+
+def _ratio_cell(xs: list[float]) -> str:
+    """The geometric mean, with each pass's ratio where there are several."""
+    if not xs:
+        return ""
+    mean = math.exp(statistics.fmean(math.log(x) for x in xs))
+    return f"{mean:.2f}x" + (f" ({', '.join(f'{x:.2f}' for x in xs)})" if len(xs) > 1 else "")
+
+
 def render(runs: list[dict], meta: dict) -> str:
-    """Markdown: one row per concurrency, per mode throughput / TTFT / TPOT, auto and on over off, and each mode's
-    TTFT without the prefix cache over with it."""
+    """Markdown: one row per concurrency, per mode throughput / TTFT / TPOT (means over passes), auto and on over
+    off, and each mode's TTFT without the prefix cache over with it (geometric means of per-pass ratios)."""
     modes = meta["modes"]
-    by = {(r["concurrency"], r["mode"]): r for r in runs}
     head = "| concurrency | " + " | ".join(f"{m} tok/s | {m} TTFT s | {m} TPOT s" for m in modes)
-    ratios = [m for m in ("on", "auto") if m in modes and "off" in modes]
+    over_off = [m for m in ("on", "auto") if m in modes and "off" in modes]
     cached = [m for m in modes if m + NOCACHE in modes]
-    head += "".join(f" | {m}/off" for m in ratios) + "".join(f" | {m} TTFT nocache/cache" for m in cached) + " |"
-    lines = [head, "|" + "---|" * (1 + 3 * len(modes) + len(ratios) + len(cached))]
+    head += "".join(f" | {m}/off" for m in over_off) + "".join(f" | {m} TTFT nocache/cache" for m in cached) + " |"
+    lines = [head, "|" + "---|" * (1 + 3 * len(modes) + len(over_off) + len(cached))]
     for c in meta["concurrency"]:
         cells = []
         for m in modes:
-            r = by.get((c, m))
-            cells += [f"{r['throughput_tok_s']:.2f}", f"{r['ttft_s']:.2f}", f"{r['tpot_s'] or 0:.3f}"] if r else ["", "", ""]
-        for m in ratios:
-            r, off = by.get((c, m)), by.get((c, "off"))
-            cells.append(f"{r['throughput_tok_s'] / off['throughput_tok_s']:.2f}x" if r and off and off["throughput_tok_s"] else "")
-        for m in cached:
-            r, no = by.get((c, m)), by.get((c, m + NOCACHE))
-            cells.append(f"{no['ttft_s'] / r['ttft_s']:.2f}x" if r and no and r["ttft_s"] else "")
+            for key, fmt in (("throughput_tok_s", ".2f"), ("ttft_s", ".2f"), ("tpot_s", ".3f")):
+                v = combined(runs, c, m, key)
+                cells.append("" if v is None else format(v, fmt))
+        cells += [_ratio_cell(ratios(runs, c, m, "off", "throughput_tok_s")) for m in over_off]
+        cells += [_ratio_cell(ratios(runs, c, m + NOCACHE, m, "ttft_s")) for m in cached]
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -223,7 +250,9 @@ def _write(out_dir: Path, runs: list[dict], meta: dict) -> None:
             "per request (streaming). off: `speculative: false`; on: speculation at any load; auto: the "
             f"load controller (engine/load_control.py); MODE{NOCACHE}: `cache_prompt: false` (prefix cache "
             f"{meta['cache_mb']} MiB, emptied before every level and mode). Turns after the first of a conversation "
-            "carry the earlier turns and answers.", "", render(runs, meta), "## Plots", "",
+            f"carry the earlier turns and answers. {meta['passes']} passes per level, the modes as given, then "
+            "reversed, ...: figures are means over passes, ratios geometric means of each pass's ratio (each pass's "
+            "in parentheses).", "", render(runs, meta), "## Plots", "",
             *[f"![{p}]({p})" for p in plots]]
     write_report(out_dir, "\n".join(text) + "\n")
 
@@ -239,7 +268,7 @@ def _plots(out_dir: Path, runs: list[dict], meta: dict) -> list[str]:
                              ("tpot_s", "median time per output token (s)", "serve_tpot.png")):
         fig, ax = plt.subplots(figsize=(7, 4))
         for m in meta["modes"]:
-            pts = [(r["concurrency"], r[key]) for r in runs if r["mode"] == m and r[key] is not None]
+            pts = [(c, v) for c in meta["concurrency"] if (v := combined(runs, c, m, key)) is not None]
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=m)
         ax.set_xscale("log", base=2)
