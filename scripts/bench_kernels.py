@@ -4,9 +4,11 @@ ms per call (median of many) at several row counts, for the GGUF block kernels (
 instruction-set path the CPU has on the file's layout and on the x16 layout the loader repacks to on AVX2 and AVX-512) and
 torch's candidates: bf16 and fp32 matmul of the dequantized
 weight, `_weight_int8pack_mm` (int8 weight-only) and FBGEMM dynamic int8 (quantize_dynamic).
-Prints the CPU flags, the measured read bandwidth and one Markdown table per shape.
+Prints the CPU flags, the measured read bandwidth and one Markdown table per shape; then a table for the logit
+rows' best token and lead (`small_ops.top2`, which greedy decoding, verification and every commit call) against
+torch's argmax + topk(2) (`--vocab`, default Qwen2.5's 151936; 0 skips it).
 
-    python scripts/bench_kernels.py [--threads 2] [--rows 1,2,4,8,16,64] [--shapes 1536x8960,8960x1536]
+    python scripts/bench_kernels.py [--threads 2] [--rows 1,2,4,8,16,64] [--shapes 1536x8960,8960x1536] [--vocab V]
 """
 from __future__ import annotations
 
@@ -166,6 +168,7 @@ def main() -> None:
     ap.add_argument("--types", default="Q4_K,Q5_0,Q6_K,Q8_0")
     ap.add_argument("--paths", default="", help="kernel paths to time (default: every one the CPU has)")
     ap.add_argument("--warm", action="store_true", help="one weight copy per candidate (stays in cache if small)")
+    ap.add_argument("--vocab", type=int, default=151936, help="logit row width for the top2 table (0: none)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     rows_list = [int(r) for r in a.rows.split(",")]
@@ -195,6 +198,24 @@ def main() -> None:
                 gbs = f"{nbytes / c[0] / 1e6:.1f}" if nbytes and rows_list[0] == 1 else ""
                 print(f"| {name} | " + " | ".join(f"{v:.3f}" for v in c) + f" | {gbs} |")
             print()
+    if a.vocab:
+        bench_top2(a.vocab, rows_list)
+
+
+def bench_top2(vocab: int, rows_list: list[int]) -> None:
+    """ms per call, median, candidates interleaved: small_ops.top2 against torch's argmax + topk(2)."""
+    from specdec.runtime.small_ops import top2
+
+    logits = [torch.randn(r, vocab) for r in rows_list]
+    cands = [("small_ops.top2 (C)", top2),
+             ("torch argmax + topk(2)", lambda x: (x.argmax(-1).tolist(), x.topk(2, dim=-1).values.tolist()))]
+    res = [time_interleaved([lambda x=x, f=f: f(x) for _, f in cands]) for x in logits]
+    print(f"### best token and lead of logit rows [rows, {vocab}], ms per call, median (candidates interleaved)\n")
+    print("| call | " + " | ".join(str(r) for r in rows_list) + " |")
+    print("|---|" + "---|" * len(rows_list))
+    for i, (name, _) in enumerate(cands):
+        print(f"| {name} | " + " | ".join(f"{r[i][0]:.3f}" for r in res) + " |")
+    print()
 
 
 if __name__ == "__main__":

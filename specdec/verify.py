@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from specdec.runtime.small_ops import top2
 from specdec.sampling import SamplingParams, probs_from_logits, sample, seeded_pick
 
 
@@ -67,7 +68,7 @@ def verify_tree_greedy(tokens: list[int], parents: list[int], target_logits: tor
     tokens, parents [N]; target_logits [N+1, V] (row 0: the last committed token, row i+1: node i).
     Returns (accepted tokens + bonus, accepted node indices along the path).
     """
-    pred = target_logits.argmax(-1).tolist()  # [N+1]
+    pred = top2(target_logits)[0]  # [N+1]
     return _verify_tree_match(tokens, parents, lambda row, _depth: pred[row], relax)
 
 

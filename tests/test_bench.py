@@ -309,14 +309,17 @@ def test_bench_serve_sweep(smollm_dir, tmp_path, capsys):
     for r in res["runs"]:
         # a: the workload's 3 tokens, b: -n 6
         assert r["errors"] == 0 and 0 < r["tokens"] <= 9 and r["throughput_tok_s"] > 0 and r["ttft_s"] > 0
+        # the engine's time split: decode steps are faster per token than the whole level (prefill left out)
+        assert r["prefill_s"] > 0 and 0 < r["step_s"] < r["wall_s"] and r["step_tok_s"] > r["throughput_tok_s"]
     assert all((out / p).exists() for p in ("report.md", "serve_throughput.png", "serve_ttft.png", "serve_tpot.png"))
+    assert "## Engine time" in (out / "report.md").read_text()
     assert "auto/off" in capsys.readouterr().out
 
 
 def test_bench_serve_report_combines_passes(capsys):
     """Figures are means over passes; a ratio to off is the geometric mean of each pass's ratio, shown beside it;
     a mode given twice is refused (--passes repeats)."""
-    from specdec.bench.serve_bench import pass_order, render
+    from specdec.bench.serve_bench import pass_order, render, render_engine
 
     assert pass_order(["off", "auto"], 3) == [(0, "off"), (0, "auto"), (1, "auto"), (1, "off"), (2, "off"),
                                               (2, "auto")]
@@ -325,6 +328,10 @@ def test_bench_serve_report_combines_passes(capsys):
             for (p, m), v in tok.items()]
     row = render(runs, {"modes": ["off", "auto"], "concurrency": [4]}).splitlines()[-1]
     assert row == "| 4 | 11.00 | 1.00 |  | 14.50 | 1.00 |  | 1.22x (2.00, 0.75) |"  # sqrt(2 x 0.75)
+    for r in runs:
+        r.update(prefill_s=2.0, step_s=4.0 if r["mode"] == "off" else 2.0, step_tok_s=r["throughput_tok_s"] * 2)
+    row = render_engine(runs, {"modes": ["off", "auto"], "concurrency": [4]}).splitlines()[-1]
+    assert row == "| 4 | 2.0 | 4.0 | 22.00 | 2.0 | 2.0 | 29.00 |"
     assert main(["bench", "serve", "--modes", "off,auto,off", "-m", "x"]) == 1
     assert "each mode once" in capsys.readouterr().err
 

@@ -142,6 +142,9 @@ def test_100_requests_at_concurrency_16_no_errors_bounded_memory(smol):
     assert growth_mb < 64, growth_mb  # stated bound: 64 MB over 100 requests
     metrics = httpx.get(smol.url + "/metrics").text
     assert "specdec_requests_total" in metrics and "specdec_engine_spec_steps_total" in metrics
+    seconds = {k: float(v) for k, v in (line.split() for line in metrics.splitlines() if line.startswith(
+        ("specdec_engine_prefill_seconds_total", "specdec_engine_step_seconds_total")))}
+    assert len(seconds) == 2 and all(v > 0 for v in seconds.values())
 
 
 def test_errors_are_openai_style_with_the_right_codes(tiny):

@@ -51,6 +51,26 @@ def test_silu_mul_matches_torch_and_rows_are_independent():
     assert torch.equal(S.silu_mul(gu[2, 1:2]), out[2, 1:2])
 
 
+@pytest.mark.parametrize("vocab", [5, 8, 13, 1000, 151936])
+def test_top2_matches_argmax_and_topk(vocab):
+    torch.manual_seed(3)
+    x = torch.randn(17, vocab) * 5
+    best, gaps = S.top2(x)
+    top = x.topk(2, dim=-1).values  # [17, 2]
+    assert best == x.argmax(-1).tolist()
+    assert torch.allclose(torch.tensor(gaps), top[:, 0] - top[:, 1])
+    assert S.top2(x[4:5]) == ([best[4]], [gaps[4]])  # a row alone: the same bits
+    assert S.top2(x[:, : vocab - 1])[0] == x[:, : vocab - 1].argmax(-1).tolist()  # rows apart in memory
+
+
+def test_top2_ties_and_infinities_as_torch():
+    x = torch.tensor([[1.0, 3.0, 3.0, 2.0] * 5, [-float("inf")] * 19 + [0.0], [2.0] * 20, [0.0] * 9 + [7.0] * 11])
+    best, gaps = S.top2(x)
+    assert best == x.argmax(-1).tolist() == [1, 19, 0, 9]  # the first of equal bests
+    assert gaps == [0.0, float("inf"), 0.0, 0.0]  # a best value that occurs twice leads by 0
+    assert S.top2(x.bfloat16()) == (best, gaps)  # torch's path where the C one does not apply
+
+
 def test_torch_runs_where_the_c_path_does_not_apply():
     w = torch.randn(16, requires_grad=True)
     x = torch.randn(2, 16)

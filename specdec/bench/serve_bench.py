@@ -86,8 +86,8 @@ def run_serve_bench(args: argparse.Namespace) -> Path:
             llm.engine.cost = CostModel()  # a fresh server's measurements: no mode steers the next one's drafts
             if llm.prefix_cache is not None:
                 llm.prefix_cache.clear()  # no mode starts with what another one cached
-            res, report = _level(llm, convs, c, mode, n)
-            runs.append({"concurrency": c, "mode": mode, "pass": p, **_summary(res), "controller": report,
+            res, report, engine = _level(llm, convs, c, mode, n)
+            runs.append({"concurrency": c, "mode": mode, "pass": p, **_summary(res), **engine, "controller": report,
                          "requests": res})
             _write(out_dir, runs, meta)
     print(render(runs, meta))
@@ -95,9 +95,9 @@ def run_serve_bench(args: argparse.Namespace) -> Path:
     return out_dir
 
 
-def _level(llm, convs: list["Conversation"], conc: int, mode: str, n: int) -> tuple[list[dict], dict]:
+def _level(llm, convs: list["Conversation"], conc: int, mode: str, n: int) -> tuple[list[dict], dict, dict]:
     """`n` conversations (one streaming request per turn) from `conc` client threads against a fresh server in
-    `mode`."""
+    `mode`: (per request results, the load controller's report, the engine's time split)."""
     import httpx
 
     from specdec.engine.load_control import LoadController
@@ -132,7 +132,10 @@ def _level(llm, convs: list["Conversation"], conc: int, mode: str, n: int) -> tu
             t.join()
     finally:
         srv.close()
-    return sorted(results, key=lambda r: (r["index"], r["turn"])), controller.report() if controller else {}
+    tokens = sum(r["tokens"] for r in results if not r["error"])
+    engine = {"prefill_s": round(scheduler.prefill_s, 2), "step_s": round(scheduler.step_s, 2),
+              "step_tok_s": round(tokens / scheduler.step_s, 3) if scheduler.step_s else None}
+    return sorted(results, key=lambda r: (r["index"], r["turn"])), controller.report() if controller else {}, engine
 
 
 def _conversation(client, url: str, llm, turns: list[str], max_tokens: int, extra: dict, index: int) -> list[dict]:
@@ -234,6 +237,22 @@ def render(runs: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_engine(runs: list[dict], meta: dict) -> str:
+    """Markdown: per concurrency and mode, the engine thread's seconds in prefill and in decode steps, and tokens per
+    second of step time (means over passes; runs from before these were recorded show blanks)."""
+    modes = meta["modes"]
+    lines = ["| concurrency | " + " | ".join(f"{m} prefill s | {m} step s | {m} step tok/s" for m in modes) + " |",
+             "|" + "---|" * (1 + 3 * len(modes))]
+    for c in meta["concurrency"]:
+        cells = []
+        for m in modes:
+            for key, fmt in (("prefill_s", ".1f"), ("step_s", ".1f"), ("step_tok_s", ".2f")):
+                v = combined([r for r in runs if key in r], c, m, key)
+                cells.append("" if v is None else format(v, fmt))
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _max_tokens_note(meta: dict) -> str:
     cap = meta["max_tokens"]
     return f"the workload's, at most {cap} (-n)" if cap else f"the workload's, else {SERVE_MAX_TOKENS}"
@@ -252,7 +271,11 @@ def _write(out_dir: Path, runs: list[dict], meta: dict) -> None:
             f"{meta['cache_mb']} MiB, emptied before every level and mode). Turns after the first of a conversation "
             f"carry the earlier turns and answers. {meta['passes']} passes per level, the modes as given, then "
             "reversed, ...: figures are means over passes, ratios geometric means of each pass's ratio (each pass's "
-            "in parentheses).", "", render(runs, meta), "## Plots", "",
+            "in parentheses).", "", render(runs, meta), "## Engine time", "",
+            "Seconds the engine thread spent prefilling prompts and in decode steps (drafting, the target forward, "
+            "verification, commits), and completion tokens per second of step time: what the load controller's "
+            "goodput measures (it cannot change the prefill, so it leaves it out). Means over passes.", "",
+            render_engine(runs, meta), "## Plots", "",
             *[f"![{p}]({p})" for p in plots]]
     write_report(out_dir, "\n".join(text) + "\n")
 

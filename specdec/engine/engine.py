@@ -14,6 +14,7 @@ from specdec.engine.stops import StopScan
 from specdec.errors import SpecdecError
 from specdec.models.tokenizer import Detokenizer, Tokenizer
 from specdec.runtime.runner import PREFILL_CHUNK, Features, ModelRunner
+from specdec.runtime.small_ops import top2
 from specdec.sampling import SamplingParams, probs_from_logits, sample, seeded_pick
 from specdec.sequence import Draft, Sequence, StreamCallback
 from specdec.trace import step_trace
@@ -236,7 +237,7 @@ class Engine:
 
     def _sample(self, logits: torch.Tensor, seq: Sequence) -> int:
         if seq.params.greedy:
-            return int(logits[0].argmax())
+            return top2(logits[:1])[0][0]
         if seq.seeded:
             return seeded_pick(logits[0], seq.params, len(seq.tokens))
         return int(sample(probs_from_logits(logits, seq.params), seq.generator)[0])
@@ -438,8 +439,7 @@ class Engine:
         """
         before = len(seq.tokens)
         rows = logits[:len(new)]
-        top2 = rows.topk(2, dim=-1).values  # [n, 2]
-        gaps = (top2[:, 0] - top2[:, 1]).tolist()
+        gaps = top2(rows)[1]  # [n]
         if seq.logprobs is not None:
             lps = _logprobs(rows, new, seq.top_logprobs)
         stops = StopScan(seq.params.stop, seq.text[seq.streamed:])

@@ -77,6 +77,8 @@ class Scheduler:
         self.steps = 0
         self.tokens_out = 0
         self.spec_steps = 0  # steps in which some sequence could draft
+        self.prefill_s = 0.0  # seconds of prompt prefill (engine thread)
+        self.step_s = 0.0     # seconds of decode steps: what the load controller's goodput is measured over
         self.fatal: str | None = None  # why the engine thread died
         self.on_fatal: Callable[[], None] | None = None  # called from the engine thread if it dies
 
@@ -179,12 +181,15 @@ class Scheduler:
         while self.prefilling and budget > 0:
             req = self.prefilling[0]
             before = req.seq.prefilled - req.seq.cached_tokens
+            t = time.perf_counter()
             try:
                 done = self.engine.prefill(req.seq, min(self.prefill_chunk, budget))
             except Exception as e:  # noqa: BLE001 - a failing request must not take the others down
                 self.prefilling.pop(0)
                 self._release(req, error=f"prefill failed: {e}")
                 continue
+            finally:
+                self.prefill_s += time.perf_counter() - t
             budget -= max(1, req.seq.prefilled - req.seq.cached_tokens - before)  # tokens computed, not reused
             if done:
                 self.prefilling.pop(0)
@@ -199,6 +204,7 @@ class Scheduler:
         can_draft = any(s.drafter is not None for s in seqs)
         load = min(self.num_slots, len(seqs) + len(self.prefilling) + len(self.waiting))
         cap = self.controller.choose(load) if self.controller and can_draft else None
+        t = time.perf_counter()
         try:
             info = self.engine.step(seqs, cap)
         except Exception as e:  # noqa: BLE001
@@ -206,6 +212,8 @@ class Scheduler:
                 self.running.remove(r)
                 self._release(r, error=f"decoding failed: {e}")
             return
+        finally:
+            self.step_s += time.perf_counter() - t
         self.steps += 1
         self.spec_steps += can_draft and info.cap != 0
         self.tokens_out += info.committed

@@ -1,6 +1,6 @@
 """The small operations of a decoder layer through the C library (`kernels/small_ops.c`): RMS norm, rotary
 embedding of q and k in place, SiLU(gate) * up, one call each where torch takes 3 to 8 (at one row, their dispatch
-costs more than their arithmetic). Each returns None (or False) where the C path does not apply: no library, not
+costs more than their arithmetic); and each logit row's best token and its lead over the next (`top2`). Each returns None (or False) where the C path does not apply: no library, not
 float32 on the CPU, or gradients wanted; the caller then runs torch's operations. A row's result is the same bits
 however many rows share the call."""
 from __future__ import annotations
@@ -48,3 +48,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(*gu.shape[:-1], inter, dtype=torch.float32)
     lib.gq_silu_mul(gu.data_ptr(), gu.numel() // (2 * inter), inter, out.data_ptr())
     return out
+
+
+def top2(logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """logits [n, V] -> per row, the index of the largest value (the first if several) and its lead over the largest
+    of the others (0 where the best value occurs twice): torch's argmax and topk(2) in one pass."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    lib = K.library() if _usable(rows) and rows.stride(-1) == 1 else None
+    if lib is None:
+        top = rows.topk(2, dim=-1).values  # [n, 2]; its indices need not be the first of equal bests
+        return rows.argmax(-1).tolist(), (top[:, 0] - top[:, 1]).float().tolist()
+    best = torch.empty(len(rows), dtype=torch.int64)
+    gap = torch.empty(len(rows), dtype=torch.float32)
+    lib.gq_top2(rows.data_ptr(), len(rows), rows.shape[1], rows.stride(0), best.data_ptr(), gap.data_ptr())
+    return best.tolist(), gap.tolist()

@@ -54,6 +54,12 @@ class Metrics:
             "# HELP specdec_engine_spec_steps_total Engine steps in which speculation was allowed.",
             "# TYPE specdec_engine_spec_steps_total counter",
             f"specdec_engine_spec_steps_total {sch.spec_steps}",
+            "# HELP specdec_engine_prefill_seconds_total Engine time spent prefilling prompts.",
+            "# TYPE specdec_engine_prefill_seconds_total counter",
+            f"specdec_engine_prefill_seconds_total {sch.prefill_s:.3f}",
+            "# HELP specdec_engine_step_seconds_total Engine time spent in decode steps (draft, verify, commit).",
+            "# TYPE specdec_engine_step_seconds_total counter",
+            f"specdec_engine_step_seconds_total {sch.step_s:.3f}",
         ]
         store = sch.engine.target.prefix
         if store is not None:

@@ -131,7 +131,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gq_rmsnorm.argtypes = [p, p, ctypes.c_float, i64, i64, p]
     lib.gq_rope.argtypes = [p, i64, p, p, i64, i64, i64]
     lib.gq_silu_mul.argtypes = [p, i64, i64, p]
-    for f in (lib.gq_rmsnorm, lib.gq_rope, lib.gq_silu_mul):
+    lib.gq_top2.argtypes = [p, i64, i64, i64, p, p]
+    for f in (lib.gq_rmsnorm, lib.gq_rope, lib.gq_silu_mul, lib.gq_top2):
         f.restype = i32
     lib.gq_decoder_layer.argtypes = [p, p, p, p, i32, i32]
     lib.gq_decoder_layer.restype = i32

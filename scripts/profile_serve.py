@@ -1,0 +1,93 @@
+#!/usr/bin/env python
+"""Where a `bench serve` level's time goes, per mode: the same in-process server and clients as
+`specdec bench serve` (default pair, default spec type), and for each mode the engine thread's seconds in prefill,
+in decode steps, in the target forwards inside them and in everything else a step does (drafting, verification,
+commits, the controller), with steps and drafted tokens; `--profile N` adds cProfile's top N functions of the
+engine thread by cumulative and by own time.
+
+    python scripts/profile_serve.py [--concurrency 8] [--modes off,auto,off,auto] [--requests 16] [--profile 40]
+        [--workload docs/bench/code-edit.jsonl]
+
+Modes are run in the order given (repeat one to see run-to-run noise); one load of the models serves them all.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from specdec.api import LLM  # noqa: E402
+from specdec.bench import serve_bench as sb  # noqa: E402
+from specdec.bench.workloads import load_workload  # noqa: E402
+from specdec.drafters import DEFAULT_WITH_DRAFT_MODEL  # noqa: E402
+from specdec.engine.adaptive import CostModel  # noqa: E402
+from specdec.engine.scheduler import Scheduler  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--modes", default="off,auto,off,auto")
+    ap.add_argument("--requests", type=int, help="conversations per mode (default 2 x concurrency)")
+    ap.add_argument("--workload", default="docs/bench/code-edit.jsonl")
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="print cProfile's top N functions per mode")
+    a = ap.parse_args()
+    llm = LLM(spec_type=DEFAULT_WITH_DRAFT_MODEL, parallel=a.concurrency)
+    convs = [sb.Conversation(list(p.turns), p.limit(None) if p.max_tokens else sb.SERVE_MAX_TOKENS)
+             for p in load_workload(a.workload)]
+    forward = {"s": 0.0}
+    step = llm.engine.step
+
+    def timed_step(seqs, cap=None):
+        info = step(seqs, cap)
+        forward["s"] += info.forward_s
+        return info
+    llm.engine.step = timed_step
+    profiles: dict[int, cProfile.Profile] = {}
+    loop = Scheduler._loop
+
+    def profiled_loop(self):
+        profiles[id(self)] = pr = cProfile.Profile()
+        pr.enable()
+        try:
+            loop(self)
+        finally:
+            pr.disable()
+    if a.profile:
+        Scheduler._loop = profiled_loop
+    sb._level(llm, [sb.Conversation(convs[0].turns[:1], 8)], 1, "on", 1)  # warm-up, as bench serve
+    made = Scheduler.__init__
+    for mode in a.modes.split(","):
+        llm.reset_drafters()
+        llm.engine.cost = CostModel()
+        forward["s"] = 0.0
+        sched: list[Scheduler] = []
+
+        def init(self, *args, **kw):
+            made(self, *args, **kw)
+            sched.append(self)
+        Scheduler.__init__ = init
+        t = time.perf_counter()
+        res, report, engine = sb._level(llm, convs, a.concurrency, mode, a.requests or 2 * a.concurrency)
+        wall = time.perf_counter() - t
+        Scheduler.__init__ = made
+        s = sched[0]
+        tokens = sum(r["tokens"] for r in res)
+        print(f"{mode}: {tokens / wall:.2f} tok/s over {wall:.1f} s; prefill {s.prefill_s:.1f} s, steps {s.step_s:.1f} s "
+              f"({s.steps} steps: target forwards {forward['s']:.1f} s, the rest {s.step_s - forward['s']:.2f} s = "
+              f"{(s.step_s - forward['s']) / max(1, s.steps) * 1e3:.2f} ms per step); drafted "
+              f"{sum(r['drafted'] for r in res)}; controller {report}", flush=True)
+        if a.profile:
+            for key in ("cumulative", "tottime"):
+                out = io.StringIO()
+                pstats.Stats(profiles[id(s)], stream=out).sort_stats(key).print_stats(a.profile)
+                print(out.getvalue())
+
+
+if __name__ == "__main__":
+    main()
