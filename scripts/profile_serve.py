@@ -2,8 +2,9 @@
 """Where a `bench serve` level's time goes, per mode: the same in-process server and clients as
 `specdec bench serve` (default pair, default spec type), and for each mode the engine thread's seconds in prefill,
 in decode steps, in the target forwards inside them and in everything else a step does (drafting, verification,
-commits, the controller), with steps and drafted tokens; `--profile N` adds cProfile's top N functions of the
-engine thread by cumulative and by own time.
+commits, the controller), with steps and drafted tokens, and CPU seconds: the engine thread's own and the whole
+process's (the engine's OpenMP worker, the HTTP server and the clients besides); `--profile N` adds cProfile's top
+N functions of the engine thread by cumulative and by own time.
 
     python scripts/profile_serve.py [--concurrency 8] [--modes off,auto,off,auto] [--requests 16] [--profile 40]
         [--workload docs/bench/code-edit.jsonl]
@@ -15,7 +16,9 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
+import resource
 import sys
 import time
 from pathlib import Path
@@ -27,6 +30,12 @@ from specdec.bench.workloads import load_workload  # noqa: E402
 from specdec.drafters import DEFAULT_WITH_DRAFT_MODEL  # noqa: E402
 from specdec.engine.adaptive import CostModel  # noqa: E402
 from specdec.engine.scheduler import Scheduler  # noqa: E402
+
+
+def process_cpu() -> float:
+    """CPU seconds this process has used (user + system, every thread, ended ones included)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 
 
 def main() -> None:
@@ -49,17 +58,21 @@ def main() -> None:
         return info
     llm.engine.step = timed_step
     profiles: dict[int, cProfile.Profile] = {}
+    engine_cpu: dict[int, float] = {}
     loop = Scheduler._loop
 
-    def profiled_loop(self):
-        profiles[id(self)] = pr = cProfile.Profile()
-        pr.enable()
+    def measured_loop(self):
+        pr = profiles[id(self)] = cProfile.Profile() if a.profile else None
+        t = time.thread_time()
+        if pr:
+            pr.enable()
         try:
             loop(self)
         finally:
-            pr.disable()
-    if a.profile:
-        Scheduler._loop = profiled_loop
+            if pr:
+                pr.disable()
+            engine_cpu[id(self)] = time.thread_time() - t
+    Scheduler._loop = measured_loop
     sb._level(llm, [sb.Conversation(convs[0].turns[:1], 8)], 1, "on", 1)  # warm-up, as bench serve
     made = Scheduler.__init__
     for mode in a.modes.split(","):
@@ -72,16 +85,17 @@ def main() -> None:
             made(self, *args, **kw)
             sched.append(self)
         Scheduler.__init__ = init
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), process_cpu()
         res, report, engine = sb._level(llm, convs, a.concurrency, mode, a.requests or 2 * a.concurrency)
-        wall = time.perf_counter() - t
+        wall, cpu = time.perf_counter() - t, process_cpu() - cpu
         Scheduler.__init__ = made
         s = sched[0]
         tokens = sum(r["tokens"] for r in res)
         print(f"{mode}: {tokens / wall:.2f} tok/s over {wall:.1f} s; prefill {s.prefill_s:.1f} s, steps {s.step_s:.1f} s "
               f"({s.steps} steps: target forwards {forward['s']:.1f} s, the rest {s.step_s - forward['s']:.2f} s = "
               f"{(s.step_s - forward['s']) / max(1, s.steps) * 1e3:.2f} ms per step); drafted "
-              f"{sum(r['drafted'] for r in res)}; controller {report}", flush=True)
+              f"{sum(r['drafted'] for r in res)}; controller {report}\n  CPU seconds: engine thread {engine_cpu[id(s)]:.1f}, process {cpu:.1f} "
+              f"(of {os.cpu_count() * wall:.1f} that {os.cpu_count()} CPUs give in {wall:.1f} s)", flush=True)
         if a.profile:
             for key in ("cumulative", "tottime"):
                 out = io.StringIO()
