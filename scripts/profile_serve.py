@@ -57,12 +57,12 @@ def main() -> None:
         forward["s"] += info.forward_s
         return info
     llm.engine.step = timed_step
-    profiles: dict[int, cProfile.Profile] = {}
-    engine_cpu: dict[int, float] = {}
+    last: dict = {}  # the latest level's scheduler, its engine thread's CPU seconds and profile
     loop = Scheduler._loop
 
     def measured_loop(self):
-        pr = profiles[id(self)] = cProfile.Profile() if a.profile else None
+        pr = cProfile.Profile() if a.profile else None
+        last.update(scheduler=self, profile=pr)
         t = time.thread_time()
         if pr:
             pr.enable()
@@ -71,35 +71,28 @@ def main() -> None:
         finally:
             if pr:
                 pr.disable()
-            engine_cpu[id(self)] = time.thread_time() - t
+            last["cpu"] = time.thread_time() - t
     Scheduler._loop = measured_loop
     sb._level(llm, [sb.Conversation(convs[0].turns[:1], 8)], 1, "on", 1)  # warm-up, as bench serve
-    made = Scheduler.__init__
     for mode in a.modes.split(","):
         llm.reset_drafters()
         llm.engine.cost = CostModel()
         forward["s"] = 0.0
-        sched: list[Scheduler] = []
-
-        def init(self, *args, **kw):
-            made(self, *args, **kw)
-            sched.append(self)
-        Scheduler.__init__ = init
         t, cpu = time.perf_counter(), process_cpu()
-        res, report, engine = sb._level(llm, convs, a.concurrency, mode, a.requests or 2 * a.concurrency)
+        res, report, _ = sb._level(llm, convs, a.concurrency, mode, a.requests or 2 * a.concurrency)
         wall, cpu = time.perf_counter() - t, process_cpu() - cpu
-        Scheduler.__init__ = made
-        s = sched[0]
+        s = last["scheduler"]
         tokens = sum(r["tokens"] for r in res)
         print(f"{mode}: {tokens / wall:.2f} tok/s over {wall:.1f} s; prefill {s.prefill_s:.1f} s, steps {s.step_s:.1f} s "
               f"({s.steps} steps: target forwards {forward['s']:.1f} s, the rest {s.step_s - forward['s']:.2f} s = "
               f"{(s.step_s - forward['s']) / max(1, s.steps) * 1e3:.2f} ms per step); drafted "
-              f"{sum(r['drafted'] for r in res)}; controller {report}\n  CPU seconds: engine thread {engine_cpu[id(s)]:.1f}, process {cpu:.1f} "
+              f"{sum(r['drafted'] for r in res)}; controller {report}\n"
+              f"  CPU seconds: engine thread {last['cpu']:.1f}, process {cpu:.1f} "
               f"(of {os.cpu_count() * wall:.1f} that {os.cpu_count()} CPUs give in {wall:.1f} s)", flush=True)
         if a.profile:
             for key in ("cumulative", "tottime"):
                 out = io.StringIO()
-                pstats.Stats(profiles[id(s)], stream=out).sort_stats(key).print_stats(a.profile)
+                pstats.Stats(last["profile"], stream=out).sort_stats(key).print_stats(a.profile)
                 print(out.getvalue())
 
 

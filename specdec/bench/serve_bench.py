@@ -197,8 +197,9 @@ def _summary(res: list[dict]) -> dict:
 
 
 def combined(runs: list[dict], c: int, mode: str, key: str) -> float | None:
-    """The mean of `key` over a mode's passes at concurrency `c` (None where no pass measured it)."""
-    vals = [r[key] for r in runs if r["concurrency"] == c and r["mode"] == mode and r[key] is not None]
+    """The mean of `key` over a mode's passes at concurrency `c` (None where no pass measured it, or recorded it:
+    runs from before a key existed)."""
+    vals = [r[key] for r in runs if r["concurrency"] == c and r["mode"] == mode and r.get(key) is not None]
     return statistics.fmean(vals) if vals else None
 
 
@@ -216,6 +217,11 @@ def _ratio_cell(xs: list[float]) -> str:
     return f"{mean:.2f}x" + (f" ({', '.join(f'{x:.2f}' for x in xs)})" if len(xs) > 1 else "")
 
 
+def _mean_cells(runs: list[dict], c: int, modes: list[str], fields: tuple[tuple[str, str], ...]) -> list[str]:
+    """Per mode, per (key, format) field: its mean over passes at concurrency `c`, formatted ("" where none)."""
+    return ["" if (v := combined(runs, c, m, key)) is None else format(v, fmt) for m in modes for key, fmt in fields]
+
+
 def render(runs: list[dict], meta: dict) -> str:
     """Markdown: one row per concurrency, per mode throughput / TTFT / TPOT (means over passes), auto and on over
     off, and each mode's TTFT without the prefix cache over with it (geometric means of per-pass ratios)."""
@@ -226,11 +232,7 @@ def render(runs: list[dict], meta: dict) -> str:
     head += "".join(f" | {m}/off" for m in over_off) + "".join(f" | {m} TTFT nocache/cache" for m in cached) + " |"
     lines = [head, "|" + "---|" * (1 + 3 * len(modes) + len(over_off) + len(cached))]
     for c in meta["concurrency"]:
-        cells = []
-        for m in modes:
-            for key, fmt in (("throughput_tok_s", ".2f"), ("ttft_s", ".2f"), ("tpot_s", ".3f")):
-                v = combined(runs, c, m, key)
-                cells.append("" if v is None else format(v, fmt))
+        cells = _mean_cells(runs, c, modes, (("throughput_tok_s", ".2f"), ("ttft_s", ".2f"), ("tpot_s", ".3f")))
         cells += [_ratio_cell(ratios(runs, c, m, "off", "throughput_tok_s")) for m in over_off]
         cells += [_ratio_cell(ratios(runs, c, m + NOCACHE, m, "ttft_s")) for m in cached]
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
@@ -244,11 +246,7 @@ def render_engine(runs: list[dict], meta: dict) -> str:
     lines = ["| concurrency | " + " | ".join(f"{m} prefill s | {m} step s | {m} step tok/s" for m in modes) + " |",
              "|" + "---|" * (1 + 3 * len(modes))]
     for c in meta["concurrency"]:
-        cells = []
-        for m in modes:
-            for key, fmt in (("prefill_s", ".1f"), ("step_s", ".1f"), ("step_tok_s", ".2f")):
-                v = combined([r for r in runs if key in r], c, m, key)
-                cells.append("" if v is None else format(v, fmt))
+        cells = _mean_cells(runs, c, modes, (("prefill_s", ".1f"), ("step_s", ".1f"), ("step_tok_s", ".2f")))
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

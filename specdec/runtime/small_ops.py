@@ -1,8 +1,9 @@
 """The small operations of a decoder layer through the C library (`kernels/small_ops.c`): RMS norm, rotary
 embedding of q and k in place, SiLU(gate) * up, one call each where torch takes 3 to 8 (at one row, their dispatch
-costs more than their arithmetic); and each logit row's best token and its lead over the next (`top2`). Each returns None (or False) where the C path does not apply: no library, not
-float32 on the CPU, or gradients wanted; the caller then runs torch's operations. A row's result is the same bits
-however many rows share the call."""
+costs more than their arithmetic). Each returns None (or False) where the C path does not apply: no library, not
+float32 on the CPU, or gradients wanted; the caller then runs torch's operations. And each logit row's best token
+and its lead over the next (`top2`), which runs torch's own where the C path does not apply. A row's result is the
+same bits however many rows share the call."""
 from __future__ import annotations
 
 import torch
