@@ -33,6 +33,9 @@ class Draft:
     # one-off per sequence that the cost model and the load controller count apart from drafting.
     setup_s: float = 0.0
     source: str | None = None  # which member of a chain drafted it (None: the sequence's drafter)
+    # Seconds spent drafting it, where its drafter drafted several sequences in one call and can tell each one's
+    # share (a chain: each member's call shared by that member's drafts); None: the engine shares the call's time.
+    draft_s: float | None = None
     # A chain whose first layers the drafter already ran (early exit): the residual stream entering target layer
     # `resume_layer` for the verify's inputs [last committed token] + tokens, k + 1 rows, or the first k (no row
     # for the last token: the verify then checks every draft token but has no bonus token to add). The K/V of
@@ -70,7 +73,8 @@ class Sequence:
     streamed: int = 0                 # characters of `text` handed to on_text
     synthetic: bool = False           # a synthetic drafter forced acceptances: not the target's text
     accept_threshold: float = 0.0     # opt-in lossy relaxed acceptance (verify.Relaxed); 0 = lossless
-    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    # per drafter judged apart (the sequence's drafter, or each member of its chain; `Drafter.parts`), by name
+    acceptance: dict[str, AcceptanceEstimate] = field(default_factory=dict)
     top2_gaps: list[float] = field(default_factory=list)  # per output token: target's top-1 minus top-2 logit
     # per output token, when asked for: the target's log-probability of it and its `top_logprobs` best
     # alternatives [(token, log-probability)], from the verification pass
@@ -87,6 +91,10 @@ class Sequence:
     def lossless(self) -> bool:
         """Whether the output is the target's own (no synthetic drafts, no relaxed acceptance)."""
         return not self.synthetic and not self.accept_threshold
+
+    def acceptance_of(self, drafter: str) -> AcceptanceEstimate:
+        """This sequence's acceptance of `drafter`'s drafts so far (the prior until it drafted)."""
+        return self.acceptance.setdefault(drafter, AcceptanceEstimate())
 
     @property
     def output_ids(self) -> list[int]:

@@ -119,11 +119,47 @@ def test_a_chain_leaves_out_a_member_whose_setup_does_not_pay(tmp_path, setup_pe
     model.propose_batch = lambda *a: asked.append(1) or propose(*a)
     chain = ChainDrafter([model, _drafter("suffix")])
     engine.cost.verify_s = {k: 0.01 for k in range(1, 6)}
-    engine.cost.draft_s, engine.cost.setup_s = {chain.name: 1e-4}, {chain.name: setup_per_token}
+    engine.cost.draft_s, engine.cost.setup_s = {model.name: 1e-4}, {model.name: setup_per_token}
     engine.cost.ema = 0.0
     seq = engine.generate([1, 2, 3, 4, 5] * 10, SamplingParams(max_tokens=100), drafter=chain)
     assert bool(asked) == model_asked and seq.stats.drafted > 0, (len(asked), seq.stats.drafted)
     assert not chain.declined  # released with the sequence
+
+
+@pytest.mark.parametrize("model_cost", [1e-6, 1.0])
+def test_a_chains_cheap_member_drafts_alone_where_the_expensive_one_does_not_pay(tmp_path, model_cost):
+    """The engine judges a chain's members apart: with the draft model's tokens measured dearer than the forwards
+    they could save, only its one-token probes ask it, while the nearly free first member still drafts every step
+    it can (judged as one, the chain's mixed cost would stop both); cheap, the model drafts where the first has
+    nothing."""
+    from test_lossless_sampling import _drafter
+    from specdec.drafters.base import Draft, Drafter
+    from specdec.drafters.chain import ChainDrafter
+    from specdec.engine.adaptive import PROBE_EVERY
+    from specdec.sampling import SamplingParams
+
+    class EveryOther(Drafter):
+        """The suffix drafter's draft at every other call, nothing at the others."""
+        name = "every-other"
+
+        def __init__(self):
+            self.inner, self.calls = _drafter("suffix"), 0
+
+        def propose(self, seq, max_tokens, min_path_prob=0.0):
+            self.calls += 1
+            return self.inner.propose(seq, max_tokens) if self.calls % 2 else Draft([])
+
+    engine = _markov_engine(tmp_path, tick=0.0)
+    model, asked = _markov_draft_model(), []
+    propose = model.propose_batch
+    model.propose_batch = lambda *a: asked.append(1) or propose(*a)
+    chain = ChainDrafter([EveryOther(), model])
+    engine.cost.verify_s = {k: 0.01 for k in range(1, 6)}
+    engine.cost.draft_s, engine.cost.ema = {model.name: model_cost, "every-other": 1e-6}, 0.0
+    seq = engine.generate([1, 2, 3, 4, 5] * 10, SamplingParams(max_tokens=100), drafter=chain)
+    probes = seq.stats.target_forwards // PROBE_EVERY + 1
+    assert seq.stats.drafted > 0 and (len(asked) <= probes) == (model_cost == 1.0), (len(asked), probes)
+    assert engine.cost.acceptance("every-other").rates
 
 
 def test_row_cost_is_the_measured_slope_and_raises_the_confidence_threshold(tmp_path):
@@ -140,9 +176,9 @@ def test_row_cost_is_the_measured_slope_and_raises_the_confidence_threshold(tmp_
     engine = _markov_engine(tmp_path)
     seq = engine.generate([1, 2, 3], SamplingParams(max_tokens=8), drafter=_markov_draft_model())
     seq.params = SamplingParams(max_tokens=100)  # room to draft again
-    seq.acceptance = AcceptanceEstimate([0.99] * 16)
+    seq.acceptance = {seq.drafter.name: AcceptanceEstimate([0.99] * 16)}
     engine.cost.verify_s, engine.cost.draft_s = {1: 0.08, 9: 0.24}, {seq.drafter.name: 0.02}
-    k, min_path_prob = engine._draft_len(seq, None)
+    k, min_path_prob = engine._budgets(seq, None)[seq.drafter.name]
     assert k == 4 and min_path_prob == pytest.approx((0.02 + 0.02) / 0.08)
 
 

@@ -170,4 +170,4 @@ def test_tiny_gain_chains_equal_plain(tiny_dir, draft_seed):
             used += r.stats.accepted
     assert used > 0
     chain = llm.drafter_for("ngram-simple,draft")
-    assert chain.mode == "gain" and not chain.acceptance  # released after each request
+    assert chain.mode == "gain" and not chain.declined  # released after each request

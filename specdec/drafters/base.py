@@ -9,8 +9,10 @@ from specdec.runtime.runner import Features, FeatureSpec
 from specdec.sampling import probs_from_logits, sample, seeded_scores
 from specdec.sequence import Draft, Sequence
 
-__all__ = ["SETUP_TOKENS", "Draft", "Drafter", "draft_distribution", "draw"]
+__all__ = ["SETUP_TOKENS", "Budgets", "Draft", "Drafter", "draft_distribution", "draw"]
 
+# per part of a drafter, by name: (tokens to ask it for, path probability below which it stops by itself)
+Budgets = dict[str, tuple[int, float]]
 SETUP_TOKENS = 32  # a catch-up longer than any draft: the prompt, counted as setup (not drafting)
 
 
@@ -30,6 +32,20 @@ class Drafter(ABC):
     def propose(self, seq: Sequence, max_tokens: int, min_path_prob: float = 0.0) -> Draft:
         """Up to `max_tokens` tokens continuing `seq.tokens`; the draft says how long it spent catching up
         on context it had not seen (`Draft.setup_s`)."""
+
+    def parts(self, seq: Sequence) -> list[Drafter]:
+        """The drafters whose drafts the engine judges apart for `seq` (each its own cost per token, acceptance and
+        draft length): a chain's members that may still draft for it; any other drafter is one part, itself."""
+        return [self]
+
+    def propose_parts(self, seqs: list[Sequence], budgets: list[Budgets]) -> list[Draft]:
+        """A draft for each of `seqs`, whose budgets give each part (`parts`) by name the tokens to ask it for and
+        the path probability below which it stops by itself; a part without one drafts nothing. One drafter: its
+        own budget, all sequences in one call where it drafts in batches."""
+        asks = [b.get(self.name, (0, 0.0)) for b in budgets]
+        if self.batched:
+            return self.propose_batch(seqs, [k for k, _ in asks], [p for _, p in asks])
+        return [self.propose(s, k, p) if k > 0 else Draft([]) for s, (k, p) in zip(seqs, asks)]
 
     def pending_setup(self, seq: Sequence) -> int:
         """Tokens this drafter would first have to catch up on (its own prefill of a new prompt) before drafting

@@ -1,20 +1,22 @@
 """Chains (`--spec-type ngram-mod,draft`): several drafters, one draft per step.
 
 `first` (llama.cpp's behaviour): ask each member in order, use the first non-empty draft.
-`gain`: use the draft with the most expected accepted tokens, from each member's own measured
-per-position acceptance on this sequence; a drafter that knows its confidence (the draft model,
-the expensive one) is only asked when even a full-length draft from it could beat the best so far,
-and a draft it samples (temperature > 0, unseeded) is then used whatever its length.
-A member whose catch-up on a new prompt (the draft model's own prefill) the engine declines sits out the rest of
-that sequence, and the others draft without it.
+`gain`: use the draft with the most expected accepted tokens, from each member's own measured per-position
+acceptance on this sequence (`Sequence.acceptance_of`); a drafter that knows its confidence (the draft model, the
+expensive one) is only asked when even a full-length draft from it could beat the best so far, and a draft it
+samples (temperature > 0, unseeded) is then used whatever its length.
+The engine judges each member apart (`Drafter.parts`): its own cost per token, acceptance and draft length, so a
+member not expected to pay at the step's load (the draft model in a large batch) is not asked while a cheap one
+(the suffix tree) still drafts. A member whose catch-up on a new prompt (the draft model's own prefill) the engine
+declines sits out the rest of that sequence, and the others draft without it.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from specdec.acceptance import AcceptanceEstimate
-from specdec.drafters.base import Draft, Drafter
+from specdec.drafters.base import Budgets, Draft, Drafter
 from specdec.errors import SpecdecError
 from specdec.runtime.runner import Features
 from specdec.sequence import Sequence
@@ -28,65 +30,72 @@ class _Pick:
     draft: Draft = field(default_factory=lambda: Draft([]))
     gain: float = 0.0     # expected accepted tokens of `draft` (`gain`)
     setup_s: float = 0.0  # every asked member's catch-up, whichever draft is used
+    draft_s: float = 0.0  # every asked member's drafting time for this sequence, whichever draft is used
     final: bool = False   # settled: no further member is asked
 
 
 class ChainDrafter(Drafter):
-    """Every member hears `update` and `release`, so each keeps its per-sequence state in step. Members that draft
-    in batches (the draft model) draft every sequence of a step that asks them in one call."""
+    """Every member hears `update` and `release`, so each keeps its per-sequence state in step. The engine judges
+    each member apart (`parts`: its own cost, acceptance and draft length), so a cheap member drafts alone where
+    an expensive one does not pay. Members that draft in batches (the draft model) draft every sequence of a step
+    that asks them in one call."""
 
     def __init__(self, members: list[Drafter], mode: str = "first"):
         self.members, self.mode = members, mode
         self.name = ",".join(m.name for m in members)
         self.batched = any(m.batched for m in members)
-        self.acceptance: dict[int, list[AcceptanceEstimate]] = {}  # slot -> per member
-        self.chosen: dict[int, int] = {}  # slot -> member whose draft was used last
         self.declined: dict[int, set[int]] = {}  # slot -> members whose catch-up the engine declined
         for m in members:
             if m.features is not None:
                 self.features = m.features.union(self.features)
 
-    def propose(self, seq: Sequence, max_tokens: int, min_path_prob: float = 0.0) -> Draft:
-        return self.propose_batch([seq], [max_tokens], [min_path_prob])[0]
+    def parts(self, seq: Sequence) -> list[Drafter]:
+        declined = self.declined.get(seq.slot, ())
+        return [m for i, m in enumerate(self.members) if i not in declined]
 
-    def propose_batch(self, seqs: list[Sequence], max_tokens: list[int], min_path_probs: list[float]) -> list[Draft]:
-        """Each member in turn drafts for the sequences still asking it (in one call where it drafts in batches)."""
+    def propose(self, seq: Sequence, max_tokens: int, min_path_prob: float = 0.0) -> Draft:
+        return self.propose_parts([seq], [{m.name: (max_tokens, min_path_prob) for m in self.parts(seq)}])[0]
+
+    def propose_parts(self, seqs: list[Sequence], budgets: list[Budgets]) -> list[Draft]:
+        """Each member in turn drafts for the sequences still asking it (in one call where it drafts in batches);
+        each sequence's drafting time is its share of every call that asked for it."""
         picks = [_Pick() for _ in seqs]
-        for i, m in enumerate(self.members):
-            ask = [j for j, s in enumerate(seqs) if self._asks(i, s, max_tokens[j], picks[j])]
+        for m in self.members:
+            ask = [j for j, s in enumerate(seqs) if self._asks(m, s, budgets[j].get(m.name, (0, 0.0))[0], picks[j])]
             if not ask:
                 continue
-            args = ([seqs[j] for j in ask], [max_tokens[j] for j in ask], [min_path_probs[j] for j in ask])
-            drafts = m.propose_batch(*args) if m.batched else [m.propose(*a) for a in zip(*args)]
+            t = time.perf_counter()
+            drafts = m.propose_parts([seqs[j] for j in ask], [budgets[j] for j in ask])
+            spent = time.perf_counter() - t - sum(d.setup_s for d in drafts)
+            drafted = sum(len(d.tokens) for d in drafts)
             for j, draft in zip(ask, drafts):
-                self._offer(seqs[j].slot, picks[j], i, draft)
-        return [replace(p.draft, setup_s=p.setup_s) for p in picks]
+                picks[j].draft_s += spent * (len(draft.tokens) / drafted if drafted else 1 / len(drafts))
+                self._offer(seqs[j], picks[j], m, draft)
+        return [replace(p.draft, setup_s=p.setup_s, draft_s=p.draft_s) for p in picks]
 
-    def _asks(self, i: int, seq: Sequence, max_tokens: int, pick: _Pick) -> bool:
-        """Whether member i drafts for `seq`: nothing settled yet, its catch-up not declined and (`gain`) if it
-        knows its confidence, a full-length draft from it could beat the best so far."""
-        if pick.final or i in self.declined.get(seq.slot, ()):
+    def _asks(self, m: Drafter, seq: Sequence, max_tokens: int, pick: _Pick) -> bool:
+        """Whether member m drafts for `seq`: given a budget, nothing settled yet and (`gain`) if it knows its
+        confidence, a full-length draft from it could beat the best so far."""
+        if pick.final or max_tokens <= 0:
             return False
-        est = self.acceptance.setdefault(seq.slot, [AcceptanceEstimate() for _ in self.members])[i]
-        return not (self.mode == "gain" and self.members[i].confidence_stop
-                    and pick.gain >= sum(est.survival(max_tokens)))
+        return not (self.mode == "gain" and m.confidence_stop
+                    and pick.gain >= sum(seq.acceptance_of(m.name).survival(max_tokens)))
 
-    def _offer(self, slot: int, pick: _Pick, i: int, draft: Draft) -> None:
-        """Member i's draft for the sequence in `slot`: used at once (`first`, or sampled), or if it is the best."""
+    def _offer(self, seq: Sequence, pick: _Pick, m: Drafter, draft: Draft) -> None:
+        """Member m's draft for `seq`: used at once (`first`, or sampled), or if it is the best."""
         pick.setup_s += draft.setup_s
         if not draft.tokens:
             return
         if self.mode == "first" or draft.probs is not None:
             # A sampled draft is used once drawn: choosing by its (random) length would bias its tokens.
-            pick.draft, pick.final, self.chosen[slot] = replace(draft, source=self.members[i].name), True, i
+            pick.draft, pick.final = replace(draft, source=m.name), True
             return
-        gain = sum(self.acceptance[slot][i].survival(draft.depth))  # expected accepted tokens
+        gain = sum(seq.acceptance_of(m.name).survival(draft.depth))  # expected accepted tokens
         if gain > pick.gain:
-            pick.draft, pick.gain, self.chosen[slot] = replace(draft, source=self.members[i].name), gain, i
+            pick.draft, pick.gain = replace(draft, source=m.name), gain
 
     def pending_setup(self, seq: Sequence) -> int:
-        declined = self.declined.get(seq.slot, ())
-        return sum(m.pending_setup(seq) for i, m in enumerate(self.members) if i not in declined)
+        return sum(m.pending_setup(seq) for m in self.parts(seq))
 
     def decline_setup(self, seq: Sequence) -> bool:
         declined = self.declined.setdefault(seq.slot, set())
@@ -94,9 +103,6 @@ class ChainDrafter(Drafter):
         return len(declined) < len(self.members)
 
     def update(self, seq: Sequence, drafted: int, accepted: int) -> None:
-        who = self.chosen.pop(seq.slot, None)
-        if who is not None and drafted:
-            self.acceptance[seq.slot][who].observe(drafted, accepted)
         for m in self.members:
             m.update(seq, drafted, accepted)
 
@@ -106,8 +112,6 @@ class ChainDrafter(Drafter):
                 m.observe_features(seq, feats.columns(m.features.layers, self.features.layers))
 
     def release(self, seq: Sequence) -> None:
-        self.acceptance.pop(seq.slot, None)
-        self.chosen.pop(seq.slot, None)
         self.declined.pop(seq.slot, None)
         for m in self.members:
             m.release(seq)

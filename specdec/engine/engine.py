@@ -7,7 +7,7 @@ from typing import Callable, Hashable
 
 import torch
 
-from specdec.drafters.base import Drafter
+from specdec.drafters.base import Budgets, Drafter
 from specdec.drafters.registry import VerifyHook
 from specdec.engine.adaptive import CostModel, choose_draft_len, expected_saving, plain_cost
 from specdec.engine.stops import StopScan
@@ -242,52 +242,60 @@ class Engine:
             return seeded_pick(logits[0], seq.params, len(seq.tokens))
         return int(sample(probs_from_logits(logits, seq.params), seq.generator)[0])
 
-    def _draft_len(self, seq: Sequence, cap: int | None, batch: int = 1) -> tuple[int, float]:
-        """(tokens to ask the drafter for, the path probability below which it should stop by itself) in a step
-        over `batch` sequences. Only drafts that can still matter: room in the context and in max_tokens, less
-        the bonus token."""
+    def _budgets(self, seq: Sequence, cap: int | None, batch: int = 1) -> Budgets:
+        """Per part of the sequence's drafter (`Drafter.parts`: a chain's members, judged apart), the tokens to ask
+        it for and the path probability below which it should stop by itself, in a step over `batch` sequences;
+        parts not expected to pay are left out. Only drafts that can still matter: room in the context and in
+        max_tokens, less the bonus token."""
         room = min(self.target.context - len(seq.tokens), seq.params.max_tokens - len(seq.output_ids)) - 1
         k_max = min(self.spec.draft_max if seq.draft_max is None else seq.draft_max, room)
         if cap is not None:
             k_max = min(k_max, cap)
-        k_max = max(0, k_max)
-        if not self.spec.adaptive or k_max == 0:
-            return k_max, 0.0
-        drafter = seq.drafter
-        k = choose_draft_len(self.cost, seq.acceptance, min(self.spec.draft_min, k_max), k_max, drafter.name, batch)
+        if seq.drafter is None or k_max <= 0:
+            return {}
+        if not self.spec.adaptive:
+            return {p.name: (k_max, 0.0) for p in seq.drafter.parts(seq)}
+        out = {p.name: self._part_len(seq, p, k_max, batch) for p in seq.drafter.parts(seq)}
+        return {name: b for name, b in out.items() if b[0] > 0}
+
+    def _part_len(self, seq: Sequence, part: Drafter, k_max: int, batch: int) -> tuple[int, float]:
+        """(tokens, stopping path probability) for one part of the sequence's drafter: 0 where no draft of it is
+        expected to beat plain decoding, except a one-token probe now and then."""
+        acc = seq.acceptance_of(part.name)
+        k = choose_draft_len(self.cost, acc, min(self.spec.draft_min, k_max), k_max, part.name, batch)
         probe = k == 0
         if probe:  # drafting is not expected to pay: skip it, but now and then draft one token to re-measure
-            seq.acceptance.relax()
-            if not self.cost.probe_due(drafter.name):
+            acc.relax()
+            if not self.cost.probe_due(part.name):
                 return 0, 0.0
-            if batch > 1 and drafter.pending_setup(seq) > len(seq.output_ids):
+            if batch > 1 and part.pending_setup(seq) > len(seq.output_ids):
                 return 0, 0.0  # in a batch a probe never pays a catch-up on a new prompt: the batch would wait
             k = min(k_max, max(1, self.spec.draft_min))
-        if not self._setup_pays(seq, k_max, batch) and not drafter.decline_setup(seq):
+        if not self._setup_pays(seq, part, k_max, batch):
+            seq.drafter.decline_setup(seq)  # a chain leaves the part out for the rest of the sequence
             return 0, 0.0
-        if not drafter.confidence_stop:
+        if not part.confidence_stop:
             return k, 0.0
         # Draft one more token while its expected yield (the chance the path so far is accepted, times the
         # target forward it saves) beats what drafting it and verifying one more row cost.
-        draft_s = self.cost.draft_cost(drafter.name)
+        draft_s = self.cost.draft_cost(part.name)
         min_path_prob = ((draft_s + self.cost.row_cost()) / plain_cost(self.cost, batch)
                          if draft_s > 0 and self.cost.verify_s else 0.0)
         return (k if probe else k_max), min_path_prob
 
-    def _setup_pays(self, seq: Sequence, k_max: int, batch: int = 1) -> bool:
-        """Whether the drafter's pending catch-up on this sequence (its own prefill of a new prompt) is expected to
+    def _setup_pays(self, seq: Sequence, part: Drafter, k_max: int, batch: int = 1) -> bool:
+        """Whether the part's pending catch-up on this sequence (its own prefill of a new prompt) is expected to
         be repaid over the rest of the request (engine/adaptive.py); unmeasured, it is paid and so measured. A
-        sequence refused at its first step lets the drafter's history drift back toward the prior, so a later
+        sequence refused at its first step lets the part's history drift back toward the prior, so a later
         request pays again and re-measures."""
-        drafter = seq.drafter
-        setup_s = self.cost.setup_cost(drafter.pending_setup(seq), drafter.name)
+        setup_s = self.cost.setup_cost(part.pending_setup(seq), part.name)
         if setup_s == 0:
             return True
         left = min(self.target.context - len(seq.tokens), seq.params.max_tokens - len(seq.output_ids))
-        if left * expected_saving(self.cost, k_max, drafter.name, batch) > setup_s:
+        if left * expected_saving(self.cost, k_max, part.name, batch) > setup_s:
             return True
         if seq.stats.target_forwards == 1:
-            self.cost.acceptance(drafter.name).relax()
+            self.cost.acceptance(part.name).relax()
         return False
 
     def _propose_all(self, seqs: list[Sequence], cap: int | None) -> dict[int, Proposal | None]:
@@ -306,54 +314,67 @@ class Engine:
 
     def _propose(self, seq: Sequence, cap: int | None, batch: int = 1) -> Proposal:
         """The drafter's draft for this step (over `batch` sequences), timed."""
-        k, min_path_prob = self._draft_len(seq, cap, batch) if seq.drafter else (0, 0.0)
-        return self._propose_alone(seq, k, min_path_prob)
+        return self._propose_alone(seq, self._budgets(seq, cap, batch))
 
     def _propose_batch(self, seqs: list[Sequence], cap: int | None, batch: int) -> dict[int, Proposal | None]:
-        """Proposals of sequences sharing one batched drafter, from one `propose_batch` call whose time is shared
-        by drafted tokens (each sequence's catch-up on a new prompt apart). If that call fails, each sequence
-        drafts alone, so a failure ends only the sequence it belongs to."""
-        lens = {id(s): self._guarded(s, self._draft_len, s, cap, batch) for s in seqs}
-        live = [s for s in seqs if lens[id(s)] is not None]
-        todo = [s for s in live if lens[id(s)][0] > 0]
-        setups = {id(s): s.drafter.pending_setup(s) for s in todo}
+        """Proposals of sequences sharing one batched drafter, from one `propose_parts` call whose time is shared
+        by drafted tokens (each sequence's catch-up on a new prompt apart) unless the drafter tells each draft's
+        share. If that call fails, each sequence drafts alone, so a failure ends only the sequence it belongs to."""
+        budgets = {id(s): self._guarded(s, self._budgets, s, cap, batch) for s in seqs}
+        live = [s for s in seqs if budgets[id(s)] is not None]
+        todo = [s for s in live if budgets[id(s)]]
+        setups = {id(s): self._setups(s, budgets[id(s)]) for s in todo}
         t = self.clock()
         try:
-            drafts = seqs[0].drafter.propose_batch(todo, [lens[id(s)][0] for s in todo],
-                                                   [lens[id(s)][1] for s in todo]) if todo else []
+            drafts = seqs[0].drafter.propose_parts(todo, [budgets[id(s)] for s in todo]) if todo else []
         except Exception:  # noqa: BLE001 - retried one by one below
-            return {id(s): self._guarded(s, self._propose_alone, s, *lens[id(s)]) for s in live}
+            return {id(s): self._guarded(s, self._propose_alone, s, budgets[id(s)]) for s in live}
         dt = self.clock() - t
         by_seq = dict(zip(map(id, todo), drafts))
         drafted = sum(len(d.tokens) for d in drafts)
         shared = dt - sum(d.setup_s for d in drafts)
-        out: dict[int, Proposal | None] = {id(s): None for s in seqs if lens[id(s)] is None}
+        out: dict[int, Proposal | None] = {id(s): None for s in seqs if budgets[id(s)] is None}
         for s in live:
             d = by_seq.get(id(s))
             if d is None:  # asked for no draft this step
-                out[id(s)] = self._proposal(s, 0, Draft([]), 0.0)
+                out[id(s)] = self._proposal(s, {}, Draft([]), 0.0)
                 continue
-            share = len(d.tokens) / drafted if drafted else 1 / len(drafts)
-            out[id(s)] = self._proposal(s, lens[id(s)][0], d, d.setup_s + shared * share, setups[id(s)])
+            spent = d.draft_s if d.draft_s is not None else shared * (
+                len(d.tokens) / drafted if drafted else 1 / len(drafts))
+            out[id(s)] = self._proposal(s, budgets[id(s)], d, d.setup_s + spent, setups[id(s)])
         return out
 
-    def _propose_alone(self, seq: Sequence, k: int, min_path_prob: float) -> Proposal:
-        """One sequence's draft of up to k tokens, timed."""
-        setup = seq.drafter.pending_setup(seq) if k > 0 else 0
+    def _propose_alone(self, seq: Sequence, budgets: Budgets) -> Proposal:
+        """One sequence's draft within its parts' budgets, timed."""
+        setups = self._setups(seq, budgets)
         t = self.clock()
-        draft = seq.drafter.propose(seq, k, min_path_prob) if k > 0 else Draft([])
-        return self._proposal(seq, k, draft, self.clock() - t, setup)
+        draft = seq.drafter.propose_parts([seq], [budgets])[0] if budgets else Draft([])
+        return self._proposal(seq, budgets, draft, self.clock() - t, setups)
 
-    def _proposal(self, seq: Sequence, k: int, draft: Draft, seconds: float, setup: int = 0) -> Proposal:
-        """Record a sequence's draft (asked for k tokens, `seconds` spent on it, its catch-up on `setup` tokens
-        included)."""
+    @staticmethod
+    def _setups(seq: Sequence, budgets: Budgets) -> dict[str, int]:
+        """Tokens each part asked to draft must first catch up on (its own prefill of a new prompt), by name."""
+        return {p.name: p.pending_setup(seq) for p in seq.drafter.parts(seq) if p.name in budgets} if budgets else {}
+
+    def _proposal(self, seq: Sequence, budgets: Budgets, draft: Draft, seconds: float,
+                  setups: dict[str, int] | None = None) -> Proposal:
+        """Record a sequence's draft (its parts asked for `budgets`, `seconds` spent on it, their catch-up on
+        `setups` tokens included): costs and, later, acceptance count for the part that drafted it."""
         if len(draft.tokens) < self.spec.draft_min and draft.probs is None:
             draft = Draft([], setup_s=draft.setup_s)  # a sampled draft is kept: dropping it by length biases it
         seq.stats.draft_s += seconds
-        self.cost.observe_setup(setup, draft.setup_s, seq.drafter.name if seq.drafter else "")
+        total = sum((setups or {}).values())
+        for name, tokens in (setups or {}).items():
+            if tokens:
+                self.cost.observe_setup(tokens, draft.setup_s * tokens / total, name)
         if draft.tokens:  # the drafter's catch-up on a new prompt is not drafting
-            self.cost.observe_draft(len(draft.tokens), seconds - draft.setup_s, seq.drafter.name)
-        return Proposal(draft, k)
+            self.cost.observe_draft(len(draft.tokens), seconds - draft.setup_s, self._source(seq, draft))
+        return Proposal(draft, max((k for k, _ in budgets.values()), default=0))
+
+    @staticmethod
+    def _source(seq: Sequence, draft: Draft) -> str:
+        """The part of the sequence's drafter that drafted `draft`."""
+        return draft.source or seq.drafter.name
 
     def _forward(self, seqs: list[Sequence], drafts: list[Draft]) -> tuple[list[torch.Tensor], list[Features | None]]:
         """Per sequence, target logits [1 + nodes, V] over its last committed token and its draft, and their
@@ -418,8 +439,8 @@ class Engine:
         seq.stats.verify_s += forward_s + verdict.seconds
         seq.stats.record_step(prop.asked, len(draft.tokens), len(path), draft.depth)
         if draft.tokens:
-            seq.acceptance.observe(draft.depth, len(path))
-            self.cost.acceptance(seq.drafter.name).observe(draft.depth, len(path))
+            seq.acceptance_of(self._source(seq, draft)).observe(draft.depth, len(path))
+            self.cost.acceptance(self._source(seq, draft)).observe(draft.depth, len(path))
         self._commit(seq, verdict.new, verdict.rows, draft, path)
         if seq.drafter:
             seq.drafter.update(seq, len(draft.tokens), len(path))

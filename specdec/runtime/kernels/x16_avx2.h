@@ -7,7 +7,7 @@
  *   - Q6_K always, and Q4_K from X2_UNPACK_ROWS rows on, first unpack the superblock's quants into bytes in L1
  *     (U: group g's lines at U + 64 * lines * g), so the tiles read ready bytes.
  *   - the first tile of a superblock prefetches the weights PREFETCH_AHEAD bytes on, a share in each group
- *     (x2_prefetch_share), except Q4_K at X2_UNPACK_ROWS rows and more (compute-bound: all at the superblock's start).
+ *     (prefetch_share), except Q4_K at X2_UNPACK_ROWS rows and more (compute-bound: all at the superblock's start).
  * A row's arithmetic is the same for every tile size and either source (integer sums, then the same float steps in
  * the same order), so its result does not depend on how many rows share the call. On AMD Zen 3 (2 threads,
  * python scripts/bench_kernels.py; docs/benchmarks.md section 19) Q4_K 8960x1536 went from 76.1 to 35.9 ms at 512 rows
@@ -30,14 +30,6 @@ T256 INL v2i x2_scale_pairs(const uint8_t *p, int is_signed) {
     const __m256i l = _mm256_setr_epi8(0, z, 0, z, 1, z, 1, z, 2, z, 2, z, 3, z, 3, z, 4, z, 4, z, 5, z, 5, z, 6, z, 6, z, 7, z, 7, z);
     const __m256i h = _mm256_add_epi8(l, _mm256_set1_epi16(8));
     return (v2i){_mm256_shuffle_epi8(b, l), _mm256_shuffle_epi8(b, h)};
-}
-
-/* group g's share (of ngr) of the cache lines PREFETCH_AHEAD bytes past the superblock at P (n bytes): spread over
- * the groups, the prefetches leave the loads room, where all at the superblock's start they stalled them (Zen 3, one
- * row, Q4_K 17920x1536: 17.9 -> 19.6 GB/s, Q6_K 1536x8960: 15.6 -> 19.0; docs/benchmarks.md section 29) */
-INL void x2_prefetch_share(const uint8_t *P, int n, int g, int ngr) {
-    const int lines = (n + 63) / 64;
-    for (int k = g * lines / ngr; k < (g + 1) * lines / ngr; k++) _mm_prefetch((const char *)P + PREFETCH_AHEAD + 64 * k, _MM_HINT_T0);
 }
 
 /* s[r] += the 16-bit dots of n lines at L (16 outputs x 4 inputs each) with row r's activation dwords a[r][0..n);
@@ -72,7 +64,7 @@ T256 INL void x2_lines(const uint8_t *L, int n, int nib, const int8_t *const *a,
 T256 INL void x2_group(int q6, const uint8_t *P, const uint8_t *U, const act_t *A, int64_t r0, int R, int64_t b, int g,
                        int nib, const int8_t *const *a, __m256i *il, __m256i *ih, const v2f *oc, v2f *acc, int pf) {
     const int nl = q6 ? 4 : 8;
-    if (pf) x2_prefetch_share(P, q6 ? X6_BYTES : X4_BYTES, g, q6 ? 16 : 8);
+    if (pf) prefetch_share(P, q6 ? X6_BYTES : X4_BYTES, g, q6 ? 16 : 8);
     const uint8_t *L = U ? U + 64 * nl * g : P + 512 * (g % 4);
     const v2i sc = x2_scale_pairs(P + (q6 ? X6_SC : X4_SC) + 16 * g, q6);
     const int8_t *ai[4];

@@ -18,7 +18,6 @@ X16_T static inline __attribute__((always_inline)) void X16_FN(body)(int type, c
     for (int r = 0; r < nr; r++) acc[r] = V(zerof)();
     for (int64_t b = b0; b < b1; b++) {
         const uint8_t *P = W + b * sb;
-        prefetch_weights(P, (int)sb);
         const VF dv = V(half)(P + (q6 ? X6_D : X4_D));
         const VF mv = q6 ? V(mul)(dv, V(setf)(-32.0f)) : V(mul)(V(half)(P + X4_DMIN), V(setf)(-1.0f));
         for (int r = 0; r < nr; r++) bacc[r] = V(zerof)();
@@ -28,6 +27,7 @@ X16_T static inline __attribute__((always_inline)) void X16_FN(body)(int type, c
             const int K = q6 ? 4 : 8, h = step / 4, j = step % 4;
             const int g0 = q6 ? 4 * h + j : j, g1 = q6 ? 8 + 4 * h + j : j + 4, line0 = q6 ? 16 * h + 4 * j : 8 * j;
             VI lo[8], hi[8];
+            prefetch_share(P, (int)sb, step, q6 ? 8 : 4);
             for (int i = 0; i < K; i++) {
                 const VI v = V(load)(P + 64 * (line0 + i));
                 lo[i] = V(and)(v, m4);
