@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdec.errors import SpecdecError
+from specdec.runtime.cpu import keep_large_blocks
 from specdec.runtime.kv_cache import KVCache
 
 if TYPE_CHECKING:  # the runner drives a model; models import runtime parts, not the runner
@@ -97,6 +98,7 @@ class ModelRunner:
         self._capture: FeatureSpec | None = None
         self.features: list[Features] | None = None  # per sequence, from the last forward call (see `capture`)
         self.prefix: PrefixStore | None = None  # this model's part of a shared prefix cache (`--cache-mb`)
+        keep_large_blocks()  # prefill chunks' outputs reuse freed heap instead of fresh pages
 
     def sharing_cache(self, model: Transformer) -> "ModelRunner":
         """A runner of `model`, a view of this runner's model made of its first layers (`first_layers`), on this
