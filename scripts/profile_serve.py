@@ -7,7 +7,12 @@ process's (the engine's OpenMP worker, the HTTP server and the clients besides);
 N functions of the engine thread by cumulative and by own time.
 
     python scripts/profile_serve.py [--concurrency 8] [--modes off,auto,off,auto] [--requests 16] [--profile 40]
-        [--workload docs/bench/code-edit.jsonl]
+        [--workload docs/bench/code-edit.jsonl] [--spec-type suffix-tree] [--explore-load 16]
+
+After each mode it prints the engine's cost model: target forward seconds by tokens, each drafter's (or chain
+member's) seconds per drafted token and per token of catch-up, and its acceptance per draft position.
+`--explore-load N` lets the load controller try speculation before it knows anything about it at loads up to N
+(engine/load_control.py's EXPLORE_LOAD, 2: a level whose load starts above it never drafts).
 
 Modes are run in the order given (repeat one to see run-to-run noise); one load of the models serves them all.
 """
@@ -28,6 +33,7 @@ from specdec.api import LLM  # noqa: E402
 from specdec.bench import serve_bench as sb  # noqa: E402
 from specdec.bench.workloads import load_workload  # noqa: E402
 from specdec.drafters import DEFAULT_WITH_DRAFT_MODEL  # noqa: E402
+from specdec.engine import load_control  # noqa: E402
 from specdec.engine.adaptive import CostModel  # noqa: E402
 from specdec.engine.scheduler import Scheduler  # noqa: E402
 
@@ -45,8 +51,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, help="conversations per mode (default 2 x concurrency)")
     ap.add_argument("--workload", default="docs/bench/code-edit.jsonl")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="print cProfile's top N functions per mode")
+    ap.add_argument("--spec-type", default=DEFAULT_WITH_DRAFT_MODEL)
+    ap.add_argument("--explore-load", type=int, help="override the load controller's EXPLORE_LOAD")
     a = ap.parse_args()
-    llm = LLM(spec_type=DEFAULT_WITH_DRAFT_MODEL, parallel=a.concurrency)
+    if a.explore_load is not None:
+        load_control.EXPLORE_LOAD = a.explore_load
+    llm = LLM(spec_type=a.spec_type, parallel=a.concurrency)
     convs = [sb.Conversation(list(p.turns), p.limit(None) if p.max_tokens else sb.SERVE_MAX_TOKENS)
              for p in load_workload(a.workload)]
     forward = {"s": 0.0}
@@ -89,6 +99,11 @@ def main() -> None:
               f"{sum(r['drafted'] for r in res)}; controller {report}\n"
               f"  CPU seconds: engine thread {last['cpu']:.1f}, process {cpu:.1f} "
               f"(of {os.cpu_count() * wall:.1f} that {os.cpu_count()} CPUs give in {wall:.1f} s)", flush=True)
+        c = llm.engine.cost
+        print(f"  forward ms by tokens {({t: round(v * 1e3, 1) for t, v in sorted(c.verify_s.items())})}\n"
+              f"  draft ms per token {({d: round(v * 1e3, 3) for d, v in c.draft_s.items()})}, catch-up ms per token "
+              f"{({d: round(v * 1e3, 3) for d, v in c.setup_s.items()})}\n"
+              f"  acceptance by position {({d: [round(r, 2) for r in e.rates[:8]] for d, e in c.history.items()})}")
         if a.profile:
             for key in ("cumulative", "tottime"):
                 out = io.StringIO()
