@@ -64,6 +64,7 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         sorted_x, idx = torch.sort(x, dim=-1, descending=True)
         cum = sorted_x.softmax(-1).cumsum(-1)
         drop_sorted = cum - sorted_x.softmax(-1) >= p.top_p  # keep the smallest prefix reaching top_p
+        drop_sorted[..., 0] = False  # the likeliest token stays, also where top_p rounds to 0 in float32 (5e-324)
         x = x.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted), float("-inf"))
     if p.min_p > 0:
         probs = x.softmax(-1)

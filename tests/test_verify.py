@@ -64,3 +64,15 @@ def test_seeded_sampling_is_reproducible():
     a = verify_sampling([1, 2], None, logits, p, p.generator())
     b = verify_sampling([1, 2], None, logits, p, p.generator())
     assert a == b
+
+
+def test_a_top_p_below_float32s_range_keeps_the_likeliest_token():
+    """top_p = 5e-324 passes validation (> 0) but is 0 in float32: the filter still keeps the best token, so the
+    distribution is one-hot on it instead of all -inf (NaN after softmax; the server's fuzz found it)."""
+    from specdec.sampling import probs_from_logits
+
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.0]])
+    for top_p in (5e-324, 1e-30):
+        probs = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=top_p))
+        assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0]])), top_p
+
