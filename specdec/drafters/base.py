@@ -9,7 +9,7 @@ from specdec.runtime.runner import Features, FeatureSpec
 from specdec.sampling import probs_from_logits, sample, seeded_scores
 from specdec.sequence import Draft, Sequence
 
-__all__ = ["SETUP_TOKENS", "Budgets", "Draft", "Drafter", "draft_distribution", "draw"]
+__all__ = ["SETUP_TOKENS", "Budgets", "Draft", "Drafter", "draft_distribution", "draw", "time_shares"]
 
 # per part of a drafter, by name: (tokens to ask it for, path probability below which it stops by itself)
 Budgets = dict[str, tuple[int, float]]
@@ -71,6 +71,13 @@ class Drafter(ABC):
 
     def reset(self) -> None:
         """Forget what was learned across requests (e.g. between benchmark repeats)."""
+
+
+def time_shares(seconds: float, drafts: list[Draft]) -> list[float]:
+    """Each draft's share of the `seconds` one call spent drafting them all (catch-ups apart): by drafted tokens,
+    equal shares where none drafted anything."""
+    drafted = sum(len(d.tokens) for d in drafts)
+    return [seconds * (len(d.tokens) / drafted if drafted else 1 / len(drafts)) for d in drafts]
 
 
 def draft_distribution(logits: torch.Tensor, seq: Sequence, needed: bool) -> torch.Tensor | None:

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from specdec.drafters.base import Budgets, Draft, Drafter
+from specdec.drafters.base import Budgets, Draft, Drafter, time_shares
 from specdec.errors import SpecdecError
 from specdec.runtime.runner import Features
 from specdec.sequence import Sequence
@@ -67,9 +67,8 @@ class ChainDrafter(Drafter):
             t = time.perf_counter()
             drafts = m.propose_parts([seqs[j] for j in ask], [budgets[j] for j in ask])
             spent = time.perf_counter() - t - sum(d.setup_s for d in drafts)
-            drafted = sum(len(d.tokens) for d in drafts)
-            for j, draft in zip(ask, drafts):
-                picks[j].draft_s += spent * (len(draft.tokens) / drafted if drafted else 1 / len(drafts))
+            for j, draft, share in zip(ask, drafts, time_shares(spent, drafts)):
+                picks[j].draft_s += share
                 self._offer(seqs[j], picks[j], m, draft)
         return [replace(p.draft, setup_s=p.setup_s, draft_s=p.draft_s) for p in picks]
 

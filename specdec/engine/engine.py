@@ -7,7 +7,7 @@ from typing import Callable, Hashable
 
 import torch
 
-from specdec.drafters.base import Budgets, Drafter
+from specdec.drafters.base import Budgets, Drafter, time_shares
 from specdec.drafters.registry import VerifyHook
 from specdec.engine.adaptive import CostModel, choose_draft_len, expected_saving, plain_cost
 from specdec.engine.stops import StopScan
@@ -330,17 +330,15 @@ class Engine:
         except Exception:  # noqa: BLE001 - retried one by one below
             return {id(s): self._guarded(s, self._propose_alone, s, budgets[id(s)]) for s in live}
         dt = self.clock() - t
-        by_seq = dict(zip(map(id, todo), drafts))
-        drafted = sum(len(d.tokens) for d in drafts)
-        shared = dt - sum(d.setup_s for d in drafts)
+        shares = time_shares(dt - sum(d.setup_s for d in drafts), drafts)
+        by_seq = dict(zip(map(id, todo), zip(drafts, shares)))
         out: dict[int, Proposal | None] = {id(s): None for s in seqs if budgets[id(s)] is None}
         for s in live:
-            d = by_seq.get(id(s))
-            if d is None:  # asked for no draft this step
+            if id(s) not in by_seq:  # asked for no draft this step
                 out[id(s)] = self._proposal(s, {}, Draft([]), 0.0)
                 continue
-            spent = d.draft_s if d.draft_s is not None else shared * (
-                len(d.tokens) / drafted if drafted else 1 / len(drafts))
+            d, share = by_seq[id(s)]
+            spent = d.draft_s if d.draft_s is not None else share
             out[id(s)] = self._proposal(s, budgets[id(s)], d, d.setup_s + spent, setups[id(s)])
         return out
 

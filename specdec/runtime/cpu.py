@@ -23,13 +23,18 @@ def has_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """The C library (raises OSError where it cannot be loaded)."""
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
 def release_free_memory() -> None:
     """Hand freed heap back to the OS (glibc's `malloc_trim`; elsewhere nothing). glibc keeps freed blocks below its
     grown mmap threshold resident: after quantizing a draft model's weights 0.5-1 GB (docs/planning.md), and in a
     server the high-water mark of its largest batches until it is next idle."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
+        _libc().malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to do
         pass
 
@@ -44,9 +49,8 @@ def keep_large_blocks() -> None:
     each zeroed at its first touch: a 512-row forward of the 1.5B took 2.42 s instead of 2.03 (Zen 5, 2 threads).
     Freed heap still goes back to the OS at `release_free_memory` (the server when idle)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(-3, LARGE_BLOCK)  # M_MMAP_THRESHOLD
-        libc.mallopt(-1, LARGE_BLOCK)  # M_TRIM_THRESHOLD
+        _libc().mallopt(-3, LARGE_BLOCK)  # M_MMAP_THRESHOLD
+        _libc().mallopt(-1, LARGE_BLOCK)  # M_TRIM_THRESHOLD
     except (OSError, AttributeError):  # not glibc: nothing to do
         pass
 

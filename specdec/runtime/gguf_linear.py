@@ -59,15 +59,16 @@ def _calibrate(dtype: torch.dtype) -> int:
     lin = for_this_cpu(GGUFLinear.from_blocks(b, K.Q4_K, (out, inp)))
 
     def kernel_wins(x: torch.Tensor, n: int = 4) -> bool:
-        """The kernel's best time against dequantize + matmul's, the two alternated (after one call each), so a
-        moment of the host's noise falls on both."""
-        best = {lin._kernel: float("inf"), lin._dequant_matmul: float("inf")}
+        """The kernel's best time against dequantize + matmul's, the two alternated (after one untimed call each),
+        so a moment of the host's noise falls on both."""
+        best = [float("inf"), float("inf")]
         for i in range(n + 1):
-            for fn in best:
+            for j, fn in enumerate((lin._kernel, lin._dequant_matmul)):
                 t0 = time.perf_counter()
                 fn(x)
-                best[fn] = min(best[fn], time.perf_counter() - t0) if i else best[fn]
-        return best[lin._kernel] <= best[lin._dequant_matmul]
+                if i:
+                    best[j] = min(best[j], time.perf_counter() - t0)
+        return best[0] <= best[1]
 
     limit = 8
     for rows in CALIBRATION_ROWS:
