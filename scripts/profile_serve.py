@@ -62,8 +62,8 @@ def main() -> None:
     forward = {"s": 0.0}
     step = llm.engine.step
 
-    def timed_step(seqs, cap=None):
-        info = step(seqs, cap)
+    def timed_step(seqs, cap=None, light=False):
+        info = step(seqs, cap, light)
         forward["s"] += info.forward_s
         return info
     llm.engine.step = timed_step

@@ -29,6 +29,11 @@ class AcceptanceEstimate:
             out.append(p)
         return out
 
+    def start(self) -> AcceptanceEstimate:
+        """A new sequence's estimate from this one (a drafter's history over earlier sequences): each position no
+        lower than the prior, so a drafter that did well starts long and one that did badly is still tried."""
+        return AcceptanceEstimate([max(PRIOR_ACCEPT, r) for r in self.rates])
+
     def relax(self) -> None:
         self.rates = [r + RELAX * (PRIOR_ACCEPT - r) for r in self.rates]
 

@@ -92,9 +92,12 @@ class Sequence:
         """Whether the output is the target's own (no synthetic drafts, no relaxed acceptance)."""
         return not self.synthetic and not self.accept_threshold
 
-    def acceptance_of(self, drafter: str) -> AcceptanceEstimate:
-        """This sequence's acceptance of `drafter`'s drafts so far (the prior until it drafted)."""
-        return self.acceptance.setdefault(drafter, AcceptanceEstimate())
+    def acceptance_of(self, drafter: str, history: AcceptanceEstimate | None = None) -> AcceptanceEstimate:
+        """This sequence's acceptance of `drafter`'s drafts so far; before its first, the prior, or where given,
+        `history.start()` (the drafter's acceptance over earlier sequences, no lower than the prior)."""
+        if drafter not in self.acceptance:
+            self.acceptance[drafter] = history.start() if history is not None else AcceptanceEstimate()
+        return self.acceptance[drafter]
 
     @property
     def output_ids(self) -> list[int]:

@@ -268,3 +268,32 @@ def test_an_adaptive_engine_measures_plain_decoding_at_its_batch(tmp_path):
         assert any(plain[i:i + REMEASURE + 1]), i  # never more than REMEASURE steps without a plain forward
     forced = [i for i, c in enumerate(caps) if c == 0]
     assert all(not any(plain[i - REMEASURE:i]) for i in forced[1:])  # and only when it is due
+
+
+def test_a_draft_is_priced_on_top_of_the_rows_already_in_the_step():
+    """Where every row costs the same (a compute-bound forward), a sequence's draft is weighed against the rows
+    the step's forward already holds: the first sequences of a batch get their drafts, a later one whose rows
+    would land where forwards cost more per row gets a shorter one or none (section 33: eight sequences each
+    priced on top of the batch alone made 136-token forwards)."""
+    cost = CostModel(verify_s={1: 0.025, 8: 0.048, 17: 0.072, 136: 0.688}, draft_s={"d": 0.0})
+    acc = AcceptanceEstimate([0.9] * 16)
+    alone = choose_draft_len(cost, acc, 0, 16, "d", batch=8)
+    assert alone > 0 and alone == choose_draft_len(cost, acc, 0, 16, "d", batch=8, rows=8)
+    assert choose_draft_len(cost, acc, 0, 16, "d", batch=8, rows=100) < alone
+
+
+def test_above_the_largest_measured_forward_rows_cost_the_measured_slope():
+    cost = CostModel(verify_s={1: 0.02, 9: 0.06})
+    assert cost.verify_cost(17) == pytest.approx(0.10)  # was 0.06: rows past the largest measured looked free
+    assert CostModel(verify_s={4: 0.03}).verify_cost(8) == pytest.approx(0.03)  # one size: no slope yet
+
+
+def test_a_new_sequence_starts_from_the_drafters_history_never_below_the_prior():
+    from specdec.acceptance import PRIOR_ACCEPT
+    from specdec.sequence import Sequence
+
+    good, bad = AcceptanceEstimate([0.99] * 8), AcceptanceEstimate([0.1] * 8)
+    seq = Sequence([1, 2], 2, 0, None)
+    assert seq.acceptance_of("a", good).rates == [0.99] * 8
+    assert seq.acceptance_of("b", bad).rates == [PRIOR_ACCEPT] * 8
+    assert seq.acceptance_of("c").rates == [] and seq.acceptance_of("a", bad).rates == [0.99] * 8  # kept once made

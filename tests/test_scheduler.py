@@ -109,7 +109,7 @@ def _plain_and_spec(setup_every: int = 0, setup_s: float = 0.0, steps: int = 200
     """A controller at batch 1 where plain decoding gives 1 token per 0.25 s and speculation 3 per 0.625 s (1.2x),
     plus a catch-up of `setup_s` on every `setup_every`-th speculative step (a new request); and how many of the
     `steps` it speculated."""
-    c = start or LoadController(draft_max=8)
+    c = start or LoadController(draft_max=8, arms=(0, 4, None))  # no light arm: every drafting step pays catch-ups
     if start is None:  # both arms measured once, as a server has them after its first requests
         c.observe(0, _step(1, 1, 0, 0.0, 0.25))
         c.observe(None, _step(1, 3, 4, 0.1, 0.525))
@@ -231,3 +231,54 @@ def test_load_controller_drops_a_losing_arm_at_one_client():
         plain = arm == 0 or i % 20 == 0  # the engine's own plain steps where the controller asked for drafts
         c.observe(0 if plain else arm, _step(1, 1, 0, 0.0, 0.15) if plain else _step(1, 2, 16, 0.0, 0.5))
     assert c.choose(1) == 0
+
+
+def test_under_load_the_controller_tries_only_the_light_arm_until_speculation_was_measured():
+    """A fresh server at load 8 knows nothing of speculation: it never tries drafting with every part there (a draft
+    model would catch up on 8 prompts), only the light arm (model-free parts), kept while it beats plain decoding."""
+    from specdec.engine.load_control import LIGHT
+
+    for light_s, want in ((0.06, LIGHT), (0.2, 0)):  # light steps: 16 tokens in 0.06 s (wins) or 0.2 s (loses)
+        c, tried = LoadController(draft_max=8), set()
+        c.observe(0, _step(8, 8, 0, 0.0, 0.05))  # the engine's first step at a new batch size runs plain
+        for _ in range(40):
+            arm = c.choose(8)
+            tried.add(arm)
+            c.observe(arm, _step(8, 16, 10, 0.001, light_s) if arm == LIGHT else _step(8, 8, 0, 0.0, 0.05))
+        assert LIGHT in tried and tried <= {0, LIGHT} and c.choose(8) == want
+    assert LoadController(draft_max=8).choose(1) is None  # at low load: every part
+
+
+def test_light_steps_draft_with_model_free_parts_only(tiny_dir):
+    """The light arm asks only a chain's model-free members: the draft model never drafts nor catches up, and the
+    output is the target's own."""
+    from specdec.engine.load_control import LIGHT
+
+    llm = _llm(tiny_dir)
+    prompt = PROMPTS[0]
+    base = llm.generate(prompt, max_tokens=30, spec_type="none").token_ids
+    sched = Scheduler(llm.engine, 4, controller=LoadController(8, arms=(LIGHT,)), prefill_chunk=5)
+    drafter = llm.drafter_for("suffix,draft")
+    for _ in range(2):  # the second time the suffix drafter knows the first one's output
+        req = Request(llm.encode(prompt), SamplingParams(max_tokens=30), drafter)
+        _run(sched, [req])
+        assert req.seq.output_ids == base
+    assert req.seq.stats.drafted > 0
+    assert "draft" not in llm.engine.cost.draft_s and "draft" not in llm.engine.cost.setup_s
+
+
+def test_a_drafting_arm_is_measured_afresh_once_the_batch_turned_over():
+    """Light steps lost while the first requests ran (nothing to draft from); once a bucket's worth of new requests
+    was admitted they are run again and win (a second wave drafts from the first one's outputs), long before their
+    ttl would have expired."""
+    from specdec.engine.load_control import LIGHT
+
+    c = LoadController(draft_max=8)
+    c.observe(0, _step(8, 8, 0, 0.0, 0.05))
+    for light in ((9, 0.2), (16, 0.06)):  # first wave: light loses; second: it wins
+        for _ in range(10):
+            arm = c.choose(8)
+            c.observe(arm, _step(8, light[0], 10, 0.001, light[1]) if arm == LIGHT else _step(8, 8, 0, 0.0, 0.05))
+        assert c.choose(8) == (0 if light[1] > 0.1 else LIGHT)
+        for _ in range(8):
+            c.admit()

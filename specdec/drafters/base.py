@@ -27,6 +27,9 @@ class Drafter(ABC):
     # A drafter that runs a model may draft several sequences in one call, its forwards batched over them:
     # it then sets this and implements `propose_batch(seqs, max_tokens, min_path_probs) -> list[Draft]`.
     batched: bool = False
+    # A drafter that runs no model (look-ups in token statistics): its drafts cost next to nothing to make, so the
+    # load controller may let only such parts draft under load (`Engine.step(light=True)`).
+    model_free: bool = False
 
     @abstractmethod
     def propose(self, seq: Sequence, max_tokens: int, min_path_prob: float = 0.0) -> Draft:

@@ -185,6 +185,8 @@ class SeqIndex:
 class IncrementalDrafter(Drafter):
     """Keeps per-sequence state by slot; `_index` sees each committed token once (prompt, then output)."""
 
+    model_free = True
+
     def __init__(self):
         self._seqs: dict[int, SeqIndex] = {}
 

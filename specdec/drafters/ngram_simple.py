@@ -14,6 +14,7 @@ from specdec.sequence import Sequence
 
 class NgramSimpleDrafter(Drafter):
     name = "ngram-simple"
+    model_free = True
 
     def __init__(self, n: int = 3, m: int = 16, n_min: int = 0):
         self.n, self.m = n, m

@@ -22,6 +22,7 @@ class SyntheticDraft(Draft):
 
 class SyntheticDrafter(Drafter):
     name = "synthetic"
+    model_free = True
 
     def __init__(self, rates: list[float], length: int, seed: int = 0):
         self.rates, self.length = rates, length

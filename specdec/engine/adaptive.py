@@ -8,9 +8,11 @@ Two measured ingredients:
 
 Expected tokens for a draft of k: E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j (the bonus token
 always comes). Expected time: T(k) = k * draft_cost + verify(k + 1). Choose argmax E/T.
-In a step over B sequences a sequence pays its share of the plain forward and the rows its draft adds:
-T(k) = k * draft_cost + verify(B) / B + verify(B + k) - verify(B), against plain decoding's verify(B) / B
-per token (forward costs are measured by the tokens of a forward, whichever sequences they belong to).
+In a step over B sequences a sequence pays its share of the plain forward and the rows its draft adds on top
+of the R rows the forward already holds (the B last tokens and the drafts granted to sequences asked before it
+in this step): T(k) = k * draft_cost + verify(B) / B + verify(R + k) - verify(R), against plain decoding's
+verify(B) / B per token (forward costs are measured by the tokens of a forward, whichever sequences they belong
+to). Where a forward's cost per row grows past some size, later sequences see the dearer rows.
 While a forward is bound by reading the weights, B rows cost little more than one, so each token of plain
 decoding gets cheaper with B while a draft's extra rows (past that point) do not: drafts that pay alone may
 not pay in a batch (docs/benchmarks.md section 20).
@@ -52,9 +54,8 @@ class CostModel:
     idle: dict[str, int] = field(default_factory=dict)        # drafter name -> undrafted steps since its last draft
     unmeasured: dict[int, int] = field(default_factory=dict)  # batch size -> steps since a forward over that many tokens
     ema: float = EMA
-    # Above the largest measured size, forwards cost as much as it (False: verifying a few more tokens
-    # is nearly free on our hardware until measured) or grow in proportion to tokens (True: compute-bound,
-    # for batches much larger than any measured).
+    # Above the largest measured size, forwards grow by the measured slope per row (False: `row_cost`) or in
+    # proportion to tokens (True: compute-bound, for batches much larger than any measured).
     proportional_above: bool = False
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
@@ -110,7 +111,7 @@ class CostModel:
 
     def verify_cost(self, tokens: float) -> float:
         """Forward time for `tokens`, interpolated between measured sizes; below the smallest, as the
-        smallest; above the largest, see `proportional_above`."""
+        smallest; above the largest, see `proportional_above` (one size measured: as that one)."""
         if not self.verify_s:
             return 1.0
         if tokens in self.verify_s:
@@ -124,16 +125,19 @@ class CostModel:
         if not lower:
             return self.verify_s[min(upper)]
         lo = max(lower)
-        return self.verify_s[lo] * (tokens / lo if self.proportional_above else 1.0)
+        if self.proportional_above:
+            return self.verify_s[lo] * tokens / lo
+        return self.verify_s[lo] + (tokens - lo) * self.row_cost()
 
 
 def _rate(cost: CostModel, acc: AcceptanceEstimate, k_min: int, k_max: int, drafter: str,
-          batch: int = 1) -> tuple[int, float]:
+          batch: int = 1, rows: int | None = None) -> tuple[int, float]:
     """(k, expected tokens per second) for the best k in [k_min, k_max], or k = 0 (plain decoding), for a sequence
-    in a step over `batch` sequences: its share of the plain forward plus the rows its draft adds (batch 1: the
-    whole forward over its k + 1 tokens)."""
+    in a step over `batch` sequences: its share of the plain forward plus the rows its draft adds to a forward of
+    `rows` tokens (default `batch`; batch 1: the whole forward over its k + 1 tokens)."""
     draft_s = cost.draft_cost(drafter)
-    base = cost.verify_cost(batch)
+    rows = batch if rows is None else rows
+    base = cost.verify_cost(rows)
     share = plain_cost(cost, batch)
     best_k, best_rate = 0, 1.0 / share
     expected = 1.0  # the bonus token always comes
@@ -141,17 +145,17 @@ def _rate(cost: CostModel, acc: AcceptanceEstimate, k_min: int, k_max: int, draf
         expected += survive
         if k < k_min:
             continue
-        rate = expected / (k * draft_s + share + cost.verify_cost(batch + k) - base)
+        rate = expected / (k * draft_s + share + cost.verify_cost(rows + k) - base)
         if rate > best_rate:
             best_k, best_rate = k, rate
     return best_k, best_rate
 
 
 def choose_draft_len(cost: CostModel, acc: AcceptanceEstimate, k_min: int, k_max: int, drafter: str = "",
-                     batch: int = 1) -> int:
+                     batch: int = 1, rows: int | None = None) -> int:
     """The k in [k_min, k_max] (or 0) with the most expected tokens per second for `drafter` in a step over
-    `batch` sequences."""
-    return _rate(cost, acc, k_min, k_max, drafter, batch)[0]
+    `batch` sequences whose forward already holds `rows` tokens (default `batch`)."""
+    return _rate(cost, acc, k_min, k_max, drafter, batch, rows)[0]
 
 
 def expected_saving(cost: CostModel, k_max: int, drafter: str = "", batch: int = 1) -> float:

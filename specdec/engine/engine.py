@@ -51,6 +51,7 @@ class StepInfo:
     seconds: float        # the whole step, setup excluded
     setup_s: float = 0.0  # drafters catching up on new prompts (one-off per sequence)
     cap: int | None = None  # the draft cap it ran with: 0 also where it ran plain to measure plain decoding
+    light: bool = False     # only model-free drafter parts were asked (`Drafter.model_free`)
 
 
 @dataclass
@@ -80,6 +81,8 @@ class Engine:
         self.spec = spec or SpecConfig()
         self.clock = clock  # seconds; `bench replay` passes a virtual one
         self.cost = CostModel()  # measured target/draft costs, shared by every sequence
+        self.rows = 0  # while a step proposes: its forward's rows so far (last tokens, drafts budgeted before)
+        self.light = False  # while a step proposes: only model-free drafter parts draft
         self.verify_hooks: dict[str, VerifyHook] = {}  # opt-in lossy drafters' verification, by spec type
         self.stop_ids = tokenizer.stop_ids(target.model.config.eos_token_ids)
 
@@ -175,9 +178,10 @@ class Engine:
         self._commit(seq, [self._sample(logits, seq)], logits)
         return True
 
-    def step(self, seqs: list[Sequence], draft_cap: int | None = None) -> StepInfo:
+    def step(self, seqs: list[Sequence], draft_cap: int | None = None, light: bool = False) -> StepInfo:
         """One speculative step for every (prefilled, unfinished) sequence: draft up to `draft_cap`
-        tokens each, run one target forward over each sequence's last token plus its draft (ragged
+        tokens each (`light`: only the parts of its drafter that run no model), run one target forward over each
+        sequence's last token plus its draft (ragged
         chains batched; trees one forward each), then verify, roll back and commit each on its own.
         A failure in one sequence ends that sequence ("error"), not the batch. With adaptive lengths, a step runs
         plain where plain decoding at this batch is due a measurement (engine/adaptive.py)."""
@@ -185,7 +189,9 @@ class Engine:
         if self.spec.adaptive and draft_cap != 0 and self.cost.plain_due(len(seqs)):
             draft_cap = 0
         # 1. propose: each sequence's drafter drafts (timed; its catch-up on a new prompt counted apart)
+        self.rows, self.light = len(seqs), light
         proposals = self._propose_all(seqs, draft_cap)
+        self.rows, self.light = 0, False
         seqs = [s for s in seqs if s.error is None]
         props = [proposals[id(s)] for s in seqs]
         before = sum(len(s.tokens) for s in seqs)
@@ -204,7 +210,8 @@ class Engine:
         setup_s = sum(p.draft.setup_s for p in props)
         return StepInfo(batch=len(seqs), committed=sum(len(s.tokens) for s in seqs) - before, drafted=drafted,
                         forward_tokens=drafted + len(seqs), forward_s=forward_s, draft_s=t1 - t0 - setup_s,
-                        seconds=self.clock() - t0 - setup_s, setup_s=setup_s, cap=draft_cap)
+                        seconds=self.clock() - t0 - setup_s, setup_s=setup_s, cap=draft_cap,
+                        light=light and draft_cap != 0)
 
     def finish(self, seq: Sequence, reason: str | None = None) -> None:
         """Close a sequence (finished, or cancelled with `reason`): flush its stream, free drafter state."""
@@ -245,7 +252,7 @@ class Engine:
     def _budgets(self, seq: Sequence, cap: int | None, batch: int = 1) -> Budgets:
         """Per part of the sequence's drafter (`Drafter.parts`: a chain's members, judged apart), the tokens to ask
         it for and the path probability below which it should stop by itself, in a step over `batch` sequences;
-        parts not expected to pay are left out. Only drafts that can still matter: room in the context and in
+        parts not expected to pay are left out, and in a light step those that run a model. Only drafts that can still matter: room in the context and in
         max_tokens, less the bonus token."""
         room = min(self.target.context - len(seq.tokens), seq.params.max_tokens - len(seq.output_ids)) - 1
         k_max = min(self.spec.draft_max if seq.draft_max is None else seq.draft_max, room)
@@ -253,35 +260,39 @@ class Engine:
             k_max = min(k_max, cap)
         if seq.drafter is None or k_max <= 0:
             return {}
+        parts = [p for p in seq.drafter.parts(seq) if p.model_free or not self.light]
         if not self.spec.adaptive:
-            return {p.name: (k_max, 0.0) for p in seq.drafter.parts(seq)}
-        out = {p.name: self._part_len(seq, p, k_max, batch) for p in seq.drafter.parts(seq)}
-        return {name: b for name, b in out.items() if b[0] > 0}
+            return {p.name: (k_max, 0.0) for p in parts}
+        out = {p.name: self._part_len(seq, p, k_max, batch) for p in parts}
+        self.rows += max((rows for _, _, rows in out.values()), default=0)  # one part's draft is verified
+        return {name: (k, prob) for name, (k, prob, _) in out.items() if k > 0}
 
-    def _part_len(self, seq: Sequence, part: Drafter, k_max: int, batch: int) -> tuple[int, float]:
-        """(tokens, stopping path probability) for one part of the sequence's drafter: 0 where no draft of it is
-        expected to beat plain decoding, except a one-token probe now and then."""
-        acc = seq.acceptance_of(part.name)
-        k = choose_draft_len(self.cost, acc, min(self.spec.draft_min, k_max), k_max, part.name, batch)
+    def _part_len(self, seq: Sequence, part: Drafter, k_max: int, batch: int) -> tuple[int, float, int]:
+        """(tokens, stopping path probability, tokens expected) for one part of the sequence's drafter: 0 where
+        no draft of it is expected to beat plain decoding on top of the step's rows so far, except a one-token
+        probe now and then. A part that stops by itself gets k_max tokens but is expected to draft the best k."""
+        acc = seq.acceptance_of(part.name, self.cost.acceptance(part.name))
+        k = choose_draft_len(self.cost, acc, min(self.spec.draft_min, k_max), k_max, part.name, batch,
+                             self.rows or batch)
         probe = k == 0
         if probe:  # drafting is not expected to pay: skip it, but now and then draft one token to re-measure
             acc.relax()
             if not self.cost.probe_due(part.name):
-                return 0, 0.0
+                return 0, 0.0, 0
             if batch > 1 and part.pending_setup(seq) > len(seq.output_ids):
-                return 0, 0.0  # in a batch a probe never pays a catch-up on a new prompt: the batch would wait
+                return 0, 0.0, 0  # in a batch a probe never pays a catch-up on a new prompt: the batch would wait
             k = min(k_max, max(1, self.spec.draft_min))
         if not self._setup_pays(seq, part, k_max, batch):
             seq.drafter.decline_setup(seq)  # a chain leaves the part out for the rest of the sequence
-            return 0, 0.0
+            return 0, 0.0, 0
         if not part.confidence_stop:
-            return k, 0.0
+            return k, 0.0, k
         # Draft one more token while its expected yield (the chance the path so far is accepted, times the
         # target forward it saves) beats what drafting it and verifying one more row cost.
         draft_s = self.cost.draft_cost(part.name)
         min_path_prob = ((draft_s + self.cost.row_cost()) / plain_cost(self.cost, batch)
                          if draft_s > 0 and self.cost.verify_s else 0.0)
-        return (k if probe else k_max), min_path_prob
+        return (k if probe else k_max), min_path_prob, k
 
     def _setup_pays(self, seq: Sequence, part: Drafter, k_max: int, batch: int = 1) -> bool:
         """Whether the part's pending catch-up on this sequence (its own prefill of a new prompt) is expected to

@@ -5,7 +5,8 @@ sequences' drafts is compute-bound, and drafting costs grow with the batch). The
 decides by throughput, never by acceptance rate alone:
 
 - Arms: a cap on each sequence's draft length per step; 0 = no speculation, None = no cap (each
-  sequence's own adaptive length).
+  sequence's own adaptive length); LIGHT = no cap, but only drafter parts that run no model draft (a chain's
+  suffix tree or n-grams without its draft model: no catch-ups, no draft forwards, so cheap to try under load).
 - Load: the batch the engine is heading for, i.e. running plus admitted-but-prefilling plus waiting
   requests (at most the slots). Keying by load instead of the current batch keeps a filling server
   from speculating through its ramp-up at high concurrency.
@@ -15,7 +16,9 @@ decides by throughput, never by acceptance rate alone:
   committed token: a slow average over every step of any arm (SETUP_EMA), so a catch-up is spread
   over the tokens after it, and the charge fades while nothing catches up (a catch-up once paid is
   sunk: an arm must not stay ruled out by it). A measurement expires after `ttl` steps of its
-  bucket, so a losing arm is re-examined now and then (the ttl doubles each time it loses again).
+  bucket (the ttl doubles each time the arm loses again), and for an arm that drafts once as many requests were
+  admitted since as the bucket holds (what drafts gain depends on the requests: a second wave of requests like the first drafts from the
+  first one's outputs): then the arm is run again for MIN_OBS steps and measured afresh.
 - Predicted goodput, for arms not (or no longer) measured in a bucket: from measured parts that
   carry across batch sizes: target forward seconds by total tokens, drafting seconds per step by
   batch size (a draft model drafts a step's sequences in one batch, so its cost grows slower than
@@ -24,7 +27,8 @@ decides by throughput, never by acceptance rate alone:
       goodput(arm, b) = b * tokens_per_seq(arm) / (draft_s(arm, b) + forward(b * (1 + drafted_per_seq(arm)))
                                                    + b * tokens_per_seq(arm) * setup_per_token)   (0 for off)
   An arm is run only when its (measured or predicted) goodput is the best, so a hopeless arm at
-  high load costs nothing to rule out.
+  high load costs nothing to rule out. Before speculation was ever measured, the uncapped arm is tried at low load
+  (up to EXPLORE_LOAD) and only LIGHT above it; LIGHT, until measured, is predicted to win (it is tried).
 """
 from __future__ import annotations
 
@@ -38,7 +42,9 @@ SETUP_EMA = 0.05  # catch-up seconds per committed token: its average spreads on
 TTL = 48          # steps of a bucket before a losing arm's measurement expires (doubles per loss)
 MAX_TTL = 1536
 MIN_OBS = 2       # observations before a measured goodput replaces the prediction
-EXPLORE_LOAD = 2  # the highest load at which speculation is tried before anything is known about it
+EXPLORE_LOAD = 2  # the highest load at which speculation with every drafter part is tried before it was measured
+LIGHT = "light"   # the arm where only model-free drafter parts draft (`Engine.step(light=True)`)
+Arm = int | str | None  # a draft cap (0: off; None: no cap) or LIGHT
 
 
 def bucket(batch: int) -> int:
@@ -90,52 +96,68 @@ class _ArmParts:
 @dataclass
 class _Measured:
     avg: _Avg = field(default_factory=_Avg)
-    at_step: int = 0  # the bucket's step count at the last observation
+    at_step: int = 0      # the bucket's step count at the last observation
+    at_admitted: int = 0  # requests admitted before the last observation
 
 
 class LoadController:
-    def __init__(self, draft_max: int, caps: tuple[int | None, ...] | None = None):
-        self.arms: tuple[int | None, ...] = caps or tuple(dict.fromkeys((0, min(4, draft_max), None)))
-        self.parts: dict[int | None, _ArmParts] = {a: _ArmParts() for a in self.arms}
+    def __init__(self, draft_max: int, arms: tuple[Arm, ...] | None = None):
+        self.arms: tuple[Arm, ...] = arms or tuple(dict.fromkeys((0, min(4, draft_max), None, LIGHT)))
+        self.parts: dict[Arm, _ArmParts] = {a: _ArmParts() for a in self.arms}
         self.forward = CostModel(ema=EMA, proportional_above=True)  # forward seconds by total tokens
-        self.measured: dict[tuple[int, int | None], _Measured] = {}
-        self.ttl: dict[tuple[int, int | None], int] = {}
+        self.measured: dict[tuple[int, Arm], _Measured] = {}
+        self.ttl: dict[tuple[int, Arm], int] = {}
         self.steps: dict[int, int] = {}      # bucket -> steps run
-        self.chosen: dict[int, int | None] = {}  # bucket -> arm of the last step (for reports)
+        self.chosen: dict[int, Arm] = {}     # bucket -> arm of the last step (for reports)
         self.setup = 0.0  # drafters' catch-up seconds per committed token, over every step (SETUP_EMA)
+        self.admitted = 0  # requests admitted so far (`admit`)
 
-    def choose(self, batch: int) -> int | None:
-        """The draft cap for the next step at load `batch`."""
+    def admit(self) -> None:
+        """A request joined the batch: once a bucket's worth have, its measurements describe other requests."""
+        self.admitted += 1
+
+    def choose(self, batch: int) -> Arm:
+        """The arm for the next step at load `batch`."""
         b = bucket(batch)
-        if self.parts[None].n == 0 and None in self.arms:
-            # Nothing known about speculation yet: try it at low load only; under load, plain decoding
-            # until a quieter moment shows what speculation does.
-            return None if batch <= EXPLORE_LOAD else 0
-        scores = {a: self.goodput(a, batch) for a in self.arms}
-        best = max(self.arms, key=lambda a: scores[a])
+        unknown = None in self.arms and self.parts[None].n == 0
+        if unknown and batch <= EXPLORE_LOAD:
+            return None  # nothing known about speculation yet: at low load, try it with every drafter part
+        # Under load, before speculation with every part was measured: plain decoding or the light arm only,
+        # until a quieter moment shows what the rest does.
+        arms = [a for a in self.arms if not unknown or a in (0, LIGHT)]
+        best = max(arms, key=lambda a: self.goodput(a, batch))
         self.chosen[b] = best
         return best
 
-    def goodput(self, arm: int | None, batch: int) -> float:
-        """Measured goodput of `arm` in this batch size's bucket while fresh, else the prediction."""
+    def goodput(self, arm: Arm, batch: int) -> float:
+        """Measured goodput of `arm` in this batch size's bucket while fresh; infinite for an arm measured there
+        that expired or has fewer than MIN_OBS observations since (it is due to be run and measured afresh, not
+        judged from averages that predate what changed); else the prediction."""
         b = bucket(batch)
-        return self._measured(arm, b) if self._fresh(arm, b) else self.predict(arm, batch)
+        if (b, arm) in self.measured:
+            return self._measured(arm, b) if self._fresh(arm, b) else float("inf")
+        return self.predict(arm, batch)
 
-    def _measured(self, arm: int | None, b: int) -> float:
+    def _measured(self, arm: Arm, b: int) -> float:
         """Committed tokens per second of `arm` in bucket `b`, its catch-up per token included."""
         avg = self.measured[(b, arm)].avg
         t = avg.seconds + avg.tokens * self._setup(arm)
         return avg.tokens / t if t > 0 else 0.0
 
-    def _setup(self, arm: int | None) -> float:
-        """Catch-up seconds per committed token that `arm` is charged (none for plain decoding)."""
-        return 0.0 if arm == 0 else self.setup
+    def _setup(self, arm: Arm) -> float:
+        """Catch-up seconds per committed token that `arm` is charged (none for plain decoding and LIGHT)."""
+        return 0.0 if arm in (0, LIGHT) else self.setup
 
-    def _fresh(self, arm: int | None, b: int) -> bool:
+    def _fresh(self, arm: Arm, b: int) -> bool:
+        """Measured MIN_OBS times, last within its ttl and (an arm that drafts) before fewer than `b` requests were
+        admitted since."""
         m = self.measured.get((b, arm))
-        return m is not None and m.avg.n >= MIN_OBS and self.steps.get(b, 0) - m.at_step <= self.ttl.get((b, arm), TTL)
+        return (m is not None and m.avg.n >= MIN_OBS and (arm == 0 or self.admitted - m.at_admitted < b)
+                and self.steps.get(b, 0) - m.at_step <= self.ttl.get((b, arm), TTL))
 
-    def predict(self, arm: int | None, batch: int) -> float:
+    def predict(self, arm: Arm, batch: int) -> float:
+        if arm == LIGHT and not self.parts[arm].n:
+            return float("inf")  # cheap to measure: tried before anything is predicted for it
         p = self.parts[arm] if self.parts[arm].n else self._scaled(arm)
         t = (p.draft_cost(batch) + self.forward.verify_cost(batch * (1 + p.drafted))
              + batch * p.tokens * self._setup(arm))
@@ -150,7 +172,7 @@ class LoadController:
         by_batch = CostModel({b: s * f for b, s in full.by_batch.verify_s.items()}, ema=EMA, proportional_above=True)
         return _ArmParts(1 + (full.tokens - 1) * f, full.drafted * f, full.draft_s * f, 0, by_batch)
 
-    def observe(self, arm: int | None, info: StepInfo, load: int | None = None) -> None:
+    def observe(self, arm: Arm, info: StepInfo, load: int | None = None) -> None:
         """A step ran with `arm` at `load` (default: its batch). A step that stepped no sequence (every
         drafter raised) measures nothing."""
         if info.batch == 0:
@@ -162,10 +184,12 @@ class LoadController:
         self.setup += SETUP_EMA * (info.setup_s / max(1, info.committed) - self.setup)
         self.parts[arm].add(info)
         m = self.measured.setdefault((b, arm), _Measured())
+        if m.avg.n >= MIN_OBS and not self._fresh(arm, b):
+            m.avg = _Avg()  # re-examined after expiring: measured afresh
         m.avg.add(info.committed, info.seconds)
-        m.at_step = step
+        m.at_step, m.at_admitted = step, self.admitted
         # A re-examined arm that still loses is left alone twice as long next time.
-        others = [self.goodput(a, load) for a in self.arms if a != arm]
+        others = [g for g in (self.goodput(a, load) for a in self.arms if a != arm) if g != float("inf")]
         key = (b, arm)
         if m.avg.n >= MIN_OBS and others and self._measured(arm, b) < max(others):
             self.ttl[key] = min(MAX_TTL, 2 * self.ttl.get(key, TTL // 2))
@@ -175,9 +199,14 @@ class LoadController:
     def report(self) -> dict:
         """Per bucket: the last chosen arm and each arm's current goodput (measured or predicted)."""
         return {str(b): {"chosen": _arm_name(self.chosen.get(b)),
-                         "goodput": {_arm_name(a): round(self.goodput(a, b), 2) for a in self.arms}}
+                         "goodput": {_arm_name(a): _rounded(self.goodput(a, b)) for a in self.arms}}
                 for b in sorted(self.steps)}
 
 
-def _arm_name(arm: int | None) -> str:
-    return "off" if arm == 0 else "adaptive" if arm is None else f"cap{arm}"
+def _rounded(goodput: float) -> float | None:
+    """Goodput for reports: None for an arm due to be run and measured (infinite goodput)."""
+    return round(goodput, 2) if goodput != float("inf") else None
+
+
+def _arm_name(arm: Arm) -> str:
+    return "off" if arm == 0 else "adaptive" if arm is None else arm if arm == LIGHT else f"cap{arm}"

@@ -11,7 +11,7 @@ from typing import Callable, Hashable
 
 from specdec.drafters.base import Drafter
 from specdec.engine.engine import Engine
-from specdec.engine.load_control import LoadController
+from specdec.engine.load_control import LIGHT, LoadController
 from specdec.sequence import Sequence, StreamCallback
 from specdec.errors import SpecdecError
 from specdec.runtime.cpu import release_free_memory, release_openmp_workers
@@ -203,10 +203,10 @@ class Scheduler:
         seqs = [r.seq for r in self.running]
         can_draft = any(s.drafter is not None for s in seqs)
         load = min(self.num_slots, len(seqs) + len(self.prefilling) + len(self.waiting))
-        cap = self.controller.choose(load) if self.controller and can_draft else None
+        arm = self.controller.choose(load) if self.controller and can_draft else None
         t = time.perf_counter()
         try:
-            info = self.engine.step(seqs, cap)
+            info = self.engine.step(seqs, None if arm == LIGHT else arm, light=arm == LIGHT)
         except Exception as e:  # noqa: BLE001
             for r in list(self.running):
                 self.running.remove(r)
@@ -218,7 +218,8 @@ class Scheduler:
         self.spec_steps += can_draft and info.cap != 0
         self.tokens_out += info.committed
         if self.controller and can_draft:
-            self.controller.observe(info.cap, info, load)  # a plain step that measured plain decoding counts as off
+            self.controller.observe(0 if info.cap == 0 else arm, info, load)  # a plain step that measured plain
+            # decoding counts as off
         self._close_finished()
 
     def _admit(self) -> None:
@@ -236,6 +237,8 @@ class Scheduler:
                     self._close(req, error=f"{type(e).__name__}: {e}")
                     continue
                 self.prefilling.append(req)
+                if self.controller:
+                    self.controller.admit()
 
     def _reap_cancelled(self) -> None:
         with self._cv:
