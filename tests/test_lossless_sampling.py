@@ -237,3 +237,16 @@ def test_seeded_output_is_the_same_for_every_drafter(tokenizer):
     want = exact_joint(params)
     p_value, tv = fit(list(plain.values()), want)
     assert p_value > 1e-3 and tv < tv_bound(want, len(plain)), (p_value, tv)
+
+
+def test_light_steps_keep_sampling_lossless(tokenizer):
+    """The load controller's light arm (every other step here) narrows which chain members draft, before anything is
+    drawn: the output is still distributed as plain sampling."""
+    engine = _engine(tokenizer)
+    step, n = engine.step, itertools.count()
+    engine.step = lambda seqs, cap=None: step(seqs, cap, light=next(n) % 2 == 0)
+    samples = list(run_engine(engine, _drafter("ngram-mod,draft", target=engine.target), T1, RUNS_MATRIX).values())
+    assert {"ngram-mod", "draft"} <= set(engine.cost.draft_s)  # both drafted
+    want = exact_joint(T1)
+    p_value, tv = fit(samples, want)
+    assert p_value > 1e-3 and tv < tv_bound(want, RUNS_MATRIX), (p_value, tv)

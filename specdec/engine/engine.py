@@ -179,10 +179,10 @@ class Engine:
         return True
 
     def step(self, seqs: list[Sequence], draft_cap: int | None = None, light: bool = False) -> StepInfo:
-        """One speculative step for every (prefilled, unfinished) sequence: draft up to `draft_cap`
-        tokens each (`light`: only the parts of its drafter that run no model), run one target forward over each
-        sequence's last token plus its draft (ragged
-        chains batched; trees one forward each), then verify, roll back and commit each on its own.
+        """One speculative step for every (prefilled, unfinished) sequence: draft up to `draft_cap` tokens each
+        (`light`: only the parts of its drafter that run no model), run one target forward over each sequence's
+        last token plus its draft (ragged chains batched; trees one forward each), then verify, roll back and
+        commit each on its own.
         A failure in one sequence ends that sequence ("error"), not the batch. With adaptive lengths, a step runs
         plain where plain decoding at this batch is due a measurement (engine/adaptive.py)."""
         t0 = self.clock()
@@ -252,8 +252,8 @@ class Engine:
     def _budgets(self, seq: Sequence, cap: int | None, batch: int = 1) -> Budgets:
         """Per part of the sequence's drafter (`Drafter.parts`: a chain's members, judged apart), the tokens to ask
         it for and the path probability below which it should stop by itself, in a step over `batch` sequences;
-        parts not expected to pay are left out, and in a light step those that run a model. Only drafts that can still matter: room in the context and in
-        max_tokens, less the bonus token."""
+        parts not expected to pay are left out, and in a light step those that run a model. Only drafts that can
+        still matter: room in the context and in max_tokens, less the bonus token."""
         room = min(self.target.context - len(seq.tokens), seq.params.max_tokens - len(seq.output_ids)) - 1
         k_max = min(self.spec.draft_max if seq.draft_max is None else seq.draft_max, room)
         if cap is not None:

@@ -17,8 +17,8 @@ decides by throughput, never by acceptance rate alone:
   over the tokens after it, and the charge fades while nothing catches up (a catch-up once paid is
   sunk: an arm must not stay ruled out by it). A measurement expires after `ttl` steps of its
   bucket (the ttl doubles each time the arm loses again), and for an arm that drafts once as many requests were
-  admitted since as the bucket holds (what drafts gain depends on the requests: a second wave of requests like the first drafts from the
-  first one's outputs): then the arm is run again for MIN_OBS steps and measured afresh.
+  admitted since as the bucket holds (what drafts gain depends on the requests: a second wave of requests like the
+  first drafts from the first one's outputs): then the arm is run again for MIN_OBS steps and measured afresh.
 - Predicted goodput, for arms not (or no longer) measured in a bucket: from measured parts that
   carry across batch sizes: target forward seconds by total tokens, drafting seconds per step by
   batch size (a draft model drafts a step's sequences in one batch, so its cost grows slower than
