@@ -391,6 +391,30 @@ def test_gguf_runtime_weights_are_the_tensor_sizes_with_x16(tmp_path, tied):
                for n in here.notes)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_gguf_layers_on_the_gpu_are_planned_dense(tmp_path, tied):
+    """-ngl with the gguf runtime dequantizes what it places on the GPU to the compute dtype (`densify`: the kernels
+    run on the CPU only), so the plan's GPU bytes for a layer, the embeddings and the head are what densify makes,
+    not the file's blocks (it counted the blocks: a Q4_K layer 7x too small in fp32)."""
+    from specdec.models.gguf_convert import config_from_gguf, open_gguf
+    from specdec.models.gguf_quantized import densify, quantize_from_gguf
+    from specdec.models.transformer import Transformer
+
+    path = write_mixed_gguf(tmp_path / "mixed.gguf", tied)
+    reader = open_gguf(path)
+    with torch.device("meta"):
+        model = Transformer(config_from_gguf(reader, path))
+    quantize_from_gguf(model, path, torch.float32, reader)
+    t = plan(model=str(path), context=64).target
+    dense = [held_bytes(densify(layer, torch.float32)) for layer in model.model.layers]
+    assert t.dense_gpu.layers == dense and dense[0] > 3 * t.layer_weights[0]
+    assert t.dense_gpu.embed == held_bytes(densify(model.model.embed_tokens, torch.float32))
+    head = held_bytes(densify(model.lm_head, torch.float32)) + held_bytes(model.model.norm)
+    assert t.dense_gpu.head == head
+    on_gpu = place_layers(len(dense), ALL_LAYERS)
+    assert t.gpu_bytes(on_gpu) == sum(dense) + len(dense) * t.kv_layer + t.dense_gpu.embed + head + t.compute
+
+
 def test_real_pack_gguf_runtime_weights(tmp_path):
     """The same on a real pack's GGUF (the default draft, all four kernel types), when it is cached."""
     from specdec.models import packs

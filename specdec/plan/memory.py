@@ -62,6 +62,15 @@ class Format:
 
 
 @dataclass
+class DenseOnGpu:
+    """The gguf runtime's parts as `-ngl` puts them on a GPU: dequantized to the compute dtype (`densify`; the GGUF
+    kernels run on the CPU only), so a layer there takes its parameter count times the dtype's bytes."""
+    layers: list[int]  # per decoder layer
+    embed: int
+    head: int          # final norm + LM head (tied: its own dense copy of the embeddings)
+
+
+@dataclass
 class ModelMemory:
     spec: ModelSpec
     fmt: Format
@@ -80,6 +89,7 @@ class ModelMemory:
     compute: int
     compute_note: str
     head_rows: int = 0            # LM-head rows a decode step reads (a draft's `--draft-vocab`); 0 = all
+    dense_gpu: DenseOnGpu | None = None  # gguf runtime: what goes to the GPU instead of the blocks
 
     @property
     def weights(self) -> int:
@@ -102,9 +112,10 @@ class ModelMemory:
         """Bytes this model puts on the GPU under placement `p` (no process overhead)."""
         if not p.on_gpu:
             return 0
-        b = sum(w + self.kv_layer for w, d in zip(self.layer_weights, p.layers) if d == "gpu")
-        b += self.embed if p.embed == "gpu" else 0
-        b += self.head + self.head_gpu_extra if p.head == "gpu" else 0
+        g = self.dense_gpu
+        b = sum(w + self.kv_layer for w, d in zip(g.layers if g else self.layer_weights, p.layers) if d == "gpu")
+        b += (g.embed if g else self.embed) if p.embed == "gpu" else 0
+        b += (g.head if g else self.head + self.head_gpu_extra) if p.head == "gpu" else 0
         return b + self.compute
 
     def cpu_bytes(self, p: Placement) -> int:
@@ -116,14 +127,16 @@ class ModelMemory:
         """(GPU, CPU) bytes one decode step reads at `position`: every layer's weights and its KV so far,
         and the LM head; of the token embeddings only one row (not counted)."""
         per_layer_kv = self.kv_layer // max(self.kv_rows * self.slots, 1) * position
+        g = self.dense_gpu
         gpu = cpu = 0
-        for w, d in zip(self.layer_reads, p.layers):
+        for i, (w, d) in enumerate(zip(self.layer_reads, p.layers)):
             if d == "gpu":
-                gpu += w + per_layer_kv
+                gpu += (g.layers[i] if g else w) + per_layer_kv
             else:
                 cpu += w + per_layer_kv
         if p.head == "gpu":
-            gpu += self.head_read
+            vocab = self.spec.dims.vocab
+            gpu += self.head_read if g is None else g.head * (self.head_rows or vocab) // vocab
         else:
             cpu += self.head_read
         return gpu, cpu
@@ -304,7 +317,24 @@ def model_memory(spec: ModelSpec, fmt: Format, context: int, slots: int, draft_m
     kv_layer = kv_layer_bytes(spec, fmt.kv, rows, slots)
     compute, note = _compute(spec, fmt, context, slots, draft_max)
     return ModelMemory(spec, fmt, context, slots, sizes, layers, reads, embed, head, head_read, head_gpu_extra,
-                       other, rows, kv_layer, compute, note, head_rows)
+                       other, rows, kv_layer, compute, note, head_rows,
+                       _dense_on_gpu(spec, RUNTIME_DTYPES[fmt.weights]) if fmt.quant == "gguf" else None)
+
+
+def _dense_on_gpu(spec: ModelSpec, dtype_bytes: int) -> DenseOnGpu:
+    """Every tensor at `dtype_bytes` per parameter, by where `-ngl` places it (a tied head: a copy of the embeddings)."""
+    d = spec.dims
+    out = DenseOnGpu([0] * d.num_layers, 0, 0)
+    for t in spec.tensors:
+        b = t.n_elements * dtype_bytes
+        if t.role == "layer" and t.layer is not None and t.layer < d.num_layers:
+            out.layers[t.layer] += b
+        elif t.role == "embed":
+            out.embed += b
+            out.head += b if d.tied else 0
+        elif t.role in ("output", "norm"):
+            out.head += b
+    return out
 
 
 def _compute(spec: ModelSpec, fmt: Format, context: int, slots: int, draft_max: int) -> tuple[int, str]:

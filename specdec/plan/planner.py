@@ -468,9 +468,9 @@ def _notes(plan: Plan) -> list[str]:
     if runtime and drafting:
         notes.append("specdec picks each step's draft length itself (--spec-adaptive on, up to --draft-max) "
                      "from measured costs; the k above is for fixed-length engines (llama.cpp, vLLM)")
-    if runtime and plan.hw.gpu is not None:
-        notes.append("specdec's runtime accepts -ngl/-ngld but does not offload to a GPU yet; "
-                     "the placement shown is what the flags would do")
+    if runtime and plan.hw.gpu is not None and "gguf" in (plan.target.fmt.quant, plan.draft and plan.draft.fmt.quant):
+        notes.append("specdec's runtime puts -ngl/-ngld layers on the CUDA device dequantized to the compute dtype "
+                     "(the GGUF kernels run on the CPU), so a GGUF model takes its dense size there")
     return notes
 
 
