@@ -38,8 +38,10 @@ def add_serve_args(p: argparse.ArgumentParser, positive_int) -> None:
                    help="let requests ask for relaxed acceptance (speculative.accept_threshold), which changes the "
                    "output; their responses say \"lossless\": false (default: refused with 400)")
     g.add_argument("--spec-load-control", choices=["on", "off"], default="on",
-                   help="on: measure goodput with and without speculation at each batch size and use the better "
-                   "(turns speculation down or off under load); off: speculate at any load (default on)")
+                   help="on: measure goodput with and without speculation at each batch size and use the best of "
+                   "off, a cap of 4, adaptive lengths and light (only model-free drafters, e.g. a chain's suffix tree "
+                   "without its draft model) (turns speculation down or off under load); off: speculate at any load "
+                   "(default on)")
 
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
