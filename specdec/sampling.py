@@ -62,8 +62,8 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         x = x.masked_fill(x < kth, float("-inf"))
     if p.top_p < 1.0:
         sorted_x, idx = torch.sort(x, dim=-1, descending=True)
-        cum = sorted_x.softmax(-1).cumsum(-1)
-        drop_sorted = cum - sorted_x.softmax(-1) >= p.top_p  # keep the smallest prefix reaching top_p
+        probs = sorted_x.softmax(-1)
+        drop_sorted = probs.cumsum(-1) - probs >= p.top_p  # keep the smallest prefix reaching top_p
         drop_sorted[..., 0] = False  # the likeliest token stays, also where top_p rounds to 0 in float32 (5e-324)
         x = x.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted), float("-inf"))
     if p.min_p > 0:

@@ -51,7 +51,6 @@ class StepInfo:
     seconds: float        # the whole step, setup excluded
     setup_s: float = 0.0  # drafters catching up on new prompts (one-off per sequence)
     cap: int | None = None  # the draft cap it ran with: 0 also where it ran plain to measure plain decoding
-    light: bool = False     # only model-free drafter parts were asked (`Drafter.model_free`)
 
 
 @dataclass
@@ -210,8 +209,7 @@ class Engine:
         setup_s = sum(p.draft.setup_s for p in props)
         return StepInfo(batch=len(seqs), committed=sum(len(s.tokens) for s in seqs) - before, drafted=drafted,
                         forward_tokens=drafted + len(seqs), forward_s=forward_s, draft_s=t1 - t0 - setup_s,
-                        seconds=self.clock() - t0 - setup_s, setup_s=setup_s, cap=draft_cap,
-                        light=light and draft_cap != 0)
+                        seconds=self.clock() - t0 - setup_s, setup_s=setup_s, cap=draft_cap)
 
     def finish(self, seq: Sequence, reason: str | None = None) -> None:
         """Close a sequence (finished, or cancelled with `reason`): flush its stream, free drafter state."""

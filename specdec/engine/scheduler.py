@@ -218,8 +218,8 @@ class Scheduler:
         self.spec_steps += can_draft and info.cap != 0
         self.tokens_out += info.committed
         if self.controller and can_draft:
-            self.controller.observe(0 if info.cap == 0 else arm, info, load)  # a plain step that measured plain
-            # decoding counts as off
+            # a plain step the engine ran to measure plain decoding counts as off
+            self.controller.observe(0 if info.cap == 0 else arm, info, load)
         self._close_finished()
 
     def _admit(self) -> None:

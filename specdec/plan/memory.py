@@ -12,6 +12,7 @@ comes from.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from specdec.errors import SpecdecError
 from specdec.plan.formats import RUNTIME_DTYPES, type_bytes
@@ -285,20 +286,8 @@ def model_memory(spec: ModelSpec, fmt: Format, context: int, slots: int, draft_m
     d = spec.dims
     both = _sizes(spec, fmt)
     sizes = {k: v[0] for k, v in both.items()}
-    layers, reads = [0] * d.num_layers, [0] * d.num_layers
-    embed = head = head_read = other = 0
-    for t in spec.tensors:
-        b, r = both[t.name]
-        if t.role == "layer" and t.layer is not None and t.layer < d.num_layers:
-            layers[t.layer] += b
-            reads[t.layer] += r
-        elif t.role == "embed":
-            embed += b
-        elif t.role in ("output", "norm"):
-            head += b
-            head_read += r
-        else:
-            other += b
+    layers, embed, head, other = _by_part(spec, lambda t: sizes[t.name])
+    reads, _, head_read, _ = _by_part(spec, lambda t: both[t.name][1])
     emb = next((t for t in spec.tensors if t.role == "embed"), None)
     head_gpu_extra = 0
     if d.tied and emb is not None:
@@ -321,20 +310,27 @@ def model_memory(spec: ModelSpec, fmt: Format, context: int, slots: int, draft_m
                        _dense_on_gpu(spec, RUNTIME_DTYPES[fmt.weights]) if fmt.quant == "gguf" else None)
 
 
+def _by_part(spec: ModelSpec, size: Callable[[TensorSpec], int]) -> tuple[list[int], int, int, int]:
+    """`size` of the tensors summed by where they are placed: (per decoder layer, token embeddings, final norm + LM
+    head, the rest)."""
+    layers, embed, head, other = [0] * spec.dims.num_layers, 0, 0, 0
+    for t in spec.tensors:
+        b = size(t)
+        if t.role == "layer" and t.layer is not None and t.layer < spec.dims.num_layers:
+            layers[t.layer] += b
+        elif t.role == "embed":
+            embed += b
+        elif t.role in ("output", "norm"):
+            head += b
+        else:
+            other += b
+    return layers, embed, head, other
+
+
 def _dense_on_gpu(spec: ModelSpec, dtype_bytes: int) -> DenseOnGpu:
     """Every tensor at `dtype_bytes` per parameter, by where `-ngl` places it (a tied head: a copy of the embeddings)."""
-    d = spec.dims
-    out = DenseOnGpu([0] * d.num_layers, 0, 0)
-    for t in spec.tensors:
-        b = t.n_elements * dtype_bytes
-        if t.role == "layer" and t.layer is not None and t.layer < d.num_layers:
-            out.layers[t.layer] += b
-        elif t.role == "embed":
-            out.embed += b
-            out.head += b if d.tied else 0
-        elif t.role in ("output", "norm"):
-            out.head += b
-    return out
+    layers, embed, head, _ = _by_part(spec, lambda t: t.n_elements * dtype_bytes)
+    return DenseOnGpu(layers, embed, head + (embed if spec.dims.tied else 0))
 
 
 def _compute(spec: ModelSpec, fmt: Format, context: int, slots: int, draft_max: int) -> tuple[int, str]:

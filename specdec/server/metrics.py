@@ -66,7 +66,8 @@ class Metrics:
             lines += _prefix_cache_lines(store.cache)
         if sch.controller:
             lines += ["# HELP specdec_goodput_tokens_per_second Load controller: goodput per batch bucket and arm "
-                      "(measured or predicted; an arm due to be run and measured is left out).", "# TYPE specdec_goodput_tokens_per_second gauge"]
+                      "(measured or predicted; an arm due to be run and measured is left out).",
+                      "# TYPE specdec_goodput_tokens_per_second gauge"]
             for b, r in sch.controller.report().items():
                 lines += [f'specdec_goodput_tokens_per_second{{batch="{b}",arm="{a}",chosen="{int(a == r["chosen"])}"}} {v}'
                           for a, v in r["goodput"].items() if v is not None]

@@ -983,6 +983,61 @@ int gq_best_path(void) {
 
 static void act_free(act_t *A) { free(A->q); free(A->d); free(A->s); free(A->p); }
 
+/* One task of gq_matmul_parts: outputs [oa, oe) of one matrix (W, `rb` bytes per output; results at yp, rows
+ * ystride apart) for rows [g0, g1) of the call's `rows`, the inputs in chunks of 2048 (see there). */
+static void gq_task(int type, const uint8_t *W, int64_t rb, const act_t *A, int64_t in, int64_t oa, int64_t oe,
+                    int64_t g0, int64_t g1, int64_t rows, float *yp, int64_t ystride, float *off, int path) {
+    const int64_t nbk = in / block_elems(type);
+    const int64_t kc = 2048 / block_elems(type); /* the same for every row count (see gq_matmul_parts) */
+    /* the file's layout has AVX-512 kernels with VNNI only, and none for Q4_1: the AVX2 row kernel serves the rest */
+    const int p512 = path == PATH_AVX512 && (type & ~GQ_X16) != GQ_Q4_1;
+    const int tiled = p512 && rows >= TILE_MIN_ROWS;
+    for (int64_t b0 = 0; b0 < nbk; b0 += kc) {
+        const int64_t b1 = b0 + kc < nbk ? b0 + kc : nbk;
+#ifdef GQ_X86
+        if (type & GQ_X16) {
+            for (int64_t o = oa; o < oe; o += 16)
+                for (int64_t r0 = g0; r0 < g1; r0 += RT) {
+                    const int nr = (int)(g1 - r0 < RT ? g1 - r0 : RT);
+                    (path == PATH_AVX512 ? kx16_vnni_matmul : path == PATH_AVX512BW ? kx16_bw_matmul
+                                                                                    : kx16_avx2_matmul)(
+                        type, W + o * rb, A, r0, nr, yp + r0 * ystride + o, ystride, b0, b1, b0 > 0);
+                }
+            continue;
+        }
+        if (tiled) {
+            for (int64_t o = oa; o < oe; o += 16) {
+                const int nt = (int)(oe - o < 16 ? oe - o : 16);
+                for (int64_t r0 = g0; r0 < g1; r0 += RT) {
+                    const int nr = (int)(g1 - r0 < RT ? g1 - r0 : RT);
+                    ktile16_avx512(type, W + o * rb, rb, nt, A, r0, nr, yp + r0 * ystride + o, ystride,
+                                   b0, b1, b0 > 0);
+                }
+            }
+            continue;
+        }
+#endif
+        for (int64_t o = oa; o < oe; o++) {
+            const uint8_t *wr = W + o * rb;
+            for (int64_t r0 = g0; r0 < g1; r0 += RT) {
+                const int nr = (int)(g1 - r0 < RT ? g1 - r0 : RT);
+                float *yo = yp + r0 * ystride + o;
+#ifdef GQ_X86
+                if (p512) {
+                    tile1_avx512(type, wr, rb, A, r0, nr, yo, ystride, off, b0, b1, b0 > 0);
+                    continue;
+                }
+                if (path >= PATH_AVX2) {
+                    row_avx2(type, wr, A, r0, nr, yo, ystride, off, b0, b1, b0 > 0);
+                    continue;
+                }
+#endif
+                row_scalar(type, wr, A, r0, nr, yo, ystride, b0, b1, b0 > 0);
+            }
+        }
+    }
+}
+
 /* y[rows][sum outs] (float32) = x[rows][in] (float32) @ [W_0; W_1; ...]^T: up to MAXPARTS weight matrices that
  * share the input (a fused q/k/v or gate/up), their outputs side by side, in one call: the activations are
  * quantized once per kind of block and the threads split all parts' outputs between them. path: 0 auto,
@@ -1069,61 +1124,9 @@ int gq_matmul_parts(int nparts, const int *types, const uint8_t *const *Ws, cons
                 if (!off) continue;
                 int p = 0;
                 while (task >= task0[p + 1]) p++;
-                const int type = types[p];
-                const act_t *A = &acts[act_of[p]];
-                const uint8_t *W = Ws[p];
-                const int64_t rb = rowbytes[p], out = outs[p], nbk = in / block_elems(type);
-                const int64_t kc = 2048 / block_elems(type); /* the same for every row count (see above) */
-                const int64_t oa = (task - task0[p]) * OC, oe = oa + OC < out ? oa + OC : out;
-                float *yp = y + col[p];
-                /* the file's layout has AVX-512 kernels with VNNI only, and none for Q4_1: the AVX2 row kernel serves
-                 * the rest */
-                const int p512 = path == PATH_AVX512 && (type & ~GQ_X16) != GQ_Q4_1;
-                const int tiled = p512 && rows >= TILE_MIN_ROWS;
-                for (int64_t b0 = 0; b0 < nbk; b0 += kc) {
-                    const int64_t b1 = b0 + kc < nbk ? b0 + kc : nbk;
-#ifdef GQ_X86
-                    if (type & GQ_X16) {
-                        for (int64_t o = oa; o < oe; o += 16)
-                            for (int64_t r0 = g0; r0 < g1; r0 += RT) {
-                                const int nr = (int)(g1 - r0 < RT ? g1 - r0 : RT);
-                                (path == PATH_AVX512 ? kx16_vnni_matmul : path == PATH_AVX512BW ? kx16_bw_matmul
-                                                                                                : kx16_avx2_matmul)(
-                                    type, W + o * rb, A, r0, nr, yp + r0 * ystride + o, ystride, b0, b1, b0 > 0);
-                            }
-                        continue;
-                    }
-                    if (tiled) {
-                        for (int64_t o = oa; o < oe; o += 16) {
-                            const int nt = (int)(oe - o < 16 ? oe - o : 16);
-                            for (int64_t r0 = g0; r0 < g1; r0 += RT) {
-                                const int nr = (int)(g1 - r0 < RT ? g1 - r0 : RT);
-                                ktile16_avx512(type, W + o * rb, rb, nt, A, r0, nr, yp + r0 * ystride + o, ystride,
-                                               b0, b1, b0 > 0);
-                            }
-                        }
-                        continue;
-                    }
-#endif
-                    for (int64_t o = oa; o < oe; o++) {
-                        const uint8_t *wr = W + o * rb;
-                        for (int64_t r0 = g0; r0 < g1; r0 += RT) {
-                            const int nr = (int)(g1 - r0 < RT ? g1 - r0 : RT);
-                            float *yo = yp + r0 * ystride + o;
-#ifdef GQ_X86
-                            if (p512) {
-                                tile1_avx512(type, wr, rb, A, r0, nr, yo, ystride, off, b0, b1, b0 > 0);
-                                continue;
-                            }
-                            if (path >= PATH_AVX2) {
-                                row_avx2(type, wr, A, r0, nr, yo, ystride, off, b0, b1, b0 > 0);
-                                continue;
-                            }
-#endif
-                            row_scalar(type, wr, A, r0, nr, yo, ystride, b0, b1, b0 > 0);
-                        }
-                    }
-                }
+                const int64_t oa = (task - task0[p]) * OC, oe = oa + OC < outs[p] ? oa + OC : outs[p];
+                gq_task(types[p], Ws[p], rowbytes[p], &acts[act_of[p]], in, oa, oe, g0, g1, rows, y + col[p],
+                        ystride, off, path);
             }
         }
         free(off);
