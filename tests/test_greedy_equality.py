@@ -1,4 +1,6 @@
 """Greedy speculative output is token-identical to plain decoding, for every spec type (fp32)."""
+import itertools
+
 import pytest
 
 import specdec
@@ -171,3 +173,19 @@ def test_tiny_gain_chains_equal_plain(tiny_dir, draft_seed):
     assert used > 0
     chain = llm.drafter_for("ngram-simple,draft")
     assert chain.mode == "gain" and not chain.declined  # released after each request
+
+
+@pytest.mark.real
+def test_smollm_light_steps_equal_plain(smollm_dir):
+    """Light steps (the load controller's arm: only a chain's model-free members draft) every other step, with
+    adaptive lengths (drafts priced on top of the step's rows, acceptance started from the drafters' history):
+    token-identical to plain decoding on a real model (fp32)."""
+    llm = specdec.LLM(str(smollm_dir), draft=str(smollm_dir), spec_type="none", dtype="fp32", context=256,
+                      draft_max=8, progress=False)
+    step, n = llm.engine.step, itertools.count()
+    for prompt in REAL_PROMPTS:
+        base = llm.generate(prompt, max_tokens=48, chat=True, spec_type="none")
+        llm.engine.step = lambda seqs, cap=None: step(seqs, cap, light=next(n) % 2 == 0)
+        r = llm.generate(prompt, max_tokens=48, chat=True, spec_type=DEFAULT_WITH_DRAFT_MODEL)
+        llm.engine.step = step
+        assert r.token_ids == base.token_ids, prompt
