@@ -282,3 +282,19 @@ def test_a_drafting_arm_is_measured_afresh_once_the_batch_turned_over():
         assert c.choose(8) == (0 if light[1] > 0.1 else LIGHT)
         for _ in range(8):
             c.admit()
+
+
+def test_the_light_arm_is_re_run_every_ttl_steps_however_often_it_lost():
+    """Plain decoding's average is refreshed by every plain step, the light arm's only by its two-step re-runs: a
+    light arm that loses narrowly (noise) is tried again every TTL steps of its bucket, its ttl never doubled
+    (a losing arm with every part waits twice as long each time)."""
+    from specdec.engine.load_control import LIGHT, TTL
+
+    c = LoadController(draft_max=8)
+    c.observe(0, _step(8, 8, 0, 0.0, 0.05))
+    light_steps = 0
+    for _ in range(4 * TTL):
+        arm = c.choose(8)
+        light_steps += arm == LIGHT
+        c.observe(arm, _step(8, 8, 4, 0.001, 0.052) if arm == LIGHT else _step(8, 8, 0, 0.0, 0.05))
+    assert light_steps >= 8 and c.choose(8) == 0

@@ -16,9 +16,10 @@ decides by throughput, never by acceptance rate alone:
   committed token: a slow average over every step of any arm (SETUP_EMA), so a catch-up is spread
   over the tokens after it, and the charge fades while nothing catches up (a catch-up once paid is
   sunk: an arm must not stay ruled out by it). A measurement expires after `ttl` steps of its
-  bucket (the ttl doubles each time the arm loses again), and for an arm that drafts once as many requests were
-  admitted since as the bucket holds (what drafts gain depends on the requests: a second wave of requests like the
-  first drafts from the first one's outputs): then the arm is run again for MIN_OBS steps and measured afresh.
+  bucket (the ttl doubles each time the arm loses again, except LIGHT's: cheap to re-run), and for an
+  arm that drafts once as many requests were admitted since as the bucket holds (what drafts gain
+  depends on the requests: a second wave of requests like the first drafts from the first one's
+  outputs): then the arm is run again for MIN_OBS steps and measured afresh.
 - Predicted goodput, for arms not (or no longer) measured in a bucket: from measured parts that
   carry across batch sizes: target forward seconds by total tokens, drafting seconds per step by
   batch size (a draft model drafts a step's sequences in one batch, so its cost grows slower than
@@ -188,10 +189,11 @@ class LoadController:
             m.avg = _Avg()  # re-examined after expiring: measured afresh
         m.avg.add(info.committed, info.seconds)
         m.at_step, m.at_admitted = step, self.admitted
-        # A re-examined arm that still loses is left alone twice as long next time.
+        # A re-examined arm that still loses is left alone twice as long next time; LIGHT, cheap to try, is re-run
+        # every TTL steps (two steps' averages decide it, and it loses to plain decoding's ever-fresh ones by noise).
         others = [g for g in (self.goodput(a, load) for a in self.arms if a != arm) if g != float("inf")]
         key = (b, arm)
-        if m.avg.n >= MIN_OBS and others and self._measured(arm, b) < max(others):
+        if m.avg.n >= MIN_OBS and others and self._measured(arm, b) < max(others) and arm != LIGHT:
             self.ttl[key] = min(MAX_TTL, 2 * self.ttl.get(key, TTL // 2))
         elif m.avg.n >= MIN_OBS:
             self.ttl[key] = TTL
