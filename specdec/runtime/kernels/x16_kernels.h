@@ -11,9 +11,10 @@
 /* Q4_K / Q6_K x16 (16 outputs). Each step of a superblock covers two groups: Q4_K j and j + 4 (the low and high
  * nibbles of lines 8j ..), Q6_K 4h + j and 8 + 4h + j; their quants are unpacked into registers once for all rows.
  * Per row and group: the integer dot, then bacc += dot x the group's scale (s) and acc += its offset (o) x the row's
- * activation sum over the group, group by group (both groups' float steps after both dots, as before session 31,
- * ran 1.1x slower from 17 rows on, AVX-512 VNNI, Zen 5). A row's float steps are the same, in the same order, however
- * many rows share the call, so its result does not depend on how the call was split. */
+ * activation sum over the group, group by group (both groups' dots first, then their float steps, took Q4_K
+ * 1.08-1.24x the time from 4 rows on and Q6_K up to 1.05x: AVX-512 VNNI, Zen 5, docs/benchmarks.md section 35). A
+ * row's float steps are the same, in the same order, however many rows share the call, so its result does not depend
+ * on how the call was split. */
 X16_T static inline __attribute__((always_inline)) void X16_FN(body)(int type, const uint8_t *W, const act_t *A,
                                                                     int64_t r0, int nr, float *y, int64_t ystride,
                                                                     int64_t b0, int64_t b1, int accum) {
