@@ -9,7 +9,8 @@ N functions of the engine thread by cumulative and by own time.
     python scripts/profile_serve.py [--concurrency 8] [--modes off,auto,off,auto] [--requests 16] [--profile 40]
         [--workload docs/bench/code-edit.jsonl] [--spec-type suffix-tree] [--explore-load 16]
 
-After each mode it prints the engine's cost model: target forward seconds by tokens, each drafter's (or chain
+After each mode it prints, for the load controller's steps (auto), each load bucket and arm's steps, seconds, tokens
+per second, drafted tokens and tokens per sequence-step, then the engine's cost model: target forward seconds by tokens, each drafter's (or chain
 member's) seconds per drafted token and per token of catch-up, and its acceptance per draft position.
 `--explore-load N` lets the load controller try speculation before it knows anything about it at loads up to N
 (engine/load_control.py's EXPLORE_LOAD, 2: a level whose load starts above it never drafts).
@@ -83,11 +84,22 @@ def main() -> None:
                 pr.disable()
             last["cpu"] = time.thread_time() - t
     Scheduler._loop = measured_loop
+    arms: dict = {}  # (bucket, arm) -> [steps, seconds, committed, drafted, sequence-steps] of the current mode
+    observe = load_control.LoadController.observe
+
+    def counted_observe(self, arm, info, load=None):
+        key = (load_control.bucket(load or info.batch), load_control._arm_name(arm))
+        row = arms.setdefault(key, [0, 0.0, 0, 0, 0])
+        for i, v in enumerate((1, info.seconds, info.committed, info.drafted, info.batch)):
+            row[i] += v
+        observe(self, arm, info, load)
+    load_control.LoadController.observe = counted_observe
     sb._level(llm, [sb.Conversation(convs[0].turns[:1], 8)], 1, "on", 1)  # warm-up, as bench serve
     for mode in a.modes.split(","):
         llm.reset_drafters()
         llm.engine.cost = CostModel()
         forward["s"] = 0.0
+        arms.clear()
         t, cpu = time.perf_counter(), process_cpu()
         res, report, _ = sb._level(llm, convs, a.concurrency, mode, a.requests or 2 * a.concurrency)
         wall, cpu = time.perf_counter() - t, process_cpu() - cpu
@@ -99,6 +111,9 @@ def main() -> None:
               f"{sum(r['drafted'] for r in res)}; controller {report}\n"
               f"  CPU seconds: engine thread {last['cpu']:.1f}, process {cpu:.1f} "
               f"(of {os.cpu_count() * wall:.1f} that {os.cpu_count()} CPUs give in {wall:.1f} s)", flush=True)
+        for (b, arm), (n, sec, com, dr, ss) in sorted(arms.items()):
+            print(f"  load {b} {arm}: {n} steps, {sec:.1f} s, {com / sec:.1f} tok/s, {dr} drafted, "
+                  f"{com / ss:.2f} tokens per sequence-step")
         c = llm.engine.cost
         print(f"  forward ms by tokens {({t: round(v * 1e3, 1) for t, v in sorted(c.verify_s.items())})}\n"
               f"  draft ms per token {({d: round(v * 1e3, 3) for d, v in c.draft_s.items()})}, catch-up ms per token "

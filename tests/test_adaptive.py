@@ -297,3 +297,27 @@ def test_a_new_sequence_starts_from_the_drafters_history_never_below_the_prior()
     assert seq.acceptance_of("a", good).rates == [0.99] * 8
     assert seq.acceptance_of("b", bad).rates == [PRIOR_ACCEPT] * 8
     assert seq.acceptance_of("c").rates == [] and seq.acceptance_of("a", bad).rates == [0.99] * 8  # kept once made
+
+
+def test_a_size_measured_at_a_busy_moment_does_not_cut_drafts_in_a_batch():
+    """Forwards of 16 + k rows at ~3.5 ms a row on top of 16 rows at 4.5 ms each, measured with noise, one size
+    (17) at a busy moment: read as measured, one drafted row looked to cost 25 ms and a batch of 16 drafted one
+    token a step; read off the local lines (`CostModel.smoothed`), a sure draft is drafted long
+    (section 36)."""
+    noise = [0.004, -0.003, 0.002, -0.004, 0.003, -0.002, 0.0]
+    verify = {t: 0.072 + 0.0035 * (t - 16) + noise[t % 7] for t in range(10, 60, 3) if t != 16}
+    verify |= {16: 0.072, 17: 0.097}
+    acc = AcceptanceEstimate([1.0] * 16)
+    raw = CostModel(verify_s=dict(verify), draft_s={"d": 0.0}, smooth=False)
+    smooth = CostModel(verify_s=dict(verify), draft_s={"d": 0.0})
+    assert choose_draft_len(raw, acc, 0, 1, "d", batch=16) == 0
+    assert choose_draft_len(smooth, acc, 0, 16, "d", batch=16) >= 8
+    assert smooth.verify_cost(17) < 0.085  # measured 0.097; the line through its neighbours gives 0.0755
+    assert all(smooth.verify_cost(t) <= smooth.verify_cost(t + 1) for t in range(10, 60))  # never falls
+
+
+def test_smoothing_keeps_sizes_without_close_neighbours_as_measured():
+    cost = CostModel(verify_s={1: 0.1, 16: 0.2, 512: 1.0})
+    assert [cost.verify_cost(t) for t in (1, 16, 512)] == [0.1, 0.2, 1.0]
+    cost.observe_verify(16, 0.4)  # a new measurement refits
+    assert cost.verify_cost(16) == pytest.approx(0.2 + cost.ema * 0.2)

@@ -147,7 +147,7 @@ def _engine(tokenizer: Tokenizer) -> Engine:
     engine = Engine(MarkovRunner(TARGET, BATCH), tokenizer, SpecConfig(draft_max=4, adaptive=True),
                     clock=TickClock())
     engine.cost.verify_s = {k: 1.0 + 0.05 * min(k, 6) for k in range(1, BATCH + 1)}  # every batch's plain cost known
-    engine.cost.ema = 0.0  # costs stay as first measured: deterministic adaptive lengths
+    engine.cost.ema, engine.cost.smooth = 0.0, False  # costs stay as set: deterministic adaptive lengths
     return engine
 
 

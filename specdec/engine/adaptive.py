@@ -2,7 +2,9 @@
 
 Two measured ingredients:
 - `CostModel` (per engine, i.e. per machine and model pair): seconds for a target forward over
-  t tokens, and seconds per drafted token for the drafter, both running averages.
+  t tokens, and seconds per drafted token for the drafter, both running averages; a forward's cost is read off a
+  least-squares line through the sizes measured near t (`CostModel.smoothed`), so one noisy size cannot make
+  the rows past it look dear.
 - `AcceptanceEstimate` (per sequence): for each draft position i, the probability that the
   draft token there is accepted given that every earlier one was.
 
@@ -43,6 +45,7 @@ from specdec.acceptance import EMA, AcceptanceEstimate
 
 PROBE_EVERY = 32  # undrafted steps (per drafter, over all sequences) before a one-token probe
 REMEASURE = 64    # steps over B sequences without a forward over B tokens before a plain step re-measures it
+SPAN = 1.5        # `CostModel.smoothed`: a size's cost is fitted over the measured sizes within this factor of it
 
 
 @dataclass
@@ -57,11 +60,15 @@ class CostModel:
     # Above the largest measured size, forwards grow by the measured slope per row (False: `row_cost`) or in
     # proportion to tokens (True: compute-bound, for batches much larger than any measured).
     proportional_above: bool = False
+    smooth: bool = True  # costs read off local least-squares lines through the measured sizes (`smoothed`)
+    _smooth: dict[int, float] | None = field(default=None, init=False, repr=False, compare=False)
+    _smooth_of: dict | None = field(default=None, init=False, repr=False, compare=False)
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         old = self.verify_s.get(tokens)
         self.verify_s[tokens] = seconds if old is None else old + self.ema * (seconds - old)
         self.unmeasured[tokens] = 0
+        self._smooth = None
 
     def plain_due(self, batch: int) -> bool:
         """Count a step over `batch` sequences; True when plain decoding at that batch (a forward over `batch`
@@ -114,20 +121,46 @@ class CostModel:
         smallest; above the largest, see `proportional_above` (one size measured: as that one)."""
         if not self.verify_s:
             return 1.0
-        if tokens in self.verify_s:
-            return self.verify_s[tokens]
-        lower = [t for t in self.verify_s if t < tokens]
-        upper = [t for t in self.verify_s if t > tokens]
+        costs = self.smoothed() if self.smooth else self.verify_s
+        if tokens in costs:
+            return costs[tokens]
+        lower = [t for t in costs if t < tokens]
+        upper = [t for t in costs if t > tokens]
         if lower and upper:
             lo, hi = max(lower), min(upper)
             w = (tokens - lo) / (hi - lo)
-            return self.verify_s[lo] * (1 - w) + self.verify_s[hi] * w
+            return costs[lo] * (1 - w) + costs[hi] * w
         if not lower:
-            return self.verify_s[min(upper)]
+            return costs[min(upper)]
         lo = max(lower)
         if self.proportional_above:
-            return self.verify_s[lo] * tokens / lo
-        return self.verify_s[lo] + (tokens - lo) * self.row_cost()
+            return costs[lo] * tokens / lo
+        return costs[lo] + (tokens - lo) * self.row_cost()
+
+    def smoothed(self) -> dict[int, float]:
+        """Each measured size's cost read off a least-squares line through the sizes within a factor SPAN of it
+        (where there are at least three), then never more than a larger size's (cached until the next measurement).
+        A size measured at a busy moment, or seldom, sits off its neighbours' line; interpolated as it is, the rows
+        just past it look dear and those past the next size cheap, so drafts in a batch (priced by the rows they
+        add) came out short and erratic (docs/benchmarks.md section 36)."""
+        if self._smooth is None or self._smooth_of is not self.verify_s:  # (a table set anew is refitted)
+            self._smooth_of = self.verify_s
+            pts = sorted(self.verify_s.items())
+            fit = [_line_at(t, [p for p in pts if t <= p[0] * SPAN and p[0] <= t * SPAN]) for t, _ in pts]
+            for i in range(len(fit) - 2, -1, -1):
+                fit[i] = min(fit[i], fit[i + 1])
+            self._smooth = {t: f for (t, _), f in zip(pts, fit)}
+        return self._smooth
+
+
+def _line_at(t: int, pts: list[tuple[int, float]]) -> float:
+    """The least-squares line through pts (at least three, else t's own measurement) at t."""
+    if len(pts) < 3:
+        return dict(pts)[t]
+    n = len(pts)
+    mx, my = sum(p[0] for p in pts) / n, sum(p[1] for p in pts) / n
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+    return my + slope * (t - mx)
 
 
 def _rate(cost: CostModel, acc: AcceptanceEstimate, k_min: int, k_max: int, drafter: str,
