@@ -321,3 +321,16 @@ def test_smoothing_keeps_sizes_without_close_neighbours_as_measured():
     assert [cost.verify_cost(t) for t in (1, 16, 512)] == [0.1, 0.2, 1.0]
     cost.observe_verify(16, 0.4)  # a new measurement refits
     assert cost.verify_cost(16) == pytest.approx(0.2 + cost.ema * 0.2)
+
+
+def test_a_lone_dear_size_past_a_gap_does_not_keep_drafts_out_of_it():
+    """Sizes 5-17 measured on a line (3.5 ms a row), then one 144-row forward at a cold, busy moment (834 ms): read
+    between 17 and 144 the rows cost 6 ms each and a batch of 16 drafted a token at most (section 36); in the gap the
+    line fitted at 17 goes on, so drafts are tried and the gap gets measured."""
+    verify = {t: 0.016 + 0.0035 * t for t in (5, 7, 8, 10, 12, 13, 14, 15, 16, 17)} | {144: 0.834}
+    cost = CostModel(verify_s=verify, draft_s={"d": 0.0})
+    assert cost.verify_cost(40) == pytest.approx(0.016 + 0.0035 * 40)
+    assert cost.verify_cost(144) == pytest.approx(0.834)
+    assert choose_draft_len(cost, AcceptanceEstimate([1.0] * 16), 0, 16, "d", batch=16) == 16
+    assert choose_draft_len(CostModel(verify_s=verify, draft_s={"d": 0.0}, smooth=False),
+                            AcceptanceEstimate([1.0] * 16), 0, 16, "d", batch=16) <= 1  # as measured: to 17

@@ -17,7 +17,7 @@ COSTS = {1: 0.1, 16: 0.2, 512: 1.0}
 
 
 def _runner(vocab=VOCAB):
-    return ReplayRunner(CostModel(verify_s=dict(COSTS), proportional_above=True), vocab, 256, [0])
+    return ReplayRunner(CostModel(verify_s=dict(COSTS), proportional_above=True, smooth=False), vocab, 256, [0])
 
 
 def test_replay_runner_rows_and_costs():
@@ -60,7 +60,7 @@ def test_replay_is_lossless_and_faster_where_drafts_hit(tmp_path):
 
 
 def _cost(tokens):
-    return CostModel(verify_s=dict(COSTS), proportional_above=True).verify_cost(tokens)
+    return CostModel(verify_s=dict(COSTS), proportional_above=True, smooth=False).verify_cost(tokens)
 
 
 def test_replay_catches_a_lossy_drafter(tmp_path):

@@ -200,7 +200,8 @@ def replay_file(args: argparse.Namespace) -> Path:
     recorded, target = rec["meta"], rec["target"]
     tokenizer = Tokenizer(Path(target["path"]) if Path(target["path"]).is_dir()
                           else resolve_model(recorded["models"]["target"]))
-    costs, tree_costs = (CostModel(verify_s={int(t): s for t, s in rec[key].items()}, proportional_above=True)
+    costs, tree_costs = (CostModel(verify_s={int(t): s for t, s in rec[key].items()}, proportional_above=True,
+                                   smooth=False)  # the clock charges the recorded medians
                          if rec.get(key) else None for key in ("forward_s", "tree_forward_s"))
     runner = ReplayRunner(costs, target["vocab_size"], recorded["context"], target["eos_token_ids"], tree_costs)
     engines = {n: Engine(runner, tokenizer, cfg.spec, clock=runner.clock) for n in names}  # one cost model each

@@ -63,6 +63,7 @@ class CostModel:
     smooth: bool = True  # costs read off local least-squares lines through the measured sizes (`smoothed`)
     _smooth: dict[int, float] | None = field(default=None, init=False, repr=False, compare=False)
     _smooth_of: dict | None = field(default=None, init=False, repr=False, compare=False)
+    _slopes: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         old = self.verify_s.get(tokens)
@@ -121,7 +122,7 @@ class CostModel:
         smallest; above the largest, see `proportional_above` (one size measured: as that one)."""
         if not self.verify_s:
             return 1.0
-        costs = self.smoothed() if self.smooth else self.verify_s
+        costs = self.smoothed() if self.smooth else self.verify_s  # (smoothed() also fits _slopes)
         if tokens in costs:
             return costs[tokens]
         lower = [t for t in costs if t < tokens]
@@ -129,7 +130,11 @@ class CostModel:
         if lower and upper:
             lo, hi = max(lower), min(upper)
             w = (tokens - lo) / (hi - lo)
-            return costs[lo] * (1 - w) + costs[hi] * w
+            between = costs[lo] * (1 - w) + costs[hi] * w
+            slope = self._slopes.get(lo) if self.smooth else None
+            # In a gap, no dearer than the line fitted at its lower end goes on: a lone dear size beyond the gap (a
+            # forward's first run at that size, a busy moment) would otherwise keep drafts out of it for good.
+            return between if slope is None else min(between, costs[lo] + (tokens - lo) * slope)
         if not lower:
             return costs[min(upper)]
         lo = max(lower)
@@ -146,21 +151,24 @@ class CostModel:
         if self._smooth is None or self._smooth_of is not self.verify_s:  # (a table set anew is refitted)
             self._smooth_of = self.verify_s
             pts = sorted(self.verify_s.items())
-            fit = [_line_at(t, [p for p in pts if t <= p[0] * SPAN and p[0] <= t * SPAN]) for t, _ in pts]
+            lines = [_line_at(t, [p for p in pts if t <= p[0] * SPAN and p[0] <= t * SPAN]) for t, _ in pts]
+            fit = [v for v, _ in lines]
             for i in range(len(fit) - 2, -1, -1):
                 fit[i] = min(fit[i], fit[i + 1])
             self._smooth = {t: f for (t, _), f in zip(pts, fit)}
+            self._slopes = {t: max(0.0, d) for (t, _), (_, d) in zip(pts, lines) if d is not None}
         return self._smooth
 
 
-def _line_at(t: int, pts: list[tuple[int, float]]) -> float:
-    """The least-squares line through pts (at least three, else t's own measurement) at t."""
+def _line_at(t: int, pts: list[tuple[int, float]]) -> tuple[float, float | None]:
+    """(value at t, slope) of the least-squares line through pts; with fewer than three, (t's own measurement,
+    None)."""
     if len(pts) < 3:
-        return dict(pts)[t]
+        return dict(pts)[t], None
     n = len(pts)
     mx, my = sum(p[0] for p in pts) / n, sum(p[1] for p in pts) / n
     slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
-    return my + slope * (t - mx)
+    return my + slope * (t - mx), slope
 
 
 def _rate(cost: CostModel, acc: AcceptanceEstimate, k_min: int, k_max: int, drafter: str,
