@@ -118,8 +118,9 @@ class CostModel:
         return max(0.0, (self.verify_s[hi] - self.verify_s[lo]) / (hi - lo))
 
     def verify_cost(self, tokens: float) -> float:
-        """Forward time for `tokens`, interpolated between measured sizes; below the smallest, as the
-        smallest; above the largest, see `proportional_above` (one size measured: as that one)."""
+        """Forward time for `tokens`, interpolated between measured sizes (their `smoothed` costs, unless `smooth` is
+        off); below the smallest, as the smallest; above the largest, see `proportional_above` (one size measured:
+        as that one)."""
         if not self.verify_s:
             return 1.0
         costs = self.smoothed() if self.smooth else self.verify_s  # (smoothed() also fits _slopes)
