@@ -39,7 +39,9 @@ unmeasured, and again every REMEASURE steps over B sequences without one (costs 
 """
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from specdec.acceptance import EMA, AcceptanceEstimate
 
@@ -61,15 +63,15 @@ class CostModel:
     # proportion to tokens (True: compute-bound, for batches much larger than any measured).
     proportional_above: bool = False
     smooth: bool = True  # costs read off local least-squares lines through the measured sizes (`smoothed`)
-    _smooth: dict[int, float] | None = field(default=None, init=False, repr=False, compare=False)
-    _smooth_of: dict | None = field(default=None, init=False, repr=False, compare=False)
+    _smooth: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _smooth_of: dict | None = field(default=None, init=False, repr=False, compare=False)  # the table fitted
     _slopes: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         old = self.verify_s.get(tokens)
         self.verify_s[tokens] = seconds if old is None else old + self.ema * (seconds - old)
         self.unmeasured[tokens] = 0
-        self._smooth = None
+        self._smooth_of = None
 
     def plain_due(self, batch: int) -> bool:
         """Count a step over `batch` sequences; True when plain decoding at that batch (a forward over `batch`
@@ -149,10 +151,15 @@ class CostModel:
         A size measured at a busy moment, or seldom, sits off its neighbours' line; interpolated as it is, the rows
         just past it look dear and those past the next size cheap, so drafts in a batch (priced by the rows they
         add) came out short and erratic (docs/benchmarks.md section 36)."""
-        if self._smooth is None or self._smooth_of is not self.verify_s:  # (a table set anew is refitted)
+        if self._smooth_of is not self.verify_s:  # measured since (`observe_verify` clears it), or a table set anew
             self._smooth_of = self.verify_s
             pts = sorted(self.verify_s.items())
-            lines = [_line_at(t, [p for p in pts if t <= p[0] * SPAN and p[0] <= t * SPAN]) for t, _ in pts]
+            xs = [t for t, _ in pts]
+            # running sums of (1, x, y, x^2, xy): any window's least-squares line in O(1), a refit in O(n log n)
+            sums = list(accumulate(((1, x, y, x * x, x * y) for x, y in pts),
+                                   lambda a, b: tuple(u + v for u, v in zip(a, b)), initial=(0, 0, 0.0, 0, 0.0)))
+            lines = [_line_at(t, y, [u - v for u, v in zip(sums[bisect_right(xs, t * SPAN)],
+                                                            sums[bisect_left(xs, t / SPAN)])]) for t, y in pts]
             fit = [v for v, _ in lines]
             for i in range(len(fit) - 2, -1, -1):
                 fit[i] = min(fit[i], fit[i + 1])
@@ -161,15 +168,14 @@ class CostModel:
         return self._smooth
 
 
-def _line_at(t: int, pts: list[tuple[int, float]]) -> tuple[float, float | None]:
-    """(value at t, slope) of the least-squares line through pts; with fewer than three, (t's own measurement,
-    None)."""
-    if len(pts) < 3:
-        return dict(pts)[t], None
-    n = len(pts)
-    mx, my = sum(p[0] for p in pts) / n, sum(p[1] for p in pts) / n
-    slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
-    return my + slope * (t - mx), slope
+def _line_at(t: int, own: float, sums: list[float]) -> tuple[float, float | None]:
+    """(value at t, slope) of the least-squares line through the points whose sums of (1, x, y, x^2, xy) are given;
+    with fewer than three points, (t's own measurement, None)."""
+    n, sx, sy, sxx, sxy = sums
+    if n < 3:
+        return own, None
+    slope = (n * sxy - sx * sy) / (n * sxx - sx * sx)
+    return (sy + slope * (n * t - sx)) / n, slope
 
 
 def _rate(cost: CostModel, acc: AcceptanceEstimate, k_min: int, k_max: int, drafter: str,
