@@ -400,7 +400,8 @@ def _add_train_parser(sub) -> None:
     o = t.add_argument_group("output")
     o.add_argument("--out", help="the head's directory (default $SPECDEC_HOME/heads/KIND-TARGET, where "
                    "--spec-type KIND finds it)")
-    o.add_argument("--save-dtype", choices=["fp32", "bf16"], help="the saved weights (fp32)")
+    o.add_argument("--save-dtype", choices=["fp32", "bf16", "int8"],
+                   help="the saved weights (fp32); int8: weight matrices in int8 with per-row scales, read back in fp32")
     o.add_argument("--checkpoint-minutes", type=float,
                    help=f"checkpoint, validate and save the head this often ({_default('checkpoint_minutes')})")
     o.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")

@@ -180,10 +180,10 @@ def test_pipeline_on_smollm(smollm_cache, tmp_path):
 
 @pytest.mark.real
 @pytest.mark.parametrize("kind,extra", [("medusa", ["--num-heads", "2", "--draft-vocab", "4096"]),
-                                        ("mtp", ["--intermediate", "768"])])
+                                        ("mtp", ["--intermediate", "768", "--save-dtype", "int8"])])
 def test_medusa_and_mtp_pipelines_on_smollm(smollm_cache, tmp_path, kind, extra):
     """`specdec train medusa|mtp` on the same cache: validation beats the untrained head, and greedy decoding with
-    the trained head is plain decoding's text."""
+    the trained head is plain decoding's text (the MTP block stored in int8)."""
     from specdec.cli import main
 
     out = tmp_path / kind
@@ -192,6 +192,7 @@ def test_medusa_and_mtp_pipelines_on_smollm(smollm_cache, tmp_path, kind, extra)
                  "--no-progress"]) == 0
     m = json.loads((out / "manifest.json").read_text())
     assert m["finished"] and m["kind"] == kind and m["validation"]["tau"] > m["learning_curve"][0][1] + 0.05
+    assert m["head"]["storage"] == ("int8" if "int8" in extra else "fp32")
     llm = LLM("smollm2-135m", spec_type=kind, **{f"{kind}_head": str(out)}, dtype="fp32", adaptive=False,
               draft_max=2, progress=False)
     plain = llm.generate(CHAT_PROMPT, max_tokens=48, chat=True, spec_type="none")

@@ -10,6 +10,7 @@ from typing import Callable
 from specdec import paths
 from specdec.drafters.registry import HeadMemory, MemoryQuery
 from specdec.errors import SpecdecError
+from specdec.models.state import is_scale
 
 SHIPPED = Path(__file__).resolve().parent.parent / "heads"  # heads committed with the package
 
@@ -85,12 +86,14 @@ def planned_memory(q: MemoryQuery, kind: str, locate: Callable[[], Path], shape:
 
 
 def safetensors_params(path: Path, skip: Callable[[str], bool] = lambda name: False) -> int:
-    """Elements of every tensor in `path`/*.safetensors (those `skip` names aside), read from the headers."""
+    """Elements of every tensor in `path`/*.safetensors (those `skip` names and int8 weights' scales aside), read
+    from the headers."""
     total = 0
     for f in sorted(Path(path).glob("*.safetensors")):
         with open(f, "rb") as fh:
             header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
-        total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__" and not skip(k))
+        total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__" and not skip(k)
+                     and not is_scale(k))
     if not total:
         raise SpecdecError(f"{path}: no safetensors weights")
     return total

@@ -37,9 +37,9 @@ from torch import nn
 from specdec.errors import SpecdecError
 from specdec.models.config import ModelConfig
 from specdec.models.eagle3 import SPECULATORS_VERSION, _architectures, _write, speculators_config
-from specdec.models.mtp import _read, unfused_state
+from specdec.models.mtp import unfused_state
 from specdec.models.rope import Rotary, apply_rotary
-from specdec.models.state import load_exact
+from specdec.models.state import load_exact, read_tensors
 from specdec.models.transformer import Batch, DecoderLayer, RMSNorm, fuse_projections
 from specdec.runtime.kv_cache import KVCache
 
@@ -247,7 +247,7 @@ def load_block_drafter(path: Path, dtype: torch.dtype = torch.float32) -> BlockD
         raise SpecdecError(f"{path}: no config.json (a block drafter directory is config.json + safetensors)")
     c = read_config(path)
     skip = ("embed_tokens.", "verifier_norm.", "verifier_lm_head.", "lm_head.", "d2t", "t2d")
-    layers = {f"model.{k}": v for k, v in _read(path, lambda n: not n.startswith(skip)).items()}
+    layers = {f"model.{k}": v for k, v in read_tensors(path, lambda n: not n.startswith(skip)).items()}
     state = {k.removeprefix("model."): v for k, v in fuse_projections(layers, c.layer.num_layers).items()}
     net = BlockDraft(c)
     load_exact(net, state, path, f"a {c.kind} drafter")

@@ -26,7 +26,7 @@ from torch import nn
 from specdec.errors import SpecdecError
 from specdec.models.config import ModelConfig
 from specdec.models.rope import Rotary, apply_rotary
-from specdec.models.state import load_exact
+from specdec.models.state import load_exact, read_tensors
 from specdec.models.transformer import MLP, Batch, RMSNorm
 from specdec.runtime.attention import attention
 from specdec.runtime.kv_cache import KVCache
@@ -275,8 +275,6 @@ def load_head(path: Path, num_target_layers: int | None = None, dtype: torch.dty
     """A head saved by `save_head` or by SpecForge / SGLang (`midlayer.*`), or in the speculators layout
     (`save_speculators`, `Eagle3DraftModel.save_pretrained`: `layers.0.*`, `d2t`/`t2d` or vLLM's
     `draft_id_to_target_id`, the target's `embed_tokens` dropped)."""
-    from safetensors.torch import load_file
-
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -284,10 +282,7 @@ def load_head(path: Path, num_target_layers: int | None = None, dtype: torch.dty
     d = json.loads(cfg_file.read_text())
     d = {**d.get("transformer_layer_config", {}), **{k: v for k, v in d.items() if k != "transformer_layer_config"}}
     head = Eagle3Head(Eagle3Config.from_hf(d, num_target_layers))
-    state: dict[str, torch.Tensor] = {}
-    for f in sorted(path.glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    state = _to_ours(state, head)
+    state = _to_ours(read_tensors(path), head)
     load_exact(head, state, path, "an EAGLE-3 head", optional=("t2d",))
     if "t2d" not in state:
         head.t2d[head.draft_to_target] = True

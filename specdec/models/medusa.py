@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.errors import SpecdecError
-from specdec.models.state import load_exact
+from specdec.models.state import load_exact, read_tensors
 
 WEIGHTS = "model.safetensors"
 PREFIXES = ("medusa_heads.", "medusa_head.")  # dropped from tensor names on load (vLLM and FasterDecoding)
@@ -129,18 +129,13 @@ def save_heads(heads: MedusaHeads, out: Path, manifest: dict | None = None) -> P
 def load_heads(path: Path, dtype: torch.dtype = torch.float32) -> MedusaHeads:
     """Heads saved by `save_heads` or by vLLM tools, or in TGI's / FasterDecoding's layout
     (`medusa_lm_head.safetensors`)."""
-    from safetensors.torch import load_file
-
     path = Path(path)
     cfg_file = path / "config.json"
     files = sorted(path.glob("*.safetensors"))
     if not cfg_file.is_file() or not files:
         raise SpecdecError(f"{path}: a Medusa head directory holds config.json and *.safetensors")
     d = json.loads(cfg_file.read_text())
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    state = _to_ours(state, d)
+    state = _to_ours(read_tensors(path), d)
     heads = MedusaHeads(MedusaConfig.from_dict(d, state))
     state = _complete(state, heads, d)
     load_exact(heads, state, path, "Medusa heads")

@@ -36,7 +36,7 @@ from specdec.errors import SpecdecError
 from specdec.models.config import ModelConfig
 from specdec.models.eagle3 import SPECULATORS_VERSION, _architectures, _write, speculators_config
 from specdec.models.rope import Rotary
-from specdec.models.state import load_exact
+from specdec.models.state import load_exact, read_tensors
 from specdec.models.transformer import Batch, DecoderLayer, RMSNorm, fuse_projections
 from specdec.runtime.kv_cache import KVCache
 
@@ -160,17 +160,6 @@ def native_blocks(directory: Path) -> int:
     return 0 if "speculators_model_type" in d else next((int(d[k]) for k in COUNT_KEYS if d.get(k)), 0)
 
 
-def _read(directory: Path, keep) -> dict[str, torch.Tensor]:
-    """The tensors of a directory's safetensors whose names pass `keep`."""
-    from safetensors import safe_open
-
-    state: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(directory).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as sf:
-            state.update({n: sf.get_tensor(n) for n in sf.keys() if keep(n)})
-    return state
-
-
 def _to_ours(state: dict[str, torch.Tensor], layout: str, n: int, first: int) -> dict[str, torch.Tensor]:
     """Block tensors of `layout` (blocks first..first+n-1 in its numbering) -> our names, projections fused."""
     prefix, names = LAYOUTS[layout]
@@ -205,7 +194,7 @@ def load_native(directory: Path, dtype: torch.dtype = torch.float32) -> MtpHead:
     if n == 0:
         raise SpecdecError(f"{directory}: no MTP layers (config has no {' / '.join(COUNT_KEYS)})")
     t = ModelConfig.from_file(directory / "config.json")
-    state = _read(directory, lambda name: is_mtp_tensor(name, t.num_layers) or name == "model.norm.weight")
+    state = read_tensors(directory, lambda name: is_mtp_tensor(name, t.num_layers) or name == "model.norm.weight")
     layout = "mimo" if any(k.startswith("model.mtp_layers.") for k in state) else "nextn"
     ours = _to_ours(state, layout, n, t.num_layers if layout == "nextn" else 0)
     for i in range(n):  # nextn without shared_head.norm: the target's final norm (llama.cpp's fallback)
@@ -277,4 +266,4 @@ def load_head(path: Path, dtype: torch.dtype = torch.float32) -> MtpHead:
     n = int(d.get("num_nextn_predict_layers", 1))
     c = MtpConfig(ModelConfig.from_hf_dict(d["transformer_layer_config"]), n,
                   **{f: bool(d.get(f"mtp_{f}", default)) for f, default in FLAGS.items()})
-    return _build(c, _to_ours(_read(path, lambda name: True), "speculators", n, 0), path, dtype)
+    return _build(c, _to_ours(read_tensors(path), "speculators", n, 0), path, dtype)

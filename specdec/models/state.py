@@ -1,12 +1,64 @@
-"""Loading a state dict that must match a module exactly (a drafter head's checkpoint)."""
+"""Drafter heads' tensors on disk: reading a directory's safetensors (weights stored in int8 back in fp32), storing
+weights in int8, and loading a state dict that must match a module exactly."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
 
 from specdec.errors import SpecdecError
+
+SCALE = "_scale"  # an int8-stored weight `w` [rows, cols] keeps its per-row scales [rows] (fp32) as `w` + SCALE
+
+
+def quantize_int8(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every 2-D floating tensor as int8 rows, each with one fp32 scale (its largest magnitude / 127, rounded to
+    nearest); other tensors (norms, vocabulary maps) as they are. `read_tensors` undoes it."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if t.dim() != 2 or not t.is_floating_point():
+            out[name] = t
+            continue
+        w = t.detach().float()                                            # [rows, cols]
+        scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127                 # [rows]
+        out[name] = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+        out[name + SCALE] = scale.contiguous()
+    return out
+
+
+def store_int8(path: Path | str) -> None:
+    """Rewrite a safetensors file with its weights stored in int8 (`quantize_int8`), its metadata kept."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as sf:
+        state, meta = {n: sf.get_tensor(n) for n in sf.keys()}, sf.metadata()
+    save_file(quantize_int8(state), str(path), metadata=meta)
+
+
+def read_tensors(directory: Path | str, keep: Callable[[str], bool] = lambda name: True) -> dict[str, torch.Tensor]:
+    """The tensors of a directory's *.safetensors whose names pass `keep`; int8-stored weights (`quantize_int8`)
+    come back in fp32."""
+    from safetensors import safe_open
+
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            names = set(sf.keys())
+            for n in names:
+                if keep(n) and not (n.endswith(SCALE) and n.removesuffix(SCALE) in names):
+                    t = sf.get_tensor(n)
+                    if t.dtype == torch.int8 and n + SCALE in names:
+                        t = t.float() * sf.get_tensor(n + SCALE)[:, None]
+                    state[n] = t
+    return state
+
+
+def is_scale(name: str) -> bool:
+    """Whether a stored tensor's name is an int8 weight's scales (not a parameter of its own)."""
+    return name.endswith(SCALE)
 
 
 def load_exact(module: nn.Module, state: dict[str, torch.Tensor], where: Path | str, what: str,

@@ -17,10 +17,12 @@ import torch
 from torch import nn
 
 from specdec.errors import SpecdecError
+from specdec.models.state import store_int8
 from specdec.runtime.cpu import has_bf16
 from specdec.train.data import FeatureCache
 
 STATE_DIR = "train-state"  # inside the head's directory: checkpoint and per-cache scans
+SAVE_DTYPES = ("fp32", "bf16", "int8")  # int8: weight matrices stored in int8 with fp32 per-row scales
 HEAD_FILES = ("model.safetensors", "config.json", "manifest.json")  # replaced in this order (manifest last)
 
 
@@ -154,7 +156,7 @@ class TrainSettings:
     val_share: float = 0.05
     seed: int = 0
     checkpoint_minutes: float = 10.0
-    save_dtype: str = "fp32"         # the saved head's weights: fp32 | bf16
+    save_dtype: str = "fp32"         # the saved head's weights: fp32 | bf16 | int8 (per-row scales)
     progress: bool = True
 
     def check(self) -> None:
@@ -164,8 +166,8 @@ class TrainSettings:
             raise SpecdecError("--lr, --clip and --max-hours must be > 0")
         if not 0 < self.val_share < 1 or not 0 <= self.warmup < 1:
             raise SpecdecError("the validation share must be in (0, 1), warmup in [0, 1)")
-        if self.autocast not in ("auto", "bf16", "fp32") or self.save_dtype not in ("fp32", "bf16"):
-            raise SpecdecError("autocast is auto|bf16|fp32, save dtype fp32|bf16")
+        if self.autocast not in ("auto", "bf16", "fp32") or self.save_dtype not in SAVE_DTYPES:
+            raise SpecdecError(f"autocast is auto|bf16|fp32, save dtype {'|'.join(SAVE_DTYPES)}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise SpecdecError("--device cuda: no CUDA device here")
 
@@ -354,6 +356,8 @@ class HeadTrainer:
         dtype = torch.bfloat16 if self.cfg.save_dtype == "bf16" else torch.float32
         tmp = self.state_dir / f"head.tmp-{os.getpid()}"
         self.save_head(copy.deepcopy(self.head).to("cpu", dtype), tmp, manifest)
+        if self.cfg.save_dtype == "int8":
+            store_int8(tmp / HEAD_FILES[0])
         for name in HEAD_FILES:
             os.replace(tmp / name, self.out / name)
         tmp.rmdir()
