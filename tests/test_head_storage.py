@@ -1,11 +1,16 @@
 """Heads stored in int8 (`--save-dtype int8`): each weight matrix as int8 rows with one fp32 scale per row, read back
-in fp32 by every head loader; the parameter count ignores the scales; a head stored so drafts losslessly."""
+in fp32 by every head loader; the parameter count ignores the scales; a head stored so drafts losslessly. Heads run
+as Q8_0 blocks through the CPU kernels (`--spec-head-quant auto`), losslessly, or as loaded (`none`)."""
 from __future__ import annotations
 
 import torch
 from safetensors.torch import load_file
 
+import pytest
+
 from conftest import head_llm
+from specdec.runtime import kernels
+from specdec.runtime.gguf_linear import GGUFLinear
 from specdec.drafters.heads import safetensors_params
 from specdec.models.eagle3 import load_head, save_head
 from specdec.models.medusa import load_heads, save_heads
@@ -62,3 +67,18 @@ def test_medusa_heads_in_int8_load(tiny_dir, tmp_path):
     loaded = load_heads(tmp_path / "h")
     for k, v in heads.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[k], v, rtol=0, atol=float(v.abs().max()) / 254 + 1e-6)
+
+
+@pytest.mark.skipif(kernels.library() is None, reason="GGUF kernels not built")
+def test_eagle3_head_runs_as_q8_0_blocks_losslessly(tiny_dir, tmp_path):
+    target = tiny_dir("qwen2", layers=3)
+    save_head(random_head(target), tmp_path / "h", {"kind": "eagle3", "target": "tiny"})
+    for quant in ("none", "auto"):
+        llm = head_llm("eagle3", target, tmp_path / "h", context=96, draft_max=4, head_quant=quant)
+        head = llm.drafter.head
+        kinds = {type(m) for m in (head.fc, head.midlayer.self_attn.qkv_proj, head.midlayer.mlp.down_proj,
+                                   head.lm_head)}
+        assert kinds == ({GGUFLinear} if quant == "auto" else {torch.nn.Linear}), quant
+        plain = llm.generate("t5 t9 t12 t5 t9 t12 t5 t9", max_tokens=32, spec_type="none")
+        r = llm.generate("t5 t9 t12 t5 t9 t12 t5 t9", max_tokens=32)
+        assert r.token_ids == plain.token_ids and r.stats.drafted > 0, quant

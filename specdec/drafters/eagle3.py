@@ -23,7 +23,8 @@ import torch
 
 from specdec.drafters.base import Draft, draft_distribution
 from specdec.drafters.draft_model import P_MIN
-from specdec.drafters.heads import HeadShape, find_head, layer_params, planned_memory, safetensors_params
+from specdec.drafters.heads import (HEAD_QUANT, HeadShape, find_head, layer_params, planned_memory, quantize_head,
+                                   safetensors_params)
 from specdec.drafters.paired_head import PairedHeadDrafter
 from specdec.drafters.registry import BuildContext, DrafterType, HeadMemory, MemoryQuery, Option
 from specdec.drafters.tree import ROOT, DynamicTree
@@ -46,7 +47,7 @@ class Eagle3Drafter(PairedHeadDrafter):
         self.topk, self.nodes = min(topk, c.draft_vocab_size), nodes  # tree width (1: chains); node budget (0: any)
         self.features = FeatureSpec(tuple(c.aux_layers))
         cache = KVCache.allocate(1, target.cache.num_slots, c.num_kv_heads, target.context + HEADROOM, c.head_dim,
-                                 head.fc.weight.dtype, [head.fc.weight.device])
+                                 head.dtype, [head.norm.weight.device])
         super().__init__(target.model.model.embed_tokens, head.rotary, cache, target.vocab_size, p_min)
 
     def state(self, feats: Features) -> torch.Tensor:
@@ -153,7 +154,7 @@ def _build(ctx: BuildContext) -> Eagle3Drafter:
     if head.config.vocab_size != target.vocab_size or head.config.target_hidden_size != target.model.config.hidden_size:
         raise SpecdecError(f"EAGLE-3 head {path} was made for another target (vocabulary {head.config.vocab_size}, "
                            f"hidden {head.config.target_hidden_size})")
-    return Eagle3Drafter(head, target, ctx.options["draft_p_min"], ctx.options["eagle3_topk"],
+    return Eagle3Drafter(quantize_head(head, ctx.options), target, ctx.options["draft_p_min"], ctx.options["eagle3_topk"],
                          ctx.options["eagle3_nodes"])
 
 
@@ -166,4 +167,4 @@ TOPK = Option("eagle3_topk", "--spec-eagle3-topk", 1, "eagle3: 1 = a chain of th
 NODES = Option("eagle3_nodes", "--spec-eagle3-nodes", 0, "eagle3 trees: at most this many nodes, the best by path "
                "probability; 0 = the engine's draft length (default 0)", int, ">= 0")
 TYPES = (DrafterType("eagle3", _build, "a trained EAGLE-3 head on the target's hidden states",
-                     (HEAD, P_MIN, TOPK, NODES), target_features=True, per_scope=False, memory=_memory),)
+                     (HEAD, P_MIN, TOPK, NODES, HEAD_QUANT), target_features=True, per_scope=False, memory=_memory),)

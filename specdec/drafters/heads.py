@@ -8,11 +8,28 @@ from pathlib import Path
 from typing import Callable
 
 from specdec import paths
-from specdec.drafters.registry import HeadMemory, MemoryQuery
+from torch import nn
+
+from specdec.drafters.registry import HeadMemory, MemoryQuery, Option
 from specdec.errors import SpecdecError
 from specdec.models.state import is_scale
 
 SHIPPED = Path(__file__).resolve().parent.parent / "heads"  # heads committed with the package
+HEAD_QUANT = Option("head_quant", "--spec-head-quant", "auto", "eagle3: auto = the head's matrices as Q8_0 "
+                    "blocks through the CPU kernels where it runs on the CPU in fp32 (its drafts may differ slightly; "
+                    "verification keeps the output the target's); none = the weights as loaded (default auto)", str,
+                    "auto or none")
+
+
+def quantize_head(head: nn.Module, options) -> nn.Module:
+    """`head` as --spec-head-quant asks: auto runs its fp32 CPU matrices as Q8_0 through the kernels when they are
+    built (`runtime.quant.q8_0_`), none leaves it."""
+    from specdec.runtime import kernels
+    from specdec.runtime.quant import q8_0_
+
+    if options.get(HEAD_QUANT.name, HEAD_QUANT.default) == "auto" and kernels.library() is not None:
+        q8_0_(head)
+    return head
 
 
 @dataclass(frozen=True)

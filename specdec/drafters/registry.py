@@ -30,6 +30,7 @@ RULES: dict[str, Callable[[Any], bool]] = {
     "> 0 and finite": lambda v: 0 < v < math.inf,
     "in (0, 65536]": lambda v: 0 < v <= 65536,
     "numbers in [0, 1]": lambda v: len(v) > 0 and all(0 <= r <= 1 for r in v),
+    "auto or none": lambda v: v in ("auto", "none"),
 }
 
 

@@ -192,13 +192,18 @@ class Eagle3Head(nn.Module):
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """aux [..., L, Ht] (the target's features, in `aux_layers` order) -> g [..., H]."""
-        return self.fc(aux.flatten(-2).to(self.fc.weight.dtype))
+        return self.fc(aux.flatten(-2).to(self.dtype))
 
     def forward(self, emb: torch.Tensor, g: torch.Tensor, batch: Batch, cache: KVCache):
         """emb, g [B, T, H] at the batch's positions -> (draft logits [B, T, Vd] fp32, pre-norm h [B, T, H])."""
         x = self.midlayer.inputs(emb, g)
         h = self.midlayer.finish(g, self.midlayer.self_attn(x, batch, cache))
         return self.lm_head(self.norm(h)).float(), h
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The head's activations (its norms' dtype: the matrices may run as quantized blocks)."""
+        return self.norm.weight.dtype
 
     @property
     def draft_to_target(self) -> torch.Tensor:
@@ -235,8 +240,8 @@ def save_speculators(head: Eagle3Head, out: Path, verifier_name: str, speculativ
         if embeddings.shape != (c.vocab_size, c.hidden_size):
             raise SpecdecError(f"embeddings {tuple(embeddings.shape)}: the head needs "
                                f"[{c.vocab_size}, {c.hidden_size}]")
-        state["embed_tokens.weight"] = embeddings.detach().to(head.fc.weight.dtype).contiguous()
-    cfg = c.to_speculators(verifier_name, _architectures(verifier_name), speculative_tokens, head.fc.weight.dtype)
+        state["embed_tokens.weight"] = embeddings.detach().to(head.dtype).contiguous()
+    cfg = c.to_speculators(verifier_name, _architectures(verifier_name), speculative_tokens, head.dtype)
     _write(out, state, cfg, manifest)
     return out
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from specdec.errors import SpecdecError
+from specdec.runtime.quant import int8_rows
 
 SCALE = "_scale"  # an int8-stored weight `w` [rows, cols] keeps its per-row scales [rows] (fp32) as `w` + SCALE
 
@@ -21,10 +22,8 @@ def quantize_int8(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if t.dim() != 2 or not t.is_floating_point():
             out[name] = t
             continue
-        w = t.detach().float()                                            # [rows, cols]
-        scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127                 # [rows]
-        out[name] = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
-        out[name + SCALE] = scale.contiguous()
+        q, scale = int8_rows(t)                                            # [rows, cols], [rows]
+        out[name], out[name + SCALE] = q.contiguous(), scale.contiguous()
     return out
 
 
