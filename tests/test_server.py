@@ -99,8 +99,16 @@ def test_batched_requests_return_plain_decoding_tokens(smol):
     assert sum(o["speculative"]["accepted"] for o in outs) > 0
 
 
+def _cancelled(url: str) -> int:
+    """specdec_requests_total{reason="cancelled"} on the server's /metrics (0 before the first)."""
+    lines = httpx.get(url + "/metrics").text.splitlines()
+    return next((int(ln.split()[-1]) for ln in lines if ln.startswith('specdec_requests_total{reason="cancelled"}')), 0)
+
+
 @pytest.mark.real
 def test_disconnect_mid_stream_frees_the_slot(smol):
+    """A stream whose client leaves frees its slot and is counted in /metrics as cancelled."""
+    before = _cancelled(smol.url)
     with httpx.stream("POST", smol.url + "/v1/completions", timeout=60,
                       json={"model": "m", "prompt": "Once upon a time", "max_tokens": 400, "stream": True}) as r:
         for line in r.iter_lines():
@@ -111,6 +119,7 @@ def test_disconnect_mid_stream_frees_the_slot(smol):
             break
         time.sleep(0.1)
     assert httpx.get(smol.url + "/health").json() == {"status": "ok", "waiting": 0, "running": 0, "free_slots": 16}
+    assert _cancelled(smol.url) == before + 1
 
 
 @pytest.mark.real

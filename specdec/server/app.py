@@ -12,7 +12,7 @@ import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Callable, Protocol
 
 from fastapi import Depends, FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -285,7 +285,7 @@ class _Handler:
         threshold = spec.accept_threshold if isinstance(spec, Speculative) else None
         req = Request(ids, params, drafter, draft_max, want_lp, top, trace=body.specdec_trace,
                       cache_prompt=body.cache_prompt, cache_salt=scope, accept_threshold=threshold)
-        events = _Events(req)
+        events = _Events(req, self.metrics.finished)
         self._submit(req)
         usage = body.stream_options is not None and body.stream_options.include_usage
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -311,7 +311,6 @@ class _Handler:
                 pass
         finally:
             watcher.cancel()
-        self.metrics.finished(req)
         if err := _failure(req, fmt.rid):
             raise err
         return fmt.response(req)
@@ -331,7 +330,6 @@ class _Handler:
             while (ev := await events.get()) is not None:
                 yield fmt.piece(*ev)
             done = True
-            self.metrics.finished(req)
             for line in fmt.closing(req, events, _failure(req, fmt.rid)):
                 yield line
         finally:
@@ -342,10 +340,11 @@ class _Handler:
 class _Events:
     """Carries one request's progress from the engine thread to the event loop: (text, token ids, logprobs)
     for each piece of new text, with the trace entries committed since the last piece (None unless asked for),
-    then None when it is done. Hooks itself into `req`'s callbacks."""
+    then None when it is done, after `finished(req)` ran on the loop (the metrics: every request, its client
+    gone or not). Hooks itself into `req`'s callbacks."""
 
-    def __init__(self, req: Request):
-        self.req, self.sent, self.traced = req, 0, 0  # logprobs and trace entries already passed on
+    def __init__(self, req: Request, finished: Callable[[Request], None]):
+        self.req, self.finished, self.sent, self.traced = req, finished, 0, 0  # logprobs, trace entries passed on
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         req.on_text, req.on_done = self._on_text, self._on_done
@@ -367,7 +366,8 @@ class _Events:
         self.traced += len(trace or ())
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (delta, seq.output_ids[i:i + len(lps)], lps, trace))
 
-    def _on_done(self, _req: Request) -> None:
+    def _on_done(self, req: Request) -> None:
+        self.loop.call_soon_threadsafe(self.finished, req)
         self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
 
 
