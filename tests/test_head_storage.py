@@ -1,6 +1,6 @@
 """Heads stored in int8 (`--save-dtype int8`): each weight matrix as int8 rows with one fp32 scale per row, read back
-in fp32 by every head loader; the parameter count ignores the scales; a head stored so drafts losslessly. Heads run
-as Q8_0 blocks through the CPU kernels (`--spec-head-quant auto`), losslessly, or as loaded (`none`)."""
+in fp32 by every head loader; the parameter count ignores the scales; a head stored so drafts losslessly. EAGLE-3 and
+Medusa heads run as Q8_0 blocks through the CPU kernels (`--spec-head-quant auto`), losslessly, or as loaded (`none`)."""
 from __future__ import annotations
 
 import torch
@@ -69,16 +69,24 @@ def test_medusa_heads_in_int8_load(tiny_dir, tmp_path):
         torch.testing.assert_close(loaded.state_dict()[k], v, rtol=0, atol=float(v.abs().max()) / 254 + 1e-6)
 
 
+def _eagle3(target, out):
+    save_head(random_head(target), out, {"kind": "eagle3", "target": "tiny"})
+    return lambda d: (d.head.fc, d.head.midlayer.self_attn.qkv_proj, d.head.midlayer.mlp.down_proj, d.head.lm_head)
+
+
+def _medusa(target, out):
+    save_heads(random_heads(target), out, {"kind": "medusa", "target": "tiny"})
+    return lambda d: (d.heads.blocks[0].layers[0], d.heads.lm_heads[-1])
+
+
 @pytest.mark.skipif(kernels.library() is None, reason="GGUF kernels not built")
-def test_eagle3_head_runs_as_q8_0_blocks_losslessly(tiny_dir, tmp_path):
+@pytest.mark.parametrize("kind,make", [("eagle3", _eagle3), ("medusa", _medusa)])
+def test_heads_run_as_q8_0_blocks_losslessly(tiny_dir, tmp_path, kind, make):
     target = tiny_dir("qwen2", layers=3)
-    save_head(random_head(target), tmp_path / "h", {"kind": "eagle3", "target": "tiny"})
+    matrices = make(target, tmp_path / "h")
     for quant in ("none", "auto"):
-        llm = head_llm("eagle3", target, tmp_path / "h", context=96, draft_max=4, head_quant=quant)
-        head = llm.drafter.head
-        kinds = {type(m) for m in (head.fc, head.midlayer.self_attn.qkv_proj, head.midlayer.mlp.down_proj,
-                                   head.lm_head)}
-        assert kinds == ({GGUFLinear} if quant == "auto" else {torch.nn.Linear}), quant
+        llm = head_llm(kind, target, tmp_path / "h", context=96, draft_max=3, head_quant=quant)
+        assert {type(m) for m in matrices(llm.drafter)} == ({GGUFLinear} if quant == "auto" else {torch.nn.Linear})
         plain = llm.generate("t5 t9 t12 t5 t9 t12 t5 t9", max_tokens=32, spec_type="none")
         r = llm.generate("t5 t9 t12 t5 t9 t12 t5 t9", max_tokens=32)
         assert r.token_ids == plain.token_ids and r.stats.drafted > 0, quant

@@ -135,3 +135,25 @@ def test_learning_curve_plot(tmp_path):
                              "learning_curve": [[0, 1.0], [1000, 1.3]], "validation": {"accept": [0.3, 0.1]}}))
     out = plot_heads([m], tmp_path / "lc.png")
     assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.real
+def test_the_shipped_qwen_coder_head_is_lossless_and_accepted():
+    """The EAGLE-3 head for the default target committed with specdec (specdec/heads/eagle3-qwen2.5-coder-1.5b,
+    stored in int8; its manifest says how it was trained): at most 40 MB, listed as shipped, and decoding the GGUF
+    target with it (Q8_0 head, the default) is plain greedy decoding's text, with drafts accepted."""
+    import specdec
+    from specdec.drafters.heads import SHIPPED
+
+    head = SHIPPED / "eagle3-qwen2.5-coder-1.5b"
+    m = json.loads((head / "manifest.json").read_text())
+    assert m["kind"] == "eagle3" and m["target"] == "qwen2.5-coder-1.5b" and m["head"]["storage"] == "int8"
+    assert m["command"] and m["data"]["rules"]["deny_list_sha256"]
+    assert sum(f.stat().st_size for f in head.iterdir()) <= 40e6
+    assert any(h.shipped and h.path == head for h in list_heads())
+    llm = specdec.LLM("qwen2.5-coder-1.5b", spec_type="eagle3", eagle3_head=str(head), adaptive=False, draft_max=3,
+                      progress=False)
+    prompt = "Explain what a hash map is and when to use one."
+    plain = llm.generate(prompt, max_tokens=48, chat=True, spec_type="none")
+    spec = llm.generate(prompt, max_tokens=48, chat=True)
+    assert spec.token_ids == plain.token_ids and spec.stats.accepted > 0

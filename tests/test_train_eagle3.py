@@ -169,6 +169,7 @@ def test_pipeline_on_smollm(smollm_cache, tmp_path):
     assert m["training"]["epochs"] == 6 and len(m["learning_curve"]) == 3
     assert m["validation"]["accept"][0] > 0.12 and trained > untrained + 0.1, m["learning_curve"]
     assert m["data"]["rules"]["deny_list_sha256"] and m["draft_vocab"]["coverage"]["validation"] > 0.5
+    assert m["data"]["cache_command"] == "test" and m["data"]["cache_hours"] > 0
 
     llm = LLM("smollm2-135m", spec_type="eagle3", eagle3_head=str(out), dtype="fp32", adaptive=False, draft_max=3,
               progress=False)

@@ -154,8 +154,8 @@ def _build(ctx: BuildContext) -> Eagle3Drafter:
     if head.config.vocab_size != target.vocab_size or head.config.target_hidden_size != target.model.config.hidden_size:
         raise SpecdecError(f"EAGLE-3 head {path} was made for another target (vocabulary {head.config.vocab_size}, "
                            f"hidden {head.config.target_hidden_size})")
-    return Eagle3Drafter(quantize_head(head, ctx.options), target, ctx.options["draft_p_min"], ctx.options["eagle3_topk"],
-                         ctx.options["eagle3_nodes"])
+    return Eagle3Drafter(quantize_head(head, ctx.options), target, ctx.options["draft_p_min"],
+                         ctx.options["eagle3_topk"], ctx.options["eagle3_nodes"])
 
 
 HEAD = Option("eagle3_head", "--spec-eagle3-head", "auto", "eagle3: the head's directory (HF / SpecForge or "

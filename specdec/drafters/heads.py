@@ -15,7 +15,7 @@ from specdec.errors import SpecdecError
 from specdec.models.state import is_scale
 
 SHIPPED = Path(__file__).resolve().parent.parent / "heads"  # heads committed with the package
-HEAD_QUANT = Option("head_quant", "--spec-head-quant", "auto", "eagle3: auto = the head's matrices as Q8_0 "
+HEAD_QUANT = Option("head_quant", "--spec-head-quant", "auto", "eagle3, medusa: auto = the head's matrices as Q8_0 "
                     "blocks through the CPU kernels where it runs on the CPU in fp32 (its drafts may differ slightly; "
                     "verification keeps the output the target's); none = the weights as loaded (default auto)", str,
                     "auto or none")

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from specdec.drafters.base import Draft, Drafter
-from specdec.drafters.heads import HeadShape, find_head, planned_memory, safetensors_params
+from specdec.drafters.heads import (HEAD_QUANT, HeadShape, find_head, planned_memory, quantize_head,
+                                   safetensors_params)
 from specdec.drafters.registry import BuildContext, DrafterType, HeadMemory, MemoryQuery, Option
 from specdec.errors import SpecdecError
 from specdec.models.medusa import MedusaHeads, load_heads
@@ -127,12 +128,13 @@ def _build(ctx: BuildContext) -> MedusaDrafter:
     if c.vocab_size != target.vocab_size or c.hidden_size != t.hidden_size:
         raise SpecdecError(f"Medusa head {path} was made for another target (vocabulary {c.vocab_size}, hidden "
                            f"{c.hidden_size}; this target: {target.vocab_size}, {t.hidden_size})")
-    return MedusaDrafter(heads, norm, ctx.options["medusa_topk"])
+    return MedusaDrafter(quantize_head(heads, ctx.options), norm, ctx.options["medusa_topk"])
 
 
 HEAD = Option("medusa_head", "--spec-medusa-head", "auto", "medusa: the heads' directory (vLLM or TGI layout); auto = "
               "the heads trained for the target (SPECDEC_HOME/heads, then shipped ones)", str)
 TOPK = Option("medusa_topk", "--spec-medusa-topk", 1, "medusa: candidates per head; 1 = a chain of each head's best "
               "token, N > 1 = a token tree grown best-first by path probability (default 1)", int, ">= 1")
-TYPES = (DrafterType("medusa", _build, "trained Medusa-1 heads on the target's last hidden state", (HEAD, TOPK),
+TYPES = (DrafterType("medusa", _build, "trained Medusa-1 heads on the target's last hidden state",
+                     (HEAD, TOPK, HEAD_QUANT),
                      target_features=True, per_scope=False, memory=_memory),)

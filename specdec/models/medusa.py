@@ -89,8 +89,13 @@ class MedusaHeads(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """The target's normed final states h [..., H] -> draft logits [..., K, Vd] (fp32); head k - 1 guesses the
         token k + 1 places after h's position."""
-        h = h.to(self.lm_heads[0].weight.dtype)
+        h = h.to(self.dtype)
         return torch.stack([self.head(h, k) for k in range(self.config.num_heads)], dim=-2).float()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The heads' activations (a block's bias: the matrices may run as quantized blocks)."""
+        return self.blocks[0].layers[0].bias.dtype
 
     def head(self, h: torch.Tensor, k: int) -> torch.Tensor:
         """Head k alone (0-based: it guesses the token k + 2 places after h's): h [..., H] -> logits [..., Vd]."""

@@ -16,7 +16,9 @@ def plot_heads(manifests: list[Path], out: Path) -> Path:
     fig, (curve, steps) = plt.subplots(1, 2, figsize=(11, 4))
     for path in manifests:
         m = json.loads(Path(path).read_text())
-        label = f"{m['kind']} {m['target']} ({m['training']['hours']:.2f} h)"
+        data = m.get("data", {}).get("counts", {}).get("response_tokens")
+        label = (f"{m['kind']} {m['target']} (" + (f"{data / 1e3:.0f}K response tokens, " if data else "")
+                 + f"{m['training']['hours']:.2f} h)")
         tokens, tau = zip(*[(p[0], p[1]) for p in m["learning_curve"]])
         curve.plot([t / 1e3 for t in tokens], tau, marker="o", label=label)
         accept = m["validation"]["accept"]
