@@ -1,6 +1,7 @@
 """Heads stored in int8 (`--save-dtype int8`): each weight matrix as int8 rows with one fp32 scale per row, read back
-in fp32 by every head loader; the parameter count ignores the scales; a head stored so drafts losslessly. EAGLE-3 and
-Medusa heads run as Q8_0 blocks through the CPU kernels (`--spec-head-quant auto`), losslessly, or as loaded (`none`)."""
+in fp32 by every head loader; the parameter count ignores the scales; a head stored so drafts losslessly. EAGLE-3
+and Medusa heads run as Q8_0 blocks through the CPU kernels (`--spec-head-quant auto`), losslessly, or as loaded
+(`none`)."""
 from __future__ import annotations
 
 import torch
@@ -36,6 +37,16 @@ def test_int8_rows_round_trip_within_half_a_step(tmp_path):
     assert torch.equal(back["norm"], state["norm"]) and torch.equal(back["ids"], state["ids"])
     assert torch.equal(back["zero"], state["zero"])
     assert set(read_tensors(tmp_path, lambda n: n != "w")) == {"norm", "ids", "zero"}  # scales follow their weight
+
+
+def test_only_an_int8_weights_scales_are_not_tensors_of_their_own(tmp_path):
+    """A float weight's `_scale` (another format's, e.g. fp8 layouts) stays a tensor: read and counted."""
+    from safetensors.torch import save_file
+
+    state = {"a.weight": torch.ones(4, 32), "a.weight_scale": torch.ones(4), **quantize_int8({"b": torch.ones(4, 32)})}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    assert set(read_tensors(tmp_path)) == {"a.weight", "a.weight_scale", "b"}
+    assert safetensors_params(tmp_path) == 4 * 32 + 4 + 4 * 32
 
 
 def test_eagle3_head_in_int8_loads_close_and_drafts_losslessly(tiny_dir, tmp_path):

@@ -12,7 +12,7 @@ from torch import nn
 
 from specdec.drafters.registry import HeadMemory, MemoryQuery, Option
 from specdec.errors import SpecdecError
-from specdec.models.state import is_scale
+from specdec.models.state import int8_scales
 
 SHIPPED = Path(__file__).resolve().parent.parent / "heads"  # heads committed with the package
 HEAD_QUANT = Option("head_quant", "--spec-head-quant", "auto", "eagle3, medusa: auto = the head's matrices as Q8_0 "
@@ -109,8 +109,9 @@ def safetensors_params(path: Path, skip: Callable[[str], bool] = lambda name: Fa
     for f in sorted(Path(path).glob("*.safetensors")):
         with open(f, "rb") as fh:
             header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
-        total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__" and not skip(k)
-                     and not is_scale(k))
+        header.pop("__metadata__", None)
+        scales = int8_scales({k: v["dtype"] for k, v in header.items()})
+        total += sum(math.prod(v["shape"]) for k, v in header.items() if k not in scales and not skip(k))
     if not total:
         raise SpecdecError(f"{path}: no safetensors weights")
     return total

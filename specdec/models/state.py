@@ -3,7 +3,7 @@ weights in int8, and loading a state dict that must match a module exactly."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
@@ -45,19 +45,22 @@ def read_tensors(directory: Path | str, keep: Callable[[str], bool] = lambda nam
     state: dict[str, torch.Tensor] = {}
     for f in sorted(Path(directory).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as sf:
-            names = set(sf.keys())
-            for n in names:
-                if keep(n) and not (n.endswith(SCALE) and n.removesuffix(SCALE) in names):
-                    t = sf.get_tensor(n)
-                    if t.dtype == torch.int8 and n + SCALE in names:
-                        t = t.float() * sf.get_tensor(n + SCALE)[:, None]
-                    state[n] = t
+            dtypes = {n: sf.get_slice(n).get_dtype() for n in sf.keys()}
+            scales = int8_scales(dtypes)
+            for n in dtypes:
+                if n in scales or not keep(n):
+                    continue
+                t = sf.get_tensor(n)
+                if n + SCALE in scales:
+                    t = t.float() * sf.get_tensor(n + SCALE)[:, None]
+                state[n] = t
     return state
 
 
-def is_scale(name: str) -> bool:
-    """Whether a stored tensor's name is an int8 weight's scales (not a parameter of its own)."""
-    return name.endswith(SCALE)
+def int8_scales(dtypes: Mapping[str, str]) -> set[str]:
+    """Which of a file's tensors (name -> safetensors dtype, e.g. "I8") are the scales of an int8-stored weight
+    (`quantize_int8`), not tensors of their own."""
+    return {n for n in dtypes if n.endswith(SCALE) and dtypes.get(n.removesuffix(SCALE)) == "I8"}
 
 
 def load_exact(module: nn.Module, state: dict[str, torch.Tensor], where: Path | str, what: str,

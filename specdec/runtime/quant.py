@@ -8,6 +8,8 @@ exactly the target's; a quantized draft only changes how often it is right.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -121,14 +123,13 @@ def q8_0_(module: nn.Module) -> nn.Module:
 
     from specdec.runtime.gguf_linear import GGUFLinear, for_this_cpu
 
-    for name, child in list(module.named_children()):
-        if (isinstance(child, nn.Linear) and child.weight.device.type == "cpu" and child.weight.dtype == torch.float32
-                and child.in_features % 32 == 0):
-            blocks = gguf.quants.quantize(child.weight.detach().numpy(), gguf.GGMLQuantizationType.Q8_0)
-            bias = None if child.bias is None else child.bias.detach()
-            setattr(module, name, for_this_cpu(GGUFLinear.from_blocks(blocks, "Q8_0", tuple(child.weight.shape), bias)))
-        else:
-            q8_0_(child)
+    def q8_0(lin: nn.Linear) -> nn.Module | None:
+        if lin.weight.dtype != torch.float32 or lin.in_features % 32:
+            return None
+        blocks = gguf.quants.quantize(lin.weight.detach().numpy(), gguf.GGMLQuantizationType.Q8_0)
+        bias = None if lin.bias is None else lin.bias.detach()
+        return for_this_cpu(GGUFLinear.from_blocks(blocks, "Q8_0", tuple(lin.weight.shape), bias))
+    _replace_linears(module, q8_0)
     return module
 
 
@@ -136,15 +137,19 @@ def quantize_(model: nn.Module, kind: str) -> nn.Module:
     """Weight-only quantization of every nn.Linear on the CPU in `model`, in place: int8, or int4 where the
     layer allows it (bf16, inputs a multiple of 64; int8 otherwise); `none` leaves the model as it is."""
     if kind != "none":
-        _quantize(model, kind)
+        _replace_linears(model, lambda lin: Int4Linear(lin) if kind == "int4" and Int4Linear.supports(lin)
+                         else Int8Linear(lin))
         release_free_memory()
     return model
 
 
-def _quantize(module: nn.Module, kind: str) -> None:
+def _replace_linears(module: nn.Module, make: Callable[[nn.Linear], nn.Module | None]) -> None:
+    """Each nn.Linear on the CPU (GPU layers stay) inside `module` becomes `make(linear)`, in place, unless that is
+    None."""
     for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear) and child.weight.device.type == "cpu":  # CPU kernels; GPU layers stay
-            four = kind == "int4" and Int4Linear.supports(child)
-            setattr(module, name, Int4Linear(child) if four else Int8Linear(child))
+        if isinstance(child, nn.Linear) and child.weight.device.type == "cpu":
+            new = make(child)
+            if new is not None:
+                setattr(module, name, new)
         else:
-            _quantize(child, kind)
+            _replace_linears(child, make)
