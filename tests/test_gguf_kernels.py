@@ -330,7 +330,7 @@ def test_model_from_gguf_blocks_matches_dequantized_model(tmp_path, lib, tied):
     """quantize_from_gguf: the model computing from the file's blocks against the same file dequantized to
     fp32 (what the checkpoint conversion gives): close logits, and where the greedy tokens differ (a random
     model has near-ties) the quantized model's choice is within 3% of the logit range of the best."""
-    from specdec.models.gguf_convert import _dequantize, config_from_gguf, hf_name, open_gguf
+    from specdec.models.gguf_convert import _dequantize, config_from_gguf, hf_names, open_gguf
     from specdec.models.gguf_quantized import GGUFEmbedding, quantize_from_gguf
     from specdec.models.transformer import Transformer, fuse_projections
     from specdec.runtime.kv_cache import KVCache
@@ -345,7 +345,8 @@ def test_model_from_gguf_blocks_matches_dequantized_model(tmp_path, lib, tied):
     quantize_from_gguf(qm, path, torch.float32, reader)
     assert isinstance(qm.model.embed_tokens, GGUFEmbedding)
     assert not any(isinstance(m, torch.nn.Linear) for m in qm.modules())  # every projection kept as blocks
-    state = fuse_projections({hf_name(t.name): torch.from_numpy(_dequantize(t, cfg)) for t in reader.tensors},
+    names = hf_names(reader, cfg)
+    state = fuse_projections({names[t.name]: torch.from_numpy(_dequantize(t, cfg)) for t in reader.tensors},
                              cfg.num_layers)
     if tied:
         state.pop("lm_head.weight", None)

@@ -156,7 +156,7 @@ def test_build_moves_into_place_with_progress(fake_build, capsys):
     assert path == fake_build / "bin" / key / "llama-server" and lb.installed(key) == path
     marker = json.loads((path.parent / lb.MARKER).read_text())
     assert "-DGGML_AMX_TILE=OFF" in marker["configure"] and "-DGGML_NATIVE=OFF" in marker["configure"]
-    assert marker["build"][-4:-2] == ["--target", "llama-server"] and marker["build"][-1] == str(lb.jobs())
+    assert marker["build"][-5:-2] == ["--target", *lb.TARGETS] and marker["build"][-1] == str(lb.jobs())
     err = capsys.readouterr().err
     assert "minutes on 2 cores" in err and "[ 50%] Building" in err and "built in" in err
     assert not list((fake_build / "bin").glob("*.tmp-*"))

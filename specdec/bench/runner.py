@@ -129,12 +129,15 @@ def _run_all(llm, methods: list[Method], prompts: list[Prompt], args: argparse.N
 
 def run_prompt(llm, method: Method, prompt: Prompt, max_tokens: int, temperature: float,
                seed: int | None) -> Output:
-    """All turns of a prompt; each later turn follows the method's own answer to the previous one."""
+    """All turns of a prompt; each later turn follows the method's own answer to the previous one. A model without a
+    chat template (a base model) reads the conversation as plain text, turns separated by blank lines."""
     messages: list[dict] = []
     outs = []
     for turn in prompt.turns:
         messages.append({"role": "user", "content": turn})
-        outs.append(method.generate(llm.encode_chat(messages), max_tokens, temperature, seed))
+        ids = (llm.encode_chat(messages) if llm.tokenizer.chat_template
+               else llm.encode("\n\n".join(m["content"] for m in messages)))
+        outs.append(method.generate(ids, max_tokens, temperature, seed))
         messages.append({"role": "assistant", "content": llm.tokenizer.decode(outs[-1].tokens)})
     return merge(outs)
 

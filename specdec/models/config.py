@@ -1,18 +1,18 @@
-"""Model configuration: one dataclass for every supported decoder-only family."""
+"""Model configuration: one dataclass for every supported decoder-only family (`models/families/`)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specdec.errors import SpecdecError
-
-# HF `model_type` values we run, mapped to the family that decides the layer details.
-SUPPORTED_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mimo": "qwen2"}
+from specdec.models import families
+from specdec.models.family import sliding_layers
 
 
 @dataclass
 class ModelConfig:
+    """Sizes plus the layer recipe; the recipe's defaults are Llama's, a family (`models/families/`) sets its own."""
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -25,24 +25,53 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
-    attention_bias: bool = False
+    attention_bias: bool = False   # q/k/v biases
     mlp_bias: bool = False
-    qk_norm: bool = False
+    qk_norm: str = ""              # "head": RMS norm of each head of q and k (Qwen3, Gemma 3); "full": all heads (OLMo 2)
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    family: str = "llama"
+    o_bias: bool = False
+    hidden_act: str = "silu"       # silu | gelu_tanh, on the gate of a gated MLP
+    norms: str = "pre"             # pre: x + f(norm(x)); sandwich: x + norm(f(norm(x))) (Gemma); post: x + norm(f(x))
+    norm_offset: float = 0.0       # RMS norm scales by (offset + weight): Gemma's 1
+    embed_scale: float = 1.0       # token embeddings times this (Gemma: sqrt(hidden), Granite: its multiplier)
+    residual_scale: float = 1.0    # each block's output times this before the residual add (Granite)
+    attn_scale: float | None = None  # attention score scale, None: head_dim ** -0.5
+    attn_softcap: float | None = None   # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2/3)
+    logit_divisor: float = 1.0     # logits divided by this (Granite's logits_scaling)
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None  # per layer "sliding_attention" | "full_attention"; None: all full
+    rope_local_theta: float | None = None       # rope base of sliding layers where it differs (Gemma 3), unscaled
+    no_rope_layers: tuple[int, ...] = ()        # layers without rotary embeddings (SmolLM3)
+    rope_freq_factors: tuple[float, ...] | None = None  # divide each inverse frequency (GGUF rope_freqs, longrope)
+
+    def __post_init__(self):
+        if self.qk_norm is True or self.qk_norm is False:  # the older boolean form: per-head norms or none
+            self.qk_norm = "head" if self.qk_norm else ""
+        if self.layer_types is not None:
+            self.layer_types = tuple(self.layer_types)
+        if self.rope_freq_factors is not None:
+            self.rope_freq_factors = tuple(self.rope_freq_factors)
+        self.no_rope_layers = tuple(self.no_rope_layers)
+
+    def sliding(self, layer: int) -> bool:
+        return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
 
     @property
-    def family(self) -> str:
-        return SUPPORTED_TYPES[self.model_type]
+    def plain_layers(self) -> bool:
+        """Whether every layer is the Llama recipe the C layer kernel runs (`runtime/layer_kernel.py`)."""
+        return (self.norms == "pre" and self.hidden_act == "silu" and not self.qk_norm and self.attn_scale is None
+                and self.attn_softcap is None and self.residual_scale == 1.0 and self.norm_offset == 0.0
+                and self.layer_types is None and not self.no_rope_layers and self.rope_local_theta is None)
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "ModelConfig":
-        model_type = d.get("model_type", "")
-        if model_type not in SUPPORTED_TYPES:
-            raise SpecdecError(
-                f"unsupported architecture {model_type!r} (supported: {', '.join(sorted(SUPPORTED_TYPES))})"
-            )
+        if "specdec" in d:  # written by `to_hf_dict`: every field as it was
+            return cls(**d["specdec"])
+        fam = families.by_hf_type(d.get("model_type", ""))
         heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
@@ -50,9 +79,9 @@ class ModelConfig:
         rope_theta = d.get("rope_theta") or (rope_scaling or {}).get("rope_theta") or 10000.0
         if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type", "default")) == "default":
             rope_scaling = None
-        family = SUPPORTED_TYPES[model_type]
-        return cls(
-            model_type=model_type,
+        window, types = sliding_layers(d, d["num_hidden_layers"])
+        fields = dict(
+            model_type=d["model_type"],
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"],
@@ -64,21 +93,26 @@ class ModelConfig:
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
-            attention_bias=True if family == "qwen2" else bool(d.get("attention_bias", False)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            o_bias=bool(d.get("attention_bias", False)),
             mlp_bias=bool(d.get("mlp_bias", False)),
-            qk_norm=family == "qwen3",
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            sliding_window=window,
+            layer_types=types,
+            family=fam.name,
         )
+        return cls(**{**fields, **fam.recipe, **fam.hf_fields(d)})
 
-    def to_hf_dict(self) -> dict:
-        """A config.json that `transformers` (and we) can read back."""
-        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "mimo": "MiMoForCausalLM"}[self.model_type]
+    def to_hf_dict(self, exact: bool = False) -> dict:
+        """A config.json that `transformers` reads as this family's config (the common keys); `exact`: every field
+        under "specdec" too, so that we read it back as it is (a converted GGUF's recipe has no HF keys)."""
+        fam = families.by_name(self.family)
         d = {
-            "architectures": [arch], "model_type": self.model_type, "vocab_size": self.vocab_size,
+            "architectures": [fam.hf_types.get(self.model_type, next(iter(fam.hf_types.values())))],
+            "model_type": self.model_type if self.model_type in fam.hf_types else next(iter(fam.hf_types)),
+            "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
@@ -87,9 +121,9 @@ class ModelConfig:
             "attention_bias": self.attention_bias, "mlp_bias": self.mlp_bias,
             "tie_word_embeddings": self.tie_word_embeddings, "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else self.eos_token_ids,
-            "hidden_act": "silu",
+            "hidden_act": "gelu_pytorch_tanh" if self.hidden_act == "gelu_tanh" else "silu",
         }
-        return d
+        return {**d, "specdec": asdict(self)} if exact else d
 
     @classmethod
     def from_file(cls, path: Path) -> "ModelConfig":

@@ -73,7 +73,8 @@ class BlockConfig:
     def for_target(cls, t: ModelConfig, num_layers: int = 5, block_size: int = 8, mask_token_id: int = 0,
                    dspark: bool = False, markov_rank: int = 256) -> BlockConfig:
         """A draft shaped like the target's layers, features spread as DFlash's `build_target_layer_ids`."""
-        layer = replace(t, model_type="qwen3", num_layers=num_layers, qk_norm=True, attention_bias=False)
+        layer = replace(t, model_type="qwen3", family="qwen3", num_layers=num_layers, qk_norm="head",
+                        attention_bias=False, o_bias=False)
         return cls(layer, default_features(t.num_layers, num_layers), block_size, mask_token_id,
                    sample_from_anchor=dspark, markov_rank=markov_rank if dspark else 0, confidence=dspark)
 

@@ -165,7 +165,7 @@ class Eagle3Layer(nn.Module):
         self.self_attn = Eagle3Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(SimpleNamespace(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                                       mlp_bias=False))
+                                       mlp_bias=False, hidden_act="silu"))
 
     def inputs(self, emb: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         """[B, T, H] x 2 -> the attention input [B, T, 2H]."""

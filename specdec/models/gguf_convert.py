@@ -28,33 +28,31 @@ from unittest import mock
 import numpy as np
 
 from specdec.errors import SpecdecError
+from specdec.models import families
 from specdec.models.config import ModelConfig
 
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight", "attn_output.bias": "self_attn.o_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-              "output.weight": "lm_head.weight"}
-_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 MARKER = "specdec-converted.json"  # written last: {"sha256": GGUF's SHA-256}
 PARTIAL = ".partial"               # temp dirs `HOST.PID.RANDOM` of conversions under way
 STALE_S = 6 * 3600
 
 
-def hf_name(name: str) -> str:
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    parts = name.split(".", 2)
-    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
-    raise SpecdecError(f"unsupported GGUF tensor {name!r}")
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")  # read into the config
+
+
+def hf_names(reader, cfg: ModelConfig) -> dict[str, str]:
+    """GGUF tensor name -> Hugging Face parameter name, for every tensor of the file but the rope factors (held by
+    the config); a tensor the family does not know is a one-line error."""
+    arch = _field(reader, "general.architecture")
+    base = families.by_name(cfg.family).gguf_tensor_names(arch, cfg.num_layers)
+    names = {}
+    for t in reader.tensors:
+        if t.name in ROPE_TENSORS:
+            continue
+        stem, _, kind = t.name.rpartition(".")
+        if stem not in base:
+            raise SpecdecError(f"unsupported GGUF tensor {t.name!r} for architecture {arch!r}")
+        names[t.name] = f"{base[stem]}.{kind}"
+    return names
 
 
 def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -107,34 +105,57 @@ def meta_number(value, key: str, path: Path, kind: type = int) -> int | float:
 
 
 def config_from_gguf(reader, path: Path) -> ModelConfig:
+    """The model's config from GGUF metadata: the common keys here, the family's own through its `gguf_fields`."""
     arch = _field(reader, "general.architecture")
-    if arch not in _ARCHS:
-        raise SpecdecError(f"{path}: unsupported architecture {arch!r} (supported: {', '.join(_ARCHS)})")
+    try:
+        fam = families.by_gguf_arch(arch)
+    except SpecdecError as e:
+        raise SpecdecError(f"{path}: {e}") from None
     g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
     num = lambda k, d=None, kind=int: meta_number(g(k, d), f"{arch}.{k}", path, kind)  # noqa: E731
     names = {t.name: t for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise SpecdecError(f"{path}: GGUF with rope_freqs (llama3 rope scaling) is not supported yet")
     if "token_embd.weight" not in names:
         raise SpecdecError(f"{path}: GGUF has no token_embd.weight tensor")
     hidden, heads = num("embedding_length"), num("attention.head_count")
-    rope_scaling = None
-    if g("rope.scaling.type") not in (None, "none"):
-        rope_scaling = {"rope_type": g("rope.scaling.type"), "factor": num("rope.scaling.factor", kind=float),
-                        "original_max_position_embeddings": int(g("rope.scaling.original_context_length", 0))}
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        model_type=_ARCHS[arch], vocab_size=int(names["token_embd.weight"].shape[1]), hidden_size=hidden,
-        intermediate_size=num("feed_forward_length"), num_layers=num("block_count"), num_heads=heads,
-        num_kv_heads=num("attention.head_count_kv", heads), head_dim=num("attention.key_length", hidden // heads),
-        max_position_embeddings=num("context_length", 4096),
+    fields = dict(
+        model_type=next(iter(fam.hf_types)), family=fam.name, vocab_size=int(names["token_embd.weight"].shape[1]),
+        hidden_size=hidden, intermediate_size=num("feed_forward_length"), num_layers=num("block_count"),
+        num_heads=heads, num_kv_heads=num("attention.head_count_kv", heads),
+        head_dim=num("attention.key_length", hidden // heads), max_position_embeddings=num("context_length", 4096),
         rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=num("rope.freq_base", 10000.0, float), rope_scaling=rope_scaling,
-        attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in names,
-        qk_norm=arch == "qwen3", tie_word_embeddings="output.weight" not in names,
+        rope_theta=num("rope.freq_base", 10000.0, float), rope_scaling=_rope_scaling(reader, arch, path),
+        rope_freq_factors=_factors(names.get("rope_freqs.weight")),
+        attention_bias="blk.0.attn_q.bias" in names or "blk.0.attn_qkv.bias" in names,
+        o_bias="blk.0.attn_output.bias" in names, mlp_bias="blk.0.ffn_down.bias" in names,
+        tie_word_embeddings="output.weight" not in names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [int(eos)],
     )
+    fields.update(fam.recipe)
+    fields.update(fam.gguf_fields(g))
+    return ModelConfig(**fields)
+
+
+def _factors(t) -> tuple[float, ...] | None:
+    return None if t is None else tuple(float(x) for x in np.asarray(t.data, dtype=np.float32).reshape(-1))
+
+
+def _rope_scaling(reader, arch: str, path: Path) -> dict | None:
+    """HF-style rope scaling from GGUF metadata: linear / yarn from `rope.scaling.*`, longrope from the
+    `rope_factors_*` tensors (Phi-3); None for none (llama3 scaling arrives as the `rope_freqs` tensor)."""
+    g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
+    tensors = {t.name: t for t in reader.tensors}
+    orig = int(g("rope.scaling.original_context_length", 0))
+    if "rope_factors_short.weight" in tensors:
+        return {"rope_type": "longrope", "short_factor": list(_factors(tensors["rope_factors_short.weight"])),
+                "long_factor": list(_factors(tensors["rope_factors_long.weight"])),
+                "original_max_position_embeddings": orig, "attention_factor": g("rope.scaling.attn_factor")}
+    kind = g("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    return {"rope_type": kind, "factor": meta_number(g("rope.scaling.factor"), f"{arch}.rope.scaling.factor", path,
+                                                    float), "original_max_position_embeddings": orig}
 
 
 def is_converted(out_dir: Path, sha256: str) -> bool:
@@ -152,7 +173,7 @@ def convert_gguf(path: Path, out_dir: Path, sha256: str, progress: bool = True) 
     try:
         with _temp_dir(out_dir.parent) as tmp:
             _write_weights(reader, cfg, tmp / "model.safetensors", f"dequantize {path.name}", progress)
-            (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+            (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(exact=True), indent=2))
             _save_tokenizer(path, tmp)
             (tmp / MARKER).write_text(json.dumps({"sha256": sha256, "source": str(path)}))
             _publish(tmp, out_dir, sha256)
@@ -166,27 +187,37 @@ def _write_weights(reader, cfg: ModelConfig, dest: Path, desc: str, progress: bo
     from tqdm import tqdm
 
     header, offset = {}, 0
-    for t in reader.tensors:
+    names = hf_names(reader, cfg)
+    tensors = [t for t in reader.tensors if t.name in names]
+    for t in tensors:
         shape = [int(x) for x in reversed(t.shape)]  # GGUF lists ne0 (the row length) first
         n_bytes = 4 * math.prod(shape)
-        header[hf_name(t.name)] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + n_bytes]}
+        header[names[t.name]] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + n_bytes]}
         offset += n_bytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
     with open(dest, "wb") as f:
         f.write(struct.pack("<Q", len(head)) + head)
-        for t in tqdm(reader.tensors, desc=desc, unit="tensor", disable=not progress):
+        for t in tqdm(tensors, desc=desc, unit="tensor", disable=not progress):
             f.write(_dequantize(t, cfg).data)
 
 
 def _dequantize(t, cfg: ModelConfig) -> np.ndarray:
-    """One GGUF tensor as contiguous float32 [rows, ne0] (or [ne0]), llama's q/k permutation undone."""
+    """One GGUF tensor as contiguous float32 [rows, ne0] (or [ne0]) as the Hugging Face checkpoint holds it: the
+    converter's q/k row interleave undone, its norm shift (Gemma's + 1) taken off."""
     import gguf
 
     w = gguf.quants.dequantize(t.data, t.tensor_type)
-    if cfg.model_type == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+    if permuted(t.name, cfg):
         w = unpermute(w, cfg.num_heads if t.name.endswith("attn_q.weight") else cfg.num_kv_heads)
+    if cfg.norm_offset and t.name.endswith("norm.weight"):
+        w = w - np.float32(cfg.norm_offset)
     return np.ascontiguousarray(w, dtype=np.float32)
+
+
+def permuted(name: str, cfg: ModelConfig) -> bool:
+    """Whether llama.cpp's converter interleaved this tensor's rows for rotary (q/k of llama-style families)."""
+    return families.by_name(cfg.family).permute_qk and name.endswith(("attn_q.weight", "attn_k.weight"))
 
 
 @contextmanager
@@ -244,17 +275,25 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _save_tokenizer(gguf_path: Path, out: Path) -> None:
+    """The GGUF's tokenizer, built by transformers from the file's `tokenizer.ggml.*` metadata. transformers builds it
+    from those keys alone (`tokenizer.ggml.model`, `.pre`) but refuses architectures whose weights it cannot load
+    (granite, olmo2, smollm3, ...): those are let through its check, the tokenizer being the same either way."""
     import logging
 
     from transformers import AutoTokenizer
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     logging.getLogger("transformers").setLevel(logging.ERROR)
     import gguf
 
+    reader = fast_reader_class()
+    arch = str(_field(open_gguf(gguf_path), "general.architecture"))
+    archs = [*hf_gguf.GGUF_SUPPORTED_ARCHITECTURES, arch]
     try:
-        with mock.patch.object(gguf, "GGUFReader", fast_reader_class()):  # what transformers opens the file with
+        with (mock.patch.object(gguf, "GGUFReader", reader),  # what transformers opens the file with
+              mock.patch.object(hf_gguf, "GGUF_SUPPORTED_ARCHITECTURES", archs)):
             tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception as e:
         raise SpecdecError(f"{gguf_path}: cannot build its tokenizer ({type(e).__name__}: {e})") from None

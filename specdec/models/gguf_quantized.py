@@ -24,7 +24,7 @@ from torch import nn
 
 from specdec.errors import SpecdecError
 from specdec.models.config import ModelConfig
-from specdec.models.gguf_convert import config_from_gguf, hf_name, open_gguf, unpermute
+from specdec.models.gguf_convert import config_from_gguf, hf_names, open_gguf, permuted, unpermute
 from specdec.models.transformer import FUSED, Transformer
 from specdec.runtime import kernels as K
 from specdec.runtime.gguf_linear import GGUFConcatLinear, GGUFLinear, for_this_cpu
@@ -47,7 +47,7 @@ class GGUFEmbedding(nn.Module):
 def _linear(t, cfg: ModelConfig, reader, bias: torch.Tensor | None = None) -> GGUFLinear:
     out, inp = int(t.shape[1]), int(t.shape[0])  # GGUF lists ne0 (the row length) first
     data = t.data.reshape(out, -1)
-    if cfg.model_type == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+    if permuted(t.name, cfg):
         data = np.ascontiguousarray(unpermute(data, cfg.num_heads if "attn_q" in t.name else cfg.num_kv_heads))
     blocks = torch.from_numpy(data) if data.flags.writeable else _readonly_view(data)
     lin = for_this_cpu(GGUFLinear(blocks, int(t.tensor_type), inp, out, bias))
@@ -92,7 +92,8 @@ def quantize_from_gguf(model: Transformer, gguf_path: Path | str, dtype: torch.d
     path = Path(gguf_path)
     reader = reader or open_gguf(path)
     cfg = model.config
-    tensors = {hf_name(t.name): t for t in reader.tensors}
+    names = hf_names(reader, cfg)
+    tensors = {names[t.name]: t for t in reader.tensors if t.name in names}
     kernel_types = set(K.BLOCK)
     state: dict[str, torch.Tensor] = {}
 
@@ -100,38 +101,26 @@ def quantize_from_gguf(model: Transformer, gguf_path: Path | str, dtype: torch.d
         t = tensors.get(name)
         return t is not None and int(t.tensor_type) in kernel_types
 
-    def bias_of(name: str) -> torch.Tensor | None:
-        b = tensors.get(name)
-        return None if b is None else _dense(b, cfg, dtype)
+    def dense(name: str) -> torch.Tensor:
+        return _dense(tensors[name], cfg, dtype)
 
-    for i in range(cfg.num_layers):
-        pre = f"model.layers.{i}."
-        layer = model.model.layers[i]
-        for fused, parts in FUSED.items():
-            names = [f"{pre}{p}.weight" for p in parts]
-            owner_name, attr = fused.split(".")
-            owner = getattr(layer, owner_name)
-            if all(quantized(n) for n in names):
-                lins = [_linear(tensors[n], cfg, reader, bias_of(n[:-len("weight")] + "bias")) for n in names]
-                setattr(owner, attr, GGUFConcatLinear(lins))
-            else:  # dense in dtype, fused as the checkpoint loader does
-                for kind in ("weight", "bias"):
-                    ns = [f"{pre}{p}.{kind}" for p in parts]
-                    if all(n in tensors for n in ns):
-                        state[f"{pre}{fused}.{kind}"] = torch.cat([_dense(tensors[n], cfg, dtype) for n in ns])
-        for sub in ("self_attn.o_proj", "mlp.down_proj"):
-            name = f"{pre}{sub}.weight"
-            owner_name, attr = sub.split(".")
-            if quantized(name):
-                setattr(getattr(layer, owner_name), attr,
-                        _linear(tensors[name], cfg, reader, bias_of(f"{pre}{sub}.bias")))
-            else:
-                state[name] = _dense(tensors[name], cfg, dtype)
-                if f"{pre}{sub}.bias" in tensors:
-                    state[f"{pre}{sub}.bias"] = _dense(tensors[f"{pre}{sub}.bias"], cfg, dtype)
-        for name, t in tensors.items():  # norms
-            if name.startswith(pre) and "norm" in name:
-                state[name] = _dense(t, cfg, dtype)
+    for name, module in list(model.model.layers.named_modules(prefix="model.layers")):
+        if not isinstance(module, nn.Linear):
+            continue
+        parts = _parts(name, tensors)  # the file's tensors whose rows make this module's weight, in order
+        biases = [f"{p}.bias" for p in parts if f"{p}.bias" in tensors]
+        owner, attr = name.rsplit(".", 1)
+        if all(quantized(f"{p}.weight") for p in parts):
+            lins = [_linear(tensors[f"{p}.weight"], cfg, reader, dense(f"{p}.bias") if f"{p}.bias" in tensors
+                            else None) for p in parts]
+            setattr(model.get_submodule(owner), attr, lins[0] if len(lins) == 1 else GGUFConcatLinear(lins))
+            continue
+        state[f"{name}.weight"] = torch.cat([dense(f"{p}.weight") for p in parts])
+        if biases:
+            state[f"{name}.bias"] = torch.cat([dense(b) for b in biases])
+    for name in tensors:  # norms
+        if name.startswith("model.layers.") and "norm" in name:
+            state[name] = dense(name)
 
     emb = "model.embed_tokens.weight"
     if quantized(emb):
@@ -145,7 +134,7 @@ def quantize_from_gguf(model: Transformer, gguf_path: Path | str, dtype: torch.d
         model.lm_head = table if head == emb else _linear(tensors[head], cfg, reader)
     else:
         state["lm_head.weight"] = state[emb] if head == emb else _dense(tensors[head], cfg, dtype)
-    state["model.norm.weight"] = _dense(tensors["model.norm.weight"], cfg, dtype)
+    state["model.norm.weight"] = dense("model.norm.weight")
 
     dense_types = {tensors[n].tensor_type.name for n in tensors if len(tensors[n].shape) > 1 and not quantized(n)}
     model.gguf_dense_types = sorted(dense_types)  # matrices of types the kernels do not take: held dense in dtype
@@ -156,6 +145,15 @@ def quantize_from_gguf(model: Transformer, gguf_path: Path | str, dtype: torch.d
         raise SpecdecError(f"{path}: tensors do not match the model (unexpected {unexpected[:3]}, "
                            f"not loaded {left[:3]})")
     return model.eval()
+
+
+def _parts(module: str, tensors: dict) -> list[str]:
+    """The file's tensors (names without .weight) that make up our module `module`: itself where the file holds it
+    fused (Phi-3's qkv_proj, gate_up_proj), else its parts in order (`transformer.FUSED`)."""
+    sub = module.partition(".layers.")[2].partition(".")[2]  # "self_attn.qkv_proj"
+    if f"{module}.weight" in tensors or sub not in FUSED:
+        return [module]
+    return [module.removesuffix(sub) + part for part in FUSED[sub]]
 
 
 def densify(module: nn.Module, dtype: torch.dtype) -> nn.Module:

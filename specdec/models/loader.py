@@ -81,14 +81,19 @@ def _content_sha(path: Path) -> str:
 
 
 def converted_gguf(path: Path, progress: bool = True) -> Path:
-    """Convert a GGUF file once; later calls reuse the conversion cached under its content's SHA-256."""
+    """Convert a GGUF file once; later calls reuse the conversion cached under its content's SHA-256. Two processes
+    converting the same file take turns (a lock per conversion), so the second finds the first's."""
     from specdec.models.gguf_convert import convert_gguf, is_converted
+    from specdec.paths import file_lock
 
     sha = _content_sha(path)
     out = home() / "converted" / f"{path.stem}-{sha[:16]}"
     if is_converted(out, sha):
         return out
-    return convert_gguf(path, out, sha, progress=progress)
+    with file_lock(home() / "locks" / f"{out.name}.lock", "waiting for another conversion" if progress else ""):
+        if is_converted(out, sha):
+            return out
+        return convert_gguf(path, out, sha, progress=progress)
 
 
 def gguf_tokenizer(path: Path, sha: str | None = None) -> Path:

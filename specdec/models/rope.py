@@ -1,4 +1,4 @@
-"""Rotary position embeddings with the scaling variants HF configs use (linear, llama3, yarn)."""
+"""Rotary position embeddings with the scaling variants HF configs use (linear, llama3, yarn, longrope)."""
 from __future__ import annotations
 
 import math
@@ -48,9 +48,22 @@ def _yarn(base: float, dim: int, p: dict, max_pos: int) -> tuple[torch.Tensor, f
     return inv, float(attn)
 
 
-def inv_freq_and_scale(head_dim: int, theta: float, scaling: dict | None, max_pos: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim/2] and the attention scale applied to cos/sin."""
+def _longrope(inv: torch.Tensor, p: dict, max_pos: int) -> tuple[torch.Tensor, float]:
+    """Phi-3's longrope with its short factors (HF's choice for sequences within the original context; llama.cpp's
+    at its default context)."""
+    orig = p["original_max_position_embeddings"]
+    factor = p.get("factor") or max_pos / orig
+    attn = p.get("attention_factor") or (1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig)))
+    return inv / torch.tensor(p["short_factor"], dtype=torch.float32), float(attn)
+
+
+def inv_freq_and_scale(head_dim: int, theta: float, scaling: dict | None, max_pos: int,
+                       factors: tuple[float, ...] | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim/2] and the attention scale applied to cos/sin; `factors` divide the inverse
+    frequencies (a GGUF's `rope_freqs`, llama.cpp's form of llama3 scaling)."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if factors is not None:
+        inv = inv / torch.tensor(factors, dtype=torch.float32)
     if not scaling:
         return inv, 1.0
     kind = scaling.get("rope_type", scaling.get("type"))
@@ -60,14 +73,17 @@ def inv_freq_and_scale(head_dim: int, theta: float, scaling: dict | None, max_po
         return _llama3(inv, scaling), 1.0
     if kind == "yarn":
         return _yarn(theta, head_dim, scaling, max_pos)
-    raise SpecdecError(f"unsupported rope scaling {kind!r} (supported: linear, llama3, yarn)")
+    if kind == "longrope":
+        return _longrope(inv, scaling, max_pos)
+    raise SpecdecError(f"unsupported rope scaling {kind!r} (supported: linear, llama3, yarn, longrope)")
 
 
 class Rotary:
     """cos/sin tables, grown on demand, indexed by absolute position."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_pos: int):
-        self.inv_freq, self.scale = inv_freq_and_scale(head_dim, theta, scaling, max_pos)
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_pos: int,
+                 factors: tuple[float, ...] | None = None):
+        self.inv_freq, self.scale = inv_freq_and_scale(head_dim, theta, scaling, max_pos, factors)
         self.cos = self.sin = torch.empty(0, head_dim)
 
     def _grow(self, n: int, device: torch.device) -> None:

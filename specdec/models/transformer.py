@@ -23,49 +23,59 @@ from specdec.runtime.layer_kernel import LayerKernel, LayerStack, StepArgs, step
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """x / rms(x) * (offset + weight); offset 1 is Gemma's form (its weights are stored as weight - 1)."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fast = small_ops.rms_norm(x, self.weight, self.eps)
+        w = self.weight if not self.offset else self.offset + self.weight
+        fast = small_ops.rms_norm(x, w, self.eps)
         if fast is not None:
             return fast
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return w * h.to(x.dtype)
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer, self.cfg = layer, cfg
-        hd, bias = cfg.head_dim, cfg.attention_bias
+        hd = cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)  # q, k, v fused
-        self.o_proj = nn.Linear(cfg.num_heads * hd, cfg.hidden_size, bias=cfg.attention_bias and cfg.family != "qwen2")
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)  # q, k, v
+        self.o_proj = nn.Linear(cfg.num_heads * hd, cfg.hidden_size, bias=cfg.o_bias)
+        self.sliding = cfg.sliding(layer)  # attends to the last `cfg.sliding_window` positions only
+        self.rope = layer not in cfg.no_rope_layers
+        if cfg.qk_norm:  # "head": one norm shared by every head; "full": over all heads at once (OLMo 2)
+            full = cfg.qk_norm == "full"
+            self.q_norm = RMSNorm(self.q_size if full else hd, cfg.rms_norm_eps, cfg.norm_offset)
+            self.k_norm = RMSNorm(self.kv_size if full else hd, cfg.rms_norm_eps, cfg.norm_offset)
 
     def forward(self, x: torch.Tensor, batch: "Batch", cache: KVCache) -> torch.Tensor:
         B, T, _ = x.shape
         c, hd = self.cfg, self.cfg.head_dim
         qkv = self.qkv_proj(x)  # [B, T, q + 2 kv]
-        roped = not c.qk_norm and small_ops.rope_(qkv, c.num_heads + c.num_kv_heads, hd, batch.cos, batch.sin)
+        cos, sin = batch.rotary(self.sliding)
+        roped = self.rope and not c.qk_norm and small_ops.rope_(qkv, c.num_heads + c.num_kv_heads, hd, cos, sin)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if c.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(B, T, c.num_heads, hd)
         k = k.reshape(B, T, c.num_kv_heads, hd)
         v = v.reshape(B, T, c.num_kv_heads, hd)
-        if c.qk_norm:
+        if c.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
-        if not roped:
-            q, k = apply_rotary(q, batch.cos, batch.sin), apply_rotary(k, batch.cos, batch.sin)
+        if self.rope and not roped:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         cache.write(self.layer, batch.slots, batch.cache_index, k, v, batch.write_span)
         keys, values = cache.read(self.layer, batch.slots, batch.kv_len)  # [B, kv_heads, S, hd]
-        out = attention(q, keys, values, batch.mask)  # [B, T, heads, hd]
+        mask = batch.local_mask if self.sliding and batch.local_mask is not None else batch.mask
+        out = attention(q, keys, values, mask, c.attn_scale, c.attn_softcap)  # [B, T, heads, hd]
         return self.o_proj(out.reshape(B, T, c.num_heads * hd))
 
 
@@ -75,36 +85,64 @@ class MLP(nn.Module):
         b = cfg.mlp_bias
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=b)  # gate, up fused
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=b)
+        self.gelu = cfg.hidden_act == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        act = small_ops.silu_mul(gate_up)
+        act = None if self.gelu else small_ops.silu_mul(gate_up)
         if act is None:
             gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate) * up
+            act = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
         return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):
+    """Attention then MLP, each `x + scale * after(f(before(x)))` with the family's norms around f (`cfg.norms`):
+    pre (Llama): before = input_layernorm / post_attention_layernorm; sandwich (Gemma): also after =
+    post_attention_layernorm / post_feedforward_layernorm, before the MLP pre_feedforward_layernorm; post (OLMo 2):
+    after only. The names are the checkpoints'."""
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer)
         self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)  # noqa: E731
+        if cfg.norms != "post":
+            self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
+        if cfg.norms == "sandwich":
+            self.pre_feedforward_layernorm = norm()
+        if cfg.norms != "pre":
+            self.post_feedforward_layernorm = norm()
+        self.norms, self.residual_scale = cfg.norms, cfg.residual_scale
+        self.plain = cfg.plain_layers
         self._layer_kernel: tuple | None = None  # see _kernel
 
     def forward(self, x: torch.Tensor, batch: "Batch", cache: KVCache) -> torch.Tensor:
-        if batch.fast is not None:  # decode / verification on the CPU: the whole layer in one C call, same bits
+        if batch.fast is not None and self.plain:  # decode / verification on the CPU: the layer in one C call
             lk = self._kernel()
             out = None if lk is None else lk.run(x, batch.fast, self.self_attn.layer, cache)
             if out is not None:
                 return out
-        x = x + self.self_attn(self.input_layernorm(x), batch, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        get = lambda name: getattr(self, name, None)  # noqa: E731
+        if self.norms == "pre":
+            around = ((get("input_layernorm"), None), (self.post_attention_layernorm, None))
+        else:
+            around = ((get("input_layernorm"), self.post_attention_layernorm),
+                      (get("pre_feedforward_layernorm"), self.post_feedforward_layernorm))
+        x = self._block(x, lambda h: self.self_attn(h, batch, cache), *around[0])
+        return self._block(x, self.mlp, *around[1])
+
+    def _block(self, x: torch.Tensor, f, before: nn.Module | None, after: nn.Module | None) -> torch.Tensor:
+        h = f(x if before is None else before(x))
+        h = h if after is None else after(h)
+        return x + (h if self.residual_scale == 1.0 else h * self.residual_scale)
 
     def _kernel(self) -> LayerKernel | None:
-        """This layer's C form (`runtime.layer_kernel`), described once; None where it cannot run here."""
+        """This layer's C form (`runtime.layer_kernel`), described once; None where it cannot run here (a recipe
+        other than Llama's, or weights the kernels do not take)."""
+        if not self.plain:
+            return None
         a, m = self.self_attn, self.mlp
         modules = (self.input_layernorm, self.post_attention_layernorm, a.qkv_proj, a.o_proj, m.gate_up_proj,
                    m.down_proj)
@@ -123,7 +161,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
 
 
 @dataclass
@@ -137,12 +175,20 @@ class Batch:
     kv_len: int                # keys read per sequence
     write_span: tuple[int, int, int] | None  # (slot, start, end) for a contiguous single-sequence write
     fast: StepArgs | None = None  # the step as the C decoder layers take it (`layer_kernel.step_args`)
+    local_mask: torch.Tensor | None = None  # [B, 1, T, kv_len] the mask of sliding-window layers, where it differs
+    cos_local: torch.Tensor | None = None   # [B, 1, T, hd] sliding layers' own rotary tables (Gemma 3), or None
+    sin_local: torch.Tensor | None = None
+
+    def rotary(self, sliding: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) for a layer: its own tables where sliding layers have them."""
+        return (self.cos_local, self.sin_local) if sliding and self.cos_local is not None else (self.cos, self.sin)
 
     def to(self, device: torch.device) -> "Batch":
         """The same batch with its tensors on `device` (a model split across devices)."""
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return Batch(move(self.slots), move(self.cache_index), move(self.cos), move(self.sin), move(self.mask),
-                     self.kv_len, self.write_span)
+                     self.kv_len, self.write_span, None, move(self.local_mask), move(self.cos_local),
+                     move(self.sin_local))
 
 
 FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -169,7 +215,10 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         with torch.device("cpu"):  # tables are built on the host even when the model is created on meta
-            self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+            self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings,
+                                 cfg.rope_freq_factors)
+            self.rotary_local = None if cfg.rope_local_theta is None else Rotary(
+                cfg.head_dim, cfg.rope_local_theta, None, cfg.max_position_embeddings)
         self.split = False  # layers on more than one device (`place`)
 
     def keep_head_rows(self, n: int) -> None:
@@ -197,7 +246,9 @@ class Transformer(nn.Module):
         for name, device in devices.items():
             self.get_submodule(name).to(device)
         head = self.model.norm.weight.device  # the final norm goes with the LM head
-        self.rotary.cos, self.rotary.sin = self.rotary.cos.to(self.device), self.rotary.sin.to(self.device)
+        for rotary in (self.rotary, self.rotary_local):
+            if rotary is not None:
+                rotary.cos, rotary.sin = rotary.cos.to(self.device), rotary.sin.to(self.device)
         self.split = len({str(d) for d in self.layer_devices} | {str(self.device), str(head)}) > 1
         return self
 
@@ -266,9 +317,12 @@ class Transformer(nn.Module):
         if mask is None and tokens.numel() > 1:
             key_pos = torch.arange(kv_len, device=tokens.device)
             mask = (key_pos[None, None, :] <= cache_index[:, :, None]).unsqueeze(1)
-        x = self.model.embed_tokens(tokens) if resume is None else resume
+        x = self.embed(tokens) if resume is None else resume
         cos, sin = self.rotary.tables(positions, x.dtype)
         batch = Batch(slots, cache_index, cos, sin, mask, kv_len, KVCache.span(slots, cache_index))
+        batch.local_mask = self._local_mask(positions, mask, kv_len)
+        if self.rotary_local is not None:
+            batch.cos_local, batch.sin_local = self.rotary_local.tables(positions, x.dtype)
         batch.fast = None if self.split else step_args(x, batch)
         hidden: dict[int, torch.Tensor] = {}
         batches = {x.device: batch}
@@ -292,4 +346,32 @@ class Transformer(nn.Module):
         x = self.model.norm(x)
         if logits_index is not None:
             x = x.reshape(-1, x.shape[-1])[logits_index]
-        return self.lm_head(x).float(), hidden
+        return self.logits(x), hidden
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] -> the residual stream entering layer 0 [B, T, H] (token embeddings, times the family's
+        scale)."""
+        x = self.model.embed_tokens(tokens)
+        scale = self.config.embed_scale
+        return x if scale == 1.0 else x * torch.tensor(scale, dtype=x.dtype)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states [..., H] -> float32 logits [..., V] (the family's divisor and soft cap)."""
+        c = self.config
+        out = self.lm_head(x).float()
+        if c.logit_divisor != 1.0:
+            out = out / c.logit_divisor
+        if c.final_softcap:
+            out = torch.tanh(out / c.final_softcap) * c.final_softcap
+        return out
+
+    def _local_mask(self, positions: torch.Tensor, mask: torch.Tensor | None, kv_len: int) -> torch.Tensor | None:
+        """Sliding-window layers' mask [B, 1, T, kv_len]: `mask` (None: every key) and keys within the window of each
+        query's position; None where no query reaches past its window (then `mask` serves every layer). A key's
+        position is its cache slot (equal for committed tokens; a draft's slot is never below its position)."""
+        w = self.config.sliding_window
+        if w is None or int(positions.max()) < w:
+            return None
+        key_pos = torch.arange(kv_len, device=positions.device)
+        near = (key_pos[None, None, :] > positions[:, :, None] - w).unsqueeze(1)  # [B, 1, T, kv_len]
+        return near if mask is None else near & mask

@@ -245,15 +245,17 @@ def _blocks(t: TensorSpec, x16: bool) -> int:
 
 def _fused(spec: ModelSpec) -> list[tuple[list[TensorSpec], list[TensorSpec]]]:
     """(weights, biases) of every group the loader fuses into one linear (`transformer.FUSED`), per layer."""
-    from specdec.models.gguf_convert import hf_name
+    from specdec.models import families
     from specdec.models.transformer import FUSED
 
+    try:  # GGUF names -> Hugging Face names; a checkpoint's names are those already
+        table = families.by_gguf_arch(spec.dims.arch).gguf_tensor_names(spec.dims.arch, spec.dims.num_layers)
+    except SpecdecError:
+        table = {}
     by_name = {}
     for t in spec.tensors:
-        try:
-            by_name[hf_name(t.name)] = t
-        except SpecdecError:  # Hugging Face names already, or a tensor our runtime does not load
-            by_name[t.name] = t
+        stem, _, kind = t.name.rpartition(".")
+        by_name[f"{table[stem]}.{kind}" if stem in table else t.name] = t
     groups = []
     for i in range(spec.dims.num_layers):
         for parts in FUSED.values():

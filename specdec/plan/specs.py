@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdec.errors import SpecdecError
+from specdec.models import families
 from specdec.models.gguf_convert import meta_number
 from specdec.plan.formats import SAFETENSORS_DTYPES, quant_sizes, type_bytes
 
@@ -77,8 +78,8 @@ class ModelSpec:
 
     @property
     def runtime_supported(self) -> bool:
-        from specdec.models.config import SUPPORTED_TYPES
-        return self.dims.arch in SUPPORTED_TYPES
+        from specdec.models import families
+        return families.known(self.dims.arch)
 
     def type_summary(self) -> str:
         """'Q4_K x169, F32 x141, Q6_K x29' (most common first)."""
@@ -336,7 +337,7 @@ def read_config(path: Path) -> ModelSpec:
     dims = _hf_dims(d, path)
     dtype = str((d.get("text_config") or d).get("torch_dtype") or d.get("dtype") or "bfloat16")
     ftype, size = {"float32": ("F32", 4), "float16": ("F16", 2)}.get(dtype, ("BF16", 2))
-    bias = dims.arch == "qwen2" or bool(d.get("attention_bias"))
+    bias = bool(d.get("attention_bias")) or families.recipe_of(dims.arch).get("attention_bias", False)
     h, hd, q, kv, inter = dims.hidden, dims.head_dim_k, dims.num_heads * dims.head_dim_k, \
         dims.num_kv_heads * dims.head_dim_k, dims.intermediate
     shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (dims.vocab, h))]
@@ -350,7 +351,7 @@ def read_config(path: Path) -> ModelSpec:
         if bias:
             shapes += [(p + "self_attn.q_proj.bias", (q,)), (p + "self_attn.k_proj.bias", (kv,)),
                        (p + "self_attn.v_proj.bias", (kv,))]
-        if dims.arch == "qwen3":
+        if families.recipe_of(dims.arch).get("qk_norm"):
             shapes += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
     shapes.append(("model.norm.weight", (h,)))
     if not dims.tied:

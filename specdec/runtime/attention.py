@@ -17,17 +17,35 @@ from specdec.runtime import kernels as K
 KERNEL_ROWS = 64  # query rows per sequence up to which the kernel runs (a draft tree's size; prefill chunks: SDPA)
 
 
-def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+              scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
     """q [B, H, T, hd], keys / values [B, kv_heads, S, hd], mask [B, 1, T, S] bool (True = attend) or None (every
-    key) -> [B, T, H, hd]."""
-    out = _kernel(q, keys, values, mask)
+    key) -> [B, T, H, hd]. Scores are q.k times `scale` (None: hd ** -0.5), then `softcap * tanh(s / softcap)` where
+    a soft cap is given (Gemma 2: torch's own ops, as transformers computes it)."""
+    if softcap is not None:
+        return _capped(q, keys, values, mask, q.shape[-1] ** -0.5 if scale is None else scale, softcap)
+    out = _kernel(q, keys, values, mask, scale)
     if out is None:
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
                                              enable_gqa=q.shape[1] != keys.shape[1]).transpose(1, 2)
     return out
 
 
-def _kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
+def _capped(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
+            softcap: float) -> torch.Tensor:
+    """Attention with soft-capped scores, written out: [B, H, T, hd] -> [B, T, H, hd]."""
+    group = q.shape[1] // keys.shape[1]
+    k = keys.repeat_interleave(group, dim=1) if group > 1 else keys
+    v = values.repeat_interleave(group, dim=1) if group > 1 else values
+    s = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * scale / softcap) * softcap  # [B, H, T, S]
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s.float(), dim=-1).to(q.dtype)
+    return torch.matmul(p, v).transpose(1, 2)
+
+
+def _kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+            scale: float | None = None) -> torch.Tensor | None:
     B, H, T, hd = q.shape
     S, kvh = keys.shape[2], keys.shape[1]
     grad = torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad or values.requires_grad)
@@ -41,6 +59,7 @@ def _kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: tor
     m = None if mask is None else mask.expand(B, 1, T, S).contiguous()
     out = torch.empty(B, T, H, hd, dtype=torch.float32)
     rc = lib.gq_attention(qc.data_ptr(), *qc.stride()[:3], keys.data_ptr(), values.data_ptr(), None, keys.stride(0),
-                          keys.stride(1), None if m is None else m.data_ptr(), B, H, kvh, T, S, hd, 1.0 / math.sqrt(hd),
+                          keys.stride(1), None if m is None else m.data_ptr(), B, H, kvh, T, S, hd,
+                          1.0 / math.sqrt(hd) if scale is None else scale,
                           out.data_ptr(), torch.get_num_threads(), K.requested_path())
     return out if rc == 0 else None

@@ -86,7 +86,7 @@ def scan(target: nn.Module, cache: FeatureCache, progress: bool) -> dict[int, Co
         at = response.nonzero().flatten()
         at = at[at > 0]
         if len(at):
-            logits = target.lm_head(target.model.norm(item["final"][at - 1].float()))  # [n, V]
+            logits = target.logits(target.model.norm(item["final"][at - 1].float()))  # [n, V]
             argmax[at] = logits.argmax(-1)
         out[item["index"]] = Conv(response, argmax)
     return out

@@ -1,0 +1,72 @@
+"""What a model family is: its names in both formats, how its configs read, its tensors and its layer recipe.
+
+Each family is one file under `specdec/models/families/` that builds one `Family`; `families/__init__.py` lists
+them. The loader, the GGUF reader, the planner and error messages ask the registry (`families.by_hf_type`,
+`families.by_gguf_arch`), so no other list of architectures exists.
+
+GGUF tensor names come from the `gguf` package's own tables (`gguf.TensorNameMap`, the ones llama.cpp's
+converter writes with): a family lists its tensors by their Hugging Face names and `gguf_tensor_names` maps them.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+# per-layer tensors of a Llama-style layer, by their Hugging Face module names
+LLAMA_LAYER = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+TOP = ("model.embed_tokens", "model.norm", "lm_head")
+
+Meta = Callable[..., Any]  # GGUF metadata of the file's architecture: meta("rope.freq_base", default) -> value
+
+
+def _nothing(_: Any) -> dict:
+    return {}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family.
+
+    recipe: `ModelConfig` fields every model of the family has (norm placement, activation, q/k norms, ...).
+    hf_fields(config.json dict) / gguf_fields(meta): the family's own `ModelConfig` fields read from each format
+    (the common ones, sizes and rope, are read by `models.config`).
+    layer: the per-layer tensors by Hugging Face module name; permute_qk: llama.cpp's converter interleaves q/k rows
+    (its llama-style archs), undone when reading a GGUF.
+    """
+    name: str
+    title: str                      # the models people know it by (docs, `models list`)
+    hf_types: dict[str, str]        # HF model_type -> the architecture class its config.json names
+    gguf_archs: tuple[str, ...]     # GGUF general.architecture values
+    recipe: dict = field(default_factory=dict)
+    hf_fields: Callable[[dict], dict] = _nothing
+    gguf_fields: Callable[[Meta], dict] = _nothing
+    layer: tuple[str, ...] = LLAMA_LAYER
+    permute_qk: bool = False
+    notes: str = ""                 # docs/models.md: what differs from the reference or is not supported
+
+    def gguf_tensor_names(self, arch: str, num_layers: int) -> dict[str, str]:
+        """GGUF tensor base name -> Hugging Face module name ("blk.0.attn_q" -> "model.layers.0.self_attn.q_proj")
+        for this family's tensors, from the gguf package's tables."""
+        import gguf
+
+        arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+        table = gguf.TensorNameMap(arch_id, num_layers)
+        hf = list(TOP) + [f"model.layers.{i}.{m}" for i in range(num_layers) for m in self.layer]
+        return {g: n for n in hf if (g := table.get_name(n)) is not None}
+
+
+def sliding_layers(d: dict, num_layers: int) -> tuple[int | None, tuple[str, ...] | None]:
+    """(sliding_window, layer_types) from an HF config: `layer_types` where given; a window with no types applies to
+    every layer (Mistral); `use_sliding_window: false` (Qwen2) turns a stated window off."""
+    window = d.get("sliding_window") if d.get("use_sliding_window", True) else None
+    types = d.get("layer_types")
+    if window is None:
+        return None, None
+    if types is None:
+        types = ["sliding_attention"] * num_layers
+    if "sliding_attention" not in types:
+        return None, None
+    return int(window), tuple(types)
