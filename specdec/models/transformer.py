@@ -1,4 +1,5 @@
-"""Decoder-only transformer for the Llama / Mistral / Qwen2 / Qwen3 families.
+"""Decoder-only transformer for every model family (`models/families/`): the layer recipe (norm placement, q/k
+norms, activation, scales, soft-caps, sliding-window layers, rotary variants) comes from the config.
 
 Parameter names mirror Hugging Face checkpoints, except that q/k/v and gate/up are fused into
 `qkv_proj` and `gate_up_proj` (see `fuse_projections`): fewer, larger matmuls.
