@@ -6,4 +6,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m specdec.bench.llama_build
-OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python -m pytest -q -n auto tests/test_families.py "$@"
+OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python -m pytest -q -n auto tests/test_families.py tests/test_families_llama_cpp.py "$@"

@@ -1,9 +1,11 @@
-"""Fixtures: tiny random checkpoints of every family (in process) and the real SmolLM2-135M pack."""
+"""Fixtures: tiny random checkpoints of every family (in process), the family conformance files (tests/families.py)
+and the real SmolLM2-135M pack."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import families
 import pytest
 import torch
 
@@ -101,3 +103,32 @@ def randomize(module: torch.nn.Module, seed: int, scale: float, matrices_only: b
         for p in module.parameters():
             if p.dim() > 1 or not matrices_only:
                 p.copy_(torch.randn(p.shape, generator=g) * scale)
+
+
+@pytest.fixture(scope="module")
+def family_files(tmp_path_factory):
+    """case -> its `Files` (tests/families.py), made once per test module."""
+    made: dict[str, families.Files] = {}
+
+    def get(case: str) -> families.Files:
+        if case not in made:
+            root = tmp_path_factory.mktemp(case)
+            hf = families.make_checkpoint(root / "hf", case)
+            over = families.GGUF_OVERRIDES.get(case)
+            gguf_hf = families.make_checkpoint(root / "hf-gguf", case, **over) if over else hf
+            made[case] = families.Files(hf, gguf_hf, root)
+        return made[case]
+    return get
+
+
+@pytest.fixture(scope="module")
+def family_home(tmp_path_factory):
+    """Conversions and tokenizers of these files go to a throwaway SPECDEC_HOME; the llama.cpp source and build stay
+    where they are cached."""
+    from specdec.bench import llama_build
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(llama_build, "root", lambda cached=llama_build.root(): cached)
+    mp.setenv("SPECDEC_HOME", str(tmp_path_factory.mktemp("home")))
+    yield
+    mp.undo()

@@ -18,6 +18,7 @@ gguf-py; `llama_quantize()` runs the `llama-quantize` built beside `llama-server
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 import io
 import os
 import random
@@ -366,3 +367,37 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo the converter's Q/K row permutation of llama-arch families (LlamaModel.permute): GGUF -> HF rows."""
     rest = w.shape[1:]
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+# ---------------------------------------------------------------- shared by the family tests (fixtures: conftest.py)
+
+POSITIONS = 32
+# settings llama.cpp's GGUF cannot carry (read from its source): the GGUF legs use checkpoints without them
+GGUF_OVERRIDES = {
+    "gemma2": {"query_pre_attn_scalar": 16},  # llama.cpp scales gemma2 queries by 1/sqrt(head_dim) (but the 27B)
+    "mistral": {"sliding_window": None},      # the converter writes no window for the llama arch; llama.cpp has none
+}
+
+
+@dataclass
+class Files:
+    hf: Path         # the checkpoint of TINY[case]
+    gguf_hf: Path    # the checkpoint the GGUFs are converted from (GGUF_OVERRIDES applied)
+    root: Path
+
+    def gguf(self, kind: str) -> Path | None:
+        """f32 / q8_0 from the converter, q4_k_m from llama-quantize (None where it is not built)."""
+        out = self.root / f"{kind}.gguf"
+        if not out.exists():
+            if kind == "q4_k_m":
+                return llama_quantize(self.gguf("f32"), out, "Q4_K_M")
+            convert(self.gguf_hf, kind, out)
+        return out
+
+
+def prompt_ids(directory: Path, n: int = POSITIONS) -> list[int]:
+    """`n` token ids drawn from a fixed seed over the checkpoint's vocabulary."""
+    import json
+
+    vocab = json.loads((directory / "config.json").read_text())["vocab_size"]
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(1)).tolist()
