@@ -90,3 +90,17 @@ def test_speculative_greedy_equals_plain(family_files, case):
             break
         prompt = base[:1] + prompt
     assert drafted["ngram-simple"] > 0 and drafted["draft"] > 0, (case, drafted)
+
+
+def test_unsupported_recipes_are_one_line_errors():
+    from specdec.errors import SpecdecError
+    from specdec.models.config import ModelConfig
+
+    base = {"vocab_size": 32, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+            "num_attention_heads": 4}
+    with pytest.raises(SpecdecError, match="partial_rotary_factor 0.75 is not supported") as e:
+        ModelConfig.from_hf_dict({**base, "model_type": "phi3", "partial_rotary_factor": 0.75})
+    assert "\n" not in str(e.value)
+    with pytest.raises(SpecdecError, match=r"unsupported architecture 'gpt_neox' \(supported .*gemma3_text") as e:
+        ModelConfig.from_hf_dict({**base, "model_type": "gpt_neox"})
+    assert "\n" not in str(e.value)

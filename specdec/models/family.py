@@ -45,7 +45,6 @@ class Family:
     gguf_fields: Callable[[Meta], dict] = _nothing
     layer: tuple[str, ...] = LLAMA_LAYER
     permute_qk: bool = False
-    notes: str = ""                 # docs/models.md: what differs from the reference or is not supported
 
     def gguf_tensor_names(self, arch: str, num_layers: int) -> dict[str, str]:
         """GGUF tensor base name -> Hugging Face module name ("blk.0.attn_q" -> "model.layers.0.self_attn.q_proj")

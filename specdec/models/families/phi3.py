@@ -26,5 +26,4 @@ FAMILY = Family(
     gguf_archs=("phi3",),
     hf_fields=_hf,
     layer=PHI3_LAYER,
-    notes="partial rotary (`partial_rotary_factor` < 1, Phi-4-mini) is refused",
 )
