@@ -337,38 +337,6 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float, what: str) -> None
         raise ConverterError(f"{what}: exit {res.returncode}\n{tail}")
 
 
-# ---------------------------------------------------------------- reading GGUF
-
-def gguf_metadata(path: Path | str) -> dict[str, Any]:
-    """Every key-value of a GGUF except the token lists (scalars, strings and short arrays as Python values)."""
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-    return {k: f.contents() for k, f in reader.fields.items()
-            if not k.startswith(("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
-                                 "tokenizer.ggml.scores"))}
-
-
-def gguf_tensors(path: Path | str) -> dict[str, torch.Tensor]:
-    """Every tensor of a GGUF, dequantized to fp32, in PyTorch's (rows, cols) orientation."""
-    import gguf
-    import numpy as np
-
-    reader = gguf.GGUFReader(path)
-    out = {}
-    for t in reader.tensors:
-        shape = tuple(int(n) for n in reversed(t.shape))
-        data = gguf.quants.dequantize(t.data, t.tensor_type)
-        out[t.name] = torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))  # a writable copy
-    return out
-
-
-def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undo the converter's Q/K row permutation of llama-arch families (LlamaModel.permute): GGUF -> HF rows."""
-    rest = w.shape[1:]
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
-
-
 # ---------------------------------------------------------------- shared by the family tests (fixtures: conftest.py)
 
 POSITIONS = 32

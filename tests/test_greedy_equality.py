@@ -143,6 +143,21 @@ def test_smollm_greedy_equality(smollm_dir):
 
 
 @pytest.mark.real
+def test_gemma3_270m_greedy_equality():
+    """The gemma3-270m pack (Gemma 3, real weights, its Q4_K_M blocks through the kernels, Python layers around them):
+    every model-free drafter and the model as its own draft equal plain decoding, with drafts accepted."""
+    llm = specdec.LLM("gemma3-270m", draft="gemma3-270m", spec_type="none", context=256, adaptive=False,
+                      progress=False)
+    for prompt in ("The capital of France is", "def fibonacci(n):"):
+        base = llm.generate(prompt, max_tokens=48, spec_type="none")
+        for spec, k in (("draft", 4), ("ngram-simple", 6), ("suffix-tree", 16)):
+            llm.engine.spec.draft_max = k
+            r = llm.generate(prompt, max_tokens=48, spec_type=spec)
+            assert r.token_ids == base.token_ids, (prompt, spec)
+            assert r.stats.accepted > 0, (prompt, spec)
+
+
+@pytest.mark.real
 def test_smollm_gain_chains_equal_plain(smollm_dir):
     """--spec-chain gain on a real model (fp32): token-identical to plain decoding."""
     llm = specdec.LLM(str(smollm_dir), draft=str(smollm_dir), spec_type="none", dtype="fp32", context=256,

@@ -27,7 +27,7 @@ class ModelConfig:
     rope_scaling: dict | None = None
     attention_bias: bool = False   # q/k/v biases
     mlp_bias: bool = False
-    qk_norm: str = ""              # "head": RMS norm of each head of q and k (Qwen3, Gemma 3); "full": all heads (OLMo 2)
+    qk_norm: str = ""              # "head": RMS norm per head of q and k (Qwen3, Gemma 3); "full": all heads (OLMo 2)
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)

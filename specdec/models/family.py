@@ -37,7 +37,6 @@ class Family:
     (its llama-style archs), undone when reading a GGUF.
     """
     name: str
-    title: str                      # the models people know it by (docs, `models list`)
     hf_types: dict[str, str]        # HF model_type -> the architecture class its config.json names
     gguf_archs: tuple[str, ...]     # GGUF general.architecture values
     recipe: dict = field(default_factory=dict)

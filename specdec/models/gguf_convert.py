@@ -124,7 +124,7 @@ def config_from_gguf(reader, path: Path) -> ModelConfig:
         num_heads=heads, num_kv_heads=num("attention.head_count_kv", heads),
         head_dim=num("attention.key_length", hidden // heads), max_position_embeddings=num("context_length", 4096),
         rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=num("rope.freq_base", 10000.0, float), rope_scaling=_rope_scaling(reader, arch, path),
+        rope_theta=num("rope.freq_base", 10000.0, float), rope_scaling=_rope_scaling(g, names, f"{arch}.", path),
         rope_freq_factors=_factors(names.get("rope_freqs.weight")),
         attention_bias="blk.0.attn_q.bias" in names or "blk.0.attn_qkv.bias" in names,
         o_bias="blk.0.attn_output.bias" in names, mlp_bias="blk.0.ffn_down.bias" in names,
@@ -141,11 +141,10 @@ def _factors(t) -> tuple[float, ...] | None:
     return None if t is None else tuple(float(x) for x in np.asarray(t.data, dtype=np.float32).reshape(-1))
 
 
-def _rope_scaling(reader, arch: str, path: Path) -> dict | None:
-    """HF-style rope scaling from GGUF metadata: linear / yarn from `rope.scaling.*`, longrope from the
-    `rope_factors_*` tensors (Phi-3); None for none (llama3 scaling arrives as the `rope_freqs` tensor)."""
-    g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
-    tensors = {t.name: t for t in reader.tensors}
+def _rope_scaling(g, tensors: dict, prefix: str, path: Path) -> dict | None:
+    """HF-style rope scaling from GGUF metadata (`g(key, default)` of the file's architecture, keys under `prefix`):
+    linear / yarn from `rope.scaling.*`, longrope from the `rope_factors_*` tensors (Phi-3); None for none (llama3
+    scaling arrives as the `rope_freqs` tensor)."""
     orig = int(g("rope.scaling.original_context_length", 0))
     if "rope_factors_short.weight" in tensors:
         return {"rope_type": "longrope", "short_factor": list(_factors(tensors["rope_factors_short.weight"])),
@@ -154,7 +153,7 @@ def _rope_scaling(reader, arch: str, path: Path) -> dict | None:
     kind = g("rope.scaling.type")
     if kind in (None, "none"):
         return None
-    return {"rope_type": kind, "factor": meta_number(g("rope.scaling.factor"), f"{arch}.rope.scaling.factor", path,
+    return {"rope_type": kind, "factor": meta_number(g("rope.scaling.factor"), f"{prefix}rope.scaling.factor", path,
                                                     float), "original_max_position_embeddings": orig}
 
 
@@ -277,7 +276,7 @@ def _pid_alive(pid: int) -> bool:
 def _save_tokenizer(gguf_path: Path, out: Path) -> None:
     """The GGUF's tokenizer, built by transformers from the file's `tokenizer.ggml.*` metadata. transformers builds it
     from those keys alone (`tokenizer.ggml.model`, `.pre`) but refuses architectures whose weights it cannot load
-    (granite, olmo2, smollm3, ...): those are let through its check, the tokenizer being the same either way."""
+    (granite, olmo2, smollm3, ...): ours are let through its check, the tokenizer being the same either way."""
     import logging
 
     from transformers import AutoTokenizer
@@ -288,11 +287,9 @@ def _save_tokenizer(gguf_path: Path, out: Path) -> None:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     import gguf
 
-    reader = fast_reader_class()
-    arch = str(_field(open_gguf(gguf_path), "general.architecture"))
-    archs = [*hf_gguf.GGUF_SUPPORTED_ARCHITECTURES, arch]
+    archs = [*hf_gguf.GGUF_SUPPORTED_ARCHITECTURES, *(a for f in families.ALL for a in f.gguf_archs)]
     try:
-        with (mock.patch.object(gguf, "GGUFReader", reader),  # what transformers opens the file with
+        with (mock.patch.object(gguf, "GGUFReader", fast_reader_class()),  # what transformers opens the file with
               mock.patch.object(hf_gguf, "GGUF_SUPPORTED_ARCHITECTURES", archs)):
             tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception as e:

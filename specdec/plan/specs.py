@@ -78,7 +78,6 @@ class ModelSpec:
 
     @property
     def runtime_supported(self) -> bool:
-        from specdec.models import families
         return families.known(self.dims.arch)
 
     def type_summary(self) -> str:

@@ -29,7 +29,8 @@ def swa_types(meta: Meta, pattern: int, num_layers: int) -> tuple[str, ...]:
     return tuple("sliding_attention" if s else "full_attention" for s in slides)
 
 
-def _hf(d: dict) -> dict:
+def gemma_fields(d: dict) -> dict:
+    """The scales and soft-caps of a Gemma 2 / 3 config.json."""
     return {"attn_scale": d["query_pre_attn_scalar"] ** -0.5, "attn_softcap": d.get("attn_logit_softcapping"),
             "final_softcap": d.get("final_logit_softcapping"), "embed_scale": d["hidden_size"] ** 0.5}
 
@@ -43,11 +44,10 @@ def _gguf(meta: Meta) -> dict:
 
 FAMILY = Family(
     name="gemma2",
-    title="Gemma 2",
     hf_types={"gemma2": "Gemma2ForCausalLM"},
     gguf_archs=("gemma2",),
     recipe=GEMMA_RECIPE,
-    hf_fields=_hf,
+    hf_fields=gemma_fields,
     gguf_fields=_gguf,
     layer=GEMMA_LAYER,
 )

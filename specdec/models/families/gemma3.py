@@ -1,7 +1,7 @@
 """Gemma 3 (text): Gemma 2's layer plus per-head q/k RMS norms (1 + weight), no attention soft-capping, a separate
 unscaled rope base for sliding layers (10000), five sliding layers to one full. transformers: models/gemma3
 (`gemma3_text`, Gemma3ForCausalLM)."""
-from specdec.models.families.gemma2 import GEMMA_LAYER, GEMMA_RECIPE, gemma_query_scale, swa_types
+from specdec.models.families.gemma2 import GEMMA_LAYER, GEMMA_RECIPE, gemma_fields, gemma_query_scale, swa_types
 from specdec.models.family import QK_NORMS, Family, Meta
 
 LOCAL_THETA = 10000.0  # HF Gemma3TextConfig.default_theta["local"]; llama.cpp's rope_freq_base_train_swa default
@@ -11,8 +11,7 @@ def _hf(d: dict) -> dict:
     rope = d.get("rope_parameters") or {}
     full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
     scaling = full if full.get("rope_type", "default") != "default" else d.get("rope_scaling")
-    return {"attn_scale": d["query_pre_attn_scalar"] ** -0.5, "attn_softcap": d.get("attn_logit_softcapping"),
-            "final_softcap": d.get("final_logit_softcapping"), "embed_scale": d["hidden_size"] ** 0.5,
+    return {**gemma_fields(d),
             "rope_theta": float(full.get("rope_theta") or d.get("rope_theta") or 1_000_000.0),
             "rope_scaling": scaling or None,
             "rope_local_theta": float(local.get("rope_theta") or d.get("rope_local_base_freq") or LOCAL_THETA)}
@@ -30,7 +29,6 @@ def _gguf(meta: Meta) -> dict:
 
 FAMILY = Family(
     name="gemma3",
-    title="Gemma 3 (text)",
     hf_types={"gemma3_text": "Gemma3ForCausalLM"},
     gguf_archs=("gemma3",),
     recipe={**GEMMA_RECIPE, "qk_norm": "head"},

@@ -16,7 +16,6 @@ def _gguf(meta: Meta) -> dict:
 
 FAMILY = Family(
     name="granite",
-    title="Granite 3.x",
     hf_types={"granite": "GraniteForCausalLM"},
     gguf_archs=("granite",),
     hf_fields=_hf,

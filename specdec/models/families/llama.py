@@ -4,7 +4,6 @@ from specdec.models.family import Family
 
 FAMILY = Family(
     name="llama",
-    title="Llama 1/2/3.x, Mistral, Ministral, SmolLM2",
     hf_types={"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "ministral": "MinistralForCausalLM"},
     gguf_archs=("llama",),
     permute_qk=True,

@@ -8,7 +8,6 @@ OLMO2_LAYER = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self
 
 FAMILY = Family(
     name="olmo2",
-    title="OLMo 2",
     hf_types={"olmo2": "Olmo2ForCausalLM"},
     gguf_archs=("olmo2",),
     recipe={"norms": "post", "qk_norm": "full"},

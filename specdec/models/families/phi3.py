@@ -21,7 +21,6 @@ def _hf(d: dict) -> dict:
 
 FAMILY = Family(
     name="phi3",
-    title="Phi-3, Phi-3.5, Phi-4",
     hf_types={"phi3": "Phi3ForCausalLM"},
     gguf_archs=("phi3",),
     hf_fields=_hf,

@@ -4,7 +4,6 @@ from specdec.models.family import Family
 
 FAMILY = Family(
     name="qwen2",
-    title="Qwen2, Qwen2.5, Qwen2.5-Coder, MiMo",
     hf_types={"qwen2": "Qwen2ForCausalLM", "mimo": "MiMoForCausalLM"},
     gguf_archs=("qwen2",),
     recipe={"attention_bias": True, "o_bias": False},

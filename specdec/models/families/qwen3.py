@@ -3,7 +3,6 @@ from specdec.models.family import LLAMA_LAYER, QK_NORMS, Family
 
 FAMILY = Family(
     name="qwen3",
-    title="Qwen3",
     hf_types={"qwen3": "Qwen3ForCausalLM"},
     gguf_archs=("qwen3",),
     recipe={"qk_norm": "head"},

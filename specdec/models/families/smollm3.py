@@ -18,7 +18,6 @@ def _gguf(meta: Meta) -> dict:
 
 FAMILY = Family(
     name="smollm3",
-    title="SmolLM3",
     hf_types={"smollm3": "SmolLM3ForCausalLM"},
     gguf_archs=("smollm3",),
     hf_fields=_hf,
