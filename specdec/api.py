@@ -18,13 +18,13 @@ from specdec.errors import SpecdecError
 from specdec.models import packs
 from specdec.models.loader import load_checkpoint, resolve_dtype, resolve_gguf, resolve_model, resolve_quant
 from specdec.models.tokenizer import Tokenizer
+from specdec.runtime import kernels
+from specdec.runtime.cpu import release_openmp_workers
 from specdec.runtime.prefix_cache import PrefixCache, PrefixStore
 from specdec.runtime.quant import quantize_
 from specdec.runtime.runner import ModelRunner
-from specdec.runtime.cpu import release_openmp_workers
 from specdec.sampling import SamplingParams
 from specdec.stats import Stats
-
 
 OPTION_DRAFTERS = 32  # drafters made for per-request options that an LLM keeps (the newest)
 
@@ -57,6 +57,8 @@ class LLM:
         self.spec_type = cfg.spec_type
         if cfg.threads is not None:
             torch.set_num_threads(cfg.threads)
+        if cfg.fast_prefill:  # process-wide, as the kernels' instruction set is
+            kernels.set_fast_prefill(True)
         target, self.tokenizer, self.quant, self.dtype = load_model(cfg.model, cfg.quant, cfg.dtype, cfg.n_gpu_layers,
                                                                     cfg.progress)
         self.quant_info = describe_quant(target, self.quant)  # which path the target runs, for stats and reports

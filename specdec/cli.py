@@ -68,6 +68,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "int4 = weight-only (lossless against that quantized target, not the unquantized one); none = "
                    "dequantized to --dtype")
     g.add_argument("-t", "--threads", type=_positive_int, help="CPU threads (default: torch's choice)")
+    g.add_argument("--fast-prefill", action="store_true", default=None,
+                   help="opt-in: forwards of more than 64 rows (prompt chunks) dequantize the GGUF weights (bf16 where "
+                   "the CPU has it) for torch's matmul and use torch's attention; faster on some CPUs, but a prompt's "
+                   "tokens may then differ with chunking, batching and the prompt cache (outputs say \"fast_prefill\"); "
+                   "default off: one arithmetic per token")
     g.add_argument("-ngl", "--n-gpu-layers", dest="n_gpu_layers", type=_layers, metavar="N",
                    help="target layers on the GPU (N or all): embeddings and the first N layers (norm and head "
                    "too when N covers all) on CUDA, the rest on the CPU; without CUDA accepted, said on stderr, "
@@ -136,6 +141,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from specdec.api import build_llm
 
     llm = build_llm(args, progress=not args.json)
+    if args.ignore_eos:
+        llm.engine.stop_ids = set()
     stream = None if args.json else lambda s: print(s, end="", flush=True)
     r = llm.generate(prompt, max_tokens=args.max_tokens, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
                      min_p=args.min_p, seed=args.seed, stop=args.stop, chat=args.chat, system=args.system,
@@ -147,7 +154,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps({"text": r.text, "token_ids": r.token_ids, "stats": {k: d[k] for k in keys},
                           "timings": {k: d[k] for k in ("prefill_s", "draft_s", "verify_s", "total_s")},
                           "per_position_acceptance": d["per_position_acceptance"], "spec_type": llm.spec_type,
-                          "quant": llm.quant_info,
+                          "quant": llm.quant_info, "fast_prefill": llm.config.fast_prefill,
                           "finish_reason": r.finish_reason, "synthetic": r.synthetic, "lossless": r.lossless}))
     else:
         s = r.stats
@@ -155,6 +162,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
               f"target forwards {s.target_forwards} | drafted {s.drafted} accepted {s.accepted} "
               f"({s.acceptance_rate:.0%}) | mean accept len {s.mean_accept_len:.2f}"
               + (" | SYNTHETIC drafts: not the target's text" if r.synthetic else "")
+              + (" | FAST PREFILL: tokens may differ with chunking" if llm.config.fast_prefill else "")
               + (f" | LOSSY: {s.relaxed} drafts accepted by --spec-accept-threshold" if llm.config.accept_threshold
                  else ""), file=sys.stderr)
     return 0
@@ -244,6 +252,7 @@ def _add_plan_parser(sub) -> None:
     from specdec.plan.devices import CPUS, DEVICES
     from specdec.plan.export import ENGINES
     from specdec.plan.recommend import TASKS
+    from specdec.runtime.prefix_cache import SERVE_BUDGET_MB
 
     pl = sub.add_parser("plan", help="memory, context, GPU layers, speed and drafter for a model pair; "
                         "the same setup for llama.cpp, Ollama, vLLM, TGI, transformers")
@@ -257,8 +266,9 @@ def _add_plan_parser(sub) -> None:
     m.add_argument("-cd", "--ctx-size-draft", dest="draft_context", type=_positive_int,
                    help="draft context (default: -c, capped at the draft's maximum)")
     m.add_argument("-np", "--parallel", type=_positive_int, default=1, help="parallel slots (default 1)")
-    m.add_argument("--cache-mb", type=int, default=0, metavar="MIB",
-                   help="specdec's prefix cache budget, as serve --cache-mb: counted in host memory (default 0)")
+    m.add_argument("--cache-mb", type=int, default=SERVE_BUDGET_MB, metavar="MIB",
+                   help=f"specdec's prefix cache budget, as serve --cache-mb: counted in host memory (default "
+                   f"{SERVE_BUDGET_MB}, serve's)")
     m.add_argument("--dtype",
                    help="auto|bf16|fp16|fp32: specdec's runtime with this compute dtype, as generate --dtype "
                    "(default: auto; weights per --quant/--draft-quant); file: each tensor as stored, what llama.cpp "
@@ -412,6 +422,7 @@ def _add_train_parser(sub) -> None:
 def make_parser() -> argparse.ArgumentParser:
     from specdec.bench.runner import all_methods
     from specdec.drafters import spec_types
+    from specdec.runtime.prefix_cache import SERVE_BUDGET_MB
 
     p = _Parser(prog="specdec", description="Lossless speculative decoding for local LLMs.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -422,6 +433,8 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("-cnv", "--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--system", help="system message (with --chat)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--ignore-eos", action="store_true", help="go on past end-of-text tokens, to -n tokens (as "
+                   "llama.cpp's --ignore-eos)")
     add_model_args(g)
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
@@ -478,8 +491,8 @@ def make_parser() -> argparse.ArgumentParser:
                     "figures: means over passes, ratios: geometric means of each pass's (default 2)")
     sb.add_argument("--requests", type=_positive_int,
                     help="conversations per level and mode, a request per turn (default max(4, 2 x concurrency))")
-    sb.add_argument("--cache-mb", type=int, metavar="MIB",
-                    help="bench serve: the server's prefix cache, as serve --cache-mb (default off)")
+    sb.add_argument("--cache-mb", type=int, default=SERVE_BUDGET_MB, metavar="MIB",
+                    help=f"bench serve: the server's prefix cache, as serve --cache-mb (default {SERVE_BUDGET_MB})")
     rp = b.add_argument_group("bench replay")
     rp.add_argument("--record", metavar="FILE", help="run plain decoding over the workload; save outputs and costs")
     rp.add_argument("--from", dest="replay_from", metavar="FILE", help="replay --methods against a recording")

@@ -43,6 +43,7 @@ class Config:
     progress: bool = True              # download/convert progress on stderr
     accept_threshold: float = 0.0      # opt-in LOSSY relaxed acceptance (--spec-accept-threshold); 0 = off
     cache_mb: int = 0                  # prefix cache (MiB) shared by the target and a draft model; 0 = off
+    fast_prefill: bool = False         # opt-in: large forwards in torch (`kernels.set_fast_prefill`), numbers change
     drafter: dict[str, Any] = field(default_factory=dict)  # drafter options (registry names), defaults filled in
 
     def __post_init__(self):

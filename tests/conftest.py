@@ -132,3 +132,13 @@ def family_home(tmp_path_factory):
     mp.setenv("SPECDEC_HOME", str(tmp_path_factory.mktemp("home")))
     yield
     mp.undo()
+
+
+@pytest.fixture
+def fast_prefill():
+    """The opt-in fast prefill arithmetic (`kernels.set_fast_prefill`) for one test, off again after it."""
+    from specdec.runtime import kernels
+
+    kernels.set_fast_prefill(True)
+    yield
+    kernels.set_fast_prefill(False)

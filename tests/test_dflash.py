@@ -266,6 +266,8 @@ def test_greedy_equals_plain(tiny_dir, tmp_path, kind, threshold):
     for prompt in PROMPTS:
         plain = llm.generate(prompt, max_tokens=24, spec_type="none")
         r = llm.generate(prompt, max_tokens=24)
+        # drafted only: a random drafter is all but never right over 96 tokens (accepted blocks:
+        # test_same_steps_as_zlab_dflash_generate, vocabulary 8)
         assert r.token_ids == plain.token_ids and r.stats.drafted > 0, prompt
     assert max(llm.drafter.block_lens) == (BLOCK if kind == "dspark" else BLOCK - 1)
 
@@ -324,7 +326,8 @@ def test_draft_cache_follows_the_accepted_tokens(tiny_dir, tmp_path):
     drafter = llm.drafter = Checked(llm.drafter.net, llm.engine.target)
     plain = llm.generate(PROMPTS[0], max_tokens=20, spec_type="none")
     r = llm.generate(PROMPTS[0], max_tokens=20)
-    assert r.token_ids == plain.token_ids and drafter.checked > 3
+    # drafted only: the random drafter's blocks are rejected (accepted ones: test_same_steps_as_zlab_dflash_generate)
+    assert r.token_ids == plain.token_ids and drafter.checked > 3 and r.stats.drafted > 0
 
 
 def test_sampling_through_the_engine_matches_plain(tmp_path):
@@ -356,7 +359,7 @@ def test_smollm_block_drafter_is_lossless(smollm_dir, tmp_path):
     prompt = "def fib(n):\n    if n < 2:\n        return n\n"
     plain = llm.generate(prompt, max_tokens=24, spec_type="none")
     r = llm.generate(prompt, max_tokens=24)
-    assert r.token_ids == plain.token_ids and r.stats.drafted > 0
+    assert r.token_ids == plain.token_ids and r.stats.drafted > 0  # a random drafter: none accepted
 
 
 class Recording(DFlashDrafter):
@@ -440,4 +443,5 @@ def test_training_lowers_the_loss_resumes_and_drafts_losslessly(chat_dir, rules,
     assert more.run()["training"]["steps"] == m["training"]["steps"] + len(more.plan[3])
     llm = llm_for(chat_dir, kind, out, context=96, draft_max=4)
     r = llm.generate(PROMPTS[0], max_tokens=16)
+    # drafted only: 3 epochs on 12 conversations get no draft of this prompt accepted
     assert r.token_ids == llm.generate(PROMPTS[0], max_tokens=16, spec_type="none").token_ids and r.stats.drafted

@@ -33,7 +33,7 @@ def test_tiny_guesses_leave_drafts_and_outputs_unchanged(tiny_dir, monkeypatch, 
     llm = specdec.LLM(str(target), draft=str(target), dtype="fp32", context=128, draft_max=6, adaptive=False,
                       progress=False)
     llm.engine.stop_ids = set()
-    saved = 0
+    saved = drafted = accepted = 0
     for prompt in ("t5 t9 t12 t5 t9 t12 t5", "t33 t2 t71", "t60"):
         ids = llm.encode(prompt)
         full = ids + llm.generate(ids, max_tokens=40, spec_type="none", temperature=temperature, seed=7).token_ids
@@ -46,7 +46,9 @@ def test_tiny_guesses_leave_drafts_and_outputs_unchanged(tiny_dir, monkeypatch, 
         assert b.token_ids == a.token_ids == full[len(ids):]
         assert (b.stats.drafted, b.stats.accepted) == (a.stats.drafted, a.stats.accepted)
         saved += fa - fb
+        drafted, accepted = drafted + b.stats.drafted, accepted + b.stats.accepted
     assert saved > 0  # guesses were drawn
+    assert drafted > 0 and accepted > 0  # the target as its own draft
 
 
 @pytest.mark.real

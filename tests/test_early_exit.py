@@ -17,6 +17,7 @@ def _llm(target, **kw):
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_tiny_greedy_equality_every_exit_layer(tiny_dir, family):
     target = tiny_dir(family, layers=3)
+    stats = {}  # spec -> [drafted, accepted]
     for layer in (1, 2):
         llm = _llm(target, spec_exit_layer=layer)
         drafter = llm.drafter_for("early-exit")
@@ -35,9 +36,12 @@ def test_tiny_greedy_equality_every_exit_layer(tiny_dir, family):
                 llm.engine.spec.draft_max, drafter.branch_p = k, branch_p
                 r = llm.generate(prompt, max_tokens=40, spec_type=spec)
                 assert r.token_ids == base.token_ids, (family, layer, prompt, spec, k, branch_p)
+                n = stats.setdefault(spec, [0, 0])
+                n[0], n[1] = n[0] + r.stats.drafted, n[1] + r.stats.accepted
         assert set(fed) == {1}  # never a catch-up prefill: the target's cache already holds the context
         assert set(starts) == {0, layer}  # chains verified from layer E on; prefill, k = 0 and trees from 0
         llm.runner.forward = target_forward
+    assert all(drafted > 0 and accepted > 0 for drafted, accepted in stats.values()), stats
 
 
 def test_exit_layer_is_checked(tiny_dir):

@@ -23,12 +23,26 @@ def _set_stop(llm, ids):
     llm.engine.stop_ids = set(ids)
 
 
+def _count(stats: dict, spec: str, r) -> None:
+    """Adds r's drafted and accepted tokens to stats[spec]."""
+    n = stats.setdefault(spec, [0, 0])
+    n[0], n[1] = n[0] + r.stats.drafted, n[1] + r.stats.accepted
+
+
+def _assert_drafted_and_accepted(stats: dict, drafted_only=()) -> None:
+    """Every spec type drafted, and got drafts accepted (but those in `drafted_only`): else it compared plain with
+    plain."""
+    for spec, (drafted, accepted) in stats.items():
+        assert drafted > 0 and (accepted > 0 or spec in drafted_only), (spec, drafted, accepted)
+
+
 @pytest.mark.parametrize("family,adaptive", [("llama", True), ("qwen2", True), ("qwen3", True), ("llama", False)])
 @pytest.mark.parametrize("draft_seed", [None, 1])  # the target itself as draft (all accepted), a weak random draft
 def test_tiny_greedy_equality(tiny_dir, family, adaptive, draft_seed):
     llm = _tiny_llm(tiny_dir, family, draft_seed)
     llm.engine.spec.adaptive = adaptive
     _set_stop(llm, [])
+    stats = {}  # spec -> [drafted, accepted]
     for prompt in PROMPTS_TINY:
         for max_tokens in (1, 7, 40):
             base = llm.generate(prompt, max_tokens=max_tokens, spec_type="none")
@@ -40,6 +54,10 @@ def test_tiny_greedy_equality(tiny_dir, family, adaptive, draft_seed):
                     r = llm.generate(prompt, max_tokens=max_tokens, spec_type=spec)
                     assert r.token_ids == base.token_ids, (family, prompt, max_tokens, spec, k)
                     assert r.finish_reason == base.finish_reason
+                    _count(stats, spec, r)
+    # adaptive too: model-free drafts cost next to nothing here, and a draft model that does not pay still drafts a
+    # one-token probe every PROBE_EVERY undrafted steps; the random draft model (seed 1): drafted only
+    _assert_drafted_and_accepted(stats, () if draft_seed is None else ("draft",))
 
 
 def test_tiny_model_free_with_misses(tiny_dir):
@@ -80,7 +98,9 @@ def test_drafters_shared_within_an_llm(tiny_dir):
 
 
 def test_tiny_runs_into_eos_and_context(tiny_dir):
-    llm = _tiny_llm(tiny_dir, "llama", None)
+    # fixed draft lengths (an adaptive one may draft nothing); n = 1 and no probability cut: the model-free drafters
+    # draft on most steps, so that some drafts are accepted
+    llm = _tiny_llm(tiny_dir, "llama", None, adaptive=False, ngram_n=1, suffix_min_prob=0.0, suffix_factor=4.0)
     _set_stop(llm, [])
     prompt = PROMPTS_TINY[0]
     free = llm.generate(prompt, max_tokens=200, spec_type="none")
@@ -89,26 +109,34 @@ def test_tiny_runs_into_eos_and_context(tiny_dir):
     _set_stop(llm, [eos])
     base = llm.generate(prompt, max_tokens=200, spec_type="none")
     assert base.finish_reason == "stop" and eos not in base.token_ids
+    stats = {}
     for spec in SPECS:
         llm.engine.spec.draft_max = 8
         r = llm.generate(prompt, max_tokens=200, spec_type=spec)
         assert r.token_ids == base.token_ids and r.finish_reason == "stop"
+        _count(stats, spec, r)
     _set_stop(llm, [])
     for spec in SPECS:
         r = llm.generate(prompt, max_tokens=200, spec_type=spec)
         assert r.token_ids == free.token_ids and r.finish_reason == "length"
+        _count(stats, spec, r)
+    _assert_drafted_and_accepted(stats)
 
 
 def test_stop_strings_identical(tiny_dir):
-    llm = _tiny_llm(tiny_dir, "qwen2", None)
+    llm = _tiny_llm(tiny_dir, "qwen2", None, adaptive=False, draft_max=8)  # fixed: an adaptive one may draft nothing
     _set_stop(llm, [])
-    free = llm.generate("t5 t9", max_tokens=30, spec_type="none")
+    prompt = "t22 t22"  # its output repeats itself before the stop: every spec type gets drafts accepted
+    free = llm.generate(prompt, max_tokens=30, spec_type="none")
     stop = free.text.split()[10]
-    base = llm.generate("t5 t9", max_tokens=30, stop=[stop], spec_type="none")
+    base = llm.generate(prompt, max_tokens=30, stop=[stop], spec_type="none")
     assert stop not in base.text and base.finish_reason == "stop"
+    stats = {}
     for spec in SPECS:
-        r = llm.generate("t5 t9", max_tokens=30, stop=[stop], spec_type=spec)
+        r = llm.generate(prompt, max_tokens=30, stop=[stop], spec_type=spec)
         assert (r.text, r.token_ids) == (base.text, base.token_ids)
+        _count(stats, spec, r)
+    _assert_drafted_and_accepted(stats)
 
 
 REAL_PROMPTS = [
@@ -126,7 +154,7 @@ def test_smollm_greedy_equality(smollm_dir):
     llm = specdec.LLM(str(smollm_dir), draft=str(smollm_dir), spec_type="none", dtype="fp32",
                       context=256, adaptive=False, progress=False)
     drafter = llm.drafter_for("draft")
-    accepted = branched = 0
+    stats, branched = {}, 0
     for prompt in REAL_PROMPTS:
         base = llm.generate(prompt, max_tokens=48, chat=True, spec_type="none")
         for spec, k, branch_p in (("draft", 4, 0.0), ("draft", 10, 0.0), ("draft", 10, 0.6), ("ngram-simple", 6, 0.0),
@@ -136,9 +164,9 @@ def test_smollm_greedy_equality(smollm_dir):
             llm.engine.spec.draft_max, drafter.branch_p = k, branch_p
             r = llm.generate(prompt, max_tokens=48, chat=True, spec_type=spec)
             assert r.token_ids == base.token_ids, (prompt, spec, k, branch_p)
-            accepted += r.stats.accepted
+            _count(stats, spec, r)
             branched += r.stats.drafted - sum(r.stats.drafted_at)  # tree nodes beyond one per depth
-    assert accepted > 0  # the shallow draft and the n-gram lookup do get tokens accepted
+    _assert_drafted_and_accepted(stats)  # the shallow draft and the n-gram lookup do get tokens accepted
     assert branched > 0  # draft trees (branch_p 0.6) were built and verified
 
 
@@ -162,14 +190,14 @@ def test_smollm_gain_chains_equal_plain(smollm_dir):
     """--spec-chain gain on a real model (fp32): token-identical to plain decoding."""
     llm = specdec.LLM(str(smollm_dir), draft=str(smollm_dir), spec_type="none", dtype="fp32", context=256,
                       adaptive=False, draft_max=6, chain_mode="gain", progress=False)
-    accepted = 0
+    stats = {}
     for prompt in REAL_PROMPTS:
         base = llm.generate(prompt, max_tokens=48, chat=True, spec_type="none")
         for spec in ("ngram-mod,draft", "suffix,ngram-simple,draft"):
             r = llm.generate(prompt, max_tokens=48, chat=True, spec_type=spec)
             assert r.token_ids == base.token_ids, (prompt, spec)
-            accepted += r.stats.accepted
-    assert accepted > 0
+            _count(stats, spec, r)
+    _assert_drafted_and_accepted(stats)
 
 
 @pytest.mark.parametrize("draft_seed", [None, 1])
@@ -178,14 +206,14 @@ def test_tiny_gain_chains_equal_plain(tiny_dir, draft_seed):
     llm = _tiny_llm(tiny_dir, "llama", draft_seed, chain_mode="gain")
     llm.engine.spec.adaptive = False  # fixed lengths: which drafter wins depends on acceptance only, not timing
     _set_stop(llm, [])
-    used = 0
+    stats = {}
     for prompt in PROMPTS_TINY:
         base = llm.generate(prompt, max_tokens=40, spec_type="none")
         for spec in ("ngram-simple,draft", "suffix,ngram-map-k,draft"):
             r = llm.generate(prompt, max_tokens=40, spec_type=spec)
             assert r.token_ids == base.token_ids, (prompt, spec)
-            used += r.stats.accepted
-    assert used > 0
+            _count(stats, spec, r)
+    _assert_drafted_and_accepted(stats)
     chain = llm.drafter_for("ngram-simple,draft")
     assert chain.mode == "gain" and not chain.declined  # released after each request
 
@@ -198,9 +226,13 @@ def test_smollm_light_steps_equal_plain(smollm_dir):
     llm = specdec.LLM(str(smollm_dir), draft=str(smollm_dir), spec_type="none", dtype="fp32", context=256,
                       draft_max=8, progress=False)
     step, n = llm.engine.step, itertools.count()
+    stats = {}
     for prompt in REAL_PROMPTS:
         base = llm.generate(prompt, max_tokens=48, chat=True, spec_type="none")
         llm.engine.step = lambda seqs, cap=None: step(seqs, cap, light=next(n) % 2 == 0)
         r = llm.generate(prompt, max_tokens=48, chat=True, spec_type=DEFAULT_WITH_DRAFT_MODEL)
         llm.engine.step = step
         assert r.token_ids == base.token_ids, prompt
+        _count(stats, DEFAULT_WITH_DRAFT_MODEL, r)
+    # adaptive lengths are the point here: the model-free member's drafts cost next to nothing, so they pay
+    _assert_drafted_and_accepted(stats)

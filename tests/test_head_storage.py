@@ -68,7 +68,7 @@ def test_eagle3_head_in_int8_loads_close_and_drafts_losslessly(tiny_dir, tmp_pat
     llm = head_llm("eagle3", target, tmp_path / "int8", context=96, draft_max=4)
     plain = llm.generate("t5 t9 t12 t5 t9 t12 t5 t9", max_tokens=32, spec_type="none")
     r = llm.generate("t5 t9 t12 t5 t9 t12 t5 t9", max_tokens=32)
-    assert r.token_ids == plain.token_ids and r.stats.drafted > 0
+    assert r.token_ids == plain.token_ids and r.stats.drafted > 0  # drafted only: a random head is right by chance
 
 
 def test_medusa_heads_in_int8_load(tiny_dir, tmp_path):
@@ -100,4 +100,5 @@ def test_heads_run_as_q8_0_blocks_losslessly(tiny_dir, tmp_path, kind, make):
         assert {type(m) for m in matrices(llm.drafter)} == ({GGUFLinear} if quant == "auto" else {torch.nn.Linear})
         plain = llm.generate("t5 t9 t12 t5 t9 t12 t5 t9", max_tokens=32, spec_type="none")
         r = llm.generate("t5 t9 t12 t5 t9 t12 t5 t9", max_tokens=32)
+        # drafted only: random heads are right by chance alone
         assert r.token_ids == plain.token_ids and r.stats.drafted > 0, quant

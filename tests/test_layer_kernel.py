@@ -1,6 +1,7 @@
 """The decoder layer in one C call (specdec/runtime/layer_kernel.py): the same bits as the layer's Python path on
 decode, chain verification, ragged batches and trees (logits and the K/V it writes), on a tiny mixed-type GGUF and
-on the real SmolLM2 pack; the Python path where the C layer does not apply."""
+on the real SmolLM2 pack; the Python path where the C layer does not apply; one arithmetic per token, however the
+prompt is chunked."""
 from __future__ import annotations
 
 import pytest
@@ -71,10 +72,20 @@ def test_same_bits_on_smollm2(smollm_dir, monkeypatch):
 
 
 def test_python_path_where_the_c_layer_does_not_apply(tiny_gguf, monkeypatch):
+    """A prefill chunk runs in C (one arithmetic for every row count) unless fast prefill is on; bf16 never does."""
+    from specdec.runtime import kernels
+
     llm = LLM(str(tiny_gguf), quant="gguf", dtype="fp32", progress=False)
     ran = _counting(monkeypatch)
     runner = ModelRunner(llm.runner.model, num_slots=1, context=200)
-    runner.prefill(PROMPT * 5, 0)  # 85 rows in one chunk: more than the C attention takes
+    runner.prefill(PROMPT * 5, 0)  # 85 rows in one chunk
+    assert ran == [True]
+    ran.clear()
+    kernels.set_fast_prefill(True)
+    try:
+        runner.prefill(PROMPT * 5, 0)  # more rows than fast prefill leaves to the kernels
+    finally:
+        kernels.set_fast_prefill(False)
     assert ran == []  # the step was not offered to the C layers
     with torch.no_grad():
         bf16 = LLM(str(tiny_gguf), quant="gguf", dtype="bf16", progress=False)
@@ -121,3 +132,22 @@ def test_ragged_chunks_one_row_each(tiny_gguf, monkeypatch, mode):
     padded = _ragged(ModelRunner(model, num_slots=3, context=64), mode)
     for a, b in zip(flat, padded, strict=True):
         assert torch.equal(a, b)
+
+
+def test_logits_do_not_depend_on_chunking(tiny_gguf):
+    """A prompt's logits are the same bits computed in one 200-row chunk, after a prefix of any length (a prompt-cache
+    hit, a chunked prefill) and one token at a time; with fast prefill (opt-in) the large chunk rounds differently."""
+    llm = LLM(str(tiny_gguf), quant="gguf", dtype="fp32", progress=False)
+    runner = ModelRunner(llm.runner.model, num_slots=1, context=256)
+    ids = (PROMPT * 15)[:200]
+    whole = runner.forward([ids], [0], [0])[0]  # [200, V]
+    for n in (1, 16, 100, 190):
+        runner.prefill(ids[:n], 0)
+        assert torch.equal(runner.forward([ids[n:]], [n], [0])[0], whole[n:]), n
+    for t in range(190, 200):
+        assert torch.equal(runner.forward([[ids[t]]], [t], [0])[0][0], whole[t]), t
+    K.set_fast_prefill(True)
+    try:
+        assert not torch.equal(runner.forward([ids], [0], [0])[0], whole)  # the negative control
+    finally:
+        K.set_fast_prefill(False)

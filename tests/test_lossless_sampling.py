@@ -3,10 +3,13 @@
 A tiny engineered target (a second-order Markov table with peaked rows) and a draft model that is
 more sure of itself than the target (q near 0.9 where p is near 0.5: the case where cutting a draft
 on the drawn token's probability biases the output). Every configuration's runs go through
-`Engine` (batched steps, adaptive lengths, p-min, trees, chains); the joint distribution of the
-first three output tokens must match plain sampling, computed exactly from the table:
-chi-square p > 0.001 and total variation below `tv_bound` (1.4x what exact samples give). The draft model's chain and
-tree (q surer than p: where a biased rule shows most) run 20,000 times; every other configuration 8,000.
+`Engine` (batched steps, adaptive lengths up to 4 drafts, p-min, trees, chains) for six output tokens: the prefill's,
+then tokens drafted and verified over one or several steps. Their distribution must match plain sampling, computed
+exactly from the table, on every window checked: each position alone, each pair and each triple of consecutive
+positions (six tokens jointly would need far more runs): chi-square p above 0.001 / windows (0.001 for the whole
+check) and, on the triples, total variation below `tv_bound` (1.4x what exact samples give). The draft model's chain
+and tree (q surer than p: where a biased rule shows most) run 20,000 times; every other configuration 8,000.
+Negative controls: verifiers biased only past the second drafted token must fail the same check, on tokens 4-6.
 """
 from __future__ import annotations
 
@@ -23,10 +26,12 @@ from specdec.drafters import REGISTRY, BuildContext, build_drafter
 from specdec.drafters.chain import ChainDrafter
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.early_exit import EarlyExitDrafter
+from specdec.engine import engine as engine_module
 from specdec.engine.engine import Engine, SpecConfig
 from specdec.models.tokenizer import Tokenizer
 from specdec.runtime.runner import Features
-from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.sampling import SamplingParams, probs_from_logits, sample
+from specdec.verify import verify_tree_sampling
 
 V = 6                      # token 0 is EOS and never drawn; 1..5 cycle 1 -> 2 -> ... -> 5 -> 1
 PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]
@@ -34,7 +39,9 @@ RUNS = 20_000
 RUNS_MATRIX = 8_000        # the other configurations: the same test at a 1.6x wider bound, 2.5x cheaper
 BATCH = 500                # sequences stepped together
 MAX_TOKENS = 6             # the first output token is the prefill's; drafts cover tokens 2..6
+DRAFT_MAX = 4              # so tokens 4..6 are often a later verify step's, or a chain's third or fourth draft
 P_MIN = 0.5
+ALPHA = 1e-3               # the chance that exact samples fail one configuration's check (all its windows together)
 
 
 def _table(seed: int, sure: float, noise: float) -> torch.Tensor:
@@ -144,7 +151,7 @@ def _drafter(spec: str, p_min: float = P_MIN, branch_p: float = 0.0, mode: str =
 
 
 def _engine(tokenizer: Tokenizer) -> Engine:
-    engine = Engine(MarkovRunner(TARGET, BATCH), tokenizer, SpecConfig(draft_max=4, adaptive=True),
+    engine = Engine(MarkovRunner(TARGET, BATCH), tokenizer, SpecConfig(draft_max=DRAFT_MAX, adaptive=True),
                     clock=TickClock())
     engine.cost.verify_s = {k: 1.0 + 0.05 * min(k, 6) for k in range(1, BATCH + 1)}  # every batch's plain cost known
     engine.cost.ema, engine.cost.smooth = 0.0, False  # costs stay as set: deterministic adaptive lengths
@@ -153,7 +160,7 @@ def _engine(tokenizer: Tokenizer) -> Engine:
 
 def run_engine(engine: Engine, drafter, params: SamplingParams, runs: int = RUNS,
                seeds: bool = False) -> dict[int, tuple[int, ...]]:
-    """Run index -> first three output tokens. `seeds`: run i has seed i (the seeded path); otherwise
+    """Run index -> its MAX_TOKENS output tokens. `seeds`: run i has seed i (the seeded path); otherwise
     run i samples from its own generator seeded with i (rejection sampling, reproducible)."""
     out: dict[int, tuple[int, ...]] = {}
     for b0 in range(0, runs, BATCH):
@@ -170,16 +177,36 @@ def run_engine(engine: Engine, drafter, params: SamplingParams, runs: int = RUNS
         for j, s in enumerate(seqs):
             engine.finish(s)
             assert s.error is None, s.error
-            out[b0 + j] = tuple(s.output_ids[:3])
+            assert len(s.output_ids) == MAX_TOKENS, s.output_ids
+            out[b0 + j] = tuple(s.output_ids)
     return out
 
 
-def exact_joint(params: SamplingParams) -> dict[tuple[int, ...], float]:
-    """P(first three output tokens) under plain sampling from TARGET."""
-    probs = probs_from_logits(TARGET.reshape(V * V, V), params).reshape(V, V, V)  # [prev, cur, next]
-    a, b = PROMPT[-2], PROMPT[-1]
-    return {(x, y, z): float(probs[a, b, x] * probs[b, x, y] * probs[x, y, z])
-            for x, y, z in itertools.product(range(V), repeat=3)}
+def exact_windows(params: SamplingParams) -> dict[tuple[int, ...], dict[tuple[int, ...], float]]:
+    """Window (output positions, from 1) -> P(its tokens) under plain sampling from TARGET: every position alone, every
+    pair and every triple of consecutive positions up to MAX_TOKENS."""
+    probs = probs_from_logits(TARGET.reshape(V * V, V), params).reshape(V, V, V).double()  # [prev, cur, next]
+    pairs = [torch.zeros(V, V, dtype=torch.float64)]  # [i]: P(tokens at positions i-1, i); [0]: the prompt's last 2
+    pairs[0][PROMPT[-2], PROMPT[-1]] = 1
+    for _ in range(MAX_TOKENS):
+        pairs.append((pairs[-1][..., None] * probs).sum(0))  # [cur, next]
+    tables = {(i,): pairs[i].sum(0) for i in range(1, MAX_TOKENS + 1)}
+    tables |= {(i, i + 1): pairs[i + 1] for i in range(1, MAX_TOKENS)}
+    tables |= {(i, i + 1, i + 2): pairs[i + 1][..., None] * probs for i in range(1, MAX_TOKENS - 1)}
+    return {w: {c: float(t[c]) for c in itertools.product(range(V), repeat=len(w))} for w, t in tables.items()}
+
+
+def rejected(samples: list[tuple[int, ...]], params: SamplingParams) -> dict[tuple[int, ...], tuple[float, float]]:
+    """The windows on which `samples` (each MAX_TOKENS output tokens) fail plain sampling -> (chi-square p-value,
+    total variation): p-value below ALPHA / windows or, on a triple (many cells: its total variation stays near its
+    mean, a single position's does not), total variation above `tv_bound`."""
+    windows = exact_windows(params)
+    out = {}
+    for w, want in windows.items():
+        p_value, tv = fit([tuple(s[i - 1] for i in w) for s in samples], want)
+        if p_value < ALPHA / len(windows) or (len(w) == 3 and tv >= tv_bound(want, len(samples))):
+            out[w] = (p_value, tv)
+    return out
 
 
 def fit(samples: list[tuple[int, ...]], want: dict[tuple[int, ...], float]) -> tuple[float, float]:
@@ -200,7 +227,8 @@ def fit(samples: list[tuple[int, ...]], want: dict[tuple[int, ...], float]) -> t
 
 def tv_bound(want: dict[tuple[int, ...], float], n: int) -> float:
     """1.4x the total variation expected from `n` exact samples of `want` (each cell's |deviation| from its normal
-    approximation; 0.021 at T 1 and 20,000 runs here): about 4 standard deviations of the sum above its mean."""
+    approximation; 0.021 for tokens 1-3 at T 1 and 20,000 runs here): for a triple's 125 possible cells, about 4
+    standard deviations of the sum above its mean."""
     return 1.4 * 0.5 * sum(math.sqrt(2 * p * (1 - p) / (math.pi * n)) for p in want.values())
 
 
@@ -222,9 +250,7 @@ def test_engine_sampling_matches_plain(tokenizer, spec, params, opts):
     runs = RUNS if params is T1 and (spec, tuple(opts)) in FULL else RUNS_MATRIX
     engine = _engine(tokenizer)
     samples = list(run_engine(engine, _drafter(spec, target=engine.target, **opts), params, runs).values())
-    want = exact_joint(params)
-    p_value, tv = fit(samples, want)
-    assert p_value > 1e-3 and tv < tv_bound(want, runs), (p_value, tv)
+    assert not rejected(samples, params)
 
 
 def test_seeded_output_is_the_same_for_every_drafter(tokenizer):
@@ -234,9 +260,7 @@ def test_seeded_output_is_the_same_for_every_drafter(tokenizer):
     plain = run_engine(_engine(tokenizer), None, params, runs=2000, seeds=True)
     for spec, opts in [("draft", {"branch_p": 0.95}), ("suffix-tree", {}), ("ngram-mod,draft", {})]:
         assert run_engine(_engine(tokenizer), _drafter(spec, **opts), params, runs=2000, seeds=True) == plain
-    want = exact_joint(params)
-    p_value, tv = fit(list(plain.values()), want)
-    assert p_value > 1e-3 and tv < tv_bound(want, len(plain)), (p_value, tv)
+    assert not rejected(list(plain.values()), params)
 
 
 def test_light_steps_keep_sampling_lossless(tokenizer):
@@ -247,6 +271,55 @@ def test_light_steps_keep_sampling_lossless(tokenizer):
     engine.step = lambda seqs, cap=None: step(seqs, cap, light=next(n) % 2 == 0)
     samples = list(run_engine(engine, _drafter("ngram-mod,draft", target=engine.target), T1, RUNS_MATRIX).values())
     assert {"ngram-mod", "draft"} <= set(engine.cost.draft_s)  # both drafted
-    want = exact_joint(T1)
-    p_value, tv = fit(samples, want)
-    assert p_value > 1e-3 and tv < tv_bound(want, RUNS_MATRIX), (p_value, tv)
+    assert not rejected(samples, T1)
+
+
+def _depths(parents: list[int]) -> list[int]:
+    """Each node's depth in its tree: the drafts before it on its path."""
+    depth: list[int] = []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    return depth
+
+
+def q_read_small(boost: float, past: int):
+    """`verify_tree_sampling` reading the draft's probabilities `boost` times too small at nodes `past` or more drafts
+    deep: there a drafted token is accepted with probability min(1, boost p/q), and the residual is off too."""
+    def verify(tokens, parents, draft_probs, *args, **kw):
+        deep = [i for i, d in enumerate(_depths(parents)) if d >= past]
+        if draft_probs is not None and deep:
+            draft_probs = draft_probs.clone()
+            draft_probs[deep] /= boost
+        return verify_tree_sampling(tokens, parents, draft_probs, *args, **kw)
+    return verify
+
+
+def no_residual(past: int):
+    """`verify_tree_sampling` that, where it rejects the drafts after `past` or more accepted ones, draws the target's
+    token from p itself instead of the residual norm(max(p - q, 0))."""
+    def verify(tokens, parents, draft_probs, target_logits, params, generator, relax=None):
+        new, path = verify_tree_sampling(tokens, parents, draft_probs, target_logits, params, generator, relax)
+        at = path[-1] if path else -1
+        if len(path) >= past and at in parents:  # the last accepted node had children: all rejected
+            new[-1] = int(sample(probs_from_logits(target_logits[at + 1:at + 2], params), generator)[0])
+        return new, path
+    return verify
+
+
+BIASED = {  # name -> (verifier, runs): enough for p-values far below the check's (1e-22 and 1e-13 here)
+    "q-read-small": (q_read_small(1.5, past=2), RUNS_MATRIX),
+    "no-residual": (no_residual(past=2), 12_000),  # a subtler bias: 8,000 runs reject it at p 1e-6 only
+}
+
+
+@pytest.mark.parametrize("rule", list(BIASED))
+def test_check_rejects_a_biased_verifier(tokenizer, monkeypatch, rule):
+    """Negative control: the engine with a verifier biased only from its third draft on (tokens 4-6, after one step or
+    several) fails the check, on windows past token 3 alone, where a check of the first three tokens cannot look."""
+    verify, runs = BIASED[rule]
+    monkeypatch.setattr(engine_module, "verify_tree_sampling", verify)
+    engine = _engine(tokenizer)
+    samples = list(run_engine(engine, _drafter("draft", target=engine.target), T1, runs).values())
+    found = rejected(samples, T1)
+    assert found, "the check passed a biased verifier"
+    assert all(max(w) >= 4 for w in found), found  # tokens 1-3 are unbiased: nothing there is rejected

@@ -43,7 +43,7 @@ def test_any_head_is_lossless_greedy(tiny_dir, tmp_path, family, topk):
     for prompt in PROMPTS:
         plain = llm.generate(prompt, max_tokens=40, spec_type="none")
         r = llm.generate(prompt, max_tokens=40)
-        assert r.token_ids == plain.token_ids and r.stats.drafted > 0, prompt
+        assert r.token_ids == plain.token_ids and r.stats.drafted > 0, prompt  # drafted only: random heads
 
 
 def test_sampling_through_the_engine_matches_plain(tmp_path):
@@ -65,7 +65,7 @@ def test_smollm_any_head_is_lossless(smollm_dir, tmp_path, topk):
     prompt = "def fib(n):\n    if n < 2:\n        return n\n"
     plain = llm.generate(prompt, max_tokens=24, spec_type="none")
     r = llm.generate(prompt, max_tokens=24)
-    assert r.token_ids == plain.token_ids and r.stats.drafted > 0
+    assert r.token_ids == plain.token_ids and r.stats.drafted > 0  # drafted only: random heads
 
 
 def _same(a: MedusaHeads, b: MedusaHeads) -> None:
@@ -136,9 +136,11 @@ def test_auto_finds_the_targets_heads(tiny_dir, tmp_path, monkeypatch):
     assert find_head(str(target), "medusa", "--spec-medusa-head") == tmp_path / "heads" / "medusa-tiny"
     with pytest.raises(specdec.SpecdecError, match="no medusa head"):
         find_head("other", "medusa", "--spec-medusa-head")
-    llm = specdec.LLM(str(target), spec_type="medusa", dtype="fp32", context=64, progress=False)
-    assert llm.generate(PROMPTS[0], max_tokens=8).token_ids == llm.generate(PROMPTS[0], max_tokens=8,
-                                                                            spec_type="none").token_ids
+    llm = specdec.LLM(str(target), spec_type="medusa", dtype="fp32", context=64, progress=False,
+                      adaptive=False)  # fixed draft lengths: an adaptive one may draft nothing
+    r = llm.generate(PROMPTS[0], max_tokens=8)
+    assert r.token_ids == llm.generate(PROMPTS[0], max_tokens=8, spec_type="none").token_ids
+    assert r.stats.drafted > 0, r.stats  # drafted only: random heads
 
 
 def test_heads_for_another_target_are_refused(tiny_dir, tmp_path):
@@ -192,5 +194,6 @@ def test_training_lowers_the_loss_and_resumes(chat_dir, rules, tmp_path, labels)
     m2 = more.run()
     assert m2["training"]["steps"] == steps + len(more.plan[3]) and m2["training"]["epochs"] == 4
     llm = _llm(chat_dir, tmp_path / "heads", context=96, draft_max=3)
-    assert llm.generate(PROMPTS[0], max_tokens=16).token_ids == llm.generate(PROMPTS[0], max_tokens=16,
-                                                                             spec_type="none").token_ids
+    r = llm.generate(PROMPTS[0], max_tokens=16)
+    assert r.token_ids == llm.generate(PROMPTS[0], max_tokens=16, spec_type="none").token_ids
+    assert r.stats.drafted > 0  # drafted only: 3 epochs on 12 conversations seldom get a draft of it accepted

@@ -112,11 +112,11 @@ def test_per_request_drafter_options(tiny_dir):
     llm.engine.stop_ids = set()
     srv = ServerThread(create_app(llm, Scheduler(llm.engine, 1), ServerConfig("m", SamplingParams(max_tokens=16))))
     post = lambda spec: httpx.post(srv.url + "/v1/completions", timeout=60, json={  # noqa: E731
-        "prompt": "t5 t9 t12 t5 t9 t12 t5 t9 t12 t4", "max_tokens": 24, "speculative": spec})
+        "prompt": "t8 " * 10 + "t4", "max_tokens": 24, "speculative": spec})  # its answer repeats: drafts accepted
     try:
         plain, loose = post(False), post({"options": {"ngram_n": 1, "ngram_m": 3}})
         assert loose.status_code == 200 and loose.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
-        assert loose.json()["speculative"]["drafted"] > 0
+        assert loose.json()["speculative"]["drafted"] > 0 and loose.json()["speculative"]["accepted"] > 0, loose.json()
         assert llm.drafter_for("ngram-simple", None, {"ngram_n": 1, "ngram_m": 3}).n == 1
         assert llm.drafter_for("ngram-simple").n == 3  # the server's own drafter is untouched
         for m in range(1, 41):  # a bounded number of per-request drafters is kept
@@ -136,7 +136,7 @@ def test_per_request_drafter_options(tiny_dir):
 def server(smollm_dir):
     """SmolLM2-135M (fp32) behind an API key, one slot and no queue (so a second request gets 429)."""
     llm = specdec.LLM(str(smollm_dir), spec_type="ngram-simple,suffix", dtype="fp32", context=512, parallel=1,
-                      progress=False)
+                      adaptive=False, progress=False)  # fixed draft lengths: an adaptive one may draft nothing
     scheduler = Scheduler(llm.engine, 1, max_queue=0)
     srv = ServerThread(create_app(llm, scheduler, ServerConfig("smollm2-135m", SamplingParams(max_tokens=48), (KEY,))))
     yield srv
@@ -206,6 +206,7 @@ def test_playground_streams_colours_compares_and_reports_busy(server, browser, t
     assert len(answers) == 2 and all(a.find_elements(By.CSS_SELECTOR, ".tok") for a in answers)
     assert all("tok/s" in a.find_element(By.CSS_SELECTOR, ".speed").text for a in answers)
     assert d.find_element(By.CSS_SELECTOR, ".compare .verdict").text == "identical"  # greedy: lossless
+    assert answers[1].find_elements(By.CSS_SELECTOR, ".tok.draft")  # speculation on: drafts accepted
 
     ActionChains(d).move_to_element(d.find_elements(By.CSS_SELECTOR, ".tok.draft")[-1]).perform()
     tip = d.find_element(By.ID, "tooltip")
@@ -230,6 +231,7 @@ def _drafter_options(d, wait) -> None:
     _send(d, wait, "Once more, shorter.")
     assert not d.find_element(By.ID, "error").is_displayed()
     assert d.find_elements(By.CSS_SELECTOR, ".compare .verdict")[-1].text == "identical"
+    assert d.find_elements(By.CSS_SELECTOR, ".compare .answer")[-1].find_elements(By.CSS_SELECTOR, ".tok.draft")
 
 
 def _busy_message(d, wait, url: str) -> None:

@@ -73,9 +73,14 @@ def test_tiny_greedy_equal_with_and_without_the_cache(tiny_dir, spec):
     fixed = dict(adaptive=False)  # the draft model drafts on every prompt (the setup rule could skip short ones)
     plain, cached = _tiny_llm(tiny_dir, **fixed), _tiny_llm(tiny_dir, cache_mb=1, draft_branch_p=0.3, **fixed)
     plain_tree = _tiny_llm(tiny_dir, draft_branch_p=0.3, **fixed)
+    drafted = accepted = 0
     for p in PROMPTS + PROMPTS[:2]:
         ref = (plain_tree if spec == "draft" else plain).generate(p, max_tokens=24, spec_type=spec).token_ids
-        assert cached.generate(p, max_tokens=24, spec_type=spec).token_ids == ref, p
+        r = cached.generate(p, max_tokens=24, spec_type=spec)
+        assert r.token_ids == ref, p
+        drafted, accepted = drafted + r.stats.drafted, accepted + r.stats.accepted
+    # accepted not asserted for the draft model: a random one (seed 1) is right by chance alone
+    assert spec == "none" or (drafted > 0 and (accepted > 0 or spec == "draft")), (drafted, accepted)
     st = cached.prefix_cache.stats["target"]
     assert st.hits >= 5 and st.tokens_saved >= 4 * 4 * BLOCK
     if spec == "draft":
@@ -124,7 +129,8 @@ def test_tiny_batched_drafting_at_concurrency_is_lossless(tiny_dir):
     """4 slots, draft model (with trees) and suffix-tree, prompts sharing a prefix: the plain outputs; the draft
     model's forwards batch several sequences; the cache is hit by later requests, also for the draft model."""
     plain = _tiny_llm(tiny_dir)
-    llm = _tiny_llm(tiny_dir, cache_mb=1, parallel=4, draft_branch_p=0.3)
+    # fixed draft lengths: adaptive ones soon stop drafting with the random draft model (seldom accepted)
+    llm = _tiny_llm(tiny_dir, cache_mb=1, parallel=4, draft_branch_p=0.3, adaptive=False)
     prompts = PROMPTS * 2
     specs = ["draft", "draft", "suffix-tree", "draft", "none", "draft", "draft", "suffix-tree", "draft", "draft"]
     bases = [plain.generate(p, max_tokens=20).token_ids for p in prompts]
@@ -135,6 +141,12 @@ def test_tiny_batched_drafting_at_concurrency_is_lossless(tiny_dir):
     reqs = [Request(llm.encode(p), SamplingParams(max_tokens=20), llm.drafter_for(s)) for p, s in zip(prompts, specs)]
     _run(sched, reqs)
     assert [r.seq.output_ids for r in reqs] == bases
+    stats = {s: [0, 0] for s in specs}  # spec -> [drafted, accepted]
+    for s, r in zip(specs, reqs):
+        stats[s][0] += r.seq.stats.drafted
+        stats[s][1] += r.seq.stats.accepted
+    # the draft model: drafted only, a random one (seed 1) is right by chance alone
+    assert stats["draft"][0] > 0 and min(stats["suffix-tree"]) > 0, stats
     assert max(batches) >= 3
     assert sum(r.seq.cached_tokens for r in reqs) >= 4 * 4 * BLOCK
     assert llm.prefix_cache.stats["draft"].hits >= 1
@@ -188,10 +200,14 @@ def test_smollm_greedy_equal_with_and_without_the_cache(smollm_dir):
            "research tool and as a public relations boon for astronomy. ")
     questions = ["When was it launched?", "Is it still working?", "Why is it famous?"]
     for spec in ("none", "draft", "suffix-tree"):
+        drafted = accepted = 0
         for q in questions:
             p = f"{doc}\nQuestion: {q}\nAnswer:"
             ref = plain.generate(p, max_tokens=12, spec_type=spec).token_ids
-            assert cached.generate(p, max_tokens=12, spec_type=spec).token_ids == ref, (spec, q)
+            r = cached.generate(p, max_tokens=12, spec_type=spec)
+            assert r.token_ids == ref, (spec, q)
+            drafted, accepted = drafted + r.stats.drafted, accepted + r.stats.accepted
+        assert spec == "none" or (drafted > 0 and accepted > 0), (spec, drafted, accepted)
     assert cached.prefix_cache.stats["target"].hits >= 8
     assert cached.prefix_cache.stats["draft"].hits >= 2
 

@@ -46,7 +46,7 @@ def smol(smollm_dir, toy):
 def test_toy_through_the_api(smol):
     llm, plain = smol
     r = llm.generate(PROMPT, max_tokens=16)
-    assert r.token_ids == plain and r.stats.drafted > 0
+    assert r.token_ids == plain and r.stats.drafted > 0 and r.stats.accepted > 0
     with pytest.raises(specdec.SpecdecError, match="toy_len must be >= 1"):
         specdec.LLM(spec_type="toy-repeat", toy_len=0)  # the option's rule, before any model loads
 
@@ -57,6 +57,7 @@ def test_toy_through_the_cli(smollm_dir, smol, capsys):
                  "--spec-type", "toy-repeat", "--spec-toy-len", "2", "--spec-adaptive", "off", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["token_ids"] == plain and out["spec_type"] == "toy-repeat" and out["stats"]["drafted"] > 0
+    assert out["stats"]["accepted"] > 0
     with pytest.raises(SystemExit) as e:
         main(["generate", "-p", "x", "--spec-type", "toy-repeat", "--spec-toy-len", "0"])
     assert e.value.code == 2 and "toy_len must be >= 1" in capsys.readouterr().err
@@ -72,6 +73,7 @@ def test_toy_through_the_server(smol):
         r = httpx.post(srv.url + "/v1/completions", json={**body, "speculative": {"type": "toy-repeat"}}, timeout=60)
         assert r.status_code == 200
         assert r.json()["choices"][0]["text"] == llm.tokenizer.decode(plain)
+        assert r.json()["speculative"]["drafted"] > 0 and r.json()["speculative"]["accepted"] > 0, r.json()
         r = httpx.post(srv.url + "/v1/completions", json={**body, "speculative": {"type": "toy-nope"}}, timeout=60)
         assert r.status_code == 400 and "toy-repeat" in r.json()["error"]["message"]  # the known types listed
     finally:
@@ -82,21 +84,23 @@ def test_toy_through_bench_and_replay(smollm_dir, toy, tmp_path):
     work = tmp_path / "w.jsonl"
     work.write_text(json.dumps({"id": "e", "category": "code-edit", "prompt": PROMPT}) + "\n")
     threads = torch.get_num_threads()
-    try:
-        assert main(["bench", "-m", str(smollm_dir), "--dtype", "fp32", "-t", "1", "--max-tokens", "8",
+    try:  # fixed draft lengths (an adaptive one may draft nothing) and 16 tokens: some drafts are accepted
+        assert main(["bench", "-m", str(smollm_dir), "--dtype", "fp32", "-t", "1", "--max-tokens", "16",
                      "--workload", str(work), "--methods", "none,toy-repeat", "--spec-toy-len", "2",
-                     "--out", str(tmp_path / "bench")]) == 0
+                     "--spec-adaptive", "off", "--out", str(tmp_path / "bench")]) == 0
         rec = tmp_path / "rec.json"
         assert main(["bench", "replay", "--record", str(rec), "-m", str(smollm_dir), "--dtype", "fp32", "-t", "1",
-                     "-n", "8", "--workload", str(work)]) == 0
+                     "-n", "16", "--workload", str(work)]) == 0
     finally:
         torch.set_num_threads(threads)
     runs = json.loads((tmp_path / "bench" / "results.json").read_text())["runs"]
     assert [r["method"] for r in runs] == ["none", "toy-repeat"] and all(r["matches_baseline"] for r in runs)
+    assert runs[1]["drafted"] > 0 and runs[1]["accepted"] > 0, runs[1]
     assert main(["bench", "replay", "--from", str(rec), "--methods", "none,toy-repeat", "--spec-toy-len", "2",
-                 "--out", str(tmp_path / "replay")]) == 0
+                 "--spec-adaptive", "off", "--out", str(tmp_path / "replay")]) == 0
     runs = json.loads((tmp_path / "replay" / "results.json").read_text())["runs"]
     assert [r["method"] for r in runs] == ["none", "toy-repeat"] and all(r["matches_baseline"] for r in runs)
+    assert runs[1]["drafted"] > 0 and runs[1]["accepted"] > 0, runs[1]
 
 
 def test_registry_rules():

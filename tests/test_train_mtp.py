@@ -44,3 +44,6 @@ def test_training_lowers_the_loss_and_resumes(chat_dir, rules, tmp_path):
     llm.engine.stop_ids = set()
     spec = llm.generate(PROMPTS[0], max_tokens=16)
     assert spec.token_ids == llm.generate(PROMPTS[0], max_tokens=16, spec_type="none").token_ids
+    # drafted, so the equality compared speculation with plain; a head trained for 4 epochs on a few dozen tokens may
+    # accept nothing (it did on one clean-clone run): accepted MTP drafts are asserted in tests/test_mtp.py
+    assert spec.stats.drafted > 0, spec.stats

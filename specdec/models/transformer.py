@@ -17,6 +17,7 @@ from torch import nn
 
 from specdec.models.config import ModelConfig
 from specdec.models.rope import Rotary, apply_rotary
+from specdec.runtime import kernels as K
 from specdec.runtime import small_ops
 from specdec.runtime.attention import attention
 from specdec.runtime.kv_cache import KVCache
@@ -275,11 +276,11 @@ class Transformer(nn.Module):
 
     def layers_in_c(self, rows: int) -> bool:
         """Whether a forward of `rows` query rows in all runs every decoder layer in one C call (`layer_kernel`):
-        float32 on the CPU, GGUF weights, not split, at most the kernels' row count. There each row's result is
-        independent of how rows are grouped into sequences, so ragged chunks can go one row per entry."""
+        float32 on the CPU, GGUF weights, not split (with fast prefill: up to its kernel rows). There each row's result
+        is independent of how rows are grouped into sequences, so ragged chunks can go one row per entry."""
         if self.split or self.device.type != "cpu" or self.model.embed_tokens.weight.dtype != torch.float32:
             return False
-        return all(k is not None and k.takes(rows) for k in self._kernels())
+        return K.kernels_take(rows) and all(k is not None for k in self._kernels())
 
     def _kernels(self) -> list[LayerKernel | None]:
         """Each decoder layer's C form (`DecoderLayer._kernel`), None where a layer has none."""

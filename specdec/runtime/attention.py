@@ -1,8 +1,10 @@
-"""Attention over the KV cache: the C kernel (`kernels/attention.c`) for decode and verification steps on the
-CPU in float32, torch's fused attention elsewhere (prefill, bf16, GPU, and training: the kernel has no backward).
+"""Attention over the KV cache: the C kernel (`kernels/attention.c`) on the CPU in float32 for every row count
+(decode, verification, prefill chunks), torch's fused attention elsewhere (bf16, GPU, training: the kernel has no
+backward; and with fast prefill, `kernels.set_fast_prefill`, a sequence's chunks of more than 64 rows).
 
 The kernel computes every query row on its own, keys in cache order, so a token's output is the same bits
-decoded alone or verified among drafted tokens: plain and speculative greedy decoding stay token-identical
+decoded alone, verified among drafted tokens, or prefilled in a chunk of any size after any cached prefix: plain and
+speculative greedy decoding stay token-identical, and so do a prompt asked alone, in a batch or after a cache hit,
 even where int8-quantized activations (the GGUF kernels) would turn last-bit differences into flipped tokens.
 """
 from __future__ import annotations
@@ -13,8 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from specdec.runtime import kernels as K
-
-KERNEL_ROWS = 64  # query rows per sequence up to which the kernel runs (a draft tree's size; prefill chunks: SDPA)
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
@@ -49,7 +49,7 @@ def _kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: tor
     B, H, T, hd = q.shape
     S, kvh = keys.shape[2], keys.shape[1]
     grad = torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad or values.requires_grad)
-    usable = (T <= KERNEL_ROWS and not grad and q.device.type == "cpu" and keys.device.type == "cpu"
+    usable = (K.kernels_take(T) and not grad and q.device.type == "cpu" and keys.device.type == "cpu"
               and q.dtype == keys.dtype == values.dtype == torch.float32 and keys.stride() == values.stride()
               and keys.stride(-1) == 1 and keys.stride(-2) == hd and H % kvh == 0)
     lib = K.library() if usable else None

@@ -3,21 +3,19 @@
 `GGUFLinear` holds block bytes ([out, bytes_per_row] uint8) plus the GGML type id; no 16/32-bit copy of the
 weight is kept. The bytes are the file's own (a view of its memory map) or, where the AVX2 or AVX-512 kernels
 run, the same blocks repacked at load 16 outputs at a time (`repacked`, "x16": the same values, no unpacking or
-transposing per call). Row counts up to `kernel_max_rows()` (measured per CPU: decode, verification, ragged
-server batches, and where the kernels win, whole prefill chunks) go through the C kernels in
-`specdec/runtime/kernels/ggml_q.c` (int8-quantized activations, integer dot products; AVX-512 with or without VNNI,
-AVX2 or scalar, chosen at run time). Larger ones dequantize the weight in chunks of output rows (bf16 where the CPU has
-native bf16, else fp32) into a reused buffer for torch's matmul. Without the compiled library both dequantize
-through the `gguf` package (slow but correct).
+transposing per call). Every row count (decode, verification, ragged server batches, prefill chunks) goes through
+the C kernels in `specdec/runtime/kernels/ggml_q.c` (int8-quantized activations, integer dot products; AVX-512 with
+or without VNNI, AVX2 or scalar, chosen at run time), whose result for a row does not depend on the rows beside it.
+With fast prefill (`kernels.set_fast_prefill`, opt-in) forwards of more rows dequantize the weight in chunks of
+output rows (bf16 where the CPU has native bf16, else the input's dtype) into a reused buffer for torch's matmul.
+Without the compiled library every forward dequantizes through the `gguf` package (slow but correct).
 
 Types: Q4_K, Q5_0, Q6_K, Q8_0 (what Q4_K_M packs hold) and Q4_1 (the SmolLM2-135M pack).
 """
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
-import time
 
 import numpy as np
 import torch
@@ -26,56 +24,7 @@ from torch import nn
 from specdec.runtime import kernels as K
 from specdec.runtime.cpu import has_bf16
 
-DEQUANT_CHUNK_BYTES = 32 << 20  # dequantized weight held at once in the prefill path
-CALIBRATION_ROWS = (16, 32, 64, 96, 128, 256, 512)  # 512: a whole prefill chunk (runner.PREFILL_CHUNK)
-_max_rows: dict[tuple[torch.dtype, int], int] = {}
-
-
-def kernel_max_rows(dtype: torch.dtype) -> int:
-    """Rows up to which the int8-activation kernel beats dequantize + torch matmul for inputs of `dtype`.
-
-    Where the crossover lies depends on the CPU and the layout more than on the layer (Zen 5 with AVX512-BF16,
-    2 threads, Q4_K 8960x1536: the x16 kernel 15.8 ms at 512 rows against 16.0 ms dequantized to bf16 and 74 ms
-    to fp32; the file-layout kernels on AVX2 lose earlier). So it is measured once per process, dtype and thread
-    count, on a 4096x1536 Q4_K layer in this CPU's layout, at 16, 32, 64, 96, ..., 512 rows (well under a second): the
-    largest row count up to which the kernel was faster at every step (at least 8). SPECDEC_GGUF_KERNEL_ROWS=N
-    sets it instead. (A 1024x2048 layer, as before, lost to dequantize + matmul at 512 rows, 2.91 against 2.74 ms,
-    where the 1.5B's real shapes won by 1.1-1.25x: 4096x1536 7.28 against 8.99 ms; Zen 5, 2 threads.)"""
-    env = os.environ.get("SPECDEC_GGUF_KERNEL_ROWS")
-    if env:
-        return int(env)
-    key = (dtype, torch.get_num_threads(), K.requested_path())
-    if key not in _max_rows:
-        _max_rows[key] = _calibrate(dtype) if K.library() is not None else 0
-    return _max_rows[key]
-
-
-def _calibrate(dtype: torch.dtype) -> int:
-    rng = np.random.default_rng(0)
-    out, inp = 4096, 1536
-    nb = out * inp // 256
-    b = rng.integers(0, 256, size=(nb, 144), dtype=np.uint8)
-    b[:, 0:4] = np.full((nb, 2), 1e-3, dtype=np.float16).view(np.uint8)
-    lin = for_this_cpu(GGUFLinear.from_blocks(b, K.Q4_K, (out, inp)))
-
-    def kernel_wins(x: torch.Tensor, n: int = 4) -> bool:
-        """The kernel's best time against dequantize + matmul's, the two alternated (after one untimed call each),
-        so a moment of the host's noise falls on both."""
-        best = [float("inf"), float("inf")]
-        for i in range(n + 1):
-            for j, fn in enumerate((lin._kernel, lin._dequant_matmul)):
-                t0 = time.perf_counter()
-                fn(x)
-                if i:
-                    best[j] = min(best[j], time.perf_counter() - t0)
-        return best[0] <= best[1]
-
-    limit = 8
-    for rows in CALIBRATION_ROWS:
-        if not kernel_wins(torch.randn(rows, inp, dtype=dtype)):
-            break
-        limit = rows
-    return limit
+DEQUANT_CHUNK_BYTES = 32 << 20  # dequantized weight held at once in the fast prefill path
 
 
 def for_this_cpu(lin: "GGUFLinear") -> "GGUFLinear":
@@ -165,10 +114,7 @@ class GGUFLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        rows = x2.shape[0]
-        y = None
-        if use_kernel([self], rows, x2.dtype):
-            y = self._kernel(x2)
+        y = self._kernel(x2) if K.kernels_take(x2.shape[0]) else None
         if y is None:
             y = self._dequant_matmul(x2)
         if self.bias is not None:
@@ -179,7 +125,8 @@ class GGUFLinear(nn.Module):
         return kernel_matmul([self], x2, path)
 
     def _dequant_matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        dtype = torch.bfloat16 if x2.dtype == torch.bfloat16 or has_bf16() else torch.float32  # native bf16: ~4x fp32
+        fast_bf16 = K.fast_prefill() and has_bf16()  # native bf16: ~4x fp32
+        dtype = torch.bfloat16 if x2.dtype == torch.bfloat16 or fast_bf16 else torch.float32
         xd = x2.to(dtype)
         step = min(self.out_features, max(64, DEQUANT_CHUNK_BYTES // (self.in_features * xd.element_size())) // 32 * 32)
         self.last_path = "dequant"
@@ -218,8 +165,8 @@ class GGUFLinear(nn.Module):
 
 class GGUFConcatLinear(nn.Module):
     """Several GGUFLinears that take the same input (a fused q/k/v or gate/up, of one or several block types),
-    outputs side by side: up to `kernel_max_rows` rows in one kernel call for all parts (activations quantized
-    once, threads split every part's outputs), above that each part on its own (dequantize + matmul)."""
+    outputs side by side: one kernel call for all parts (activations quantized once, threads split every part's
+    outputs); fast prefill's large forwards dequantize them side by side for one matmul."""
 
     def __init__(self, parts: list[GGUFLinear]):
         super().__init__()
@@ -238,7 +185,7 @@ class GGUFConcatLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         rows = x2.shape[0]
-        y = kernel_matmul(list(self.parts), x2) if use_kernel(self.parts, rows, x2.dtype) else self._dequant_matmul(x2)
+        y = kernel_matmul(list(self.parts), x2) if K.kernels_take(rows) else self._dequant_matmul(x2)
         if y is None:
             return torch.cat([p(x) for p in self.parts], dim=-1)
         if self.bias is not None:
@@ -260,22 +207,6 @@ class GGUFConcatLinear(nn.Module):
                 return None
             p.last_path, col = "dequant", col + p.out_features
         return (x2.to(torch.bfloat16) @ w).to(x2.dtype)
-
-
-EXACT_ROWS = 64  # x16 layout: rows that always take the kernel (runtime.attention.KERNEL_ROWS, a tree's size)
-
-
-def use_kernel(parts, rows: int, dtype: torch.dtype) -> bool:
-    """Whether `rows` rows go through the kernels: up to the measured crossover, and for the x16 layout always up
-    to EXACT_ROWS, so that decode and verification run the same per-row arithmetic (a noisy calibration must not
-    send a verify step to dequantize + matmul while decoding takes the kernel: the tokens would differ at
-    near-ties). At least 8 rows on any layout."""
-    return rows <= kernel_floor(parts) or rows <= kernel_max_rows(dtype)
-
-
-def kernel_floor(parts) -> int:
-    """Rows up to which `parts` always take the kernels, whatever the calibration (`use_kernel`)."""
-    return EXACT_ROWS if all(p.qtype & K.X16 for p in parts) else 8
 
 
 def kernel_matmul(parts: list[GGUFLinear], x2: torch.Tensor, path: int | None = None) -> torch.Tensor | None:

