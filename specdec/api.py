@@ -157,6 +157,7 @@ class LLM:
         """Generate from a prompt (text, or token ids); `spec_type` overrides the LLM's for this call. `words`:
         transformers' assisted-generation arguments (`compat.HF_WORDS`) for this call: they may pick the spec type
         and the draft length; what else they imply must already be this LLM's setting."""
+        compat.refuse_other_names(words, "generate()")
         ids = prompt if isinstance(prompt, list) else self.encode(prompt, chat, system)
         params = SamplingParams(temperature, top_k, top_p, min_p, seed, max_tokens, list(stop or []))
         asked = compat.for_request(words, self.config.settings()) if words else {}

@@ -15,6 +15,11 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def _hub(s: str) -> str:
+    raise argparse.ArgumentTypeError(f"model hubs are not reachable from here ({s}): download the GGUF file and pass "
+                                     "it with -m FILE, or use a model pack (specdec models list)")
+
+
 def _positive_int(s: str) -> int:
     v = int(s)
     if v < 1:
@@ -54,6 +59,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models")
     g.add_argument("-m", "--model", help="target: model pack name, GGUF file or checkpoint directory "
                    "(default: qwen2.5-coder-1.5b with draft qwen2.5-coder-0.5b)")
+    g.add_argument("-hf", "--hf-repo", type=_hub, metavar="REPO", help="not supported: hubs are not reachable here; "
+                   "use -m FILE")
     g.add_argument("-md", "--model-draft", dest="draft", help="draft model; with another tokenizer than the target's "
                    "its drafts are re-tokenized for the target (docs/cross-tokenizer.md)")
     g.add_argument("-c", "--ctx-size", dest="context", type=_positive_int, default=D.context,
@@ -121,17 +128,22 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("-n", "--n-predict", dest="max_tokens", type=_positive_int, default=128,
                    help="max new tokens (default 128)")
     g.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default 0)")
-    g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--seed", type=int, help="seed for sampling (reproducible runs)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens; 0 = off (default 0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the most likely tokens up to this "
+                   "total probability; 1 = off (default 1)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the top token's "
+                   "probability; 0 = off (default 0)")
+    g.add_argument("--seed", type=int, help="seed for sampling: the same text for every drafter and load (default: "
+                   "none, random)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.file is None):
         raise SpecdecError("give exactly one of -p PROMPT or -f FILE")
-    if args.file is not None:
+    if args.file == "-":
+        prompt = sys.stdin.read()
+    elif args.file is not None:
         try:
             prompt = Path(args.file).read_text()
         except OSError as e:
@@ -424,19 +436,22 @@ def make_parser() -> argparse.ArgumentParser:
     from specdec.drafters import spec_types
     from specdec.runtime.prefix_cache import SERVE_BUDGET_MB
 
+    from specdec import __version__
+
     p = _Parser(prog="specdec", description="Lossless speculative decoding for local LLMs.")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p.add_argument("--version", action="version", version=f"specdec {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     g = sub.add_parser("generate", help="generate text from a prompt")
     g.add_argument("-p", "--prompt", help="prompt text")
-    g.add_argument("-f", "--file", help="read the prompt from a file")
+    g.add_argument("-f", "--file", help="read the prompt from a file (- = standard input)")
     g.add_argument("-cnv", "--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--system", help="system message (with --chat)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--ignore-eos", action="store_true", help="go on past end-of-text tokens, to -n tokens (as "
                    "llama.cpp's --ignore-eos)")
+    add_sampling_args(g)  # the common flags first in --help, drafter options after
     add_model_args(g)
-    add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
 
     m = sub.add_parser("models", help="list or pull model packs")
@@ -507,8 +522,8 @@ def make_parser() -> argparse.ArgumentParser:
     from specdec.server.serve import add_serve_args
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with batched speculative decoding")
     add_serve_args(sv, _positive_int)
-    add_model_args(sv)
     add_sampling_args(sv)
+    add_model_args(sv)
     sv.set_defaults(func=cmd_serve)
 
     _add_plan_parser(sub)
@@ -517,7 +532,11 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # `specdec` alone: the usage with the commands, as a usage error
+        parser.print_help(sys.stderr)
+        return 2
     return run_command(lambda: args.func(args))
 
 

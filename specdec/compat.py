@@ -25,6 +25,17 @@ VLLM_METHODS = {"ngram": ("ngram-simple", None), "draft_model": ("draft", None),
 VLLM_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
 # Ollama Modelfile PARAMETERs -> Config keywords
 OLLAMA_PARAMETERS = {"num_ctx": "context", "num_gpu": "n_gpu_layers", "draft_model": "draft", "num_draft": "draft_max"}
+# keywords of transformers, llama-cpp-python, vLLM and Ollama that are ours under another name (`LLM(...)`, `generate`)
+OUR_NAMES = {"max_new_tokens": "max_tokens", "max_length": "max_tokens", "n_predict": "max_tokens",
+             "num_predict": "max_tokens", "n_ctx": "context", "num_ctx": "context", "max_model_len": "context",
+             "ctx_size": "context", "n_threads": "threads", "num_thread": "threads", "temp": "temperature"}
+
+
+def refuse_other_names(kw: Mapping[str, Any], where: str) -> None:
+    """A keyword another library spells differently (`OUR_NAMES`) fails with the one meant, before any other check."""
+    for name in kw:
+        if name in OUR_NAMES:
+            raise SpecdecError(f"{where} takes no {name!r}: use {OUR_NAMES[name]}=")
 
 
 def _one_spec(out: Settings, spec: str, why: str) -> None:

@@ -84,6 +84,7 @@ class Config:
     def make(cls, **kw: Any) -> Config:
         """From keywords: Config fields and drafter option names side by side, and transformers' assisted-generation
         words (`compat.HF_WORDS`: assistant_model, prompt_lookup_num_tokens, ...); unknown names fail."""
+        compat.refuse_other_names(kw, "LLM(...)")
         hf = {k: kw.pop(k) for k in compat.HF_WORDS if k in kw}
         kw = compat.merge(kw, compat.from_transformers(hf), "transformers' arguments")
         own = {f.name for f in fields(cls)} - {"drafter"}

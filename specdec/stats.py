@@ -39,8 +39,11 @@ class Stats:
 
     @property
     def mean_accept_len(self) -> float:
-        """Tokens per target forward, bonus token included."""
-        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+        """Tokens a verify step commits on average: the target's own token plus the drafted ones it accepted (vLLM's
+        mean acceptance length); 1.0 without drafts. (Tokens per forward would count the prefill's forward and the
+        forward whose token was the end-of-text, and fall below 1 with no drafter.)"""
+        steps = self.target_forwards - 1  # the prefill's forward verifies nothing
+        return 1.0 + self.accepted / steps if steps > 0 else 1.0
 
     @property
     def tokens_per_s(self) -> float:

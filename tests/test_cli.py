@@ -112,3 +112,29 @@ def test_tiny_generate_human_output(tmp_path):
     res = run("generate", "-m", str(d), "-p", "t5 t9", "-n", "5", "--dtype", "fp32", "--spec-type", "ngram-simple")
     assert res.returncode == 0, res.stderr
     assert "tok/s" in res.stderr
+
+
+def test_usage_version_hubs_and_stdin(tiny_dir):
+    """`specdec` alone: the usage with its commands (exit 2); --version; -hf: one line saying hubs are not reachable
+    and what to do instead; -f -: the prompt from standard input."""
+    bare = run()
+    assert bare.returncode == 2 and "generate" in bare.stderr and "serve" in bare.stderr
+    version = run("--version")
+    assert version.returncode == 0 and version.stdout.startswith("specdec ")
+    assert_clean_error(run("generate", "-hf", "org/repo", "-p", "hi"), "use a model pack")
+    res = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "-m", str(tiny_dir("qwen2")), "-f", "-",
+                          "-n", "3", "--dtype", "fp32", "--ignore-eos", "--json"], input="t5 t9", capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["stats"]["new_tokens"] == 3
+
+
+def test_python_api_names_the_keyword_meant(tiny_dir):
+    import specdec
+    from specdec.errors import SpecdecError
+
+    with pytest.raises(SpecdecError, match="use context="):
+        specdec.LLM(str(tiny_dir("llama")), n_ctx=2048, progress=False)
+    llm = specdec.LLM(str(tiny_dir("llama")), dtype="fp32", progress=False)
+    with pytest.raises(SpecdecError, match="use max_tokens="):
+        llm.generate("t1", max_new_tokens=8)

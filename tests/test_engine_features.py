@@ -90,3 +90,16 @@ def test_no_capture_without_a_drafter_that_reads_features(tiny_dir):
     llm = specdec.LLM(str(tiny_dir("llama")), spec_type="ngram-simple", dtype="fp32", context=64, progress=False)
     llm.generate(PROMPT, max_tokens=8)
     assert llm.runner.capture is None and llm.runner.features is None
+
+
+def test_mean_accept_len_is_never_below_one():
+    """No drafts: 1.0, also when the last forward's token was the end-of-text (11 forwards for 10 tokens); drafts:
+    1 + accepted per verify step."""
+    from specdec.stats import Stats
+
+    plain = Stats(new_tokens=10, target_forwards=11)
+    assert plain.mean_accept_len == 1.0 and Stats().mean_accept_len == 1.0
+    s = Stats(new_tokens=1, target_forwards=1)
+    for accepted in (3, 0, 1):
+        s.record_step(4, 4, accepted, 4)
+    assert s.mean_accept_len == 1 + 4 / 3

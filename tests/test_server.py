@@ -258,3 +258,64 @@ def wait_healthy(url: str, tries: int = 600) -> None:
                 return
         except httpx.HTTPError:
             time.sleep(0.1)
+
+
+def test_bodies_are_json_whatever_their_content_type(tiny):
+    """curl -d sends application/x-www-form-urlencoded (Ollama's own examples do): parsed as JSON, as Ollama and
+    llama-server parse it, on every API's routes."""
+    import json
+
+    auth = {"Authorization": "Bearer k"}
+    for path, body in (("/v1/completions", {"prompt": "t1 t2", "max_tokens": 2}),
+                       ("/completion", {"prompt": "t1 t2", "n_predict": 2}),
+                       ("/api/generate", {"model": "m", "prompt": "t1 t2", "stream": False,
+                                          "options": {"num_predict": 2}})):
+        for ctype in ("application/x-www-form-urlencoded", "text/plain", None):
+            headers = {**auth, **({"Content-Type": ctype} if ctype else {})}
+            r = httpx.post(tiny.url + path, content=json.dumps(body), headers=headers, timeout=60)
+            assert r.status_code == 200, (path, ctype, r.text)
+
+
+def test_one_log_line_per_request(tiny, caplog):
+    """A finished request logs its id, route, outcome, tokens, speed and speculation; a refused one its status."""
+    import logging
+
+    auth = {"Authorization": "Bearer k"}
+    with caplog.at_level(logging.INFO, logger="specdec.access"):
+        ok = httpx.post(tiny.url + "/v1/completions", json={"prompt": "t1 t2", "max_tokens": 3}, headers=auth,
+                        timeout=60)
+        bad = httpx.post(tiny.url + "/v1/completions", json={"prompt": "t1", "temperature": 5}, headers=auth,
+                         timeout=60)
+        for _ in range(100):  # the finished line is written on the server's loop, after the response
+            if any(ok.json()["id"] in r.getMessage() for r in caplog.records):
+                break
+            time.sleep(0.05)
+    lines = [r.getMessage() for r in caplog.records if r.name == "specdec.access"]
+    assert ok.status_code == 200 and bad.status_code == 400
+    done = next(line for line in lines if line.startswith(ok.json()["id"]))
+    assert "/v1/completions" in done and "generated" in done and "tok/s" in done and "drafted" in done
+    assert any(line.startswith("POST /v1/completions 400 ") for line in lines)
+
+
+def test_llama_server_and_ollama_info_routes(tiny):
+    """llama-server's /tokenize, /detokenize, /props, /slots and Ollama's /api/ps answer as theirs do."""
+    auth = {"Authorization": "Bearer k"}
+
+    def post(path, body):
+        r = httpx.post(tiny.url + path, json=body, headers=auth, timeout=60)
+        assert r.status_code == 200, (path, r.text)
+        return r.json()
+
+    ids = post("/tokenize", {"content": "t1 t2 t3"})["tokens"]
+    assert ids and all(isinstance(i, int) for i in ids)
+    assert post("/detokenize", {"tokens": ids})["content"].strip() == "t1 t2 t3"
+    pieces = post("/tokenize", {"content": "t1 t2", "with_pieces": True})["tokens"]
+    assert all(set(p) == {"id", "piece"} for p in pieces)
+    bad = httpx.post(tiny.url + "/detokenize", json={"tokens": [10 ** 9]}, headers=auth, timeout=60)
+    assert bad.status_code == 400
+    props = httpx.get(tiny.url + "/props", headers=auth, timeout=60).json()
+    assert props["total_slots"] == 4 and props["default_generation_settings"]["n_ctx"] == 64
+    slots = httpx.get(tiny.url + "/slots", headers=auth, timeout=60).json()
+    assert [s["id"] for s in slots] == [0, 1, 2, 3] and not any(s["is_processing"] for s in slots)
+    models = httpx.get(tiny.url + "/api/ps", headers=auth, timeout=60).json()["models"]
+    assert len(models) == 1 and models[0]["context_length"] == 64

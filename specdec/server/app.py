@@ -33,6 +33,7 @@ from specdec.server.protocol import MAX_BODY, APIError, ChatRequest, CompletionR
 from specdec.trace import TokenTrace
 
 log = logging.getLogger(__name__)
+access = logging.getLogger("specdec.access")  # one line per request (`specdec serve` prints them on stderr)
 _Body = CompletionRequest | ChatRequest
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 STATIC = Path(__file__).parent / "static"  # the playground page, served at /
@@ -62,6 +63,7 @@ def create_app(llm, scheduler: Scheduler, cfg: ServerConfig) -> FastAPI:
     if not cfg.api_keys and "*" not in cfg.allowed_hosts:
         app.add_middleware(_HostGuard, allowed={_host_name(n) for n in (cfg.host, *LOOPBACK_HOSTS, *cfg.allowed_hosts)})
     app.add_middleware(_BodyLimit, limit=cfg.max_body)
+    app.add_middleware(_JsonBodies)
     app.state.error_bodies = {}  # path (or prefix ending in /) -> its API's error body; OpenAI's elsewhere
     for exc, handler in _ERROR_HANDLERS.items():
         app.add_exception_handler(exc, handler)
@@ -285,14 +287,27 @@ class _Handler:
         threshold = spec.accept_threshold if isinstance(spec, Speculative) else None
         req = Request(ids, params, drafter, draft_max, want_lp, top, trace=body.specdec_trace,
                       cache_prompt=body.cache_prompt, cache_salt=scope, accept_threshold=threshold)
-        events = _Events(req, self.metrics.finished)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        events = _Events(req, lambda r: self._finished(r, rid, http.url.path))
         self._submit(req)
         usage = body.stream_options is not None and body.stream_options.include_usage
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         fmt = wire or _Formatter(self.llm, self.cfg.model_id, rid, chat, usage)
         if body.stream:
             return StreamingResponse(self._stream(req, events, fmt), media_type=fmt.media_type)
         return await self._respond(http, req, events, fmt)
+
+    def _finished(self, req: Request, rid: str, route: str) -> None:
+        """Count a finished request (`/metrics`) and log its line: id, route, outcome, tokens, speed, speculation."""
+        self.metrics.finished(req)
+        seq = req.seq
+        if seq is None:
+            access.info("%s %s cancelled before it started", rid, route)
+            return
+        t = response_stats(req)["timings"]
+        outcome = "error" if req.error else "cancelled" if req.cancelled else seq.finish_reason or "stop"
+        access.info("%s %s %s prompt %d (cached %d) generated %d %.1f tok/s drafted %d accepted %d", rid, route,
+                    outcome, seq.prompt_len, seq.cached_tokens, seq.stats.new_tokens, t["predicted_per_second"],
+                    seq.stats.drafted, seq.stats.accepted)
 
     def _submit(self, req: Request) -> None:
         try:
@@ -374,6 +389,7 @@ class _Events:
 def _error(req: HTTPRequest, e: APIError) -> JSONResponse:
     """`e` in the error format of the API `req`'s path belongs to (`app.state.error_bodies`; else OpenAI's)."""
     path = req.url.path
+    access.info("%s %s %d %s", req.method, path, e.status, e.message)
     body = next((fn for key, fn in req.app.state.error_bodies.items()
                  if path == key or (key.endswith("/") and path.startswith(key))), APIError.body)
     return JSONResponse(body(e), status_code=e.status)
@@ -451,6 +467,21 @@ class _HostGuard:
                        f"address and localhost (start it with --allow-host {host or 'HOST'} or an API key)",
                        code="host_not_allowed")
         await JSONResponse(err.body(), status_code=403)(scope, receive, send)
+
+
+class _JsonBodies:
+    """ASGI middleware: a POST body is JSON whatever its Content-Type says (curl -d sends form-urlencoded, as Ollama's
+    own examples do; Ollama and llama-server parse it as JSON all the same)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and "json" not in Headers(scope=scope).get(
+                "content-type", ""):
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            scope = {**scope, "headers": headers + [(b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
 
 
 class _BodyLimit:

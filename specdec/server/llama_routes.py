@@ -1,6 +1,7 @@
 """llama-server's `/completion` (and its alias `/completions`) over the same handler as the OpenAI routes: its
 request fields, its answer (`content`, `stop`, `tokens_predicted`, `tokens_evaluated`, `stop_type`, `timings`),
-its SSE stream (`data: {"content": ..., "stop": false}` lines, no [DONE]) and its error format."""
+its SSE stream (`data: {"content": ..., "stop": false}` lines, no [DONE]) and its error format; and its
+`/tokenize`, `/detokenize`, `/props` and `/slots`."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Union
 from fastapi import Depends, FastAPI, Request as HTTPRequest
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
 
+import specdec
 from specdec.server.protocol import (EXTENSIONS, APIError, CompletionRequest, openai_body, refuse_unsupported,
                                      response_stats, sampling_fields)
 
@@ -27,6 +29,16 @@ NAMES = {"max_tokens": "n_predict"}  # our field -> llama-server's, in errors
 # llama-server's error types by status
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
          413: "invalid_request_error", 429: "unavailable_error", 501: "not_supported_error", 503: "unavailable_error"}
+
+
+class Tokenize(BaseModel):
+    content: str
+    add_special: StrictBool = False
+    with_pieces: StrictBool = False
+
+
+class Detokenize(BaseModel):
+    tokens: list[StrictInt]
 
 
 class LlamaCompletion(BaseModel):
@@ -54,6 +66,34 @@ def add_routes(app: FastAPI, h: _Handler) -> None:
             "cache_prompt": fields.get("cache_prompt", True), **{k: fields[k] for k in EXTENSIONS if k in fields}},
             NAMES)  # no `model`: llama-server's /completion serves its one model whatever the body says
         return await h.completions(openai, http, scope, _Wire(h.llm.tokenizer.decode, h.cfg.model_id))
+
+    @app.post("/tokenize", dependencies=[Depends(h.auth)])
+    async def tokenize(body: Tokenize):
+        tok = h.llm.tokenizer
+        ids = tok.encode(body.content, add_special_tokens=body.add_special)
+        return {"tokens": [{"id": i, "piece": tok.decode([i])} for i in ids] if body.with_pieces else ids}
+
+    @app.post("/detokenize", dependencies=[Depends(h.auth)])
+    async def detokenize(body: Detokenize):
+        vocab = h.llm.runner.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
+        return {"content": h.llm.tokenizer.decode(body.tokens)}
+
+    @app.get("/props", dependencies=[Depends(h.auth)])
+    async def props():
+        d = h.cfg.defaults
+        return {"default_generation_settings": {"n_ctx": h.llm.context, "params": {
+                    "n_predict": d.max_tokens, "temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p,
+                    "min_p": d.min_p, "speculative.type": h.llm.spec_type,
+                    "speculative.n_max": h.llm.engine.spec.draft_max}},
+                "total_slots": h.llm.parallel, "model_path": h.cfg.model_id, "model_alias": h.cfg.model_id,
+                "chat_template": h.llm.tokenizer.chat_template or "", "build_info": f"specdec {specdec.__version__}"}
+
+    @app.get("/slots", dependencies=[Depends(h.auth)])
+    async def slots():
+        free = set(h.scheduler.free)
+        return [{"id": i, "n_ctx": h.llm.context, "is_processing": i not in free} for i in range(h.llm.parallel)]
 
 
 def error_body(e: APIError) -> dict:

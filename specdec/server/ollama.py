@@ -87,6 +87,13 @@ def add_routes(app: FastAPI, h: _Handler) -> None:
         return {"models": [{"name": name, "model": name, "modified_at": _now(), "size": 0, "digest": "",
                             "details": _details(h)}]}
 
+    @app.get("/api/ps", dependencies=[Depends(h.auth)])
+    async def ps():
+        """The running model: this server's one, always loaded."""
+        name = _tagged(h.cfg.model_id)
+        return {"models": [{"name": name, "model": name, "size": 0, "digest": "", "details": _details(h),
+                            "expires_at": "9999-12-31T23:59:59Z", "size_vram": 0, "context_length": h.llm.context}]}
+
     @app.post("/api/show", dependencies=[Depends(h.auth)])
     async def show(body: _OllamaBody):
         """The model's details, chat template and context length (clients read `<arch>.context_length`)."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from specdec.errors import SpecdecError
@@ -65,6 +66,16 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(dict.fromkeys(k for k in keys if k))
 
 
+def _log_requests() -> None:
+    """One line per request on stderr (`server.app.access`), as llama-server and Ollama log them."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("specdec: %(message)s"))
+    access = logging.getLogger("specdec.access")
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
+    access.propagate = False
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Load the models, then serve until Ctrl-C / SIGTERM (in-flight requests finish or are cancelled)."""
     import uvicorn
@@ -87,7 +98,8 @@ def run_server(args: argparse.Namespace) -> int:
                        shared_memory=args.spec_shared_memory, max_body=args.max_body, allow_lossy=args.allow_lossy)
     app = create_app(llm, scheduler, cfg)
     print(f"specdec: serving {name} [{llm.spec_type}] on http://{args.host}:{args.port}/v1 with {llm.parallel} slots "
-          f"of {llm.context} tokens", file=sys.stderr)
+          f"of {llm.context} tokens; playground at http://{args.host}:{args.port}/", file=sys.stderr)
+    _log_requests()
     server = _server_class()(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                             timeout_graceful_shutdown=30))
     scheduler.on_fatal = lambda: setattr(server, "should_exit", True)  # the engine thread died: stop serving
