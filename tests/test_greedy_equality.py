@@ -55,9 +55,13 @@ def test_tiny_greedy_equality(tiny_dir, family, adaptive, draft_seed):
                     assert r.token_ids == base.token_ids, (family, prompt, max_tokens, spec, k)
                     assert r.finish_reason == base.finish_reason
                     _count(stats, spec, r)
-    # adaptive too: model-free drafts cost next to nothing here, and a draft model that does not pay still drafts a
-    # one-token probe every PROBE_EVERY undrafted steps; the random draft model (seed 1): drafted only
-    _assert_drafted_and_accepted(stats, () if draft_seed is None else ("draft",))
+    # fixed lengths: every spec type drafted and got drafts accepted (the random draft model, seed 1: drafted only);
+    # adaptive ones skip drafts by measured timings (not asserted: a slow machine may skip them all), but a draft
+    # model that does not pay still drafts a one-token probe every PROBE_EVERY undrafted steps
+    if adaptive:
+        assert stats["draft"][0] > 0, stats
+    else:
+        _assert_drafted_and_accepted(stats, () if draft_seed is None else ("draft",))
 
 
 def test_tiny_model_free_with_misses(tiny_dir):
