@@ -121,7 +121,7 @@ class DecoderLayer(nn.Module):
         self._layer_kernel: tuple | None = None  # see _kernel
 
     def forward(self, x: torch.Tensor, batch: "Batch", cache: KVCache) -> torch.Tensor:
-        if batch.fast is not None and self.plain:  # decode / verification on the CPU: the layer in one C call
+        if batch.fast is not None and self.plain:  # float32 on the CPU, any row count: the layer in one C call
             lk = self._kernel()
             out = None if lk is None else lk.run(x, batch.fast, self.self_attn.layer, cache)
             if out is not None:

@@ -72,7 +72,7 @@ class LayerKernel:
 
     def run(self, x: torch.Tensor, step: "StepArgs | None", layer: int, cache) -> torch.Tensor | None:
         """x [B, T, hidden] -> the layer's output, its K/V written to `cache`; None where the C path does not apply."""
-        if step is None or not x.is_contiguous() or not K.kernels_take(x.shape[0] * x.shape[1]):
+        if step is None or not x.is_contiguous():  # step: None where the kernels do not take these rows
             return None
         kc, vc = cache.k[layer], cache.v[layer]
         if kc.dtype != torch.float32 or not kc.is_cpu or kc.stride() != vc.stride() or kc.stride(-1) != 1:
@@ -113,7 +113,7 @@ class LayerStack:
     def run(self, x: torch.Tensor, step: "StepArgs | None") -> torch.Tensor | None:
         """x [B, T, hidden] -> the last layer's output, every layer's K/V written; None where the C path does not
         take this step (the caller then runs the layers one by one, which write the same K/V again)."""
-        if step is None or not x.is_contiguous() or not K.kernels_take(x.shape[0] * x.shape[1]):
+        if step is None or not x.is_contiguous():  # step: None where the kernels do not take these rows
             return None
         s, k0 = step.spec, self.cache.k[0]
         s.sb, s.sh = k0.stride(0), k0.stride(1)

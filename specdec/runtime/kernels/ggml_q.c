@@ -558,37 +558,6 @@ T512 static inline __attribute__((always_inline)) void kblock_512(int type, cons
     }
 }
 
-/* Eight Q8_0 / Q5_0 blocks (256 inputs; only the first nblk exist) as unsigned weights in input order
- * (Q8_0: q + 128, Q5_0: q), and the scale row: lanes 0-7 the blocks' d, lanes 8-15 their offsets
- * (-128 d / -16 d); missing blocks are zeros. */
-T512 static inline __attribute__((always_inline)) __m512 q32unpack_512(int type, const uint8_t *blk, int nblk,
-                                                                       __m512i wv[4]) {
-    const int bb = type == GQ_Q8_0 ? 34 : 22;
-    const __m256i x80 = _mm256_set1_epi8((char)0x80), m4y = _mm256_set1_epi8(0x0F), b5 = _mm256_set1_epi8(0x10);
-    float dd[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    __m256i wy[8];
-    for (int k = 0; k < 8; k++) {
-        if (k >= nblk) {
-            wy[k] = _mm256_setzero_si256();
-            continue;
-        }
-        const uint8_t *p = blk + k * bb;
-        dd[k] = _cvtsh_ss(rd16(p));
-        if (type == GQ_Q8_0) {
-            wy[k] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 2)), x80);
-        } else {
-            const __m128i x = _mm_loadu_si128((const __m128i *)(p + 6));
-            const __m256i x2 = _mm256_set_m128i(_mm_srli_epi16(x, 4), x);
-            wy[k] = _mm256_or_si256(_mm256_and_si256(x2, m4y), _mm256_maskz_mov_epi8(rd32(p + 2), b5));
-        }
-    }
-    for (int j = 0; j < 4; j++) wv[j] = _mm512_inserti64x4(_mm512_castsi256_si512(wy[2 * j]), wy[2 * j + 1], 1);
-    const __m512 d16 = _mm512_castps256_ps512(_mm256_loadu_ps(dd));
-    const __m512 dup = _mm512_shuffle_f32x4(d16, d16, 0x44); /* d0..d7, d0..d7 */
-    return _mm512_mul_ps(dup, _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(1.0f),
-                                                   _mm512_set1_ps(type == GQ_Q8_0 ? -128.0f : -16.0f)));
-}
-
 /* NO consecutive outputs (weight rows w, w + rowbytes, ...) for rows r0..r0+nr; each activation vector is
  * loaded once for all NO outputs. (Measured on Zen 5: NO = 2 was slower than NO = 1 at every row count
  * from 1 to 64, so only NO = 1 is instantiated.) */
@@ -622,8 +591,8 @@ T512V static inline __attribute__((always_inline)) void tile_avx512(int type, co
                 }
             }
         }
-    } else { /* Q8_0 / Q5_0: two 32-input blocks per zmm (tried: eight blocks per step through q32unpack_512,
-              * as the many-row kernel does: 15-50% slower at 1-2 rows) */
+    } else { /* Q8_0 / Q5_0: two 32-input blocks per zmm (tried: eight blocks per 256-input step: 15-50% slower at
+              * 1-2 rows) */
         const int bb = type == GQ_Q8_0 ? 34 : 22;
         const float bias = type == GQ_Q8_0 ? -128.0f : -16.0f;
         const __m256i x80 = _mm256_set1_epi8((char)0x80), m4y = _mm256_set1_epi8(0x0F), b5 = _mm256_set1_epi8(0x10);
