@@ -3,12 +3,14 @@ host's drift (other tenants, memory bandwidth) falls on both alike; the ratio of
 ratios are printed, and whether the two gave the same bits.
 
     git worktree add /tmp/old HEAD~1                      # the "before" code
-    OLD=$(cd /tmp/old && PYTHONPATH=/tmp/old python -c "from specdec.runtime import kernels as K; print(K.library()._name)")
+    OLD=$(cd /tmp/old && PYTHONPATH=/tmp/old \
+        python -c "from specdec.runtime import kernels as K; print(K.library()._name)")
     python scripts/ab_kernels.py $OLD --rows 1,4,16       # projections, weights from DRAM (copies beyond L3)
     python scripts/ab_kernels.py $OLD --model --rows 1,8  # whole forwards of the default target (decode, verify)
     python scripts/ab_kernels.py NEW.so --model --old-without-stack  # the decoder stack in one C call vs per layer
 
 The working tree's library is "new" (built at first use, keyed by its sources)."""
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from bench_kernels import random_blocks
+
 from specdec.runtime import kernels as K
 from specdec.runtime.gguf_linear import GGUFLinear, for_this_cpu, matmul_args
 
@@ -43,7 +45,7 @@ def alternate(libs: dict, passes: int, run) -> dict[str, list[float]]:
     """Seconds per pass for each library, the order flipped every pass; run(lib) does one pass."""
     times: dict[str, list[float]] = {name: [] for name in libs}
     for i in range(passes):
-        for name in (list(libs) if i % 2 == 0 else list(libs)[::-1]):
+        for name in list(libs) if i % 2 == 0 else list(libs)[::-1]:
             t0 = time.perf_counter()
             run(libs[name])
             times[name].append(time.perf_counter() - t0)
@@ -52,8 +54,10 @@ def alternate(libs: dict, passes: int, run) -> dict[str, list[float]]:
 
 def ratios(times: dict[str, list[float]]) -> str:
     old, new = times["old"], times["new"]
-    return (f"new/old {statistics.median(new) / statistics.median(old):.3f} "
-            f"(pairwise {statistics.median([n / o for n, o in zip(new, old)]):.3f})")
+    return (
+        f"new/old {statistics.median(new) / statistics.median(old):.3f} "
+        f"(pairwise {statistics.median([n / o for n, o in zip(new, old)]):.3f})"
+    )
 
 
 def projections(libs: dict, rows: int, threads: int, passes: int, shapes: str) -> None:
@@ -86,6 +90,7 @@ def forwards(libs: dict, rows_list: list[int], passes: int, model: str, threads:
     stack in one call (`LayerStack`) where both libraries have it, and not on the old side with old_without_stack."""
     from specdec.api import LLM
     from specdec.runtime.layer_kernel import LayerStack
+
     stack_run = LayerStack.run
     no_stack = not all(hasattr(lib, "gq_decoder_stack") for lib in libs.values())
     if no_stack:
@@ -118,8 +123,12 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=20)
     ap.add_argument("--shapes", default=SHAPES, help="TYPE:OUTxIN,...")
     ap.add_argument("--model", nargs="?", const="qwen2.5-coder-1.5b", help="time whole forwards of this model")
-    ap.add_argument("--old-without-stack", action="store_true", help="with --model: the old side runs the layers one "
-                    "call each (give the working tree's own library as OLD to time the stack alone)")
+    ap.add_argument(
+        "--old-without-stack",
+        action="store_true",
+        help="with --model: the old side runs the layers one "
+        "call each (give the working tree's own library as OLD to time the stack alone)",
+    )
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     libs = {"old": load(a.old), "new": K.library()}

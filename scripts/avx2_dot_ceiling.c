@@ -6,7 +6,7 @@
  * that pattern on data in L1 with the 8 sums in registers (no memory traffic, no unpacking, no widening, no offsets)
  * and prints nanoseconds per line-row. Compare it with a kernel timing (python scripts/bench_kernels.py) divided by
  * the kernel's line-rows per thread, out/16 x in/4 x rows / threads: the difference is what the kernel spends
- * around this loop (docs/benchmarks.md section 28).
+ * around this loop.
  *
  *     gcc -O2 -o /tmp/avx2_dot_ceiling scripts/avx2_dot_ceiling.c && /tmp/avx2_dot_ceiling
  *     (/tmp/avx2_dot_ceiling & /tmp/avx2_dot_ceiling & wait)   # both cores at once

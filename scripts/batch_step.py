@@ -5,7 +5,8 @@ continuous batching does), plain and with a spec type, the step counts and secon
     python scripts/batch_step.py --batch 4 --spec-types none,suffix
 
 Prints one line per spec type: prefill, decode seconds, steps, forward / draft / setup seconds (setup: a drafter's
-catch-up on a new prompt), drafted tokens and the tokens of all forwards (docs/benchmarks.md section 20)."""
+catch-up on a new prompt), drafted tokens and the tokens of all forwards."""
+
 from __future__ import annotations
 
 import argparse
@@ -33,11 +34,14 @@ def run(llm: LLM, spec_type: str, ids: list[int], batch: int, max_tokens: int) -
     decode = time.perf_counter() - t
     for s in seqs:
         eng.finish(s)
-    total = {k: sum(getattr(i, k) for i in steps) for k in ("forward_s", "draft_s", "setup_s", "drafted",
-                                                              "forward_tokens")}
-    return (f"{spec_type}: prefill {prefill:.2f} s, decode {decode:.2f} s, {len(steps)} steps, forward "
-            f"{total['forward_s']:.2f} s, draft {total['draft_s']:.2f} s, setup {total['setup_s']:.2f} s, drafted "
-            f"{total['drafted']}, forward tokens {total['forward_tokens']}")
+    total = {
+        k: sum(getattr(i, k) for i in steps) for k in ("forward_s", "draft_s", "setup_s", "drafted", "forward_tokens")
+    }
+    return (
+        f"{spec_type}: prefill {prefill:.2f} s, decode {decode:.2f} s, {len(steps)} steps, forward "
+        f"{total['forward_s']:.2f} s, draft {total['draft_s']:.2f} s, setup {total['setup_s']:.2f} s, drafted "
+        f"{total['drafted']}, forward tokens {total['forward_tokens']}"
+    )
 
 
 def main() -> None:

@@ -4,6 +4,7 @@ qwen2.5-coder-1.5b head (hidden 1536, MLP 2048, draft vocabulary 8192).
 
     python scripts/bench_head_step.py [--threads 2] [--reps 300]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,7 +16,13 @@ from torch import nn
 
 from specdec.runtime.quant import q8_0_
 
-SHAPES = {"qkv": (3072, 2048), "o": (1536, 1536), "gate_up": (1536, 4096), "down": (2048, 1536), "lm_head": (1536, 8192)}
+SHAPES = {
+    "qkv": (3072, 2048),
+    "o": (1536, 1536),
+    "gate_up": (1536, 4096),
+    "down": (2048, 1536),
+    "lm_head": (1536, 8192),
+}
 
 
 def step_ms(mats: nn.ModuleDict, reps: int) -> float:

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Micro-benchmark: one projection (default the 1.5B target's MLP shapes 1536x8960 and 8960x1536),
 ms per call (median of many) at several row counts, for the GGUF block kernels (each type, each
-instruction-set path the CPU has on the file's layout and on the x16 layout the loader repacks to on AVX2 and AVX-512) and
+instruction-set path the CPU has on the file's layout and on the x16 layout the loader repacks to on AVX2 and
+AVX-512) and
 torch's candidates: bf16 and fp32 matmul of the dequantized
 weight, `_weight_int8pack_mm` (int8 weight-only) and FBGEMM dynamic int8 (quantize_dynamic).
 Prints the CPU flags, the measured read bandwidth and one Markdown table per shape; then a table for the logit
@@ -10,6 +11,7 @@ torch's argmax + topk(2) (`--vocab`, default Qwen2.5's 151936; 0 skips it).
 
     python scripts/bench_kernels.py [--threads 2] [--rows 1,2,4,8,16,64] [--shapes 1536x8960,8960x1536] [--vocab V]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -103,11 +105,11 @@ def copies(make, nbytes: int, cold: bool) -> list:
     return [make() for _ in range(max(1, -(-COLD_BYTES // nbytes)) if cold else 1)]
 
 
-def bench_shape(out: int, inp: int, rows_list: list[int], paths: list[str], types: list[str], rng,
-                cold: bool = True) -> list[tuple]:
+def bench_shape(
+    out: int, inp: int, rows_list: list[int], paths: list[str], types: list[str], rng, cold: bool = True
+) -> list[tuple]:
     """Each candidate cycles through copies of its weight (`cold`: weights come from DRAM, as in a model
     far larger than the caches, not from L3 where one 1536x8960 projection would otherwise stay)."""
-    rows_table = []
     w = torch.randn(out, inp) * 0.02
     scale = (w.abs().amax(1) / 127).clamp_min(1e-12)
     w8 = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
@@ -140,17 +142,37 @@ def bench_shape(out: int, inp: int, rows_list: list[int], paths: list[str], type
             row(f"GGUF {t} kernel ({p})", lays, lambda lay, r, pid=pid: lay._kernel(xs[r], pid), blocks.numel())
         x16 = [for_this_cpu(lay) for lay in lays]  # the layout the loader picks here (x16 on AVX-512)
         for p in (p for p in paths if p != "scalar" and x16[0] is not lays[0]):
-            row(f"GGUF {t} x16 kernel ({p}{', the default here' if p == K.best_path() else ''})", x16,
-                lambda lay, r, pid=K.PATHS[p]: lay._kernel(xs[r], pid), x16[0].qweight.numel())
+            row(
+                f"GGUF {t} x16 kernel ({p}{', the default here' if p == K.best_path() else ''})",
+                x16,
+                lambda lay, r, pid=K.PATHS[p]: lay._kernel(xs[r], pid),
+                x16[0].qweight.numel(),
+            )
         row(f"GGUF {t} dequant+bf16 matmul", lays[:1], lambda lay, r: lay._dequant_matmul(xb[r]))
-    row("bf16 matmul (dense)", copies(lambda: w.to(torch.bfloat16), w.numel() * 2, cold),
-        lambda wb, r: F.linear(xb[r], wb), w.numel() * 2)
-    row("fp32 matmul (dense)", copies(lambda: w.clone(), w.numel() * 4, cold), lambda wf, r: F.linear(xs[r], wf),
-        w.numel() * 4)
-    row("int8 weight-only `_weight_int8pack_mm` (fp32 x)", copies(lambda: w8.clone(), w8.numel(), cold),
-        lambda q, r: torch.ops.aten._weight_int8pack_mm(xs[r], q, scale), w8.numel())
-    row("FBGEMM dynamic int8 (`quantize_dynamic`)", copies(dyn_module, w8.numel(), cold), lambda m, r: m(xs[r]),
-        w8.numel())
+    row(
+        "bf16 matmul (dense)",
+        copies(lambda: w.to(torch.bfloat16), w.numel() * 2, cold),
+        lambda wb, r: F.linear(xb[r], wb),
+        w.numel() * 2,
+    )
+    row(
+        "fp32 matmul (dense)",
+        copies(lambda: w.clone(), w.numel() * 4, cold),
+        lambda wf, r: F.linear(xs[r], wf),
+        w.numel() * 4,
+    )
+    row(
+        "int8 weight-only `_weight_int8pack_mm` (fp32 x)",
+        copies(lambda: w8.clone(), w8.numel(), cold),
+        lambda q, r: torch.ops.aten._weight_int8pack_mm(xs[r], q, scale),
+        w8.numel(),
+    )
+    row(
+        "FBGEMM dynamic int8 (`quantize_dynamic`)",
+        copies(dyn_module, w8.numel(), cold),
+        lambda m, r: m(xs[r]),
+        w8.numel(),
+    )
     cells = {name: [] for name, _, _ in cands}
     for r in rows_list:
         res = time_interleaved([lambda call=call, r=r: call(r) for _, call, _ in cands])
@@ -177,20 +199,24 @@ def main() -> None:
         paths = a.paths.split(",")
     else:
         order = ["avx512", "avx512bw", "avx2", "scalar"]
-        paths = order[order.index(best):] if best in order else []
+        paths = order[order.index(best) :] if best in order else []
         paths = [p for p in paths if p != "scalar"] or paths  # scalar is slow; ask for it with --paths
     rng = np.random.default_rng(0)
     print(f"CPU: {cpu_flags()}")
-    print(f"torch {torch.__version__}, {a.threads} threads; kernel library: "
-          f"{'built, best path ' + best if best != 'none' else 'unavailable (' + str(K.build_error) + ')'}")
+    print(
+        f"torch {torch.__version__}, {a.threads} threads; kernel library: "
+        f"{'built, best path ' + best if best != 'none' else 'unavailable (' + str(K.build_error) + ')'}"
+    )
     bw = read_bandwidth()
     print(f"streaming read bandwidth (torch sum over 512 MB): {bw:.1f} GB/s\n")
     for shape in a.shapes.split(","):
         out, inp = (int(v) for v in shape.split("x"))
         table = bench_shape(out, inp, rows_list, paths, a.types.split(","), rng, cold=not a.warm)
         for k, what in ((0, "median"), (1, "min")):
-            print(f"### {out}x{inp} (out x in), ms per call, {what} "
-                  f"({'warm' if a.warm else 'cold: weights from DRAM'}, candidates interleaved)\n")
+            print(
+                f"### {out}x{inp} (out x in), ms per call, {what} "
+                f"({'warm' if a.warm else 'cold: weights from DRAM'}, candidates interleaved)\n"
+            )
             print("| kernel | " + " | ".join(str(r) for r in rows_list) + " | GB/s at 1 row |")
             print("|---|" + "---|" * (len(rows_list) + 1))
             for name, cells, nbytes in table:
@@ -207,8 +233,10 @@ def bench_top2(vocab: int, rows_list: list[int]) -> None:
     from specdec.runtime.small_ops import top2
 
     logits = [torch.randn(r, vocab) for r in rows_list]
-    cands = [("small_ops.top2 (C)", top2),
-             ("torch argmax + topk(2)", lambda x: (x.argmax(-1).tolist(), x.topk(2, dim=-1).values.tolist()))]
+    cands = [
+        ("small_ops.top2 (C)", top2),
+        ("torch argmax + topk(2)", lambda x: (x.argmax(-1).tolist(), x.topk(2, dim=-1).values.tolist())),
+    ]
     res = [time_interleaved([lambda x=x, f=f: f(x) for _, f in cands]) for x in logits]
     print(f"### best token and lead of logit rows [rows, {vocab}], ms per call, median (candidates interleaved)\n")
     print("| call | " + " | ".join(str(r) for r in rows_list) + " |")

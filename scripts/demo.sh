@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q --disable-pip-version-check torch==2.13.0
-python -m pip install -q --disable-pip-version-check -e .
+python -m pip install -q --disable-pip-version-check -c constraints.txt -e .
 specdec models pull qwen2.5-coder-1.5b qwen2.5-coder-0.5b
 prompt=specdec/bench/prompts/code-edit.txt
 echo "== plain decoding (--spec-type none) =="

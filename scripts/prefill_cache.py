@@ -7,6 +7,7 @@ The prompt is a document of --tokens tokens (numbered facts) and then a question
 emptied, a hit asks another question after the same document. Prints and writes the per-run prefill seconds, their
 medians and whether the hit's tokens equal a fresh prefill's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,11 +46,17 @@ def main() -> None:
         if i:
             miss.append(fresh.stats.prefill_s)
             hit.append(cached.stats.prefill_s)
-    out = {"model": args.model, "prompt_tokens": len(llm.encode(doc)), "threads": args.threads,
-           "miss_s": [round(x, 4) for x in miss], "hit_s": [round(x, 4) for x in hit],
-           "miss_median_s": round(statistics.median(miss), 4), "hit_median_s": round(statistics.median(hit), 4),
-           "hit_speedup": round(statistics.median(miss) / statistics.median(hit), 2),
-           "hit_tokens_equal_fresh": all(same)}
+    out = {
+        "model": args.model,
+        "prompt_tokens": len(llm.encode(doc)),
+        "threads": args.threads,
+        "miss_s": [round(x, 4) for x in miss],
+        "hit_s": [round(x, 4) for x in hit],
+        "miss_median_s": round(statistics.median(miss), 4),
+        "hit_median_s": round(statistics.median(hit), 4),
+        "hit_speedup": round(statistics.median(miss) / statistics.median(hit), 2),
+        "hit_tokens_equal_fresh": all(same),
+    }
     print(json.dumps(out, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")

@@ -10,13 +10,15 @@ N functions of the engine thread by cumulative and by own time.
         [--workload docs/bench/code-edit.jsonl] [--spec-type suffix-tree] [--explore-load 16]
 
 After each mode it prints, for the load controller's steps (auto), each load bucket and arm's steps, seconds, tokens
-per second, drafted tokens and tokens per sequence-step, then the engine's cost model: target forward seconds by tokens, each drafter's (or chain
-member's) seconds per drafted token and per token of catch-up, and its acceptance per draft position.
+per second, drafted tokens and tokens per sequence-step, then the engine's cost model: target forward seconds by
+tokens, each drafter's (or chain member's) seconds per drafted token and per token of catch-up, and its acceptance
+per draft position.
 `--explore-load N` lets the load controller try speculation before it knows anything about it at loads up to N
 (engine/load_control.py's EXPLORE_LOAD, 2: a level whose load starts above it never drafts).
 
 Modes are run in the order given (repeat one to see run-to-run noise); one load of the models serves them all.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,8 +60,10 @@ def main() -> None:
     if a.explore_load is not None:
         load_control.EXPLORE_LOAD = a.explore_load
     llm = LLM(spec_type=a.spec_type, parallel=a.concurrency)
-    convs = [sb.Conversation(list(p.turns), p.limit(None) if p.max_tokens else sb.SERVE_MAX_TOKENS)
-             for p in load_workload(a.workload)]
+    convs = [
+        sb.Conversation(list(p.turns), p.limit(None) if p.max_tokens else sb.SERVE_MAX_TOKENS)
+        for p in load_workload(a.workload)
+    ]
     forward = {"s": 0.0}
     step = llm.engine.step
 
@@ -67,6 +71,7 @@ def main() -> None:
         info = step(seqs, cap, light)
         forward["s"] += info.forward_s
         return info
+
     llm.engine.step = timed_step
     last: dict = {}  # the latest level's scheduler, its engine thread's CPU seconds and profile
     loop = Scheduler._loop
@@ -83,6 +88,7 @@ def main() -> None:
             if pr:
                 pr.disable()
             last["cpu"] = time.thread_time() - t
+
     Scheduler._loop = measured_loop
     arms: dict = {}  # (bucket, arm) -> [steps, seconds, committed, drafted, sequence-steps] of the current mode
     observe = load_control.LoadController.observe
@@ -93,6 +99,7 @@ def main() -> None:
         for i, v in enumerate((1, info.seconds, info.committed, info.drafted, info.batch)):
             row[i] += v
         observe(self, arm, info, load)
+
     load_control.LoadController.observe = counted_observe
     sb._level(llm, [sb.Conversation(convs[0].turns[:1], 8)], 1, "on", 1)  # warm-up, as bench serve
     for mode in a.modes.split(","):
@@ -105,20 +112,27 @@ def main() -> None:
         wall, cpu = time.perf_counter() - t, process_cpu() - cpu
         s = last["scheduler"]
         tokens = sum(r["tokens"] for r in res)
-        print(f"{mode}: {tokens / wall:.2f} tok/s over {wall:.1f} s; prefill {s.prefill_s:.1f} s, steps {s.step_s:.1f} s "
-              f"({s.steps} steps: target forwards {forward['s']:.1f} s, the rest {s.step_s - forward['s']:.2f} s = "
-              f"{(s.step_s - forward['s']) / max(1, s.steps) * 1e3:.2f} ms per step); drafted "
-              f"{sum(r['drafted'] for r in res)}; controller {report}\n"
-              f"  CPU seconds: engine thread {last['cpu']:.1f}, process {cpu:.1f} "
-              f"(of {os.cpu_count() * wall:.1f} that {os.cpu_count()} CPUs give in {wall:.1f} s)", flush=True)
+        print(
+            f"{mode}: {tokens / wall:.2f} tok/s over {wall:.1f} s; prefill {s.prefill_s:.1f} s, steps {s.step_s:.1f} s "
+            f"({s.steps} steps: target forwards {forward['s']:.1f} s, the rest {s.step_s - forward['s']:.2f} s = "
+            f"{(s.step_s - forward['s']) / max(1, s.steps) * 1e3:.2f} ms per step); drafted "
+            f"{sum(r['drafted'] for r in res)}; controller {report}\n"
+            f"  CPU seconds: engine thread {last['cpu']:.1f}, process {cpu:.1f} "
+            f"(of {os.cpu_count() * wall:.1f} that {os.cpu_count()} CPUs give in {wall:.1f} s)",
+            flush=True,
+        )
         for (b, arm), (n, sec, com, dr, ss) in sorted(arms.items()):
-            print(f"  load {b} {arm}: {n} steps, {sec:.1f} s, {com / sec:.1f} tok/s, {dr} drafted, "
-                  f"{com / ss:.2f} tokens per sequence-step")
+            print(
+                f"  load {b} {arm}: {n} steps, {sec:.1f} s, {com / sec:.1f} tok/s, {dr} drafted, "
+                f"{com / ss:.2f} tokens per sequence-step"
+            )
         c = llm.engine.cost
-        print(f"  forward ms by tokens {({t: round(v * 1e3, 1) for t, v in sorted(c.verify_s.items())})}\n"
-              f"  draft ms per token {({d: round(v * 1e3, 3) for d, v in c.draft_s.items()})}, catch-up ms per token "
-              f"{({d: round(v * 1e3, 3) for d, v in c.setup_s.items()})}\n"
-              f"  acceptance by position {({d: [round(r, 2) for r in e.rates[:8]] for d, e in c.history.items()})}")
+        print(
+            f"  forward ms by tokens { ({t: round(v * 1e3, 1) for t, v in sorted(c.verify_s.items())}) }\n"
+            f"  draft ms per token { ({d: round(v * 1e3, 3) for d, v in c.draft_s.items()}) }, catch-up ms per token "
+            f"{ ({d: round(v * 1e3, 3) for d, v in c.setup_s.items()}) }\n"
+            f"  acceptance by position { ({d: [round(r, 2) for r in e.rates[:8]] for d, e in c.history.items()}) }"
+        )
         if a.profile:
             for key in ("cumulative", "tottime"):
                 out = io.StringIO()

@@ -9,12 +9,14 @@ the layers' Python path (the same arithmetic, one call per operation).
     python scripts/profile_step.py --rows 1 --other-thread [--keep-workers]  # forwards on a thread of their own
 
 `--other-thread` runs the forwards on a new thread after the main thread (which loaded the model and prefilled)
-ends its OpenMP workers, as the server's engine thread runs; `--keep-workers` leaves them (before session 18).
+ends its OpenMP workers, as the server's engine thread runs; `--keep-workers` leaves them
+(as the engine thread did before it ended them).
 
 Above the kernels' row limit the projections dequantize and multiply in torch (`GGUFLinear._dequant_matmul`, fused
 parts in `GGUFConcatLinear._dequant_matmul`): timed as "dequantize + matmul" per shape.
 
-Prints one Markdown table per row count (docs/benchmarks.md run 10 shows its output)."""
+Prints one Markdown table per row count."""
+
 from __future__ import annotations
 
 import argparse
@@ -39,13 +41,16 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-n", "--forwards", type=int, default=30, help="timed forwards per row count (the median is shown)")
     ap.add_argument("--other-thread", action="store_true", help="the forwards on a new thread (as the server's)")
-    ap.add_argument("--keep-workers", action="store_true", help="with --other-thread: the main thread's OpenMP "
-                    "workers kept (not `release_openmp_workers`)")
+    ap.add_argument(
+        "--keep-workers",
+        action="store_true",
+        help="with --other-thread: the main thread's OpenMP workers kept (not `release_openmp_workers`)",
+    )
     a = ap.parse_args()
     llm = LLM(a.model, spec_type="none", threads=a.threads, progress=False)
     runner = llm.runner
     text = Path(__file__).resolve().parent.parent.joinpath("README.md").read_text()
-    ids = (llm.tokenizer.encode(text) * 8)[:a.context]
+    ids = (llm.tokenizer.encode(text) * 8)[: a.context]
     runner.prefill(ids, 0)
     spent: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()
@@ -74,15 +79,16 @@ def main() -> None:
             t0 = time.perf_counter()
             y = inner(self, x2)
             parts = getattr(self, "parts", [self])
-            name = ("+".join(p.type_name for p in parts) + f" {self.out_features}x{self.in_features} "
-                    "dequantize + matmul")
+            name = "+".join(p.type_name for p in parts) + f" {self.out_features}x{self.in_features} dequantize + matmul"
             spent[name] += time.perf_counter() - t0
             calls[name] += 1
             return y
+
         return inner, timed
 
-    dequants = {cls: timed_dequant(cls) for cls in (GL.GGUFLinear, GL.GGUFConcatLinear)
-                if hasattr(cls, "_dequant_matmul")}
+    dequants = {
+        cls: timed_dequant(cls) for cls in (GL.GGUFLinear, GL.GGUFConcatLinear) if hasattr(cls, "_dequant_matmul")
+    }
     c_layers = LayerKernel.run
 
     def median_forward(rows: int, n: int, instrument: bool) -> float:
@@ -102,9 +108,14 @@ def main() -> None:
             cls._dequant_matmul = inner
         return sorted(ts)[n // 2]
 
-    print(f"{a.model}: {llm.quant_info}; context {len(ids)}, {a.threads} threads, medians of {a.forwards} forwards"
-          + (f"; on another thread, main's OpenMP workers {'kept' if a.keep_workers else 'ended'}"
-             if a.other_thread else ""))
+    print(
+        f"{a.model}: {llm.quant_info}; context {len(ids)}, {a.threads} threads, medians of {a.forwards} forwards"
+        + (
+            f"; on another thread, main's OpenMP workers {'kept' if a.keep_workers else 'ended'}"
+            if a.other_thread
+            else ""
+        )
+    )
     if not a.other_thread:
         report(a, median_forward, spent, calls)
         return
@@ -121,8 +132,10 @@ def report(a: argparse.Namespace, median_forward, spent: dict, calls: collection
         median_forward(rows, 3, False)
         plain = median_forward(rows, a.forwards, False)
         inst = median_forward(rows, a.forwards, True)
-        print(f"\n### {rows} row(s): forward {plain * 1e3:.1f} ms; with the layers' Python path {inst * 1e3:.1f} "
-              f"(instrumented)\n")
+        print(
+            f"\n### {rows} row(s): forward {plain * 1e3:.1f} ms; with the layers' Python path {inst * 1e3:.1f} "
+            f"(instrumented)\n"
+        )
         print("| part | ms per forward | calls per forward |\n|---|---|---|")
         total = 0.0
         for name, s in sorted(spent.items(), key=lambda kv: -kv[1]):

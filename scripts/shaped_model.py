@@ -6,6 +6,7 @@ and quantized to Q4_K_M by its `llama-quantize` (`python -m specdec.bench.llama_
     python scripts/shaped_model.py llama-3.2-1b OUT_DIR     # writes OUT_DIR/llama-3.2-1b-q4_k_m.gguf
     specdec bench -m OUT_DIR/llama-3.2-1b-q4_k_m.gguf --methods none,ngram-simple,llama-none --llama-server auto
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,15 +18,45 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from families import convert, llama_quantize, make_checkpoint  # noqa: E402
 
 SHAPES = {  # config.json values of the released models (sizes, attention layout, rope), on a random checkpoint
-    "llama-3.2-1b": ("llama", dict(
-        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-        head_dim=64, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=131072, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192})),
-    "gemma-3-1b": ("gemma3_text", dict(
-        hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
-        head_dim=256, query_pre_attn_scalar=256, vocab_size=262144, sliding_window=512, max_position_embeddings=32768,
-        rope_theta=1_000_000.0, rope_local_base_freq=10_000.0)),
+    "llama-3.2-1b": (
+        "llama",
+        dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            vocab_size=128256,
+            tie_word_embeddings=True,
+            max_position_embeddings=131072,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        ),
+    ),
+    "gemma-3-1b": (
+        "gemma3_text",
+        dict(
+            hidden_size=1152,
+            intermediate_size=6912,
+            num_hidden_layers=26,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            query_pre_attn_scalar=256,
+            vocab_size=262144,
+            sliding_window=512,
+            max_position_embeddings=32768,
+            rope_theta=1_000_000.0,
+            rope_local_base_freq=10_000.0,
+        ),
+    ),
 }
 
 

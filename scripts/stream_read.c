@@ -4,7 +4,7 @@
  *
  *   gcc -O2 -mavx2 -fopenmp -o /tmp/stream_read scripts/stream_read.c && /tmp/stream_read 2 0 && /tmp/stream_read 2 4096
  *
- * Prints GB/s per pass. Written for specdec (docs/benchmarks.md section 29). */
+ * Prints GB/s per pass: the ceiling a one-row (decode) kernel's GB/s is compared with. */
 #define _POSIX_C_SOURCE 199309L
 #include <immintrin.h>
 #include <stdint.h>

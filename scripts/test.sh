@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q --disable-pip-version-check torch==2.13.0
-python -m pip install -q --disable-pip-version-check -e '.[dev]'
+python -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
 # test-only: speculators' EAGLE-3 model for tests/test_eagle3_conformance.py, without its declared dependencies (they
 # would move torch and transformers); just the modules its import needs
 python -m pip install -q --disable-pip-version-check --no-deps speculators==0.9.0 loguru==0.7.3 datasets==5.1.0 \
@@ -21,6 +21,9 @@ fi
 python -m pip install -q --disable-pip-version-check selenium==4.51.0
 # test-only: the official Ollama client for tests/test_server_compat.py (skipped without it; needs only httpx, pydantic)
 python -m pip install -q --disable-pip-version-check ollama==0.6.3
+# lint and format first (configured in pyproject.toml)
+python -m ruff check .
+python -m ruff format --check .
 # one worker per core, one thread each (most tests are small and single-threaded; tests/test_gguf_kernels.py and
 # tests/test_attention.py run the threaded kernels), each test file on one worker (its fixtures built once)
 OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python -m pytest -q -n auto --dist loadfile "$@"

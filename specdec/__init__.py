@@ -1,4 +1,5 @@
 """specdec: lossless speculative decoding for local LLM inference."""
+
 from specdec.api import LLM, Result
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams

@@ -2,13 +2,14 @@
 
 A leaf module: sequences hold one, drafters (chains) and the adaptive draft length read it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-EMA = 0.2         # weight of a new observation
+EMA = 0.2  # weight of a new observation
 PRIOR_ACCEPT = 0.7
-RELAX = 0.05      # per undrafted step, estimates drift back toward the prior (so drafting is retried)
+RELAX = 0.05  # per undrafted step, estimates drift back toward the prior (so drafting is retried)
 
 
 @dataclass

@@ -1,4 +1,5 @@
 """Python API: `LLM(model, draft=..., spec_type=...).generate(prompt, ...)`."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,7 +14,7 @@ from specdec import compat
 from specdec.config import Config
 from specdec.drafters import REGISTRY, BuildContext, Drafter, parse_spec_type
 from specdec.drafters.chain import assemble
-from specdec.engine.engine import Engine, StreamCallback
+from specdec.engine.engine import Engine
 from specdec.errors import SpecdecError
 from specdec.models import packs
 from specdec.models.loader import load_checkpoint, resolve_dtype, resolve_gguf, resolve_model, resolve_quant
@@ -24,6 +25,7 @@ from specdec.runtime.prefix_cache import PrefixCache, PrefixStore
 from specdec.runtime.quant import quantize_
 from specdec.runtime.runner import ModelRunner
 from specdec.sampling import SamplingParams
+from specdec.sequence import RequestOptions, StreamCallback
 from specdec.stats import Stats
 
 OPTION_DRAFTERS = 32  # drafters made for per-request options that an LLM keeps (the newest)
@@ -37,11 +39,17 @@ class Result:
     finish_reason: str
     top2_gaps: list[float]  # per output token: the target's top-1 minus top-2 logit
     synthetic: bool = False  # a synthetic drafter forced acceptances: NOT the target's output
-    lossless: bool = True    # False: synthetic drafts or relaxed acceptance (--spec-accept-threshold) changed it
+    lossless: bool = True  # False: synthetic drafts or relaxed acceptance (--spec-accept-threshold) changed it
 
     def to_dict(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-                "synthetic": self.synthetic, "lossless": self.lossless, "stats": self.stats.to_dict()}
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "synthetic": self.synthetic,
+            "lossless": self.lossless,
+            "stats": self.stats.to_dict(),
+        }
 
 
 class LLM:
@@ -50,8 +58,14 @@ class LLM:
     Keywords are `Config` fields (context, dtype, quant, draft_max, ...) and drafter options by their registry
     names (ngram_n, suffix_factor, draft_p_min, ...); or pass a whole `config`."""
 
-    def __init__(self, model: str | None = None, draft: str | None = None, spec_type: str | None = None,
-                 config: Config | None = None, **options: Any):
+    def __init__(
+        self,
+        model: str | None = None,
+        draft: str | None = None,
+        spec_type: str | None = None,
+        config: Config | None = None,
+        **options: Any,
+    ):
         cfg = config or Config.make(model=model, draft=draft, spec_type=spec_type, **options)
         self.config = cfg
         self.spec_type = cfg.spec_type
@@ -59,12 +73,14 @@ class LLM:
             torch.set_num_threads(cfg.threads)
         if cfg.fast_prefill:  # process-wide, as the kernels' instruction set is
             kernels.set_fast_prefill(True)
-        target, self.tokenizer, self.quant, self.dtype = load_model(cfg.model, cfg.quant, cfg.dtype, cfg.n_gpu_layers,
-                                                                    cfg.progress)
+        target, self.tokenizer, self.quant, self.dtype = load_model(
+            cfg.model, cfg.quant, cfg.dtype, cfg.n_gpu_layers, cfg.progress
+        )
         self.quant_info = describe_quant(target, self.quant)  # which path the target runs, for stats and reports
         self.parallel = cfg.parallel
-        self.runner = ModelRunner(target, num_slots=cfg.parallel,
-                                  context=min(cfg.context, target.config.max_position_embeddings))
+        self.runner = ModelRunner(
+            target, num_slots=cfg.parallel, context=min(cfg.context, target.config.max_position_embeddings)
+        )
         # prompt K/V kept across requests (`cache_mb`), one budget for the target and a draft model
         self.prefix_cache = PrefixCache(cfg.cache_mb << 20) if cfg.cache_mb else None
         self._attach_prefix(self.runner, "target")
@@ -74,8 +90,9 @@ class LLM:
         self.engine = Engine(self.runner, self.tokenizer, cfg.spec)
         self.drafter = self.drafter_for(self.spec_type)
 
-    def drafter_for(self, spec_type: str, scope: Hashable = None,
-                    options: Mapping[str, Any] | None = None) -> Drafter | None:
+    def drafter_for(
+        self, spec_type: str, scope: Hashable = None, options: Mapping[str, Any] | None = None
+    ) -> Drafter | None:
         """The drafter for one spec type or chain (None for 'none'), made once per LLM and `scope`. Types that
         learn across requests (the ngram-mod pool, the suffix memory; chains with one) get an instance per scope
         (e.g. one API key); scope None is the LLM's own. The others (the draft model) serve every scope.
@@ -88,9 +105,9 @@ class LLM:
         if key not in self._drafters:
             with self._drafters_lock:  # made once, however many requests ask at the same time (a draft model loads)
                 if key not in self._drafters:
-                    self._drafters[key] = assemble(parts, lambda p: self._make_drafter(p, scope, len(parts) > 1,
-                                                                                       dict(own)),
-                                                   self.config.chain_mode)
+                    self._drafters[key] = assemble(
+                        parts, lambda p: self._make_drafter(p, scope, len(parts) > 1, dict(own)), self.config.chain_mode
+                    )
                     self._forget_option_drafters()
                 release_openmp_workers()  # building may run in a request's thread, which does not decode
         return self._drafters[key]
@@ -98,7 +115,7 @@ class LLM:
     def _forget_option_drafters(self) -> None:
         """Keep the newest `OPTION_DRAFTERS` drafters made for per-request options (bounded memory)."""
         made = [k for k in self._drafters if k[2]]
-        for k in made[:max(0, len(made) - OPTION_DRAFTERS)]:
+        for k in made[: max(0, len(made) - OPTION_DRAFTERS)]:
             del self._drafters[k]
 
     def reset_drafters(self) -> None:
@@ -107,8 +124,9 @@ class LLM:
             if d is not None:
                 d.reset()
 
-    def _make_drafter(self, spec_type: str, scope: Hashable, member: bool,
-                      options: dict[str, Any] | None = None) -> Drafter | None:
+    def _make_drafter(
+        self, spec_type: str, scope: Hashable, member: bool, options: dict[str, Any] | None = None
+    ) -> Drafter | None:
         """A chain member is the scope's own drafter of that type (shared with it); else a new one. `options`: the
         request's own drafter options (over the LLM's)."""
         if spec_type == "none":
@@ -119,8 +137,15 @@ class LLM:
         t = REGISTRY.get(spec_type)
         if t.verify_hook is not None:
             self.engine.verify_hooks[spec_type] = t.verify_hook
-        return t.build(BuildContext({**self.config.drafter, **(options or {})}, self.runner, self.config.model,
-                                    self._load_draft, lambda: self._draft_tokenizers))
+        return t.build(
+            BuildContext(
+                {**self.config.drafter, **(options or {})},
+                self.runner,
+                self.config.model,
+                self._load_draft,
+                lambda: self._draft_tokenizers,
+            )
+        )
 
     def _load_draft(self) -> ModelRunner:
         cfg = self.config
@@ -150,22 +175,38 @@ class LLM:
         """A conversation (`[{"role", "content"}, ...]`) in the chat template, ready for the assistant's turn."""
         return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages), add_special_tokens=False)
 
-    def generate(self, prompt: str | list[int], max_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, stop: list[str] | None = None,
-                 chat: bool = False, system: str | None = None, on_text: StreamCallback | None = None,
-                 spec_type: str | None = None, **words: Any) -> Result:
+    def generate(
+        self,
+        prompt: str | list[int],
+        max_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+        chat: bool = False,
+        system: str | None = None,
+        on_text: StreamCallback | None = None,
+        spec_type: str | None = None,
+        **words: Any,
+    ) -> Result:
         """Generate from a prompt (text, or token ids); `spec_type` overrides the LLM's for this call. `words`:
         transformers' assisted-generation arguments (`compat.HF_WORDS`) for this call: they may pick the spec type
         and the draft length; what else they imply must already be this LLM's setting."""
         compat.refuse_other_names(words, "generate()")
         ids = prompt if isinstance(prompt, list) else self.encode(prompt, chat, system)
-        params = SamplingParams(temperature, top_k, top_p, min_p, seed, max_tokens, list(stop or []))
         asked = compat.for_request(words, self.config.settings()) if words else {}
         spec_type = compat.merge({"spec_type": spec_type}, asked, "transformers' arguments")["spec_type"]
-        drafter = self.drafter if spec_type is None else self.drafter_for(spec_type)
-        seq = self.engine.generate(ids, params, on_text, drafter, asked.get("draft_max"))
-        return Result(seq.text, seq.output_ids, seq.stats, seq.finish_reason or "stop", seq.top2_gaps, seq.synthetic,
-                      seq.lossless)
+        options = RequestOptions(
+            SamplingParams(temperature, top_k, top_p, min_p, seed, max_tokens, list(stop or [])),
+            self.drafter if spec_type is None else self.drafter_for(spec_type),
+            draft_max=asked.get("draft_max"),
+        )
+        seq = self.engine.generate(ids, options, on_text)
+        return Result(
+            seq.text, seq.output_ids, seq.stats, seq.finish_reason or "stop", seq.top2_gaps, seq.synthetic, seq.lossless
+        )
 
 
 def describe_quant(model, quant: str) -> str:
@@ -176,6 +217,7 @@ def describe_quant(model, quant: str) -> str:
     dtype = str(model.model.norm.weight.dtype).removeprefix("torch.")
     if quant == "gguf":
         from specdec.models.gguf_quantized import describe
+
         return describe(model)
     if quant in ("int8", "int4"):
         n4 = sum(isinstance(m, Int4Linear) for m in model.modules())
@@ -191,6 +233,7 @@ def load_model(name: str, quant: str, dtype: str, n_gpu_layers: int = 0, progres
     dt = resolve_dtype(dtype, quant=quant)
     if quant == "gguf":  # the file's own blocks through the GGUF kernels (no 16/32-bit weight copies)
         from specdec.models.gguf_quantized import load_gguf_quantized
+
         pack_sha = packs.PACKS[name].sha256 if name in packs.PACKS else None  # resolve_gguf checked the pack
         model, tok = load_gguf_quantized(resolve_gguf(name, progress), dt, pack_sha)
     else:
@@ -207,6 +250,7 @@ def _offload(model, n_gpu_layers: int) -> None:
     if n_gpu_layers and torch.cuda.is_available():
         from specdec.models.gguf_quantized import densify
         from specdec.runtime.placement import place_layers
+
         devices = place_layers(model.config.num_layers, n_gpu_layers).module_devices()
         dtype = model.model.embed_tokens.weight.dtype
         for name in (n for n, d in devices.items() if d != "cpu"):

@@ -2,6 +2,7 @@
 table. Every function returns keywords such as {"spec_type": "ngram-simple", "draft_max": 10, "ngram_n": 2}, and
 fails with a SpecdecError naming what is supported when a value has no counterpart here.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,20 +16,44 @@ from specdec.errors import SpecdecError
 Settings = dict[str, Any]  # Config keywords (fields and drafter options)
 
 # transformers `generate(...)` assisted-generation arguments
-HF_WORDS = ("assistant_model", "prompt_lookup_num_tokens", "max_matching_ngram_size", "num_assistant_tokens",
-            "num_assistant_tokens_schedule", "assistant_confidence_threshold", "assistant_early_exit", "use_mtp")
+HF_WORDS = (
+    "assistant_model",
+    "prompt_lookup_num_tokens",
+    "max_matching_ngram_size",
+    "num_assistant_tokens",
+    "num_assistant_tokens_schedule",
+    "assistant_confidence_threshold",
+    "assistant_early_exit",
+    "use_mtp",
+)
 HF_SCHEDULES = {"constant": False, "heuristic": True, "heuristic_transient": True}  # -> adaptive draft length
 # vLLM `--speculative-config` methods -> our spec type, and the drafter option its "model" names (None: -md)
-VLLM_METHODS = {"ngram": ("ngram-simple", None), "draft_model": ("draft", None), "suffix": ("suffix", None),
-                "eagle3": ("eagle3", "eagle3_head"), "mtp": ("mtp", "mtp_head"), "dflash": ("dflash", "dflash_head"),
-                "medusa": ("medusa", "medusa_head")}
+VLLM_METHODS = {
+    "ngram": ("ngram-simple", None),
+    "draft_model": ("draft", None),
+    "suffix": ("suffix", None),
+    "eagle3": ("eagle3", "eagle3_head"),
+    "mtp": ("mtp", "mtp_head"),
+    "dflash": ("dflash", "dflash_head"),
+    "medusa": ("medusa", "medusa_head"),
+}
 VLLM_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
 # Ollama Modelfile PARAMETERs -> Config keywords
 OLLAMA_PARAMETERS = {"num_ctx": "context", "num_gpu": "n_gpu_layers", "draft_model": "draft", "num_draft": "draft_max"}
 # keywords of transformers, llama-cpp-python, vLLM and Ollama that are ours under another name (`LLM(...)`, `generate`)
-OUR_NAMES = {"max_new_tokens": "max_tokens", "max_length": "max_tokens", "n_predict": "max_tokens",
-             "num_predict": "max_tokens", "n_ctx": "context", "num_ctx": "context", "max_model_len": "context",
-             "ctx_size": "context", "n_threads": "threads", "num_thread": "threads", "temp": "temperature"}
+OUR_NAMES = {
+    "max_new_tokens": "max_tokens",
+    "max_length": "max_tokens",
+    "n_predict": "max_tokens",
+    "num_predict": "max_tokens",
+    "n_ctx": "context",
+    "num_ctx": "context",
+    "max_model_len": "context",
+    "ctx_size": "context",
+    "n_threads": "threads",
+    "num_thread": "threads",
+    "temp": "temperature",
+}
 
 
 def refuse_other_names(kw: Mapping[str, Any], where: str) -> None:
@@ -41,8 +66,9 @@ def refuse_other_names(kw: Mapping[str, Any], where: str) -> None:
 def _one_spec(out: Settings, spec: str, why: str) -> None:
     """Set the spec type once; two words asking for two drafters fail."""
     if out.setdefault("spec_type", spec) != spec:
-        raise SpecdecError(f"{why} asks for spec type {spec!r}, but another argument already chose "
-                           f"{out['spec_type']!r}")
+        raise SpecdecError(
+            f"{why} asks for spec type {spec!r}, but another argument already chose {out['spec_type']!r}"
+        )
 
 
 def _positive(name: str, value: Any) -> int:
@@ -76,8 +102,9 @@ def from_transformers(kw: Mapping[str, Any]) -> Settings:
     if "num_assistant_tokens_schedule" in kw:
         schedule = kw["num_assistant_tokens_schedule"]
         if schedule not in HF_SCHEDULES:
-            raise SpecdecError(f"unknown num_assistant_tokens_schedule {schedule!r} (supported: "
-                               f"{', '.join(HF_SCHEDULES)})")
+            raise SpecdecError(
+                f"unknown num_assistant_tokens_schedule {schedule!r} (supported: {', '.join(HF_SCHEDULES)})"
+            )
         out["adaptive"] = HF_SCHEDULES[schedule]
     if "assistant_confidence_threshold" in kw:
         t = kw["assistant_confidence_threshold"]
@@ -104,10 +131,12 @@ def for_request(kw: Mapping[str, Any], server: Mapping[str, Any]) -> Settings:
         have = server.get(key)
         if key in REQUEST_SETTINGS or _same_setting(key, value, have, server):
             continue
-        raise SpecdecError(f"{', '.join(k for k in kw if kw[k] is not None)} needs {key}={value!r}, but this server "
-                           f"or LLM runs {key}={have!r}; per request only the spec type (assistant_model = its draft "
-                           "model, prompt_lookup_num_tokens, assistant_early_exit, use_mtp) and the draft length "
-                           "(num_assistant_tokens) can change: start the server (or make the LLM) with the rest")
+        raise SpecdecError(
+            f"{', '.join(k for k in kw if kw[k] is not None)} needs {key}={value!r}, but this server "
+            f"or LLM runs {key}={have!r}; per request only the spec type (assistant_model = its draft "
+            "model, prompt_lookup_num_tokens, assistant_early_exit, use_mtp) and the draft length "
+            "(num_assistant_tokens) can change: start the server (or make the LLM) with the rest"
+        )
     return {k: out[k] for k in REQUEST_SETTINGS if k in out}
 
 
@@ -135,8 +164,10 @@ def from_vllm(config: str | Mapping[str, Any]) -> Settings:
         raise SpecdecError(f"unsupported --speculative-config key {unknown[0]!r} (supported: {', '.join(VLLM_KEYS)})")
     method = config.get("method") or ("draft_model" if config.get("model") else None)
     if method not in VLLM_METHODS and not _is_spec_type(method):
-        raise SpecdecError(f"unsupported speculative method {method!r} (supported: {', '.join(VLLM_METHODS)}, "
-                           "or any specdec spec type or chain)")
+        raise SpecdecError(
+            f"unsupported speculative method {method!r} (supported: {', '.join(VLLM_METHODS)}, "
+            "or any specdec spec type or chain)"
+        )
     spec, head = VLLM_METHODS.get(method, (method, None))
     out: Settings = {"spec_type": spec}
     if config.get("model") is not None:
@@ -164,14 +195,22 @@ def _is_spec_type(name: Any) -> bool:
         return False
 
 
-def from_vllm_flags(speculative_model: str | None = None, num_speculative_tokens: int | None = None,
-                    ngram_prompt_lookup_max: int | None = None, ngram_prompt_lookup_min: int | None = None) -> Settings:
+def from_vllm_flags(
+    speculative_model: str | None = None,
+    num_speculative_tokens: int | None = None,
+    ngram_prompt_lookup_max: int | None = None,
+    ngram_prompt_lookup_min: int | None = None,
+) -> Settings:
     """vLLM's older flags: `--speculative-model` (a path, or "[ngram]"), `--num-speculative-tokens`,
     `--ngram-prompt-lookup-max/-min`."""
-    config: dict[str, Any] = {"num_speculative_tokens": num_speculative_tokens,
-                              "prompt_lookup_max": ngram_prompt_lookup_max, "prompt_lookup_min": ngram_prompt_lookup_min}
-    if speculative_model == "[ngram]" or (speculative_model is None and (ngram_prompt_lookup_max or
-                                                                          ngram_prompt_lookup_min)):
+    config: dict[str, Any] = {
+        "num_speculative_tokens": num_speculative_tokens,
+        "prompt_lookup_max": ngram_prompt_lookup_max,
+        "prompt_lookup_min": ngram_prompt_lookup_min,
+    }
+    if speculative_model == "[ngram]" or (
+        speculative_model is None and (ngram_prompt_lookup_max or ngram_prompt_lookup_min)
+    ):
         config["method"] = "ngram"
     elif speculative_model is not None:
         config.update(method="draft_model", model=speculative_model)
@@ -208,8 +247,9 @@ def read_modelfile(path: str | Path) -> Settings:
             key, value = OLLAMA_PARAMETERS[words[1]], words[2]
             out[key] = value if key == "draft" else _int(value, where)
         elif instruction == "PARAMETER":
-            raise SpecdecError(f"{where}: unsupported PARAMETER {' '.join(words[1:2])!r} (supported: "
-                               f"{', '.join(OLLAMA_PARAMETERS)})")
+            raise SpecdecError(
+                f"{where}: unsupported PARAMETER {' '.join(words[1:2])!r} (supported: {', '.join(OLLAMA_PARAMETERS)})"
+            )
         else:
             raise SpecdecError(f"{where}: unsupported instruction {words[0]!r} (supported: FROM, PARAMETER)")
     if "model" not in out:
@@ -243,9 +283,16 @@ def from_flags(given: Settings) -> Settings:
         out = merge(out, read_modelfile(given["modelfile"]), "--modelfile")
     if given.get("speculative_config") is not None:
         out = merge(out, from_vllm(given["speculative_config"]), "--speculative-config")
-    out = merge(out, from_vllm_flags(given.get("speculative_model"), given.get("num_speculative_tokens"),
-                                     given.get("ngram_prompt_lookup_max"), given.get("ngram_prompt_lookup_min")),
-                "--speculative-model")
+    out = merge(
+        out,
+        from_vllm_flags(
+            given.get("speculative_model"),
+            given.get("num_speculative_tokens"),
+            given.get("ngram_prompt_lookup_max"),
+            given.get("ngram_prompt_lookup_min"),
+        ),
+        "--speculative-model",
+    )
     if given.get("speculate") is not None:
         out = merge(out, from_tgi(given["speculate"]), "--speculate")
     return out
@@ -254,13 +301,18 @@ def from_flags(given: Settings) -> Settings:
 def add_flags(p: Any) -> None:
     """The other engines' flags on an argparse parser (`specdec generate|serve|bench`)."""
     g = p.add_argument_group("other engines' flags (docs/compat.md)")
-    g.add_argument("--speculative-config", metavar="JSON", help="vLLM: {\"method\": ngram|draft_model|suffix|eagle3|"
-                   "mtp|dflash|medusa, \"model\", \"num_speculative_tokens\", \"prompt_lookup_min\", "
-                   "\"prompt_lookup_max\"}")
+    g.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        help='vLLM: {"method": ngram|draft_model|suffix|eagle3|'
+        'mtp|dflash|medusa, "model", "num_speculative_tokens", "prompt_lookup_min", '
+        '"prompt_lookup_max"}',
+    )
     g.add_argument("--speculative-model", metavar="MODEL", help="vLLM (older): a draft model, or [ngram]")
     g.add_argument("--num-speculative-tokens", type=int, metavar="N", help="vLLM (older): tokens per draft")
     g.add_argument("--ngram-prompt-lookup-max", type=int, metavar="N", help="vLLM (older): longest n-gram match")
     g.add_argument("--ngram-prompt-lookup-min", type=int, metavar="N", help="vLLM (older): shortest n-gram match")
     g.add_argument("--speculate", type=int, metavar="N", help="TGI: N tokens per step (prompt lookup here)")
-    g.add_argument("--modelfile", metavar="FILE", help="Ollama Modelfile: FROM, PARAMETER num_ctx, num_gpu, "
-                   "draft_model, num_draft")
+    g.add_argument(
+        "--modelfile", metavar="FILE", help="Ollama Modelfile: FROM, PARAMETER num_ctx, num_gpu, draft_model, num_draft"
+    )

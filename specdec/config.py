@@ -6,6 +6,7 @@
 Drafter options (`ngram_n`, `suffix_factor`, ...) come from the drafter registry: their names, defaults and
 rules live with the drafters (`specdec.drafters.registry.Option`), not here.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,7 +16,7 @@ from typing import Any
 from specdec import compat
 from specdec.drafters import DEFAULT_WITH_DRAFT_MODEL, REGISTRY, parse_spec_type
 from specdec.drafters.chain import CHAIN_MODES
-from specdec.engine.engine import SpecConfig
+from specdec.engine.planner import SpecConfig
 from specdec.errors import SpecdecError
 from specdec.models import packs
 from specdec.models.loader import QUANT_CHOICES
@@ -25,25 +26,27 @@ DTYPES = ("auto", "bf16", "fp16", "fp32")
 
 @dataclass(frozen=True)
 class Config:
-    model: str | None = None           # target: pack name, GGUF file or checkpoint dir; None = the default pair
-    draft: str | None = None           # draft model (spec types that need one)
-    spec_type: str | None = None       # a spec type or chain; None: suffix-tree,draft with a draft model or no model, else none
+    model: str | None = None  # target: pack name, GGUF file or checkpoint dir; None = the default pair
+    draft: str | None = None  # draft model (spec types that need one)
+    spec_type: str | None = (
+        None  # a spec type or chain; None: suffix-tree,draft with a draft model or no model, else none
+    )
     context: int = 4096
-    dtype: str = "auto"                # auto | bf16 | fp16 | fp32
-    quant: str = "auto"                # target weights: auto | gguf | int8 | int4 | none
+    dtype: str = "auto"  # auto | bf16 | fp16 | fp32
+    quant: str = "auto"  # target weights: auto | gguf | int8 | int4 | none
     draft_quant: str = "auto"
     threads: int | None = None
-    parallel: int = 1                  # KV cache slots: sequences that can run at once
+    parallel: int = 1  # KV cache slots: sequences that can run at once
     n_gpu_layers: int = 0
     n_gpu_layers_draft: int = 0
     draft_max: int = SpecConfig.draft_max
     draft_min: int = SpecConfig.draft_min
     adaptive: bool = SpecConfig.adaptive
-    chain_mode: str = "first"          # chains: first | gain
-    progress: bool = True              # download/convert progress on stderr
-    accept_threshold: float = 0.0      # opt-in LOSSY relaxed acceptance (--spec-accept-threshold); 0 = off
-    cache_mb: int = 0                  # prefix cache (MiB) shared by the target and a draft model; 0 = off
-    fast_prefill: bool = False         # opt-in: large forwards in torch (`kernels.set_fast_prefill`), numbers change
+    chain_mode: str = "first"  # chains: first | gain
+    progress: bool = True  # download/convert progress on stderr
+    accept_threshold: float = 0.0  # opt-in LOSSY relaxed acceptance (--spec-accept-threshold); 0 = off
+    cache_mb: int = 0  # prefix cache (MiB) shared by the target and a draft model; 0 = off
+    fast_prefill: bool = False  # opt-in: large forwards in torch (`kernels.set_fast_prefill`), numbers change
     drafter: dict[str, Any] = field(default_factory=dict)  # drafter options (registry names), defaults filled in
 
     def __post_init__(self):
@@ -88,8 +91,10 @@ class Config:
         hf = {k: kw.pop(k) for k in compat.HF_WORDS if k in kw}
         kw = compat.merge(kw, compat.from_transformers(hf), "transformers' arguments")
         own = {f.name for f in fields(cls)} - {"drafter"}
-        return cls(**{k: v for k, v in kw.items() if k in own},
-                   drafter={**kw.get("drafter", {}), **{k: v for k, v in kw.items() if k not in own | {"drafter"}}})
+        return cls(
+            **{k: v for k, v in kw.items() if k in own},
+            drafter={**kw.get("drafter", {}), **{k: v for k, v in kw.items() if k not in own | {"drafter"}}},
+        )
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace, **override: Any) -> Config:

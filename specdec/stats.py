@@ -1,4 +1,5 @@
 """Per-call speculative decoding statistics."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -10,12 +11,12 @@ class Stats:
     target_forwards: int = 0  # prefill counts as one
     drafted: int = 0
     accepted: int = 0
-    relaxed: int = 0          # of them, accepted only by the opt-in relaxed rule (--spec-accept-threshold)
+    relaxed: int = 0  # of them, accepted only by the opt-in relaxed rule (--spec-accept-threshold)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
     total_s: float = 0.0
-    drafted_at: list[int] = field(default_factory=list)   # per draft depth: times drafted
+    drafted_at: list[int] = field(default_factory=list)  # per draft depth: times drafted
     accepted_at: list[int] = field(default_factory=list)  # per draft depth: times accepted
     chosen_lens: dict[int, int] = field(default_factory=dict)  # draft length asked for -> steps
 
@@ -55,13 +56,22 @@ class Stats:
 
     def to_dict(self) -> dict:
         r = lambda x: round(x, 4)  # noqa: E731
-        return {"new_tokens": self.new_tokens, "target_forwards": self.target_forwards, "drafted": self.drafted,
-                "accepted": self.accepted, "relaxed": self.relaxed, "acceptance_rate": r(self.acceptance_rate),
-                "mean_accept_len": r(self.mean_accept_len), "tokens_per_s": r(self.tokens_per_s),
-                "per_position_acceptance": [r(x) for x in self.per_position_acceptance],
-                "chosen_draft_lens": dict(sorted(self.chosen_lens.items())),
-                "prefill_s": r(self.prefill_s), "draft_s": r(self.draft_s), "verify_s": r(self.verify_s),
-                "total_s": r(self.total_s)}
+        return {
+            "new_tokens": self.new_tokens,
+            "target_forwards": self.target_forwards,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "relaxed": self.relaxed,
+            "acceptance_rate": r(self.acceptance_rate),
+            "mean_accept_len": r(self.mean_accept_len),
+            "tokens_per_s": r(self.tokens_per_s),
+            "per_position_acceptance": [r(x) for x in self.per_position_acceptance],
+            "chosen_draft_lens": dict(sorted(self.chosen_lens.items())),
+            "prefill_s": r(self.prefill_s),
+            "draft_s": r(self.draft_s),
+            "verify_s": r(self.verify_s),
+            "total_s": r(self.total_s),
+        }
 
 
 def first_divergence(base: list[int], base_gaps: list[float], other: list[int]) -> dict | None:

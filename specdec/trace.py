@@ -2,39 +2,31 @@
 drafter proposed it or whether the target chose it, with the step, the draft position, the target's probability
 and its top-2 logit gap; and the drafted tokens the target rejected, on the token that replaced them.
 
-A leaf module: the engine fills `Sequence.trace` with these entries when asked for."""
-from __future__ import annotations
+The engine fills `Sequence.trace` with these entries (`TokenTrace`, defined beside `Sequence`) when asked for."""
 
-from dataclasses import dataclass, field
+from __future__ import annotations
 
 import torch
 
-from specdec.sequence import Draft
+from specdec.sequence import Draft, TokenTrace
+
+__all__ = ["TokenTrace", "step_trace"]
 
 
-@dataclass
-class TokenTrace:
-    """One committed output token. origin: "draft" (an accepted draft token, `drafter` proposed it), or the
-    target's own token: "correction" (a draft was rejected here; `rejected` holds what was drafted), "bonus"
-    (the whole draft was accepted) or "target" (nothing was drafted this step; step 0 is the prefill)."""
-    token: int
-    origin: str
-    step: int                 # the target forward that chose it (0: prefill)
-    pos: int                  # 1-based position within its step (draft tokens first, then the target's)
-    p: float                  # the target's probability of it (raw model distribution, before temperature)
-    gap: float                # the target's top-1 minus top-2 logit
-    drafter: str | None = None
-    rejected: list[int] = field(default_factory=list)
-    drafted: int = 0          # on the target's token: draft tokens (tree nodes) its step proposed
-    text: str = ""            # the text it added to the output ("" for the first bytes of a character)
-
-
-def step_trace(step: int, new: list[int], logits: torch.Tensor, gaps: list[float], draft: Draft | None,
-               path: list[int], drafter: str | None, texts: list[str]) -> list[TokenTrace]:
+def step_trace(
+    step: int,
+    new: list[int],
+    logits: torch.Tensor,
+    gaps: list[float],
+    draft: Draft | None,
+    path: list[int],
+    drafter: str | None,
+    texts: list[str],
+) -> list[TokenTrace]:
     """The trace of the first len(new) tokens a step committed: `new` are the accepted drafts along `path` then
     the target's token, logits [>= len(new), V] their target rows, gaps their top-2 gaps, texts what each added
     to the output text (the streaming detokenizer's pieces)."""
-    probs = logits[:len(new)].float().softmax(-1).gather(1, torch.tensor(new)[:, None])[:, 0].tolist()
+    probs = logits[: len(new)].float().softmax(-1).gather(1, torch.tensor(new)[:, None])[:, 0].tolist()
     out = []
     for i, (tok, p, gap, text) in enumerate(zip(new, probs, gaps, texts)):
         if i < len(path):
@@ -42,8 +34,19 @@ def step_trace(step: int, new: list[int], logits: torch.Tensor, gaps: list[float
             continue
         rejected = _rejected(draft, path)
         origin = "correction" if rejected else "bonus" if draft is not None and draft.tokens else "target"
-        out.append(TokenTrace(tok, origin, step, i + 1, p, gap, rejected=rejected,
-                              drafted=len(draft.tokens) if draft is not None else 0, text=text))
+        out.append(
+            TokenTrace(
+                tok,
+                origin,
+                step,
+                i + 1,
+                p,
+                gap,
+                rejected=rejected,
+                drafted=len(draft.tokens) if draft is not None else 0,
+                text=text,
+            )
+        )
     return out
 
 
@@ -53,6 +56,6 @@ def _rejected(draft: Draft | None, path: list[int]) -> list[int]:
     if draft is None or not draft.tokens:
         return []
     if draft.parents is None:
-        return draft.tokens[len(path):]
+        return draft.tokens[len(path) :]
     at = path[-1] if path else -1
     return [t for t, parent in zip(draft.tokens, draft.parents) if parent == at]

@@ -11,6 +11,7 @@ A chain is the tree whose node i continues node i-1.
 Opt-in and lossy (`Relaxed`, --spec-accept-threshold T): where the rule above accepts no child of a node, the
 first child whose target probability is at least T times the target's top probability is accepted anyway.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -31,8 +32,13 @@ def verify_greedy(draft: list[int], target_logits: torch.Tensor) -> list[int]:
     return verify_tree_greedy(draft, chain(len(draft)), target_logits)[0]
 
 
-def verify_sampling(draft: list[int], draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
-                    params: SamplingParams, generator: torch.Generator | None) -> list[int]:
+def verify_sampling(
+    draft: list[int],
+    draft_probs: torch.Tensor | None,
+    target_logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> list[int]:
     """Chain rejection sampling: draft [k], draft_probs [k, V] or None (one-hot), target_logits [k+1, V]."""
     return verify_tree_sampling(draft, chain(len(draft)), draft_probs, target_logits, params, generator)[0]
 
@@ -53,7 +59,7 @@ class Relaxed:
         self.threshold, self.count = threshold, 0
 
     def __call__(self, row: int, kids: list[int]) -> int | None:
-        logits = self.logits[row:row + 1]  # [1, V]; only the row where the lossless rule stopped is scored
+        logits = self.logits[row : row + 1]  # [1, V]; only the row where the lossless rule stopped is scored
         p = (logits.softmax(-1) if self.params.greedy else probs_from_logits(logits, self.params))[0]  # [V]
         floor = self.threshold * float(p.max())
         x = next((x for x in kids if float(p[self.tokens[x]]) >= floor), None)
@@ -61,8 +67,9 @@ class Relaxed:
         return x
 
 
-def verify_tree_greedy(tokens: list[int], parents: list[int], target_logits: torch.Tensor,
-                       relax: Relaxed | None = None) -> tuple[list[int], list[int]]:
+def verify_tree_greedy(
+    tokens: list[int], parents: list[int], target_logits: torch.Tensor, relax: Relaxed | None = None
+) -> tuple[list[int], list[int]]:
     """Greedy over a token tree.
 
     tokens, parents [N]; target_logits [N+1, V] (row 0: the last committed token, row i+1: node i).
@@ -72,18 +79,26 @@ def verify_tree_greedy(tokens: list[int], parents: list[int], target_logits: tor
     return _verify_tree_match(tokens, parents, lambda row, _depth: pred[row], relax)
 
 
-def verify_tree_seeded(tokens: list[int], parents: list[int], target_logits: torch.Tensor, params: SamplingParams,
-                       position: int, relax: Relaxed | None = None) -> tuple[list[int], list[int]]:
+def verify_tree_seeded(
+    tokens: list[int],
+    parents: list[int],
+    target_logits: torch.Tensor,
+    params: SamplingParams,
+    position: int,
+    relax: Relaxed | None = None,
+) -> tuple[list[int], list[int]]:
     """Seeded sampling over a token tree: the target's own seeded pick at each node, matched like greedy.
 
     target_logits [N+1, V]; `position`: index in the sequence of the first token after the committed ones.
     """
-    return _verify_tree_match(tokens, parents,
-                              lambda row, depth: seeded_pick(target_logits[row], params, position + depth), relax)
+    return _verify_tree_match(
+        tokens, parents, lambda row, depth: seeded_pick(target_logits[row], params, position + depth), relax
+    )
 
 
-def _verify_tree_match(tokens: list[int], parents: list[int], pick: Callable[[int, int], int],
-                       relax: Relaxed | None = None) -> tuple[list[int], list[int]]:
+def _verify_tree_match(
+    tokens: list[int], parents: list[int], pick: Callable[[int, int], int], relax: Relaxed | None = None
+) -> tuple[list[int], list[int]]:
     """Follow the children that equal the target's pick(row, depth) (row i+1: node i; depth: nodes
     on the path so far), then append the target's pick where none does."""
     kids = _children(parents)
@@ -101,9 +116,15 @@ def _verify_tree_match(tokens: list[int], parents: list[int], pick: Callable[[in
         cur = nxt
 
 
-def verify_tree_sampling(tokens: list[int], parents: list[int], draft_probs: torch.Tensor | None,
-                         target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-                         relax: Relaxed | None = None) -> tuple[list[int], list[int]]:
+def verify_tree_sampling(
+    tokens: list[int],
+    parents: list[int],
+    draft_probs: torch.Tensor | None,
+    target_logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    relax: Relaxed | None = None,
+) -> tuple[list[int], list[int]]:
     """Multi-candidate rejection sampling over a tree (SpecInfer / EAGLE-2 style).
 
     At each node the children are tried in order: child x (drawn from q) is accepted with
@@ -119,8 +140,11 @@ def verify_tree_sampling(tokens: list[int], parents: list[int], draft_probs: tor
         p = p_all[cur + 1]  # [V]
         accepted = None
         for x in kids.get(cur, []):
-            q = draft_probs[x] if draft_probs is not None else torch.nn.functional.one_hot(
-                torch.tensor(tokens[x]), V).float()  # [V]
+            q = (
+                draft_probs[x]
+                if draft_probs is not None
+                else torch.nn.functional.one_hot(torch.tensor(tokens[x]), V).float()
+            )  # [V]
             if float(torch.rand(1, generator=generator)) * float(q[tokens[x]]) < float(p[tokens[x]]):
                 accepted = x
                 break

@@ -1,5 +1,6 @@
 """Fixtures: tiny random checkpoints of every family (in process), the family conformance files (tests/families.py)
 and the real SmolLM2-135M pack."""
+
 from __future__ import annotations
 
 import json
@@ -25,14 +26,24 @@ def word_tokenizer(directory: Path, vocab: int = VOCAB, prefix: str = "t") -> No
 
 FAMILIES = {
     "llama": dict(model_type="llama", attention_bias=False, tie_word_embeddings=True),
-    "llama3-rope": dict(model_type="llama", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                          "high_freq_factor": 4.0,
-                                                          "original_max_position_embeddings": 64}),
-    "llama-linear-bias": dict(model_type="llama", attention_bias=True, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "llama3-rope": dict(
+        model_type="llama",
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "llama-linear-bias": dict(
+        model_type="llama", attention_bias=True, rope_scaling={"rope_type": "linear", "factor": 2.0}
+    ),
     "mistral": dict(model_type="mistral", sliding_window=None),
     "qwen2": dict(model_type="qwen2", tie_word_embeddings=True),
-    "qwen2-yarn": dict(model_type="qwen2", rope_scaling={"rope_type": "yarn", "factor": 4.0,
-                                                         "original_max_position_embeddings": 64}),
+    "qwen2-yarn": dict(
+        model_type="qwen2", rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    ),
     "qwen3": dict(model_type="qwen3", head_dim=24),
 }
 
@@ -43,9 +54,19 @@ def make_tiny(directory: Path, family: str, seed: int = 0, layers: int = 2, voca
 
     extra = dict(FAMILIES[family])
     model_type = extra.pop("model_type")
-    cfg = AutoConfig.for_model(model_type, vocab_size=vocab, hidden_size=64, intermediate_size=128,
-                               num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                               max_position_embeddings=256, eos_token_id=0, bos_token_id=None, **extra)
+    cfg = AutoConfig.for_model(
+        model_type,
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=0,
+        bos_token_id=None,
+        **extra,
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # peaked logits, so greedy argmax is far from ties
@@ -69,6 +90,7 @@ def tiny_dir(tmp_path_factory):
         if key not in cache:
             cache[key] = make_tiny(root / key, family, seed, layers)
         return cache[key]
+
     return get
 
 
@@ -76,12 +98,14 @@ def tiny_dir(tmp_path_factory):
 def smollm_dir() -> Path:
     """The real SmolLM2-135M pack (downloaded and converted once, cached under SPECDEC_HOME)."""
     from specdec.models.packs import pull
+
     return pull("smollm2-135m", progress=False)
 
 
 def untrained_spec_types() -> list[str]:
     """Lossless spec types that need no trained head ('none' included); heads are tested with heads of their own."""
     from specdec.drafters import spec_types
+
     return list(spec_types(lossy=False, heads=False))
 
 
@@ -90,8 +114,15 @@ def head_llm(kind: str, target, head_dir, **kw):
     stop (random heads on tiny targets)."""
     import specdec
 
-    llm = specdec.LLM(str(target), spec_type=kind, dtype="fp32", adaptive=False, progress=False,
-                      **{f"{kind}_head": str(head_dir)}, **kw)
+    llm = specdec.LLM(
+        str(target),
+        spec_type=kind,
+        dtype="fp32",
+        adaptive=False,
+        progress=False,
+        **{f"{kind}_head": str(head_dir)},
+        **kw,
+    )
     llm.engine.stop_ids = set()
     return llm
 
@@ -118,6 +149,7 @@ def family_files(tmp_path_factory):
             gguf_hf = families.make_checkpoint(root / "hf-gguf", case, **over) if over else hf
             made[case] = families.Files(hf, gguf_hf, root)
         return made[case]
+
     return get
 
 

@@ -15,71 +15,196 @@ The tokenizers do not depend on the seed (a draft and a target built with differ
 `convert()` runs the converter of the llama.cpp source pinned by `specdec.bench.llama_build` with that source's own
 gguf-py; `llama_quantize()` runs the `llama-quantize` built beside `llama-server`.
 """
+
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 import io
 import os
 import random
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 # hidden 64, 4 heads (head_dim 16), 2 KV heads; cases override what they need
-BASE: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+BASE: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
 
 TINY: dict[str, dict[str, Any]] = {
     "llama": {"model_type": "llama"},
     # rope_freqs.weight: wavelengths of head_dim 16 / theta 1e4 straddle [64/4, 64/1], so factors are 1, smooth, 8
-    "llama3": {"model_type": "llama", "tie_word_embeddings": True,
-               "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+    "llama3": {
+        "model_type": "llama",
+        "tie_word_embeddings": True,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    },
     "mistral": {"model_type": "mistral", "sliding_window": 8},
     "qwen2": {"model_type": "qwen2", "tie_word_embeddings": True},  # q/k/v biases; tied like Qwen2.5-0.5B
     "qwen3": {"model_type": "qwen3", "head_dim": 24},  # head_dim != hidden / heads
     # layers [sliding, full]; caps small enough to bind on these logits
-    "gemma2": {"model_type": "gemma2", "head_dim": 16, "query_pre_attn_scalar": 32, "sliding_window": 8,
-               "attn_logit_softcapping": 10.0, "final_logit_softcapping": 5.0},
+    "gemma2": {
+        "model_type": "gemma2",
+        "head_dim": 16,
+        "query_pre_attn_scalar": 32,
+        "sliding_window": 8,
+        "attn_logit_softcapping": 10.0,
+        "final_logit_softcapping": 5.0,
+    },
     # llama.cpp's gemma3 assumes 5 sliding layers then 1 full (the GGUF has no pattern): 6 layers, HF's default
     # pattern 6; query_pre_attn_scalar == head_dim because llama.cpp always scales by 1/sqrt(head_dim)
-    "gemma3_text": {"model_type": "gemma3_text", "num_hidden_layers": 6, "head_dim": 16, "query_pre_attn_scalar": 16,
-                    "sliding_window": 8, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0},
+    "gemma3_text": {
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 6,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "sliding_window": 8,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+    },
     # no sliding window: llama.cpp disables Phi-3 SWA
     "phi3": {"model_type": "phi3", "original_max_position_embeddings": 256, "sliding_window": None},
     # llama.cpp takes the long factors once its context (rounded up to 256) exceeds the original one
-    "phi3-longrope": {"model_type": "phi3", "original_max_position_embeddings": 256, "max_position_embeddings": 512,
-                      "sliding_window": None,
-                      "rope_scaling": {"rope_type": "longrope",
-                                       "short_factor": [1.0 + 0.05 * i for i in range(8)],
-                                       "long_factor": [1.0 + 0.9 * i for i in range(8)]}},
-    "granite": {"model_type": "granite", "embedding_multiplier": 4.0, "residual_multiplier": 0.5,
-                "attention_multiplier": 0.2, "logits_scaling": 8.0},
+    "phi3-longrope": {
+        "model_type": "phi3",
+        "original_max_position_embeddings": 256,
+        "max_position_embeddings": 512,
+        "sliding_window": None,
+        "rope_scaling": {
+            "rope_type": "longrope",
+            "short_factor": [1.0 + 0.05 * i for i in range(8)],
+            "long_factor": [1.0 + 0.9 * i for i in range(8)],
+        },
+    },
+    "granite": {
+        "model_type": "granite",
+        "embedding_multiplier": 4.0,
+        "residual_multiplier": 0.5,
+        "attention_multiplier": 0.2,
+        "logits_scaling": 8.0,
+    },
     "olmo2": {"model_type": "olmo2"},
     # HF's default no_rope_layers for 4 layers is [1, 1, 1, 0]: llama.cpp hard-codes "no RoPE on every 4th layer"
     "smollm3": {"model_type": "smollm3", "num_hidden_layers": 4},
 }
 
 # case -> tokenizer kind: "llama", "gemma" (SentencePiece, SPM_VOCAB) or "gpt2", "qwen2" (real byte-level BPE)
-TOKENIZER: dict[str, str] = {case: {"gemma2": "gemma", "gemma3_text": "gemma", "olmo2": "gpt2", "qwen2": "qwen2"}
-                             .get(case, "llama") for case in TINY}
+TOKENIZER: dict[str, str] = {
+    case: {"gemma2": "gemma", "gemma3_text": "gemma", "olmo2": "gpt2", "qwen2": "qwen2"}.get(case, "llama")
+    for case in TINY
+}
 
 SPM_VOCAB = 768
 MATRIX_STD, VECTOR_STD = 0.3, 0.1  # 2-D weights ~ N(0, 0.3^2) (peaked logits); 1-D ones get N(0, 0.1^2) added
 CONVERT_TIMEOUT = 600
 
 _WORDS = [
-    "the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "his", "her",
-    "it", "an", "are", "were", "which", "be", "this", "had", "not", "or", "but", "have", "first", "one", "their",
-    "its", "new", "after", "who", "they", "has", "two", "been", "all", "more", "when", "time", "she", "would",
-    "there", "into", "other", "during", "where", "only", "some", "can", "most", "then", "such", "these", "years",
-    "him", "over", "also", "used", "city", "world", "water", "house", "light", "night", "river", "stone", "music",
-    "paper", "number", "system", "people", "model", "token", "speed", "draft", "target", "accept", "reject",
-    "sample", "greedy", "cache", "layer", "head", "query", "key", "value",
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "was",
+    "for",
+    "on",
+    "that",
+    "with",
+    "as",
+    "by",
+    "at",
+    "from",
+    "his",
+    "her",
+    "it",
+    "an",
+    "are",
+    "were",
+    "which",
+    "be",
+    "this",
+    "had",
+    "not",
+    "or",
+    "but",
+    "have",
+    "first",
+    "one",
+    "their",
+    "its",
+    "new",
+    "after",
+    "who",
+    "they",
+    "has",
+    "two",
+    "been",
+    "all",
+    "more",
+    "when",
+    "time",
+    "she",
+    "would",
+    "there",
+    "into",
+    "other",
+    "during",
+    "where",
+    "only",
+    "some",
+    "can",
+    "most",
+    "then",
+    "such",
+    "these",
+    "years",
+    "him",
+    "over",
+    "also",
+    "used",
+    "city",
+    "world",
+    "water",
+    "house",
+    "light",
+    "night",
+    "river",
+    "stone",
+    "music",
+    "paper",
+    "number",
+    "system",
+    "people",
+    "model",
+    "token",
+    "speed",
+    "draft",
+    "target",
+    "accept",
+    "reject",
+    "sample",
+    "greedy",
+    "cache",
+    "layer",
+    "head",
+    "query",
+    "key",
+    "value",
 ]
 
 
@@ -89,8 +214,10 @@ class ConverterError(RuntimeError):
 
 # ---------------------------------------------------------------- checkpoints
 
-def make_checkpoint(directory: Path | str, case: str, seed: int = 0, tokenizer: str | None = None,
-                    **overrides: Any) -> Path:
+
+def make_checkpoint(
+    directory: Path | str, case: str, seed: int = 0, tokenizer: str | None = None, **overrides: Any
+) -> Path:
     """Save a random fp32 `transformers` model of TINY[case] (plus config `overrides`, e.g. hidden_size=256,
     intermediate_size=512 for real K-quant blocks) and its tokenizer into `directory`; return `directory`.
 
@@ -131,8 +258,11 @@ def _write_tokenizer(directory: Path, kind: str) -> tuple[int, dict[str, int | N
     tok.save_pretrained(str(directory))
     if kind in ("llama", "gemma"):
         (directory / "tokenizer.model").write_bytes(spm_model(kind))
-    ids = {f"{name}_token_id": tok.convert_tokens_to_ids(getattr(tok, f"{name}_token"))
-           for name in ("bos", "eos", "pad") if getattr(tok, f"{name}_token", None) is not None}
+    ids = {
+        f"{name}_token_id": tok.convert_tokens_to_ids(getattr(tok, f"{name}_token"))
+        for name in ("bos", "eos", "pad")
+        if getattr(tok, f"{name}_token", None) is not None
+    }
     return len(tok), {"bos_token_id": None, "pad_token_id": None, **ids}
 
 
@@ -176,14 +306,34 @@ def spm_model(kind: str) -> bytes:
     if kind == "llama":
         layout: dict[str, Any] = {"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": -1, "add_dummy_prefix": True}
     else:
-        layout = {"pad_id": 0, "eos_id": 1, "bos_id": 2, "unk_id": 3, "pad_piece": "<pad>", "eos_piece": "<eos>",
-                  "bos_piece": "<bos>", "unk_piece": "<unk>", "add_dummy_prefix": False,
-                  "user_defined_symbols": ["<mask>", "<start_of_turn>", "<end_of_turn>"]}
+        layout = {
+            "pad_id": 0,
+            "eos_id": 1,
+            "bos_id": 2,
+            "unk_id": 3,
+            "pad_piece": "<pad>",
+            "eos_piece": "<eos>",
+            "bos_piece": "<bos>",
+            "unk_piece": "<unk>",
+            "add_dummy_prefix": False,
+            "user_defined_symbols": ["<mask>", "<start_of_turn>", "<end_of_turn>"],
+        }
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(corpus()), model_writer=buf, vocab_size=SPM_VOCAB, model_type="bpe",
-        byte_fallback=True, split_digits=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
-        allow_whitespace_only_pieces=True, character_coverage=1.0, num_threads=1, minloglevel=2, **layout)
+        sentence_iterator=iter(corpus()),
+        model_writer=buf,
+        vocab_size=SPM_VOCAB,
+        model_type="bpe",
+        byte_fallback=True,
+        split_digits=True,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True,
+        character_coverage=1.0,
+        num_threads=1,
+        minloglevel=2,
+        **layout,
+    )
     return buf.getvalue()
 
 
@@ -196,8 +346,11 @@ def _hf_from_spm(kind: str, proto: bytes):
 
     sp = spm.SentencePieceProcessor(model_proto=proto)
     vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
-    normal = {sp.id_to_piece(i) for i in range(sp.get_piece_size())
-              if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i) or sp.is_unused(i))}
+    normal = {
+        sp.id_to_piece(i)
+        for i in range(sp.get_piece_size())
+        if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i) or sp.is_unused(i))
+    }
     merges = []
     for piece in normal:
         for k in range(1, len(piece)):
@@ -209,16 +362,25 @@ def _hf_from_spm(kind: str, proto: bytes):
         # Llama 2's tokenizer.json pipeline: always one "▁" prepended, spaces -> "▁". Saved as a plain
         # TokenizersBackend: transformers 5's LlamaTokenizer would rebuild a Metaspace(prepend_scheme="first")
         # pipeline on load, which gives text starting with a space one "▁" less than SentencePiece and llama.cpp.
-        backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=True,
-                                       byte_fallback=True))
+        backend = Tokenizer(
+            models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True)
+        )
         backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-        backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                             decoders.Strip(" ", 1, 0)])
-        return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
-                                       eos_token="</s>", add_bos_token=True, add_eos_token=False)
+        backend.decoder = decoders.Sequence(
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        )
+        return PreTrainedTokenizerFast(
+            tokenizer_object=backend,
+            unk_token="<unk>",
+            bos_token="<s>",
+            eos_token="</s>",
+            add_bos_token=True,
+            add_eos_token=False,
+        )
     turns = [AddedToken(t, special=True, normalized=False) for t in ("<start_of_turn>", "<end_of_turn>")]
-    return GemmaTokenizer(vocab=vocab, merges=merges, add_bos_token=True, add_eos_token=False,
-                          extra_special_tokens=turns)
+    return GemmaTokenizer(
+        vocab=vocab, merges=merges, add_bos_token=True, add_eos_token=False, extra_special_tokens=turns
+    )
 
 
 def _hf_from_llama_vocab(kind: str):
@@ -238,14 +400,22 @@ def _hf_from_llama_vocab(kind: str):
     vocab = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (normal, control)}  # not [PAD...]
     specials = [t for t, ty in zip(tokens, types) if ty == control]
     if kind == "gpt2":  # <|endoftext|> is BOS, EOS and UNK
-        return GPT2Tokenizer(vocab=vocab, merges=merges, unk_token=specials[0], bos_token=specials[0],
-                             eos_token=specials[0], add_prefix_space=False)
+        return GPT2Tokenizer(
+            vocab=vocab,
+            merges=merges,
+            unk_token=specials[0],
+            bos_token=specials[0],
+            eos_token=specials[0],
+            add_prefix_space=False,
+        )
     # Qwen2: <|endoftext|> is EOS, PAD and UNK, no BOS; <|im_start|>, <|im_end|> are special
-    return Qwen2Tokenizer(vocab=vocab, merges=merges,
-                          extra_special_tokens=[AddedToken(t, special=True) for t in specials[1:]])
+    return Qwen2Tokenizer(
+        vocab=vocab, merges=merges, extra_special_tokens=[AddedToken(t, special=True) for t in specials[1:]]
+    )
 
 
 # ---------------------------------------------------------------- llama.cpp converter
+
 
 def source() -> Path:
     """The unpacked pinned llama.cpp source (downloaded and unpacked once)."""
@@ -295,8 +465,15 @@ def convert(hf_dir: Path | str, outtype: str, out_path: Path | str, timeout: flo
     """Convert checkpoint `hf_dir` to GGUF `out_path` ("f32", "f16", "bf16" or "q8_0") with the pinned converter."""
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(source() / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", outtype,
-           "--outfile", str(out_path)]
+    cmd = [
+        sys.executable,
+        str(source() / "convert_hf_to_gguf.py"),
+        str(hf_dir),
+        "--outtype",
+        outtype,
+        "--outfile",
+        str(out_path),
+    ]
     _run(cmd, converter_env(), timeout, f"convert_hf_to_gguf.py {Path(hf_dir).name} --outtype {outtype}")
     if not out_path.is_file():
         raise ConverterError(f"convert_hf_to_gguf.py wrote no {out_path}")
@@ -326,8 +503,16 @@ def llama_quantize(src: Path | str, out: Path | str, qtype: str = "Q4_K_M", time
 
 def _run(cmd: list[str], env: dict[str, str], timeout: float, what: str) -> None:
     try:
-        res = subprocess.run(cmd, check=False, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                             errors="replace", timeout=timeout)
+        res = subprocess.run(
+            cmd,
+            check=False,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=timeout,
+        )
     except subprocess.TimeoutExpired as e:
         tail = (e.stderr or b"")[-2000:]
         tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
@@ -343,14 +528,14 @@ POSITIONS = 32
 # settings llama.cpp's GGUF cannot carry (read from its source): the GGUF legs use checkpoints without them
 GGUF_OVERRIDES = {
     "gemma2": {"query_pre_attn_scalar": 16},  # llama.cpp scales gemma2 queries by 1/sqrt(head_dim) (but the 27B)
-    "mistral": {"sliding_window": None},      # the converter writes no window for the llama arch; llama.cpp has none
+    "mistral": {"sliding_window": None},  # the converter writes no window for the llama arch; llama.cpp has none
 }
 
 
 @dataclass
 class Files:
-    hf: Path         # the checkpoint of TINY[case]
-    gguf_hf: Path    # the checkpoint the GGUFs are converted from (GGUF_OVERRIDES applied)
+    hf: Path  # the checkpoint of TINY[case]
+    gguf_hf: Path  # the checkpoint the GGUFs are converted from (GGUF_OVERRIDES applied)
     root: Path
 
     def gguf(self, kind: str) -> Path | None:

@@ -1,5 +1,7 @@
 """Adaptive draft length: the cost model picks long drafts when they pay and none when they don't."""
+
 import pytest
+
 from specdec.acceptance import AcceptanceEstimate
 from specdec.engine.adaptive import PROBE_EVERY, CostModel, choose_draft_len
 
@@ -15,17 +17,20 @@ def _cost(draft_per_token, verify_slope=0.01):
 def _markov_engine(tmp_path, slots: int = 1, tick: float = 0.3):
     """An engine over the Markov test target of tests/test_lossless_sampling.py, with `slots` sequence slots."""
     from test_lossless_sampling import TARGET, MarkovRunner, TickClock, V, word_tokenizer
+
     from specdec.engine.engine import Engine, SpecConfig
     from specdec.models.tokenizer import Tokenizer
 
     word_tokenizer(tmp_path, V)
-    return Engine(MarkovRunner(TARGET, slots, context=1024), Tokenizer(tmp_path), SpecConfig(draft_max=4),
-                  clock=TickClock(tick))
+    return Engine(
+        MarkovRunner(TARGET, slots, context=1024), Tokenizer(tmp_path), SpecConfig(draft_max=4), clock=TickClock(tick)
+    )
 
 
 def _markov_draft_model(slots: int = 1):
     """That pair's draft model, as a `draft` drafter."""
     from test_lossless_sampling import DRAFT, MarkovRunner, V
+
     from specdec.drafters.draft_model import DraftModelDrafter
 
     return DraftModelDrafter(MarkovRunner(DRAFT, slots, context=1024), V)
@@ -81,6 +86,7 @@ def test_a_drafter_that_does_not_pay_drafts_only_probes(tmp_path, spec):
     """Drafting costs far more than a target forward: after its first measurement the drafter is asked for
     nothing but a one-token probe every PROBE_EVERY steps (never slower than plain decoding, give or take)."""
     from test_lossless_sampling import _drafter
+
     from specdec.sampling import SamplingParams
 
     engine = _markov_engine(tmp_path)
@@ -110,6 +116,7 @@ def test_a_chain_leaves_out_a_member_whose_setup_does_not_pay(tmp_path, setup_pe
     """`draft,suffix`: where the draft model's catch-up on the prompt is not repaid, the chain drafts without it
     (the suffix drafter alone, from the first step on) instead of paying it or drafting nothing."""
     from test_lossless_sampling import _drafter
+
     from specdec.drafters.chain import ChainDrafter
     from specdec.sampling import SamplingParams
 
@@ -133,6 +140,7 @@ def test_a_chains_cheap_member_drafts_alone_where_the_expensive_one_does_not_pay
     it can (judged as one, the chain's mixed cost would stop both); cheap, the model drafts where the first has
     nothing."""
     from test_lossless_sampling import _drafter
+
     from specdec.drafters.base import Draft, Drafter
     from specdec.drafters.chain import ChainDrafter
     from specdec.engine.adaptive import PROBE_EVERY
@@ -140,6 +148,7 @@ def test_a_chains_cheap_member_drafts_alone_where_the_expensive_one_does_not_pay
 
     class EveryOther(Drafter):
         """The suffix drafter's draft at every other call, nothing at the others."""
+
         name = "every-other"
 
         def __init__(self):
@@ -165,7 +174,11 @@ def test_a_chains_cheap_member_drafts_alone_where_the_expensive_one_does_not_pay
 def test_row_cost_is_the_measured_slope_and_raises_the_confidence_threshold(tmp_path):
     """A draft model stops where one more token's expected yield no longer pays for drafting it and for the row
     it adds to the verification (on AVX2 an 8-row forward costs ~2.5x a one-row one)."""
+    from dataclasses import replace
+
+    from specdec.engine.planner import DraftPlanner
     from specdec.sampling import SamplingParams
+    from specdec.sequence import Draft
 
     cost = CostModel()
     assert cost.row_cost() == 0.0
@@ -175,10 +188,13 @@ def test_row_cost_is_the_measured_slope_and_raises_the_confidence_threshold(tmp_
     assert cost.row_cost() == pytest.approx(0.02)
     engine = _markov_engine(tmp_path)
     seq = engine.generate([1, 2, 3], SamplingParams(max_tokens=8), drafter=_markov_draft_model())
-    seq.params = SamplingParams(max_tokens=100)  # room to draft again
+    seq.options = replace(seq.options, params=SamplingParams(max_tokens=100))  # room to draft again
     seq.acceptance = {seq.drafter.name: AcceptanceEstimate([0.99] * 16)}
     engine.cost.verify_s, engine.cost.draft_s = {1: 0.08, 9: 0.24}, {seq.drafter.name: 0.02}
-    k, min_path_prob = engine._budgets(seq, None)[seq.drafter.name]
+    asked = []  # the budgets the planner gives the draft model
+    seq.drafter.propose_parts = lambda seqs, budgets: asked.extend(budgets) or [Draft([]) for _ in seqs]
+    DraftPlanner(engine.spec, engine.cost, engine.target.context, engine.clock).propose([seq])
+    k, min_path_prob = asked[0][seq.drafter.name]
     assert k == 4 and min_path_prob == pytest.approx((0.02 + 0.02) / 0.08)
 
 
@@ -197,7 +213,7 @@ def test_in_a_batch_a_draft_must_beat_the_batchs_cheaper_plain_tokens():
     assert expected_saving(cost, 8, "d") > 0 and expected_saving(cost, 8, "d", batch=4) == 0
     # batch 1 is the single-sequence formula: E(k) / (k * draft + verify(k + 1))
     k = choose_draft_len(cost, acc, 0, 8, "d")
-    exp = 1 + sum(0.7 ** i for i in range(1, k + 1))
+    exp = 1 + sum(0.7**i for i in range(1, k + 1))
     assert exp / (k * 0.03 + cost.verify_cost(k + 1)) > 1 / 0.10
 
 
@@ -226,8 +242,10 @@ def test_in_a_batch_a_probe_never_pays_a_catch_up_on_a_new_prompt(tmp_path):
         engine.cost.verify_s = {k: 0.01 for k in range(1, 6)}
         engine.cost.draft_s, engine.cost.ema = {"draft": 0.3}, 0.0
         drafter = _markov_draft_model(batch)
-        seqs = [engine.new_sequence([1, 2, 3, 4, 5] * 10, SamplingParams(max_tokens=100), slot=i, drafter=drafter)
-                for i in range(batch)]
+        seqs = [
+            engine.new_sequence([1, 2, 3, 4, 5] * 10, SamplingParams(max_tokens=100), slot=i, drafter=drafter)
+            for i in range(batch)
+        ]
         for s in seqs:
             engine.prefill(s)
         while any(s.finish_reason is None for s in seqs):
@@ -252,29 +270,29 @@ def test_an_adaptive_engine_measures_plain_decoding_at_its_batch(tmp_path):
     """Every draft is weighed against plain decoding at the step's batch: a step runs plain while that cost is
     unmeasured, and again after REMEASURE steps without a forward over that many tokens."""
     from test_lossless_sampling import _drafter
+
     from specdec.engine.adaptive import REMEASURE
     from specdec.sampling import SamplingParams
 
     engine = _markov_engine(tmp_path)
-    caps, propose_all = [], engine._propose_all
-    engine._propose_all = lambda seqs, cap: caps.append(cap) or propose_all(seqs, cap)
     seq = engine.new_sequence([1, 2, 3, 4, 5] * 10, SamplingParams(max_tokens=1000), drafter=_drafter("suffix"))
     engine.prefill(seq)
-    plain = [engine.step([seq]).forward_tokens == 1 for _ in range(3 * REMEASURE)]
+    steps = [engine.step([seq]) for _ in range(3 * REMEASURE)]
+    plain, caps = [s.forward_tokens == 1 for s in steps], [s.cap for s in steps]  # cap 0: the step's drafts were off
     assert seq.finish_reason is None
     assert caps[0] == 0 and 1 in engine.cost.verify_s
     assert any(c is None for c in caps)
     for i in range(len(plain) - REMEASURE):
-        assert any(plain[i:i + REMEASURE + 1]), i  # never more than REMEASURE steps without a plain forward
+        assert any(plain[i : i + REMEASURE + 1]), i  # never more than REMEASURE steps without a plain forward
     forced = [i for i, c in enumerate(caps) if c == 0]
-    assert all(not any(plain[i - REMEASURE:i]) for i in forced[1:])  # and only when it is due
+    assert all(not any(plain[i - REMEASURE : i]) for i in forced[1:])  # and only when it is due
 
 
 def test_a_draft_is_priced_on_top_of_the_rows_already_in_the_step():
     """Where every row costs the same (a compute-bound forward), a sequence's draft is weighed against the rows
     the step's forward already holds: the first sequences of a batch get their drafts, a later one whose rows
-    would land where forwards cost more per row gets a shorter one or none (section 33: eight sequences each
-    priced on top of the batch alone made 136-token forwards)."""
+    would land where forwards cost more per row gets a shorter one or none (eight sequences each priced on
+    top of the batch alone made 136-token forwards on the server)."""
     cost = CostModel(verify_s={1: 0.025, 8: 0.048, 17: 0.072, 136: 0.688}, draft_s={"d": 0.0})
     acc = AcceptanceEstimate([0.9] * 16)
     alone = choose_draft_len(cost, acc, 0, 16, "d", batch=8)
@@ -290,10 +308,11 @@ def test_above_the_largest_measured_forward_rows_cost_the_measured_slope():
 
 def test_a_new_sequence_starts_from_the_drafters_history_never_below_the_prior():
     from specdec.acceptance import PRIOR_ACCEPT
+    from specdec.sampling import SamplingParams
     from specdec.sequence import Sequence
 
     good, bad = AcceptanceEstimate([0.99] * 8), AcceptanceEstimate([0.1] * 8)
-    seq = Sequence([1, 2], 2, 0, None)
+    seq = Sequence([1, 2], 2, 0, SamplingParams())
     assert seq.acceptance_of("a", good).rates == [0.99] * 8
     assert seq.acceptance_of("b", bad).rates == [PRIOR_ACCEPT] * 8
     assert seq.acceptance_of("c").rates == [] and seq.acceptance_of("a", bad).rates == [0.99] * 8  # kept once made
@@ -302,8 +321,7 @@ def test_a_new_sequence_starts_from_the_drafters_history_never_below_the_prior()
 def test_a_size_measured_at_a_busy_moment_does_not_cut_drafts_in_a_batch():
     """Forwards of 16 + k rows at ~3.5 ms a row on top of 16 rows at 4.5 ms each, measured with noise, one size
     (17) at a busy moment: read as measured, one drafted row looked to cost 25 ms and a batch of 16 drafted one
-    token a step; read off the local lines (`CostModel.smoothed`), a sure draft is drafted long
-    (section 36)."""
+    token a step; read off the local lines (`CostModel.smoothed`), a sure draft is drafted long."""
     noise = [0.004, -0.003, 0.002, -0.004, 0.003, -0.002, 0.0]
     verify = {t: 0.072 + 0.0035 * (t - 16) + noise[t % 7] for t in range(10, 60, 3) if t != 16}
     verify |= {16: 0.072, 17: 0.097}
@@ -325,12 +343,21 @@ def test_smoothing_keeps_sizes_without_close_neighbours_as_measured():
 
 def test_a_lone_dear_size_past_a_gap_does_not_keep_drafts_out_of_it():
     """Sizes 5-17 measured on a line (3.5 ms a row), then one 144-row forward at a cold, busy moment (834 ms): read
-    between 17 and 144 the rows cost 6 ms each and a batch of 16 drafted a token at most (section 36); in the gap the
+    between 17 and 144 the rows cost 6 ms each and a batch of 16 drafted a token at most; in the gap the
     line fitted at 17 goes on, so drafts are tried and the gap gets measured."""
     verify = {t: 0.016 + 0.0035 * t for t in (5, 7, 8, 10, 12, 13, 14, 15, 16, 17)} | {144: 0.834}
     cost = CostModel(verify_s=verify, draft_s={"d": 0.0})
     assert cost.verify_cost(40) == pytest.approx(0.016 + 0.0035 * 40)
     assert cost.verify_cost(144) == pytest.approx(0.834)
     assert choose_draft_len(cost, AcceptanceEstimate([1.0] * 16), 0, 16, "d", batch=16) == 16
-    assert choose_draft_len(CostModel(verify_s=verify, draft_s={"d": 0.0}, smooth=False),
-                            AcceptanceEstimate([1.0] * 16), 0, 16, "d", batch=16) <= 1  # as measured: to 17
+    assert (
+        choose_draft_len(
+            CostModel(verify_s=verify, draft_s={"d": 0.0}, smooth=False),
+            AcceptanceEstimate([1.0] * 16),
+            0,
+            16,
+            "d",
+            batch=16,
+        )
+        <= 1
+    )  # as measured: to 17

@@ -1,5 +1,6 @@
 """The C attention of decode and verification steps (specdec/runtime/attention.py): it matches torch's SDPA,
 and a query row's output is the same bits however many rows (and masked keys) share the call."""
+
 from __future__ import annotations
 
 import pytest
@@ -53,7 +54,7 @@ def test_a_row_is_the_same_bits_alone_or_among_drafts():
     k, v = _cache(B=1, S=30)
     q = torch.randn(1, 6, 7, 64)
     pos = 22  # row 0 sits at position 22: it sees keys 0..22
-    alone = attention(q[:, :, :1], k[:, :, :pos + 1], v[:, :, :pos + 1], None)
+    alone = attention(q[:, :, :1], k[:, :, : pos + 1], v[:, :, : pos + 1], None)
     causal = (torch.arange(30)[None, :] <= torch.arange(pos, pos + 7)[:, None])[None, None]  # [1, 1, 7, 30]
     among = attention(q, k, v, causal)
     assert torch.equal(alone[:, 0], among[:, 0])

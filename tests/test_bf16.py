@@ -1,4 +1,5 @@
 """bf16: speculative output may differ from plain decoding only at a near-tie of the top two logits."""
+
 import pytest
 
 import specdec
@@ -17,8 +18,15 @@ PROMPTS = [
 
 @pytest.mark.real
 def test_bf16_divergence_only_at_near_ties(smollm_dir):
-    llm = specdec.LLM(str(smollm_dir), draft=str(smollm_dir), spec_type="none", dtype="bf16", context=256,
-                      adaptive=False, progress=False)
+    llm = specdec.LLM(
+        str(smollm_dir),
+        draft=str(smollm_dir),
+        spec_type="none",
+        dtype="bf16",
+        context=256,
+        adaptive=False,
+        progress=False,
+    )
     total = same = 0
     for prompt in PROMPTS:
         base = llm.generate(prompt, max_tokens=48, chat=True, spec_type="none")

@@ -1,16 +1,17 @@
 """CLI: JSON output on a real model, and every kind of bad input is one line + non-zero exit."""
+
 import json
 import subprocess
 import sys
 
 import pytest
-
 from conftest import make_tiny
 
 
 def run(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "specdec.cli", *args], capture_output=True, text=True, env=env,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "specdec.cli", *args], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def assert_clean_error(res, needle):
@@ -23,13 +24,33 @@ def assert_clean_error(res, needle):
 
 @pytest.mark.real
 def test_generate_json(smollm_dir):
-    res = run("generate", "-m", str(smollm_dir), "-p", "The capital of France is", "-n", "12", "--dtype", "fp32",
-              "--spec-type", "ngram-simple", "--json")
+    res = run(
+        "generate",
+        "-m",
+        str(smollm_dir),
+        "-p",
+        "The capital of France is",
+        "-n",
+        "12",
+        "--dtype",
+        "fp32",
+        "--spec-type",
+        "ngram-simple",
+        "--json",
+    )
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert set(out) >= {"text", "token_ids", "stats"}
-    assert set(out["stats"]) == {"new_tokens", "target_forwards", "drafted", "accepted", "relaxed", "acceptance_rate",
-                                 "mean_accept_len", "tokens_per_s"}
+    assert set(out["stats"]) == {
+        "new_tokens",
+        "target_forwards",
+        "drafted",
+        "accepted",
+        "relaxed",
+        "acceptance_rate",
+        "mean_accept_len",
+        "tokens_per_s",
+    }
     assert out["stats"]["new_tokens"] == len(out["token_ids"]) <= 12
 
 
@@ -46,6 +67,7 @@ def test_corrupt_gguf(tmp_path):
 @pytest.mark.real
 def test_truncated_gguf(tmp_path):
     from specdec.models.packs import gguf_path
+
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(gguf_path("smollm2-135m").read_bytes()[:3_000_000])
     assert_clean_error(run("generate", "-m", str(cut), "-p", "hi"), "not a readable GGUF")
@@ -61,12 +83,24 @@ def test_unsupported_architecture(tmp_path, tiny_dir):
 
 @pytest.mark.real
 def test_draft_with_other_tokenizer(smollm_dir, tiny_dir):
-    """A draft model with another tokenizer drafts across tokenizers (docs/cross-tokenizer.md): not an error; the default
-    spec type with a draft model is the suffix tree, then the draft model."""
+    """A draft model with another tokenizer drafts across tokenizers (docs/cross-tokenizer.md): not an error; the
+    default spec type with a draft model is the suffix tree, then the draft model."""
     from specdec.drafters import DEFAULT_WITH_DRAFT_MODEL
 
-    res = run("generate", "-m", str(smollm_dir), "-md", str(tiny_dir("llama")), "-p", "hi", "-n", "8", "--dtype", "fp32",
-              "--json")
+    res = run(
+        "generate",
+        "-m",
+        str(smollm_dir),
+        "-md",
+        str(tiny_dir("llama")),
+        "-p",
+        "hi",
+        "-n",
+        "8",
+        "--dtype",
+        "fp32",
+        "--json",
+    )
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["spec_type"] == DEFAULT_WITH_DRAFT_MODEL == "suffix-tree,draft"
 
@@ -76,21 +110,24 @@ def test_prompt_longer_than_context(tiny_dir):
     assert_clean_error(res, "prompt has 40 tokens but the context is 16")
 
 
-@pytest.mark.parametrize("flags,needle", [
-    (["--draft-max", "0"], "must be >= 1"),
-    (["--temp", "-1"], "temperature must be >= 0"),
-    (["--top-p", "2"], "top_p must be in (0, 1]"),
-    (["--spec-type", "magic"], "unknown spec type 'magic'"),
-    (["--spec-type", "ngram-mod,none"], "cannot contain 'none'"),
-    (["--spec-ngram-min-hits", "0"], "must be >= 1"),
-    (["--spec-ngram-mod-pool-mb", "0"], "ngram_mod_pool_mb must be in (0, 65536]"),
-    (["--spec-suffix-max-requests", "-1"], "suffix_max_requests must be >= 0"),
-    (["--spec-suffix-factor", "0"], "suffix_factor must be > 0"),
-    (["--spec-suffix-min-prob", "2"], "must be in [0, 1]"),
-    (["--draft-p-min", "1.5"], "must be in [0, 1]"),
-    (["-n", "abc"], "invalid _positive_int value"),
-    (["--draft-min", "20", "--draft-max", "4"], "draft_min must be between 0 and draft_max"),
-])
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--draft-max", "0"], "must be >= 1"),
+        (["--temp", "-1"], "temperature must be >= 0"),
+        (["--top-p", "2"], "top_p must be in (0, 1]"),
+        (["--spec-type", "magic"], "unknown spec type 'magic'"),
+        (["--spec-type", "ngram-mod,none"], "cannot contain 'none'"),
+        (["--spec-ngram-min-hits", "0"], "must be >= 1"),
+        (["--spec-ngram-mod-pool-mb", "0"], "ngram_mod_pool_mb must be in (0, 65536]"),
+        (["--spec-suffix-max-requests", "-1"], "suffix_max_requests must be >= 0"),
+        (["--spec-suffix-factor", "0"], "suffix_factor must be > 0"),
+        (["--spec-suffix-min-prob", "2"], "must be in [0, 1]"),
+        (["--draft-p-min", "1.5"], "must be in [0, 1]"),
+        (["-n", "abc"], "invalid _positive_int value"),
+        (["--draft-min", "20", "--draft-max", "4"], "draft_min must be between 0 and draft_max"),
+    ],
+)
 def test_bad_flags(tiny_dir, flags, needle):
     res = run("generate", "-m", str(tiny_dir("llama")), "-p", "t3", "--dtype", "fp32", *flags)
     assert_clean_error(res, needle)
@@ -122,9 +159,28 @@ def test_usage_version_hubs_and_stdin(tiny_dir):
     version = run("--version")
     assert version.returncode == 0 and version.stdout.startswith("specdec ")
     assert_clean_error(run("generate", "-hf", "org/repo", "-p", "hi"), "use a model pack")
-    res = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "-m", str(tiny_dir("qwen2")), "-f", "-",
-                          "-n", "3", "--dtype", "fp32", "--ignore-eos", "--json"], input="t5 t9", capture_output=True, text=True,
-                         timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specdec.cli",
+            "generate",
+            "-m",
+            str(tiny_dir("qwen2")),
+            "-f",
+            "-",
+            "-n",
+            "3",
+            "--dtype",
+            "fp32",
+            "--ignore-eos",
+            "--json",
+        ],
+        input="t5 t9",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["stats"]["new_tokens"] == 3
 

@@ -1,4 +1,5 @@
 """`specdec bench relaxed`: HumanEval completions at relaxed-acceptance thresholds, scored by the tests."""
+
 import json
 
 import pytest
@@ -24,8 +25,28 @@ def test_humaneval_from_its_wheel():
 def test_bench_relaxed_end_to_end(smollm_dir, tmp_path):
     from test_cli import run
 
-    res = run("bench", "relaxed", "-m", str(smollm_dir), "-md", str(smollm_dir), "--dtype", "fp32", "--problems", "2",
-              "-n", "24", "--thresholds", "0.5", "--spec-adaptive", "off", "--draft-max", "4", "--out", str(tmp_path))
+    res = run(
+        "bench",
+        "relaxed",
+        "-m",
+        str(smollm_dir),
+        "-md",
+        str(smollm_dir),
+        "--dtype",
+        "fp32",
+        "--problems",
+        "2",
+        "-n",
+        "24",
+        "--thresholds",
+        "0.5",
+        "--spec-adaptive",
+        "off",
+        "--draft-max",
+        "4",
+        "--out",
+        str(tmp_path),
+    )
     assert res.returncode == 0, res.stderr
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert [(r["spec_type"], r["threshold"]) for r in rows] == [("none", 0.0), ("draft", 0.0), ("draft", 0.5)]

@@ -1,4 +1,5 @@
 """Other engines' words (transformers, vLLM, TGI, Ollama) map onto specdec's settings; the rest fails clearly."""
+
 import pytest
 
 from specdec import compat
@@ -11,57 +12,83 @@ from specdec.sequence import Sequence
 
 def test_transformers_words():
     assert compat.from_transformers({"prompt_lookup_num_tokens": 10}) == {
-        "spec_type": "ngram-simple", "draft_max": 10, "ngram_m": 10, "ngram_n": 2, "ngram_min": 1}
+        "spec_type": "ngram-simple",
+        "draft_max": 10,
+        "ngram_m": 10,
+        "ngram_n": 2,
+        "ngram_min": 1,
+    }
     assert compat.from_transformers({"prompt_lookup_num_tokens": 5, "max_matching_ngram_size": 4})["ngram_n"] == 4
-    assert compat.from_transformers({"assistant_model": "qwen2.5-coder-0.5b", "num_assistant_tokens": 7,
-                                     "num_assistant_tokens_schedule": "constant",
-                                     "assistant_confidence_threshold": 0.4}) == {
-        "draft": "qwen2.5-coder-0.5b", "spec_type": "draft", "draft_max": 7, "adaptive": False, "draft_p_min": 0.4}
+    assert compat.from_transformers(
+        {
+            "assistant_model": "qwen2.5-coder-0.5b",
+            "num_assistant_tokens": 7,
+            "num_assistant_tokens_schedule": "constant",
+            "assistant_confidence_threshold": 0.4,
+        }
+    ) == {"draft": "qwen2.5-coder-0.5b", "spec_type": "draft", "draft_max": 7, "adaptive": False, "draft_p_min": 0.4}
     assert compat.from_transformers({"assistant_early_exit": 4}) == {"spec_type": "early-exit", "spec_exit_layer": 4}
     assert compat.from_transformers({"use_mtp": True}) == {"spec_type": "mtp"}
     assert compat.from_transformers({"num_assistant_tokens_schedule": "heuristic"}) == {"adaptive": True}
     assert compat.from_transformers({"use_mtp": False, "assistant_model": None}) == {}
 
 
-@pytest.mark.parametrize("kw,message", [
-    ({"num_beams": 2}, "unknown transformers argument 'num_beams' .*assistant_model"),
-    ({"num_assistant_tokens_schedule": "dynamic"}, "schedule 'dynamic' .*constant, heuristic"),
-    ({"assistant_model": "a", "prompt_lookup_num_tokens": 3}, "another argument already chose 'draft'"),
-    ({"max_matching_ngram_size": 2}, "needs prompt_lookup_num_tokens"),
-    ({"num_assistant_tokens": 0}, "positive integer"),
-    ({"assistant_confidence_threshold": 2}, r"in \[0, 1\]"),
-])
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        ({"num_beams": 2}, "unknown transformers argument 'num_beams' .*assistant_model"),
+        ({"num_assistant_tokens_schedule": "dynamic"}, "schedule 'dynamic' .*constant, heuristic"),
+        ({"assistant_model": "a", "prompt_lookup_num_tokens": 3}, "another argument already chose 'draft'"),
+        ({"max_matching_ngram_size": 2}, "needs prompt_lookup_num_tokens"),
+        ({"num_assistant_tokens": 0}, "positive integer"),
+        ({"assistant_confidence_threshold": 2}, r"in \[0, 1\]"),
+    ],
+)
 def test_transformers_errors(kw, message):
     with pytest.raises(SpecdecError, match=message):
         compat.from_transformers(kw)
 
 
 def test_vllm_config_and_flags():
-    assert compat.from_vllm('{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, '
-                            '"prompt_lookup_min": 2}') == {"spec_type": "ngram-simple", "draft_max": 5, "ngram_n": 4,
-                                                           "ngram_min": 2}
+    assert compat.from_vllm(
+        '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+    ) == {"spec_type": "ngram-simple", "draft_max": 5, "ngram_n": 4, "ngram_min": 2}
     assert compat.from_vllm({"model": "d.gguf", "num_speculative_tokens": 3}) == {
-        "spec_type": "draft", "draft": "d.gguf", "draft_max": 3}
-    assert compat.from_vllm({"method": "eagle3", "model": "heads/e3"}) == {"spec_type": "eagle3",
-                                                                           "eagle3_head": "heads/e3"}
-    assert compat.from_vllm({"method": "ngram-mod,draft", "model": "d"}) == {"spec_type": "ngram-mod,draft",
-                                                                             "draft": "d"}  # any spec type or chain
+        "spec_type": "draft",
+        "draft": "d.gguf",
+        "draft_max": 3,
+    }
+    assert compat.from_vllm({"method": "eagle3", "model": "heads/e3"}) == {
+        "spec_type": "eagle3",
+        "eagle3_head": "heads/e3",
+    }
+    assert compat.from_vllm({"method": "ngram-mod,draft", "model": "d"}) == {
+        "spec_type": "ngram-mod,draft",
+        "draft": "d",
+    }  # any spec type or chain
     for method, spec in (("suffix", "suffix"), ("mtp", "mtp"), ("dflash", "dflash"), ("medusa", "medusa")):
         assert compat.from_vllm({"method": method})["spec_type"] == spec
-    assert compat.from_vllm_flags("[ngram]", 4, 3) == {"spec_type": "ngram-simple", "draft_max": 4, "ngram_n": 3,
-                                                       "ngram_min": 3}
+    assert compat.from_vllm_flags("[ngram]", 4, 3) == {
+        "spec_type": "ngram-simple",
+        "draft_max": 4,
+        "ngram_n": 3,
+        "ngram_min": 3,
+    }
     assert compat.from_vllm_flags("d.gguf", 6) == {"spec_type": "draft", "draft": "d.gguf", "draft_max": 6}
     assert compat.from_vllm_flags() == {}
 
 
-@pytest.mark.parametrize("config,message", [
-    ("{bad", "not valid JSON"),
-    ('{"method": "lookahead"}', "unsupported speculative method 'lookahead' .*ngram, draft_model"),
-    ('{"method": "ngram", "draft_tensor_parallel_size": 1}', "unsupported --speculative-config key"),
-    ('{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}', "must not exceed"),
-    ('{"method": "suffix", "model": "x"}', "takes no model"),
-    ('[1]', "must be a JSON object"),
-])
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ("{bad", "not valid JSON"),
+        ('{"method": "lookahead"}', "unsupported speculative method 'lookahead' .*ngram, draft_model"),
+        ('{"method": "ngram", "draft_tensor_parallel_size": 1}', "unsupported --speculative-config key"),
+        ('{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}', "must not exceed"),
+        ('{"method": "suffix", "model": "x"}', "takes no model"),
+        ("[1]", "must be a JSON object"),
+    ],
+)
 def test_vllm_errors(config, message):
     with pytest.raises(SpecdecError, match=message):
         compat.from_vllm(config)
@@ -72,16 +99,26 @@ def test_vllm_errors(config, message):
 def test_tgi_and_modelfile(tmp_path):
     assert compat.from_tgi(4) == {"spec_type": "ngram-simple", "draft_max": 4}
     f = tmp_path / "Modelfile"
-    f.write_text("# a comment\nFROM qwen2.5-coder-1.5b\nPARAMETER num_ctx 2048\nPARAMETER num_gpu 0\n"
-                 "PARAMETER draft_model qwen2.5-coder-0.5b\nPARAMETER num_draft 8\n")
+    f.write_text(
+        "# a comment\nFROM qwen2.5-coder-1.5b\nPARAMETER num_ctx 2048\nPARAMETER num_gpu 0\n"
+        "PARAMETER draft_model qwen2.5-coder-0.5b\nPARAMETER num_draft 8\n"
+    )
     got = compat.read_modelfile(f)
-    assert got == {"model": "qwen2.5-coder-1.5b", "context": 2048, "n_gpu_layers": 0, "draft": "qwen2.5-coder-0.5b",
-                   "draft_max": 8, "spec_type": "draft"}
+    assert got == {
+        "model": "qwen2.5-coder-1.5b",
+        "context": 2048,
+        "n_gpu_layers": 0,
+        "draft": "qwen2.5-coder-0.5b",
+        "draft_max": 8,
+        "spec_type": "draft",
+    }
     assert Config.make(**got).draft_max == 8
-    for text, message in (("FROM m\nPARAMETER temperature 0.7\n", "unsupported PARAMETER 'temperature'.*num_ctx"),
-                          ("FROM m\nTEMPLATE x\n", "line 2: unsupported instruction 'TEMPLATE'"),
-                          ("PARAMETER num_ctx 4\n", "no FROM line"),
-                          ("FROM m\nPARAMETER num_ctx big\n", "expected an integer")):
+    for text, message in (
+        ("FROM m\nPARAMETER temperature 0.7\n", "unsupported PARAMETER 'temperature'.*num_ctx"),
+        ("FROM m\nTEMPLATE x\n", "line 2: unsupported instruction 'TEMPLATE'"),
+        ("PARAMETER num_ctx 4\n", "no FROM line"),
+        ("FROM m\nPARAMETER num_ctx big\n", "expected an integer"),
+    ):
         f.write_text(text)
         with pytest.raises(SpecdecError, match=message):
             compat.read_modelfile(f)
@@ -127,11 +164,18 @@ def test_cli_errors_are_one_line(tiny_dir):
 def test_llm_takes_transformers_words(tiny_dir):
     import specdec
 
-    llm = specdec.LLM(str(tiny_dir("llama")), dtype="fp32", context=64, progress=False, prompt_lookup_num_tokens=4,
-                      max_matching_ngram_size=3)
+    llm = specdec.LLM(
+        str(tiny_dir("llama")),
+        dtype="fp32",
+        context=64,
+        progress=False,
+        prompt_lookup_num_tokens=4,
+        max_matching_ngram_size=3,
+    )
     assert (llm.spec_type, llm.config.draft_max, llm.config.drafter["ngram_n"]) == ("ngram-simple", 4, 3)
-    llm = specdec.LLM(str(tiny_dir("llama")), dtype="fp32", context=64, progress=False, assistant_early_exit=1,
-                      adaptive=False)  # fixed draft lengths: an adaptive one may draft nothing
+    llm = specdec.LLM(
+        str(tiny_dir("llama")), dtype="fp32", context=64, progress=False, assistant_early_exit=1, adaptive=False
+    )  # fixed draft lengths: an adaptive one may draft nothing
     base = llm.generate("t5 t9 t12 t5 t9", max_tokens=12, spec_type="none")
     r = llm.generate("t5 t9 t12 t5 t9", max_tokens=12)
     assert llm.spec_type == "early-exit" and r.token_ids == base.token_ids
@@ -141,8 +185,9 @@ def test_llm_takes_transformers_words(tiny_dir):
 def test_generate_takes_transformers_words_per_call(tiny_dir):
     import specdec
 
-    llm = specdec.LLM(str(tiny_dir("llama")), dtype="fp32", context=64, progress=False, ngram_n=2, ngram_min=1,
-                      adaptive=False)  # fixed draft lengths: an adaptive one may draft nothing
+    llm = specdec.LLM(
+        str(tiny_dir("llama")), dtype="fp32", context=64, progress=False, ngram_n=2, ngram_min=1, adaptive=False
+    )  # fixed draft lengths: an adaptive one may draft nothing
     llm.engine.stop_ids = set()
     drafted = accepted = 0
     for prompt in ("t5 t9 t12 t5 t9 t12 t5 t9", "t1 t1 t1 t1 t1 t1"):  # the tiny model repeats t1: drafts accepted

@@ -4,6 +4,7 @@ The target's tiny models use the word tokenizer (t0..t95, words joined by spaces
 with characters and a few merges ("t", digits, " ", and t0..t9 as tokens: twins of the target's t0..t9), so a
 target token is one to three draft tokens and the spaces between words are draft tokens of their own.
 """
+
 from __future__ import annotations
 
 import json
@@ -11,17 +12,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_tiny, word_tokenizer
+from test_lossless_sampling import BATCH, MarkovRunner, rejected, run_engine
+from test_lossless_sampling import _engine as markov_engine
 
 import specdec
-from conftest import make_tiny, word_tokenizer
 from specdec.drafters.cross_tokenizer import CrossTokenizerDrafter, clean_tail, encode_after, span_text, text, window
 from specdec.engine.engine import SpecConfig
 from specdec.errors import SpecdecError
 from specdec.models.tokenizer import Tokenizer
 from specdec.sampling import SamplingParams
 from specdec.sequence import Sequence
-from test_lossless_sampling import BATCH, MarkovRunner, rejected, run_engine
-from test_lossless_sampling import _engine as markov_engine
 
 PROMPT_TEXT = "t3 t17 t42 t5 t88 t13 t9 t61"
 
@@ -49,8 +50,9 @@ def byte_tokenizer(directory: Path) -> Tokenizer:
     fast = Fast(models.BPE())
     fast.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     fast.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     fast.train_from_iterator(["hello world, hello there", "hello hello help"] * 20, trainer)
     fast.save(str(directory / "tokenizer.json"))
     return Tokenizer(directory)
@@ -67,8 +69,9 @@ def pair(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def _llm(target: Path, draft: Path) -> specdec.LLM:
-    llm = specdec.LLM(str(target), draft=str(draft), spec_type="draft", dtype="fp32", adaptive=False,
-                      draft_max=4, progress=False)
+    llm = specdec.LLM(
+        str(target), draft=str(draft), spec_type="draft", dtype="fp32", adaptive=False, draft_max=4, progress=False
+    )
     llm.engine.stop_ids = set()
     return llm
 
@@ -104,13 +107,24 @@ def test_draft_vocab_is_refused_across_tokenizers(pair):
 def test_batched_steps_chains_and_a_full_context(pair):
     """Three sequences stepped together, chains with model-free drafters, and a draft context that fills up (the
     draft spends ~3 tokens per target word): all equal plain decoding."""
-    llm = specdec.LLM(str(pair[0]), draft=str(pair[1]), spec_type="draft", dtype="fp32", adaptive=False, draft_max=4,
-                      parallel=3, context=64, progress=False)
+    llm = specdec.LLM(
+        str(pair[0]),
+        draft=str(pair[1]),
+        spec_type="draft",
+        dtype="fp32",
+        adaptive=False,
+        draft_max=4,
+        parallel=3,
+        context=64,
+        progress=False,
+    )
     llm.engine.stop_ids = set()
     prompts = [PROMPT_TEXT, "t7 t7 t1 t2", "t50 t51 t52 t53 t50 t51 t52"]
     plain = [llm.generate(p, max_tokens=200, spec_type="none").token_ids for p in prompts]
-    seqs = [llm.engine.new_sequence(llm.encode(p), SamplingParams(max_tokens=200), slot=i, drafter=llm.drafter)
-            for i, p in enumerate(prompts)]
+    seqs = [
+        llm.engine.new_sequence(llm.encode(p), SamplingParams(max_tokens=200), slot=i, drafter=llm.drafter)
+        for i, p in enumerate(prompts)
+    ]
     for s in seqs:
         llm.engine.prefill(s)
     while live := [s for s in seqs if s.finish_reason is None]:
@@ -141,7 +155,7 @@ class OracleRunner:
     def _logits(self, ids: list[int]) -> torch.Tensor:
         """[V_draft]: a peak on the predicted token."""
         seen = self.tok.fast.decode(ids, skip_special_tokens=False)
-        rest = self.reference[len(seen):] if self.reference.startswith(seen) else ""
+        rest = self.reference[len(seen) :] if self.reference.startswith(seen) else ""
         nxt = self.tok.encode(rest, add_special_tokens=False)[:1] or [0]
         tok = self.tok.token_id("9") if len(ids) % self.wrong_every == 0 else nxt[0]
         return torch.zeros(self.vocab_size).index_fill_(0, torch.tensor([tok]), 10.0)
@@ -158,6 +172,7 @@ class OracleRunner:
 class Checked(CrossTokenizerDrafter):
     """Checks at every catch-up that the draft's cache now holds tokens spelling exactly the committed text, up to
     a character split across the last target tokens."""
+
     checked = 0
 
     def _synced(self, st, ids, end, logits):
@@ -193,6 +208,7 @@ class DraftMarkov(MarkovRunner):
 class Recording(CrossTokenizerDrafter):
     """Counts drafted tokens by how they are verified: with the draft's exact q, one-hot after exact ones (through
     text), or in a draft with no q at all."""
+
     exact = one_hot_after = deterministic = accepted = 0
 
     def _draft(self, st):
@@ -222,17 +238,18 @@ def _markov_drafter(tokenizers: tuple[Tokenizer, Tokenizer]) -> Recording:
     target_tok, draft_tok = tokenizers
     n, twins, t, space, digits = draft_tok.vocab_size, slice(1, 6), 6, 7, slice(8, 14)  # t0 (EOS) left out
     table = torch.randn(n, n, n, generator=torch.Generator().manual_seed(3))  # [prev, cur, next] logits
-    table[:, :6, space] += 2.0      # after a word or a digit: a space (no twin: through text), or a twin
+    table[:, :6, space] += 2.0  # after a word or a digit: a space (no twin: through text), or a twin
     table[:, digits, space] += 2.0
     table[:, :6, twins] += 1.0
-    table[:, space, t] += 2.0       # then 't' and a digit: a word spelled in characters
+    table[:, space, t] += 2.0  # then 't' and a digit: a word spelled in characters
     table[:, t, digits] += 2.0
     drafter = Recording(DraftMarkov(table, BATCH, context=128), target_tok, draft_tok, 6)
     return drafter
 
 
-@pytest.mark.parametrize("params,adaptive", [(SamplingParams(temperature=1.0), False),
-                                             (SamplingParams(temperature=1.0, top_p=0.9), True)])
+@pytest.mark.parametrize(
+    "params,adaptive", [(SamplingParams(temperature=1.0), False), (SamplingParams(temperature=1.0, top_p=0.9), True)]
+)
 def test_sampling_matches_plain(markov_tokenizers, params, adaptive):
     """Rejection sampling with exact q on twins and one-hot through text: the first six output tokens are distributed
     as plain sampling (each position, consecutive pairs and triples: `rejected`; 4,000 runs). Fixed drafts of 6
@@ -259,6 +276,7 @@ def test_seeded_equals_plain(markov_tokenizers):
 
 class NullRunner:
     """A draft runner with no model: flat logits, any context."""
+
     context = 1 << 20
 
     def __init__(self, vocab: int):
@@ -287,7 +305,7 @@ def test_catch_up_keeps_the_draft_on_the_target_text(smollm_dir):
         seq.tokens = ids[:n]
         drafter.propose(seq, 4)
     slot = drafter.slots[0]
-    assert slot.synced == len(ids) and slot.cached[:slot.committed] == draft_tok.encode(full, add_special_tokens=False)
+    assert slot.synced == len(ids) and slot.cached[: slot.committed] == draft_tok.encode(full, add_special_tokens=False)
     assert drafter.checked == len(ids) // 2
 
 
@@ -297,8 +315,17 @@ def test_smollm2_drafts_for_qwen_coder_1_5b(smollm_dir):
     decoding and drafts are accepted."""
     from specdec.models.packs import pull
 
-    llm = specdec.LLM(str(pull("qwen2.5-coder-1.5b", progress=False)), draft=str(smollm_dir), spec_type="draft",
-                      dtype="fp32", quant="none", draft_quant="none", adaptive=False, draft_max=4, progress=False)
+    llm = specdec.LLM(
+        str(pull("qwen2.5-coder-1.5b", progress=False)),
+        draft=str(smollm_dir),
+        spec_type="draft",
+        dtype="fp32",
+        quant="none",
+        draft_quant="none",
+        adaptive=False,
+        draft_max=4,
+        progress=False,
+    )
     assert isinstance(llm.drafter, CrossTokenizerDrafter)
     accepted = 0
     for prompt in ("def fibonacci(n):\n", "The capital of France is"):

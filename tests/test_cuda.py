@@ -1,21 +1,22 @@
 """On a CUDA device (skipped without one): `-ngl`/`-ngld` place layers on the GPU, and decoding stays lossless
 there for every spec type, head and block drafter; the head trainers run with `device="cuda"`.
 Where a GPU is lent: `python -m pytest tests/test_cuda.py` (scripts/gpu_check.sh)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
-import specdec
 from conftest import untrained_spec_types
-from specdec.models.loader import load_checkpoint
-from specdec.runtime.placement import place_layers
-from specdec.runtime.runner import ModelRunner
-from specdec.stats import first_divergence
 from test_bf16 import NEAR_TIE
 from test_greedy_equality import PROMPTS_TINY, _assert_drafted_and_accepted, _count
 from test_quant_target import tiny_gguf  # noqa: F401 (fixture)
 from test_train_data import _build, chat_dir, rules  # noqa: F401 (fixtures)
+
+import specdec
+from specdec.models.loader import load_checkpoint
+from specdec.runtime.placement import place_layers
+from specdec.runtime.runner import ModelRunner
+from specdec.stats import first_divergence
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 ALL = 999
@@ -47,8 +48,18 @@ def test_placed_model_matches_the_cpu(tiny_dir, n):
 
 
 def _llm(target, draft, ngl: int, ngld: int, **kw) -> specdec.LLM:
-    llm = specdec.LLM(str(target), draft=str(draft), spec_type="none", context=64, progress=False, adaptive=False,
-                      draft_max=4, n_gpu_layers=ngl, n_gpu_layers_draft=ngld, **({"dtype": "fp32"} | kw))
+    llm = specdec.LLM(
+        str(target),
+        draft=str(draft),
+        spec_type="none",
+        context=64,
+        progress=False,
+        adaptive=False,
+        draft_max=4,
+        n_gpu_layers=ngl,
+        n_gpu_layers_draft=ngld,
+        **({"dtype": "fp32"} | kw),
+    )
     llm.engine.stop_ids = set()
     return llm
 
@@ -85,33 +96,37 @@ def test_bf16_on_the_gpu_diverges_only_at_near_ties(tiny_dir):
     for prompt in PROMPTS_TINY:
         base = llm.generate(prompt, max_tokens=32, spec_type="none")
         for spec in ("draft", "suffix-tree,draft", "ngram-simple"):
-            div = first_divergence(base.token_ids, base.top2_gaps,
-                                   llm.generate(prompt, max_tokens=32, spec_type=spec).token_ids)
+            div = first_divergence(
+                base.token_ids, base.top2_gaps, llm.generate(prompt, max_tokens=32, spec_type=spec).token_ids
+            )
             assert div is None or div["top2_gap"] < NEAR_TIE, (prompt, spec, div)
 
 
 def _heads(target, tmp_path) -> dict[str, dict]:
     """Random heads and block drafters for `target`, saved in their layouts: spec type -> LLM keywords."""
-    from specdec.models.config import ModelConfig
-    from specdec.models.eagle3 import save_head as save_eagle3
-    from specdec.models.medusa import save_heads
-    from specdec.models.mtp import MtpConfig
-    from specdec.models.mtp import save_head as save_mtp
     from test_dflash import drafter_dir
     from test_eagle3 import random_head as eagle3_head
     from test_medusa import random_heads
     from test_mtp import random_head as mtp_head
 
+    from specdec.models.config import ModelConfig
+    from specdec.models.eagle3 import save_head as save_eagle3
+    from specdec.models.medusa import save_heads
+    from specdec.models.mtp import MtpConfig
+    from specdec.models.mtp import save_head as save_mtp
+
     save_eagle3(eagle3_head(target), tmp_path / "eagle3", {"kind": "eagle3", "target": "t"})
     save_heads(random_heads(target), tmp_path / "medusa", {"kind": "medusa", "target": "t"})
     cfg = MtpConfig.for_target(ModelConfig.from_file(target / "config.json"))
     save_mtp(mtp_head(cfg, scale=0.05), tmp_path / "mtp", str(target), {"kind": "mtp", "target": "t"})
-    return {"eagle3": {"eagle3_head": str(tmp_path / "eagle3")},
-            "eagle3-tree": {"eagle3_head": str(tmp_path / "eagle3"), "eagle3_topk": 3},
-            "medusa": {"medusa_head": str(tmp_path / "medusa")},
-            "mtp": {"mtp_head": str(tmp_path / "mtp")},
-            "dflash": {"dflash_head": str(drafter_dir(tmp_path, target, False))},
-            "dspark": {"dspark_head": str(drafter_dir(tmp_path, target, True)), "dspark_threshold": 0.5}}
+    return {
+        "eagle3": {"eagle3_head": str(tmp_path / "eagle3")},
+        "eagle3-tree": {"eagle3_head": str(tmp_path / "eagle3"), "eagle3_topk": 3},
+        "medusa": {"medusa_head": str(tmp_path / "medusa")},
+        "mtp": {"mtp_head": str(tmp_path / "mtp")},
+        "dflash": {"dflash_head": str(drafter_dir(tmp_path, target, False))},
+        "dspark": {"dspark_head": str(drafter_dir(tmp_path, target, True)), "dspark_threshold": 0.5},
+    }
 
 
 @pytest.mark.parametrize("ngl", [ALL, 2])
@@ -119,8 +134,17 @@ def test_heads_and_block_drafters_are_lossless_on_the_gpu(tiny_dir, tmp_path, ng
     target = tiny_dir("qwen3", seed=2, layers=4)
     for name, kw in _heads(target, tmp_path).items():
         kind = name.removesuffix("-tree")
-        llm = specdec.LLM(str(target), spec_type=kind, dtype="fp32", adaptive=False, progress=False, context=96,
-                          draft_max=4, n_gpu_layers=ngl, **kw)
+        llm = specdec.LLM(
+            str(target),
+            spec_type=kind,
+            dtype="fp32",
+            adaptive=False,
+            progress=False,
+            context=96,
+            draft_max=4,
+            n_gpu_layers=ngl,
+            **kw,
+        )
         llm.engine.stop_ids = set()
         for prompt in PROMPTS_TINY[:3]:
             r = llm.generate(prompt, max_tokens=24)
@@ -132,11 +156,13 @@ def _trainers() -> dict:
     from specdec.train import dflash, eagle3, medusa, mtp
 
     small = dict(epochs=3, lr=1e-2, max_len=32, batch_tokens=64, val_share=0.25, progress=False, device="cuda")
-    return {"eagle3": (eagle3.Eagle3Trainer, eagle3.TrainConfig(draft_vocab=64, ttt=3, **small)),
-            "medusa": (medusa.MedusaTrainer, medusa.TrainConfig(num_heads=2, draft_vocab=64, **small)),
-            "mtp": (mtp.MtpTrainer, mtp.TrainConfig(**small)),
-            "dflash": (dflash.DFlashTrainer, dflash.TrainConfig(anchors=8, block_size=4, **small)),
-            "dspark": (dflash.DSparkTrainer, dflash.TrainConfig(anchors=8, block_size=4, markov_rank=8, **small))}
+    return {
+        "eagle3": (eagle3.Eagle3Trainer, eagle3.TrainConfig(draft_vocab=64, ttt=3, **small)),
+        "medusa": (medusa.MedusaTrainer, medusa.TrainConfig(num_heads=2, draft_vocab=64, **small)),
+        "mtp": (mtp.MtpTrainer, mtp.TrainConfig(**small)),
+        "dflash": (dflash.DFlashTrainer, dflash.TrainConfig(anchors=8, block_size=4, **small)),
+        "dspark": (dflash.DSparkTrainer, dflash.TrainConfig(anchors=8, block_size=4, markov_rank=8, **small)),
+    }
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "medusa", "mtp", "dflash", "dspark"])
@@ -148,8 +174,9 @@ def test_trainers_learn_on_the_gpu(chat_dir, rules, tmp_path, kind, autocast):
 
     cache = _build(chat_dir, rules, tmp_path / "cache", n=12, max_new_tokens=24)
     trainer_type, cfg = _trainers()[kind]
-    trainer = trainer_type(str(chat_dir), cache, tmp_path / kind, dataclasses.replace(cfg, autocast=autocast),
-                           command="test")
+    trainer = trainer_type(
+        str(chat_dir), cache, tmp_path / kind, dataclasses.replace(cfg, autocast=autocast), command="test"
+    )
     assert next(trainer.head.parameters()).device.type == "cuda"
 
     def train_loss() -> float:
@@ -159,8 +186,17 @@ def test_trainers_learn_on_the_gpu(chat_dir, rules, tmp_path, kind, autocast):
     before = train_loss()
     m = trainer.run()
     assert train_loss() < 0.8 * before and m["finished"] and m["training"]["device"] == "cuda"
-    llm = specdec.LLM(str(chat_dir), spec_type=kind, dtype="fp32", adaptive=False, progress=False, context=96,
-                      draft_max=3, n_gpu_layers=ALL, **{f"{kind}_head": str(tmp_path / kind)})
+    llm = specdec.LLM(
+        str(chat_dir),
+        spec_type=kind,
+        dtype="fp32",
+        adaptive=False,
+        progress=False,
+        context=96,
+        draft_max=3,
+        n_gpu_layers=ALL,
+        **{f"{kind}_head": str(tmp_path / kind)},
+    )
     llm.engine.stop_ids = set()
     r = llm.generate(PROMPTS_TINY[0], max_tokens=16)
     assert r.token_ids == llm.generate(PROMPTS_TINY[0], max_tokens=16, spec_type="none").token_ids
@@ -171,13 +207,14 @@ def test_trainers_learn_on_the_gpu(chat_dir, rules, tmp_path, kind, autocast):
 def test_gguf_target_on_the_gpu(tiny_gguf, ngl):
     """A GGUF target's GPU layers run dense (dequantized once), its CPU layers keep the file's blocks; speculation
     stays lossless across the split."""
+    from test_quant_target import PROMPT
     from torch import nn
 
     from specdec.runtime.gguf_linear import GGUFConcatLinear
-    from test_quant_target import PROMPT
 
-    llm = specdec.LLM(str(tiny_gguf), quant="gguf", dtype="fp32", draft_max=4, adaptive=False, progress=False,
-                      n_gpu_layers=ngl)
+    llm = specdec.LLM(
+        str(tiny_gguf), quant="gguf", dtype="fp32", draft_max=4, adaptive=False, progress=False, n_gpu_layers=ngl
+    )
     layers = llm.runner.model.model.layers
     assert isinstance(layers[0].self_attn.qkv_proj, nn.Linear) and layers[0].self_attn.qkv_proj.weight.is_cuda
     assert isinstance(layers[1].self_attn.qkv_proj, nn.Linear if ngl == ALL else GGUFConcatLinear)

@@ -11,6 +11,7 @@ Lossless: greedy equality in fp32 against plain decoding (tiny targets and SmolL
 head truncating blocks; the statistical sampling test through the engine; the draft KV cache of injected context
 equals a fresh injection of every committed token's features at every propose.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,23 +19,35 @@ import importlib.util
 
 import pytest
 import torch
+from conftest import make_tiny
+from test_eagle3 import engine_fit
+from test_eagle3_conformance import needs_speculators
+from test_train_data import chat_dir, rules  # noqa: F401 (fixtures)
 
 import specdec
-from conftest import make_tiny
 from specdec.drafters.dflash import DFlashDrafter
 from specdec.models.config import ModelConfig
 from specdec.models.dflash import BlockConfig, BlockDraft, load_block_drafter, save_speculators, save_zlab
 from specdec.models.transformer import Batch
 from specdec.runtime.kv_cache import KVCache
-from test_eagle3 import engine_fit
-from test_eagle3_conformance import needs_speculators
-from test_train_data import chat_dir, rules  # noqa: F401 (fixtures)
 
-needs_dflash = pytest.mark.skipif(importlib.util.find_spec("dflash") is None,
-                                  reason="dflash==0.1.0 not installed (test-only: scripts/test.sh)")
-QWEN3 = {"model_type": "qwen3", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
-         "max_position_embeddings": 256, "rope_theta": 20000.0, "tie_word_embeddings": False}
+needs_dflash = pytest.mark.skipif(
+    importlib.util.find_spec("dflash") is None, reason="dflash==0.1.0 not installed (test-only: scripts/test.sh)"
+)
+QWEN3 = {
+    "model_type": "qwen3",
+    "vocab_size": 96,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 256,
+    "rope_theta": 20000.0,
+    "tie_word_embeddings": False,
+}
 FEATURES, BLOCK, MASK, N = (1, 2, 3), 4, 5, 12  # feature layers, block size, mask token, context rows
 RUNS = 6000  # sampled runs through the engine (the EAGLE-3 test runs 8,000)
 
@@ -51,8 +64,9 @@ def random_net(c: BlockConfig, seed: int = 0, scale: float = 0.3) -> BlockDraft:
 
 def config(dspark: bool = False, **kw) -> BlockConfig:
     layer = ModelConfig.from_hf_dict(QWEN3)
-    return BlockConfig(layer, FEATURES, BLOCK, MASK, sample_from_anchor=dspark, markov_rank=8 if dspark else 0,
-                       confidence=dspark, **kw)
+    return BlockConfig(
+        layer, FEATURES, BLOCK, MASK, sample_from_anchor=dspark, markov_rank=8 if dspark else 0, confidence=dspark, **kw
+    )
 
 
 def our_block(net: BlockDraft, feats: torch.Tensor, block: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
@@ -78,13 +92,17 @@ def _inputs(seed: int = 1, n: int = N) -> tuple[torch.Tensor, torch.Tensor]:
 
 # --- z-lab dflash 0.1.0 ---
 
+
 def zlab_model(c: BlockConfig):
     from dflash.model import DFlashDraftModel
     from transformers import Qwen3Config
 
-    cfg = Qwen3Config(**{k: v for k, v in QWEN3.items() if k != "model_type"}, num_target_layers=6,
-                      block_size=c.block_size, dflash_config={"target_layer_ids": [i - 1 for i in c.feature_layers],
-                                                              "mask_token_id": c.mask_token_id})
+    cfg = Qwen3Config(
+        **{k: v for k, v in QWEN3.items() if k != "model_type"},
+        num_target_layers=6,
+        block_size=c.block_size,
+        dflash_config={"target_layer_ids": [i - 1 for i in c.feature_layers], "mask_token_id": c.mask_token_id},
+    )
     cfg._attn_implementation = "sdpa"
     return DFlashDraftModel(cfg).eval()
 
@@ -92,8 +110,11 @@ def zlab_model(c: BlockConfig):
 def zlab_block(model, feats: torch.Tensor, block: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
     n, B = feats.shape[0], block.shape[0]
     with torch.no_grad():
-        return model(position_ids=torch.arange(n + B)[None], noise_embedding=embed[block][None],
-                     target_hidden=feats.flatten(1)[None])[0]
+        return model(
+            position_ids=torch.arange(n + B)[None],
+            noise_embedding=embed[block][None],
+            target_hidden=feats.flatten(1)[None],
+        )[0]
 
 
 @needs_dflash
@@ -114,14 +135,17 @@ def test_zlab_dflash_gives_the_same_block(tmp_path):
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ours[1:] @ lm_head.T, theirs[1:] @ lm_head.T, rtol=1e-4, atol=1e-4)
     from dflash.model import DFlashDraftModel
+
     mine = random_net(config(), seed=4)
     save_zlab(mine, tmp_path / "ours", num_target_layers=6)
     back = DFlashDraftModel.from_pretrained(str(tmp_path / "ours")).eval()
-    torch.testing.assert_close(our_block(mine, feats, block, embed), zlab_block(back, feats, block, embed),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        our_block(mine, feats, block, embed), zlab_block(back, feats, block, embed), rtol=1e-5, atol=1e-5
+    )
 
 
 # --- speculators 0.9.0 dflash / dspark ---
+
 
 def speculators_model(c: BlockConfig):
     from speculators import SpeculatorsConfig, VerifierConfig
@@ -131,14 +155,23 @@ def speculators_model(c: BlockConfig):
     from transformers import Qwen3Config
 
     proposal = GreedyTokenProposalConfig(speculative_tokens=c.drafts)
-    spec = SpeculatorsConfig(algorithm=c.kind, proposal_methods=[proposal],
-                             default_proposal_method="greedy",
-                             verifier=VerifierConfig(name_or_path=None, architectures=["Qwen3ForCausalLM"]))
+    spec = SpeculatorsConfig(
+        algorithm=c.kind,
+        proposal_methods=[proposal],
+        default_proposal_method="greedy",
+        verifier=VerifierConfig(name_or_path=None, architectures=["Qwen3ForCausalLM"]),
+    )
     layer = Qwen3Config(**{k: v for k, v in QWEN3.items() if k != "model_type"})
     layer._attn_implementation = "eager"
-    common = dict(transformer_layer_config=layer, draft_vocab_size=96, block_size=c.block_size,
-                  aux_hidden_state_layer_ids=list(c.feature_layers), mask_token_id=c.mask_token_id,
-                  sample_from_anchor=c.sample_from_anchor, speculators_config=spec)
+    common = dict(
+        transformer_layer_config=layer,
+        draft_vocab_size=96,
+        block_size=c.block_size,
+        aux_hidden_state_layer_ids=list(c.feature_layers),
+        mask_token_id=c.mask_token_id,
+        sample_from_anchor=c.sample_from_anchor,
+        speculators_config=spec,
+    )
     if c.kind == "dspark":
         model = DSparkDraftModel(DSparkSpeculatorConfig(**common, markov_rank=c.markov_rank))
     else:
@@ -158,13 +191,18 @@ def speculators_block(model, feats: torch.Tensor, ids: torch.Tensor, p: int):
     loss_mask = torch.zeros(1, T, dtype=torch.long)
     loss_mask[0, p] = 1
     with torch.no_grad():
-        hidden, logits, *_ = model._backbone_forward(feats.flatten(1)[None], ids[None], loss_mask,
-                                                     torch.randn(1, T, 64), torch.zeros(1, T, dtype=torch.long),
-                                                     max_anchors=1)
+        hidden, logits, *_ = model._backbone_forward(
+            feats.flatten(1)[None],
+            ids[None],
+            loss_mask,
+            torch.randn(1, T, 64),
+            torch.zeros(1, T, dtype=torch.long),
+            max_anchors=1,
+        )
         hidden, logits = hidden[0], logits[0]
         if getattr(model, "markov_head", None) is None:
             return hidden, logits, None, None
-        prev = ids[p:p + hidden.shape[0]][None]
+        prev = ids[p : p + hidden.shape[0]][None]
         emb = model.markov_head.prev_embeddings(prev)
         biased = logits + model.markov_head.block_bias(prev_token_ids=prev, hidden_states=hidden[None], prev_emb=emb)[0]
         return hidden, logits, biased, model.confidence_head(torch.cat([hidden[None], emb], dim=-1))[0]
@@ -189,7 +227,7 @@ def test_speculators_gives_the_same_block(tmp_path, dspark):
     torch.testing.assert_close(ours, hidden, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ours @ lm_head.T, logits, rtol=1e-4, atol=1e-4)
     if dspark:
-        prev = ids[p:p + BLOCK]
+        prev = ids[p : p + BLOCK]
         with torch.no_grad():
             torch.testing.assert_close(ours @ lm_head.T + net.markov_bias(prev), biased, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(net.confidence(ours, prev), conf, rtol=1e-4, atol=1e-4)
@@ -197,8 +235,12 @@ def test_speculators_gives_the_same_block(tmp_path, dspark):
     back = speculators_model(c)
     state = load_file_state(tmp_path / "ours")
     missing, unexpected = back.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
-                                               "verifier_norm.weight"}
+    assert not unexpected and set(missing) <= {
+        "embed_tokens.weight",
+        "lm_head.weight",
+        "verifier_lm_head.weight",
+        "verifier_norm.weight",
+    }
     for name, t in model.state_dict().items():
         if name not in missing:
             torch.testing.assert_close(back.state_dict()[name], t, rtol=0, atol=0, msg=name)
@@ -206,6 +248,7 @@ def test_speculators_gives_the_same_block(tmp_path, dspark):
 
 def load_file_state(directory) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
+
     return load_file(str(directory / "model.safetensors"))
 
 
@@ -223,19 +266,27 @@ def test_packed_training_forward_equals_the_cached_one():
     mask = torch.cat([torch.arange(20)[None] < a[:, None], own[:, None] == own[None]], dim=1)[None, None]
     positions = (anchors[:, None] + torch.arange(BLOCK)).reshape(1, -1)
     with torch.no_grad():
-        h = net.packed(net.context(feats)[None], torch.arange(20)[None], embed[blocks.reshape(1, -1)], positions,
-                       mask)[0].reshape(2, BLOCK, -1)
+        h = net.packed(net.context(feats)[None], torch.arange(20)[None], embed[blocks.reshape(1, -1)], positions, mask)[
+            0
+        ].reshape(2, BLOCK, -1)
     for j, p in enumerate(anchors.tolist()):
         torch.testing.assert_close(h[j], our_block(net, feats[:p], blocks[j], embed), rtol=1e-5, atol=1e-5)
 
 
 # --- drafting through the engine ---
 
+
 def drafter_dir(tmp_path, target, dspark: bool, seed: int = 1, scale: float = 0.3, **kw):
     """A random drafter for `target` in the layout its kind ships in, with a manifest."""
     t = ModelConfig.from_file(target / "config.json")
-    c = BlockConfig.for_target(t, num_layers=kw.pop("layers", 2), block_size=kw.pop("block", BLOCK),
-                               mask_token_id=MASK, dspark=dspark, markov_rank=kw.pop("rank", 8))
+    c = BlockConfig.for_target(
+        t,
+        num_layers=kw.pop("layers", 2),
+        block_size=kw.pop("block", BLOCK),
+        mask_token_id=MASK,
+        dspark=dspark,
+        markov_rank=kw.pop("rank", 8),
+    )
     net = random_net(c, seed, scale)
     kind, out = c.kind, tmp_path / c.kind
     manifest = {"kind": kind, "target": target.name}
@@ -247,8 +298,9 @@ def drafter_dir(tmp_path, target, dspark: bool, seed: int = 1, scale: float = 0.
 
 
 def llm_for(target, kind: str, head, **kw) -> specdec.LLM:
-    llm = specdec.LLM(str(target), spec_type=kind, dtype="fp32", adaptive=False, progress=False,
-                      **{f"{kind}_head": str(head)}, **kw)
+    llm = specdec.LLM(
+        str(target), spec_type=kind, dtype="fp32", adaptive=False, progress=False, **{f"{kind}_head": str(head)}, **kw
+    )
     llm.engine.stop_ids = set()
     return llm
 
@@ -261,8 +313,14 @@ def test_greedy_equals_plain(tiny_dir, tmp_path, kind, threshold):
     """Any block drafter is lossless greedy in fp32; the confidence head's truncation (threshold > 0) too."""
     target = tiny_dir("qwen3", seed=2, layers=4)
     head = drafter_dir(tmp_path, target, kind == "dspark")
-    llm = llm_for(target, kind, head, context=128, draft_max=BLOCK,
-                  **({"dspark_threshold": threshold} if kind == "dspark" else {}))
+    llm = llm_for(
+        target,
+        kind,
+        head,
+        context=128,
+        draft_max=BLOCK,
+        **({"dspark_threshold": threshold} if kind == "dspark" else {}),
+    )
     for prompt in PROMPTS:
         plain = llm.generate(prompt, max_tokens=24, spec_type="none")
         r = llm.generate(prompt, max_tokens=24)
@@ -278,8 +336,9 @@ def test_confidence_head_ends_the_block(tiny_dir, tmp_path):
     from specdec.sampling import SamplingParams
 
     target = tiny_dir("qwen3", seed=2, layers=4)
-    llm = llm_for(target, "dspark", drafter_dir(tmp_path, target, True), context=64, draft_max=BLOCK,
-                  dspark_threshold=0.5)
+    llm = llm_for(
+        target, "dspark", drafter_dir(tmp_path, target, True), context=64, draft_max=BLOCK, dspark_threshold=0.5
+    )
     drafter, H = llm.drafter, 64
     with torch.no_grad():  # confidence = sigmoid(h[0]): slot 2 unlikely
         drafter.net.confidence_head.proj.weight.zero_()
@@ -312,7 +371,7 @@ class Checked(DFlashDrafter):
         feats = torch.cat(self.log)  # [P, F, H]
         assert len(feats) == len(seq.tokens) - 1
         block = torch.tensor([seq.tokens[-1]] + [MASK] * (BLOCK - 1))
-        fresh = our_block(self.net, feats, block, self.embed.weight)[self.net.config.first_slot:]
+        fresh = our_block(self.net, feats, block, self.embed.weight)[self.net.config.first_slot :]
         torch.testing.assert_close(h, fresh, rtol=1e-5, atol=1e-5)
         self.checked += 1
         return logits, h
@@ -342,6 +401,7 @@ def test_sampling_through_the_engine_matches_plain(tmp_path):
 def test_planner_and_discovery(tiny_dir, tmp_path, monkeypatch):
     """`auto` finds the drafter trained for the target (manifest kind), and the planner counts its weights and KV."""
     from specdec.drafters.dflash import shape
+
     target = tiny_dir("qwen3", seed=2, layers=4)
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     head = drafter_dir(tmp_path / "heads", target, True)
@@ -349,7 +409,8 @@ def test_planner_and_discovery(tiny_dir, tmp_path, monkeypatch):
     assert r.stats.drafted > 0
     s = shape(head)
     assert (s.kv_layers, s.kv_heads, s.head_dim) == (2, 2, 24) and s.params == sum(
-        p.numel() for p in load_block_drafter(head).parameters())
+        p.numel() for p in load_block_drafter(head).parameters()
+    )
 
 
 @pytest.mark.real
@@ -396,14 +457,16 @@ def test_same_steps_as_zlab_dflash_generate(tmp_path, monkeypatch):
     prompt = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
     model, theirs = zlab.DFlashDraftModel.from_pretrained(str(head)).eval(), []
     logits_of = model.compute_logits
-    monkeypatch.setattr(model, "compute_logits", lambda *a: theirs.append(logits_of(*a)[0].argmax(-1).tolist())
-                        or logits_of(*a))
-    ref = zlab.dflash_generate(model, hf, torch.tensor([prompt]), max_new_tokens=48, stop_token_ids=None,
-                               return_stats=True)
+    monkeypatch.setattr(
+        model, "compute_logits", lambda *a: theirs.append(logits_of(*a)[0].argmax(-1).tolist()) or logits_of(*a)
+    )
+    ref = zlab.dflash_generate(
+        model, hf, torch.tensor([prompt]), max_new_tokens=48, stop_token_ids=None, return_stats=True
+    )
     llm = llm_for(target, "dflash", head, context=128, draft_max=BLOCK - 1)
     drafter = llm.drafter = Recording(llm.drafter.net, llm.engine.target)
     r = llm.generate(prompt, max_tokens=48)
-    assert r.token_ids == ref.output_ids[0, len(prompt):].tolist()
+    assert r.token_ids == ref.output_ids[0, len(prompt) :].tolist()
     steps = 30  # the last steps are cut short by the token limit differently
     assert len(ref.acceptance_lengths) > steps
     assert drafter.produced[:steps] == ref.acceptance_lengths[:steps] and max(drafter.produced) > 1
@@ -411,6 +474,7 @@ def test_same_steps_as_zlab_dflash_generate(tmp_path, monkeypatch):
 
 
 # --- training (specdec/train/dflash.py) ---
+
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
 def test_training_lowers_the_loss_resumes_and_drafts_losslessly(chat_dir, rules, tmp_path, kind):
@@ -421,8 +485,18 @@ def test_training_lowers_the_loss_resumes_and_drafts_losslessly(chat_dir, rules,
     from specdec.train.dflash import DFlashTrainer, DSparkTrainer, TrainConfig
 
     cache = _build(chat_dir, rules, tmp_path / "cache", n=12, max_new_tokens=24)
-    cfg = TrainConfig(epochs=3, lr=1e-2, max_len=32, batch_tokens=64, autocast="fp32", val_share=0.25,
-                      anchors=8, block_size=4, markov_rank=8, progress=False)
+    cfg = TrainConfig(
+        epochs=3,
+        lr=1e-2,
+        max_len=32,
+        batch_tokens=64,
+        autocast="fp32",
+        val_share=0.25,
+        anchors=8,
+        block_size=4,
+        markov_rank=8,
+        progress=False,
+    )
     out, trainer_type = tmp_path / kind, DSparkTrainer if kind == "dspark" else DFlashTrainer
     trainer = trainer_type(str(chat_dir), cache, out, cfg, command="test")
 

@@ -1,20 +1,31 @@
 """`--draft-vocab N`: the draft model's logits over the first N token ids only. The target checks every drafted
 token as before, so greedy outputs equal plain decoding's (here) and sampling stays exact
 (tests/test_lossless_sampling.py, the `vocab` configuration)."""
+
 import pytest
 
 import specdec
 from specdec import LLM
 
-PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n" \
-         "def factorial(n):\n"
+PROMPT = (
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
+    "def factorial(n):\n"
+)
 
 
 def test_tiny_greedy_equality_with_a_reduced_draft_vocabulary(tiny_dir):
     # the target as its own draft: its drafts are accepted where the target's token is among the first 40 ids
     target = tiny_dir("llama")
-    llm = specdec.LLM(str(target), draft=str(target), dtype="fp32", context=64, draft_vocab=40, progress=False,
-                      adaptive=False, draft_max=4)  # fixed draft lengths: an adaptive one may draft nothing
+    llm = specdec.LLM(
+        str(target),
+        draft=str(target),
+        dtype="fp32",
+        context=64,
+        draft_vocab=40,
+        progress=False,
+        adaptive=False,
+        draft_max=4,
+    )  # fixed draft lengths: an adaptive one may draft nothing
     llm.engine.stop_ids = set()
     drafted = accepted = 0
     for prompt in ("t5 t9 t12 t5 t9", "t33 t2 t71", "t60"):
@@ -49,6 +60,7 @@ def test_a_weight_only_quantized_head_keeps_its_first_rows(kind):
     from torch import nn
 
     from specdec.runtime.quant import Int4Linear, Int8Linear
+
     torch.manual_seed(0)
     head = nn.Linear(128, 96, bias=False, dtype=torch.bfloat16)
     q = (Int4Linear if kind == "int4" else Int8Linear)(head)
@@ -62,6 +74,7 @@ def test_a_weight_only_quantized_head_keeps_its_first_rows(kind):
 
 def test_auto_cuts_only_large_vocabularies():
     from specdec.drafters.draft_model import AUTO_VOCAB, VOCAB, head_rows
+
     assert VOCAB.default == "auto" and VOCAB.check("auto") == "auto" and VOCAB.check("5000") == 5000
     assert head_rows("auto", 151936) == AUTO_VOCAB == 65536  # Qwen2.5
     assert head_rows("auto", 49152) == 0 and head_rows("auto", 96) == 0  # SmolLM2, tiny models: every row

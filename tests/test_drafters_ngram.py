@@ -1,4 +1,5 @@
 """Model-free drafters on hand-made token sequences: map-k counts, the shared ngram-mod pool, suffix memory, chains."""
+
 import random
 
 import numpy as np
@@ -11,9 +12,9 @@ from specdec.drafters.ngram_index import ContinuationCounts, ranked, suffix_hash
 from specdec.drafters.ngram_map_k import NgramMapK4VDrafter, NgramMapKDrafter, NgramMapKTreeDrafter
 from specdec.drafters.ngram_mod import NgramModDrafter
 from specdec.drafters.suffix import MAX_ORDER, SuffixDrafter, SuffixTreeDrafter
-from specdec.sequence import Sequence
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
+from specdec.sequence import Sequence
 
 
 def seq(tokens, slot=0, prompt_len=None):
@@ -94,6 +95,7 @@ def test_map_k_incremental_state():
 
 # ---- token trees from n-gram candidates
 
+
 def test_ranked_orders_by_hits_then_recency():
     assert ranked({7: 1, 8: 2, 9: 1}) == [(8, 0.5), (9, 0.25), (7, 0.25)]
     assert ranked({7: 1, 8: 2, 9: 1}, min_hits=2) == [(8, 0.5)]
@@ -129,6 +131,7 @@ def test_suffix_tree_branches_where_continuations_split():
 
 
 # ---- ngram-mod
+
 
 def test_mod_collisions_newest_wins():
     d = NgramModDrafter(n=2, m=4, pool_size=1)  # every n-gram lands in the one entry
@@ -174,6 +177,7 @@ def test_mod_pressure_clears_one_region():
 
 
 # ---- suffix
+
 
 def test_suffix_own_context_and_adaptive_length():
     rng = random.Random(1)
@@ -229,6 +233,7 @@ def test_suffix_contexts_reach_into_the_prompt():
 
 # ---- chains and names
 
+
 class _Fixed(Drafter):
     def __init__(self, name, tokens):
         self.name, self.tokens, self.calls = name, tokens, []
@@ -256,8 +261,15 @@ def test_chain_first_non_empty_wins():
     assert ChainDrafter([a, _Fixed("d", [])]).propose(s, 4).tokens == []
 
 
-@pytest.mark.parametrize("spec,needle", [("magic", "unknown spec type 'magic'"), ("ngram-mod,", "unknown spec type ''"),
-                                         ("none,draft", "cannot contain 'none'"), ("suffix,suffix", "repeats")])
+@pytest.mark.parametrize(
+    "spec,needle",
+    [
+        ("magic", "unknown spec type 'magic'"),
+        ("ngram-mod,", "unknown spec type ''"),
+        ("none,draft", "cannot contain 'none'"),
+        ("suffix,suffix", "repeats"),
+    ],
+)
 def test_parse_spec_type_errors(spec, needle):
     with pytest.raises(SpecdecError, match=needle):
         parse_spec_type(spec)

@@ -2,6 +2,7 @@
 sampling distributed as plain through the engine), the tree forward equal to the head run as a chain along each
 node's path, the head's cache in step with the committed tokens, and the HF / SpecForge and speculators layouts
 load to the same head."""
+
 from __future__ import annotations
 
 import itertools
@@ -10,16 +11,16 @@ from functools import partial
 
 import pytest
 import torch
+from conftest import head_llm, make_tiny, randomize
 from safetensors.torch import load_file, save_file
+from test_lossless_sampling import fit, tv_bound
 
 import specdec
-from conftest import head_llm, make_tiny, randomize
 from specdec.drafters.eagle3 import Eagle3Drafter
 from specdec.drafters.tree import ROOT, DynamicTree
 from specdec.models.eagle3 import Eagle3Config, Eagle3Head, load_head, save_head
 from specdec.models.loader import load_checkpoint
 from specdec.sampling import SamplingParams, probs_from_logits
-from test_lossless_sampling import fit, tv_bound
 
 PROMPTS = ["t5 t9 t12 t5 t9 t12 t5 t9", "t33 t2 t71", "t8 " * 20 + "t4"]
 
@@ -106,8 +107,11 @@ def test_tree_forward_equals_the_head_as_a_chain(tiny_dir, tmp_path, monkeypatch
     roots, feeds = [], []
     tree_of, feed = d._tree, d._feed
     monkeypatch.setattr(d, "_tree", lambda seq, logits, h, *a: roots.append((logits, h)) or tree_of(seq, logits, h, *a))
-    monkeypatch.setattr(d, "_feed", lambda seq, tree, chosen, g: feeds.append((tree, chosen, feed(seq, tree, chosen, g)))
-                        or feeds[-1][2])
+    monkeypatch.setattr(
+        d,
+        "_feed",
+        lambda seq, tree, chosen, g: feeds.append((tree, chosen, feed(seq, tree, chosen, g))) or feeds[-1][2],
+    )
     draft = d.propose(seq, 12)
     tree = feeds[0][0]
     assert len(draft.tokens) == 12 and draft.parents is not None and len(feeds) >= 3  # depths 1, 2, 3, ...
@@ -154,18 +158,35 @@ def test_layouts_load_to_the_same_head(tiny_dir, tmp_path):
     head = random_head(target)
     save_head(head, tmp_path / "hf")
     state = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.mlp.gate_proj.weight", "midlayer.hidden_norm.weight",
-            "norm.weight", "lm_head.weight", "d2t", "t2d"} <= set(state)
+    assert {
+        "fc.weight",
+        "midlayer.self_attn.q_proj.weight",
+        "midlayer.mlp.gate_proj.weight",
+        "midlayer.hidden_norm.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "d2t",
+        "t2d",
+    } <= set(state)
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert cfg["draft_vocab_size"] == head.config.draft_vocab_size and cfg["num_hidden_layers"] == 1
     spec_dir = tmp_path / "speculators"  # speculators: layers.0.*, draft_id_to_target_id, no t2d
     spec_dir.mkdir()
-    renamed = {k.replace("midlayer.", "layers.0.").replace("d2t", "draft_id_to_target_id"): v
-               for k, v in state.items() if k != "t2d"}
+    renamed = {
+        k.replace("midlayer.", "layers.0.").replace("d2t", "draft_id_to_target_id"): v
+        for k, v in state.items()
+        if k != "t2d"
+    }
     save_file(renamed, str(spec_dir / "model.safetensors"))
-    (spec_dir / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3", "transformer_layer_config":
-                                                       {k: v for k, v in cfg.items() if k != "draft_vocab_size"},
-                                                       "draft_vocab_size": cfg["draft_vocab_size"]}))
+    (spec_dir / "config.json").write_text(
+        json.dumps(
+            {
+                "speculators_model_type": "eagle3",
+                "transformer_layer_config": {k: v for k, v in cfg.items() if k != "draft_vocab_size"},
+                "draft_vocab_size": cfg["draft_vocab_size"],
+            }
+        )
+    )
     for path in (tmp_path / "hf", spec_dir):
         loaded = load_head(path)
         for k, v in head.state_dict().items():
@@ -178,8 +199,10 @@ HEAD_RUNS = 8_000  # runs per head family: the engine's rules are tested at 20,0
 
 def _exact_joint(llm, prompt: list[int], params: SamplingParams) -> dict[tuple[int, ...], float]:
     """P(first three output tokens) under plain sampling, by enumerating every prefix."""
+
     def dist(prefix: list[int]) -> torch.Tensor:
         return probs_from_logits(llm.runner.prefill(prompt + prefix, slot=0)[None], params)[0]
+
     out = {}
     for x in range(V):
         for y in range(V):
@@ -194,8 +217,9 @@ def engine_fit(target, runs: int = HEAD_RUNS, **spec) -> tuple[int, float, float
     """`runs` sampled runs (T 1) of the first three tokens through the engine with the drafter `spec` (LLM keywords)
     against the exact joint of plain sampling -> (tokens drafted, chi-square p-value, total variation, its bound
     `tv_bound`)."""
-    llm = specdec.LLM(str(target), dtype="fp32", context=32, parallel=BATCH, adaptive=False, draft_max=3,
-                      progress=False, **spec)
+    llm = specdec.LLM(
+        str(target), dtype="fp32", context=32, parallel=BATCH, adaptive=False, draft_max=3, progress=False, **spec
+    )
     llm.engine.stop_ids = set()
     prompt = [1, 2, 3, 4, 5, 6, 7, 1, 2]
     want = _exact_joint(llm, prompt, SamplingParams(temperature=1.0))
@@ -203,8 +227,9 @@ def engine_fit(target, runs: int = HEAD_RUNS, **spec) -> tuple[int, float, float
     for b0 in range(0, runs, BATCH):
         seqs = []
         for j in range(BATCH):
-            seq = eng.new_sequence(prompt, SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS), slot=j,
-                                   drafter=llm.drafter)
+            seq = eng.new_sequence(
+                prompt, SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS), slot=j, drafter=llm.drafter
+            )
             seq.generator = torch.Generator().manual_seed(b0 + j)
             seqs.append(seq)
         eng.prefill_together(seqs)
@@ -229,8 +254,9 @@ def test_sampling_through_the_engine_matches_plain(tmp_path, topk):
     one = _llm(target, tmp_path / "head", context=32, draft_max=3, eagle3_topk=topk)
     assert _trees(one.generate([1, 2, 3], max_tokens=16, temperature=1.0).stats) == (topk > 1)
     runs = HEAD_RUNS if topk == 1 else 4000
-    drafted, p_value, tv, bound = engine_fit(target, runs, spec_type="eagle3", eagle3_head=str(tmp_path / "head"),
-                                             eagle3_topk=topk)
+    drafted, p_value, tv, bound = engine_fit(
+        target, runs, spec_type="eagle3", eagle3_head=str(tmp_path / "head"), eagle3_topk=topk
+    )
     assert drafted > runs and p_value > 1e-3 and tv < bound, (drafted, p_value, tv)
 
 

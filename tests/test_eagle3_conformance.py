@@ -15,6 +15,7 @@ speculators 0.9.0 (a test-only dependency, see scripts/test.sh): with the same r
 llama.cpp (the pinned source, when cached): its `convert_hf_to_gguf.py` converts our `save_head` and
 `save_speculators` directories, and `save_gguf` writes the same tensors (bit for bit) and `eagle3.*` keys.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,8 +46,10 @@ def _llama_cpp_source() -> Path | None:
 
 
 LLAMA_CPP = _llama_cpp_source()
-needs_speculators = pytest.mark.skipif(importlib.util.find_spec("speculators") is None,
-                                       reason="speculators==0.9.0 not installed (test-only: scripts/test.sh)")
+needs_speculators = pytest.mark.skipif(
+    importlib.util.find_spec("speculators") is None,
+    reason="speculators==0.9.0 not installed (test-only: scripts/test.sh)",
+)
 N, STEPS, DRAFT_VOCAB = 128, 3, 80  # N: one block of flex attention (its TTT mask extension is per 128 rows)
 CHAIN_ROWS = (*range(0, N - 2, 9), N - 2)  # rows our chains start from (steps past the end are skipped)
 
@@ -58,15 +61,16 @@ def random_head(c: Eagle3Config, seed: int = 0) -> Eagle3Head:
     with torch.no_grad():
         for p in head.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
-    head.set_vocab(torch.randperm(c.vocab_size, generator=g)[:c.draft_vocab_size])
+    head.set_vocab(torch.randperm(c.vocab_size, generator=g)[: c.draft_vocab_size])
     return head.eval()
 
 
 def head_for(target: Path, rope_theta: float = 50000.0) -> tuple[Eagle3Head, torch.nn.Embedding]:
     """A random head for the checkpoint in `target` (aux layers 0, 1, 2) and the target's embeddings."""
     model, _ = load_checkpoint(target, torch.float32)
-    c = dataclasses.replace(Eagle3Config.for_target(model.config, DRAFT_VOCAB, aux_layers=(0, 1, 2)),
-                            rope_theta=rope_theta)
+    c = dataclasses.replace(
+        Eagle3Config.for_target(model.config, DRAFT_VOCAB, aux_layers=(0, 1, 2)), rope_theta=rope_theta
+    )
     return random_head(c), model.model.embed_tokens
 
 
@@ -99,10 +103,10 @@ def our_logits(head: Eagle3Head, embed: torch.nn.Embedding, aux: torch.Tensor, i
     out = torch.full((STEPS, N, c.draft_vocab_size), float("nan"))
     out[0] = _feed(head, cache, emb, g, 0)[0]
     for i in CHAIN_ROWS:
-        logits, h = _feed(head, cache, emb[:i + 1], g[:i + 1], 0)
+        logits, h = _feed(head, cache, emb[: i + 1], g[: i + 1], 0)
         h = h[-1:]
         for s in range(1, min(STEPS, N - i)):
-            logits, h = _feed(head, cache, emb[i + s:i + s + 1], h, i + s)
+            logits, h = _feed(head, cache, emb[i + s : i + s + 1], h, i + s)
             out[s, i] = logits[-1]
     return out
 
@@ -113,8 +117,12 @@ def speculators_logits(model, aux: torch.Tensor, ids: torch.Tensor) -> torch.Ten
     seen: list[torch.Tensor] = []
     hook = model.lm_head.register_forward_hook(lambda _m, _i, out: seen.append(out[0]))
     try:
-        model(hidden_states=aux.flatten(-2)[None], input_ids=ids[None],
-              document_ids=torch.zeros(1, N, dtype=torch.long), ttt_steps=STEPS)
+        model(
+            hidden_states=aux.flatten(-2)[None],
+            input_ids=ids[None],
+            document_ids=torch.zeros(1, N, dtype=torch.long),
+            ttt_steps=STEPS,
+        )
     finally:
         hook.remove()
     return torch.stack(seen)
@@ -151,14 +159,31 @@ def test_speculators_checkpoint_loads_as_our_head(tmp_path):
     from speculators.proposals.greedy import GreedyTokenProposalConfig
     from transformers import LlamaConfig
 
-    layer = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
-                        max_position_embeddings=256, rope_theta=20000.0, tie_word_embeddings=False)
-    spec = SpeculatorsConfig(algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
-                             default_proposal_method="greedy",
-                             verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"]))
-    config = Eagle3SpeculatorConfig(transformer_layer_config=layer, draft_vocab_size=DRAFT_VOCAB,
-                                    eagle_aux_hidden_state_layer_ids=[1, 4, 7], speculators_config=spec)
+    layer = LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=256,
+        rope_theta=20000.0,
+        tie_word_embeddings=False,
+    )
+    spec = SpeculatorsConfig(
+        algorithm="eagle3",
+        proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
+        default_proposal_method="greedy",
+        verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"]),
+    )
+    config = Eagle3SpeculatorConfig(
+        transformer_layer_config=layer,
+        draft_vocab_size=DRAFT_VOCAB,
+        eagle_aux_hidden_state_layer_ids=[1, 4, 7],
+        speculators_config=spec,
+    )
     model = Eagle3DraftModel(config).eval()
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -204,12 +229,22 @@ def test_gguf_layout(tiny_dir, tmp_path):
     r = gguf.GGUFReader(str(tmp_path / "head.gguf"))
     tensors = {t.name: t for t in r.tensors}
     H, Q, KV = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    want = {"fc.weight": [3 * c.target_hidden_size, H], "blk.0.attn_norm.weight": [H], "blk.0.attn_norm_2.weight": [H],
-            "blk.0.attn_q.weight": [2 * H, Q], "blk.0.attn_k.weight": [2 * H, KV], "blk.0.attn_v.weight": [2 * H, KV],
-            "blk.0.attn_output.weight": [Q, H], "blk.0.ffn_norm.weight": [H],
-            "blk.0.ffn_gate.weight": [H, c.intermediate_size], "blk.0.ffn_up.weight": [H, c.intermediate_size],
-            "blk.0.ffn_down.weight": [c.intermediate_size, H], "output_norm.weight": [H],
-            "output.weight": [H, c.draft_vocab_size], "d2t": [c.draft_vocab_size]}
+    want = {
+        "fc.weight": [3 * c.target_hidden_size, H],
+        "blk.0.attn_norm.weight": [H],
+        "blk.0.attn_norm_2.weight": [H],
+        "blk.0.attn_q.weight": [2 * H, Q],
+        "blk.0.attn_k.weight": [2 * H, KV],
+        "blk.0.attn_v.weight": [2 * H, KV],
+        "blk.0.attn_output.weight": [Q, H],
+        "blk.0.ffn_norm.weight": [H],
+        "blk.0.ffn_gate.weight": [H, c.intermediate_size],
+        "blk.0.ffn_up.weight": [H, c.intermediate_size],
+        "blk.0.ffn_down.weight": [c.intermediate_size, H],
+        "output_norm.weight": [H],
+        "output.weight": [H, c.draft_vocab_size],
+        "d2t": [c.draft_vocab_size],
+    }
     assert {n: [int(x) for x in t.shape] for n, t in tensors.items()} == want
     assert tensors["d2t"].tensor_type == gguf.GGMLQuantizationType.I64
     assert np.array_equal(tensors["d2t"].data, head.draft_to_target.numpy())
@@ -218,8 +253,13 @@ def test_gguf_layout(tiny_dir, tmp_path):
     assert np.array_equal(unpermute(permute(q, c.num_heads), c.num_heads), q)
     keys = {k: f.contents() for k, f in r.fields.items()}
     assert keys["general.architecture"] == "eagle3" and keys["eagle3.target_layers"] == [0, 1, 2]
-    assert (keys["eagle3.target_hidden_size"], keys["eagle3.block_count"], keys["eagle3.embedding_length"],
-            keys["eagle3.attention.head_count_kv"], keys["eagle3.vocab_size"]) == (H, 1, H, c.num_kv_heads, 96)
+    assert (
+        keys["eagle3.target_hidden_size"],
+        keys["eagle3.block_count"],
+        keys["eagle3.embedding_length"],
+        keys["eagle3.attention.head_count_kv"],
+        keys["eagle3.vocab_size"],
+    ) == (H, 1, H, c.num_kv_heads, 96)
     assert keys["eagle3.rope.freq_base"] == c.rope_theta
     assert keys["tokenizer.ggml.tokens"] == [f"t{i}" for i in range(96)]
 
@@ -253,8 +293,17 @@ def _target_gguf(path: Path, c: Eagle3Config) -> Path:
 
 
 def _convert(source: Path, head_dir: Path, target_dir: Path, out: Path) -> None:
-    cmd = [sys.executable, str(source / "convert_hf_to_gguf.py"), str(head_dir), "--target-model-dir",
-           str(target_dir), "--outfile", str(out), "--outtype", "f32"]
+    cmd = [
+        sys.executable,
+        str(source / "convert_hf_to_gguf.py"),
+        str(head_dir),
+        "--target-model-dir",
+        str(target_dir),
+        "--outfile",
+        str(out),
+        "--outtype",
+        "f32",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
 

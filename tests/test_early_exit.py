@@ -1,4 +1,5 @@
 """`early-exit`: the target's first E layers draft on the target's own KV cache; output stays the target's."""
+
 import pytest
 
 import specdec
@@ -31,8 +32,12 @@ def test_tiny_greedy_equality_every_exit_layer(tiny_dir, family):
         llm.runner.forward = lambda *a, **k: starts.append(k.get("resume_layer", 0)) or target_forward(*a, **k)
         for prompt in PROMPTS:
             base = llm.generate(prompt, max_tokens=40, spec_type="none")
-            for spec, k, branch_p in (("early-exit", 1, 0.0), ("early-exit", 5, 0.0), ("early-exit", 5, 0.7),
-                                      ("suffix,early-exit", 4, 0.0)):
+            for spec, k, branch_p in (
+                ("early-exit", 1, 0.0),
+                ("early-exit", 5, 0.0),
+                ("early-exit", 5, 0.7),
+                ("suffix,early-exit", 4, 0.0),
+            ):
                 llm.engine.spec.draft_max, drafter.branch_p = k, branch_p
                 r = llm.generate(prompt, max_tokens=40, spec_type=spec)
                 assert r.token_ids == base.token_ids, (family, layer, prompt, spec, k, branch_p)
@@ -52,8 +57,7 @@ def test_exit_layer_is_checked(tiny_dir):
 @pytest.mark.real
 def test_smollm_greedy_equality(smollm_dir):
     """SmolLM2-135M (30 layers), fp32: every output equals plain decoding; shallow exits get drafts accepted."""
-    prompts = ["Write a Python function that returns the n-th Fibonacci number.",
-               "List three facts about the Moon."]
+    prompts = ["Write a Python function that returns the n-th Fibonacci number.", "List three facts about the Moon."]
     accepted = 0
     for layer in (8, 20):
         llm = _llm(smollm_dir, spec_exit_layer=layer, draft_max=4)
@@ -68,9 +72,10 @@ def test_smollm_greedy_equality(smollm_dir):
 def test_tiny_batched_requests_equal_plain(tiny_dir):
     """Eight requests, four slots: the early-exit drafts of a step run as one ragged forward on the shared cache
     while other slots prefill and verify; every output equals plain decoding."""
+    from test_scheduler import PROMPTS, _run
+
     from specdec.engine.scheduler import Request, Scheduler
     from specdec.sampling import SamplingParams
-    from test_scheduler import PROMPTS, _run
 
     llm = _llm(tiny_dir("llama", layers=3), spec_exit_layer=2, draft_max=4, parallel=4)
     params = SamplingParams(max_tokens=24)

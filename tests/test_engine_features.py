@@ -1,5 +1,6 @@
 """Drafters that read target features get, through the engine, exactly the rows of committed tokens: each token
 once, in order, rejected draft rows never, for chains, trees and ragged batches (fp32, tiny model)."""
+
 import pytest
 import torch
 
@@ -15,6 +16,7 @@ N = 24
 class Oracle(Drafter):
     """Knows the plain output `full`; proposes two right tokens around one wrong one (a chain rejected after two,
     or a tree whose first child is wrong) and records the target features it is handed."""
+
     name = "oracle"
 
     def __init__(self, full: list[int], tree: bool, layers: tuple[int, ...]):
@@ -23,7 +25,7 @@ class Oracle(Drafter):
 
     def propose(self, seq, max_tokens, min_path_prob=0.0):
         n = len(seq.tokens)
-        right = self.full[n:n + 2]
+        right = self.full[n : n + 2]
         wrong = (self.full[n] + 1) % 50 if n < len(self.full) else 1
         if len(right) < 2 or max_tokens < 3:
             return Draft([])
@@ -37,8 +39,9 @@ class Oracle(Drafter):
 
 @pytest.fixture(scope="module")
 def llm(tiny_dir):
-    llm = specdec.LLM(str(tiny_dir("llama")), spec_type="none", dtype="fp32", context=128, parallel=3,
-                      adaptive=False, progress=False)
+    llm = specdec.LLM(
+        str(tiny_dir("llama")), spec_type="none", dtype="fp32", context=128, parallel=3, adaptive=False, progress=False
+    )
     llm.engine.stop_ids = set()
     return llm
 
@@ -75,8 +78,10 @@ def test_ragged_batch_and_two_layer_sets(llm):
     prompts = [llm.encode(PROMPT), llm.encode("t1 t2 t3 t1 t2")]
     fulls = [p + llm.generate(p, max_tokens=N, spec_type="none").token_ids for p in prompts]
     drafters = [Oracle(fulls[0], False, (1,)), Oracle(fulls[1], True, (0,))]
-    seqs = [eng.new_sequence(p, SamplingParams(max_tokens=N), slot=i, drafter=d)
-            for i, (p, d) in enumerate(zip(prompts, drafters))]
+    seqs = [
+        eng.new_sequence(p, SamplingParams(max_tokens=N), slot=i, drafter=d)
+        for i, (p, d) in enumerate(zip(prompts, drafters))
+    ]
     for s in seqs:
         eng.prefill(s)
     while any(s.finish_reason is None for s in seqs):

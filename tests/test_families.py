@@ -8,6 +8,7 @@
 
 Against llama.cpp on the same files: tests/test_families_llama_cpp.py.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -97,8 +98,13 @@ def test_unsupported_recipes_are_one_line_errors():
     from specdec.errors import SpecdecError
     from specdec.models.config import ModelConfig
 
-    base = {"vocab_size": 32, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
-            "num_attention_heads": 4}
+    base = {
+        "vocab_size": 32,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+    }
     with pytest.raises(SpecdecError, match="partial_rotary_factor 0.75 is not supported") as e:
         ModelConfig.from_hf_dict({**base, "model_type": "phi3", "partial_rotary_factor": 0.75})
     assert "\n" not in str(e.value)

@@ -6,6 +6,7 @@ tokens but at a near-tie of its top two (closer than 2 LOGPROB_TOL); the same fo
 Needs a llama-server build for this CPU (`bash scripts/conformance.sh` builds it, ~20-30 minutes on 2 cores) and skips
 without one.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -31,12 +32,22 @@ def _llama_greedy(gguf: Path, ids: list[int], n: int) -> list[tuple[int, list[tu
     binary = installed(cache_key(cmake_cpu_options(Path("/proc/cpuinfo").read_text())))
     if binary is None:
         pytest.skip("no llama-server built for this CPU (bash scripts/conformance.sh builds it)")
-    cfg = ServerConfig(str(binary), gguf, None, 1, 2 * SERVER_CONTEXT, 0.0, 0, 0, 0.0, 0, 0,
-                       extra=("-ctk", "f32", "-ctv", "f32"))
+    cfg = ServerConfig(
+        str(binary), gguf, None, 1, 2 * SERVER_CONTEXT, 0.0, 0, 0, 0.0, 0, 0, extra=("-ctk", "f32", "-ctv", "f32")
+    )
     server = LlamaServer("llama-none", cfg, server_help(str(binary)), gguf.with_suffix(".log"))
     try:
-        resp = server.complete({"prompt": ids, "n_predict": n, "temperature": 0.0, "n_probs": 2,
-                                "cache_prompt": False, "return_tokens": True, "ignore_eos": True})
+        resp = server.complete(
+            {
+                "prompt": ids,
+                "n_predict": n,
+                "temperature": 0.0,
+                "n_probs": 2,
+                "cache_prompt": False,
+                "return_tokens": True,
+                "ignore_eos": True,
+            }
+        )
     finally:
         server.close()
     probs, out = iter(resp["completion_probabilities"]), []
@@ -83,7 +94,7 @@ def _check_against_llama(llm, path: Path, prompt: list[int], n: int, tol: float)
     theirs = _llama_greedy(path, prompt, n)
     llm.engine.stop_ids = set()
     tokens = [t for t, _ in theirs]
-    logprobs = torch.log_softmax(llm.runner.forward([prompt + tokens], [0], [0])[0], -1)[len(prompt) - 1:]
+    logprobs = torch.log_softmax(llm.runner.forward([prompt + tokens], [0], [0])[0], -1)[len(prompt) - 1 :]
     worst = max((abs(float(logprobs[i, top[0][0]]) - top[0][1]), i) for i, (_, top) in enumerate(theirs) if top)
     assert worst[0] <= tol, (path.name, "position", worst[1], worst[0])
     ours = llm.generate(prompt, max_tokens=n).token_ids
@@ -91,5 +102,3 @@ def _check_against_llama(llm, path: Path, prompt: list[int], n: int, tol: float)
     if split is not None:  # a near-tie by llama.cpp's logprobs, or ours where it left them out
         top = theirs[split][1] or [(t, float(logprobs[split, t])) for t in (ours[split], tokens[split])]
         assert abs(top[0][1] - top[1][1]) < 2 * tol, (path.name, split, top)
-
-

@@ -14,6 +14,7 @@ error of a dot product is the same ~0.8%, so:
 Every instruction-set path is tested (a path the CPU lacks is lowered to the best it has, so these run on
 any x86 CPU, and the scalar path anywhere).
 """
+
 from __future__ import annotations
 
 import zlib
@@ -28,8 +29,13 @@ from specdec.runtime.gguf_linear import GGUFConcatLinear, GGUFLinear, for_this_c
 gguf = pytest.importorskip("gguf")
 
 ROWS = (1, 2, 5, 17, 64, 200)
-SIZES = {"Q4_K": (256, 1536, 8960), "Q6_K": (256, 1536, 8960), "Q5_0": (896, 1536, 96), "Q8_0": (896, 1536, 8960),
-         "Q4_1": (576, 1536, 96)}
+SIZES = {
+    "Q4_K": (256, 1536, 8960),
+    "Q6_K": (256, 1536, 8960),
+    "Q5_0": (896, 1536, 96),
+    "Q8_0": (896, 1536, 8960),
+    "Q4_1": (576, 1536, 96),
+}
 OUT = 37  # odd: exercises a last, partial task of outputs
 
 
@@ -138,8 +144,10 @@ def test_parts_in_one_call_equal_each_part(path, lib, monkeypatch):
     need_path(path)
     monkeypatch.setenv("SPECDEC_KERNEL_PATH", path)
     rng = np.random.default_rng(7)
-    parts = [GGUFLinear.from_blocks(random_blocks(qt, out, 512, rng), qt, (out, 512), bias=torch.randn(out))
-             for qt, out in ((K.Q4_K, 40), (K.Q8_0, 24), (K.Q6_K, 24), (K.Q5_0, 8), (K.Q4_1, 16))]
+    parts = [
+        GGUFLinear.from_blocks(random_blocks(qt, out, 512, rng), qt, (out, 512), bias=torch.randn(out))
+        for qt, out in ((K.Q4_K, 40), (K.Q8_0, 24), (K.Q6_K, 24), (K.Q5_0, 8), (K.Q4_1, 16))
+    ]
     cat = GGUFConcatLinear(parts)
     for rows in (1, 3, 40, 600):
         x = torch.randn(1, rows, 512)
@@ -179,7 +187,9 @@ def test_x16_layout_is_the_same_weight(name, lib):
     lin = GGUFLinear.from_blocks(random_blocks(qt, 40, 256, rng), name, (40, 256))
     assert for_this_cpu(lin) is lin  # 40 outputs: not a multiple of 16, kept as is
     if K.runs_x16():
-        assert for_this_cpu(GGUFLinear.from_blocks(random_blocks(qt, 32, 256, rng), name, (32, 256))).qtype == qt + K.X16
+        assert (
+            for_this_cpu(GGUFLinear.from_blocks(random_blocks(qt, 32, 256, rng), name, (32, 256))).qtype == qt + K.X16
+        )
 
 
 @pytest.mark.parametrize("name", list(K.TYPES))
@@ -194,7 +204,7 @@ def test_x16_row_is_the_same_bits_at_any_row_count(name, lib):
     x16 = GGUFLinear.from_blocks(random_blocks(K.TYPES[name], 96, 8960, rng), name, (96, 8960)).repacked()
     x = torch.randn(150, 8960)
     for path in x16_paths():
-        alone = torch.cat([x16._kernel(x[i:i + 1], K.PATHS[path]) for i in range(150)])
+        alone = torch.cat([x16._kernel(x[i : i + 1], K.PATHS[path]) for i in range(150)])
         for rows in (2, 3, 5, 7, 15, 16, 17, 40, 150):
             assert torch.equal(x16._kernel(x[:rows], K.PATHS[path]), alone[:rows]), (path, rows)
 
@@ -208,7 +218,7 @@ def test_file_layout_row_is_the_same_bits_at_any_row_count(name, lib):
     lin = GGUFLinear.from_blocks(random_blocks(K.TYPES[name], 100, 2048, rng), name, (100, 2048))
     x = torch.randn(70, 2048)
     for path in ("scalar", *x16_paths()):
-        alone = torch.cat([lin._kernel(x[i:i + 1], K.PATHS[path]) for i in range(70)])
+        alone = torch.cat([lin._kernel(x[i : i + 1], K.PATHS[path]) for i in range(70)])
         for rows in (2, 3, 5, 16, 70):
             assert torch.equal(lin._kernel(x[:rows], K.PATHS[path]), alone[:rows]), (path, rows)
 
@@ -371,8 +381,9 @@ def test_model_from_gguf_blocks_matches_dequantized_model(tmp_path, lib, tied):
     assert isinstance(qm.model.embed_tokens, GGUFEmbedding)
     assert not any(isinstance(m, torch.nn.Linear) for m in qm.modules())  # every projection kept as blocks
     names = hf_names(reader, cfg)
-    state = fuse_projections({names[t.name]: torch.from_numpy(_dequantize(t, cfg)) for t in reader.tensors},
-                             cfg.num_layers)
+    state = fuse_projections(
+        {names[t.name]: torch.from_numpy(_dequantize(t, cfg)) for t in reader.tensors}, cfg.num_layers
+    )
     if tied:
         state.pop("lm_head.weight", None)
     dm.load_state_dict(state, strict=False, assign=True)
@@ -384,7 +395,9 @@ def test_model_from_gguf_blocks_matches_dequantized_model(tmp_path, lib, tied):
     for m in (qm, dm):
         cache = KVCache.allocate(cfg.num_layers, 1, cfg.num_kv_heads, 64, cfg.head_dim, torch.float32)
         logits, _ = m(tokens[:, :8], pos[:, :8], torch.tensor([0]), cache)  # prefill
-        steps = [m(tokens[:, i:i + 1], pos[:, i:i + 1], torch.tensor([0]), cache)[0] for i in range(8, 12)]  # decode
+        steps = [
+            m(tokens[:, i : i + 1], pos[:, i : i + 1], torch.tensor([0]), cache)[0] for i in range(8, 12)
+        ]  # decode
         outs.append(torch.cat([logits, *steps], 1))
     lq, ld = outs
     assert ((lq - ld).norm() / ld.norm()).item() < 5e-2
@@ -406,7 +419,7 @@ def test_transposed_bf16_dequantize_is_the_same_weight(name, lib, fast_prefill):
         pytest.skip("no AVX512-BF16 + VBMI here: the row-major dequantization serves")
     ref = lin.dequantize(torch.bfloat16)
     assert torch.equal(lin._dequantize_into(buf, 0, 96), ref.T)
-    assert torch.equal(lin._dequantize_into(buf[:32 * 1536], 48, 80), ref[48:80].T)
+    assert torch.equal(lin._dequantize_into(buf[: 32 * 1536], 48, 80), ref[48:80].T)
     x = torch.randn(300, 1536)
     assert torch.allclose(lin._dequant_matmul(x), (x.bfloat16() @ ref.T).float(), rtol=1e-2, atol=1e-2)
 
@@ -415,8 +428,10 @@ def test_fused_parts_above_the_kernel_rows_share_one_matmul(lib, fast_prefill):
     """Above the kernel rows, x16 parts are dequantized side by side into one buffer for one bf16 matmul
     (where this CPU writes them transposed): the parts' own results, biases included."""
     rng = np.random.default_rng(12)
-    parts = [GGUFLinear.from_blocks(random_blocks(qt, out, 512, rng), qt, (out, 512), bias=torch.randn(out)).repacked()
-             for qt, out in ((K.Q4_K, 64), (K.Q6_K, 32), (K.Q4_K, 96), (K.Q5_0, 32), (K.Q8_0, 64))]
+    parts = [
+        GGUFLinear.from_blocks(random_blocks(qt, out, 512, rng), qt, (out, 512), bias=torch.randn(out)).repacked()
+        for qt, out in ((K.Q4_K, 64), (K.Q6_K, 32), (K.Q4_K, 96), (K.Q5_0, 32), (K.Q8_0, 64))
+    ]
     cat = GGUFConcatLinear(parts)
     x = torch.randn(600, 512)
     if cat._dequant_matmul(x) is None:

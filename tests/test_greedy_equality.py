@@ -1,4 +1,5 @@
 """Greedy speculative output is token-identical to plain decoding, for every spec type (fp32)."""
+
 import itertools
 
 import pytest
@@ -15,8 +16,7 @@ SPECS = ("draft", *MODEL_FREE, CHAIN, DEFAULT_WITH_DRAFT_MODEL)
 def _tiny_llm(tiny_dir, family, draft_seed, **kw):
     target = tiny_dir(family)
     draft = target if draft_seed is None else tiny_dir(family, seed=draft_seed, layers=1)
-    return specdec.LLM(str(target), draft=str(draft), spec_type="none", dtype="fp32", context=64, progress=False,
-                       **kw)
+    return specdec.LLM(str(target), draft=str(draft), spec_type="none", dtype="fp32", context=64, progress=False, **kw)
 
 
 def _set_stop(llm, ids):
@@ -155,16 +155,33 @@ def test_smollm_greedy_equality(smollm_dir):
     # The draft is SmolLM2-135M with int8 weights (int4 needs bf16, so fp32 falls back to int8; the bf16 test
     # covers int4): real, and wrong now and then.
     # Adaptive length is off: a same-size draft never pays, so adaptive would (rightly) stop drafting.
-    llm = specdec.LLM(str(smollm_dir), draft=str(smollm_dir), spec_type="none", dtype="fp32",
-                      context=256, adaptive=False, progress=False)
+    llm = specdec.LLM(
+        str(smollm_dir),
+        draft=str(smollm_dir),
+        spec_type="none",
+        dtype="fp32",
+        context=256,
+        adaptive=False,
+        progress=False,
+    )
     drafter = llm.drafter_for("draft")
     stats, branched = {}, 0
     for prompt in REAL_PROMPTS:
         base = llm.generate(prompt, max_tokens=48, chat=True, spec_type="none")
-        for spec, k, branch_p in (("draft", 4, 0.0), ("draft", 10, 0.0), ("draft", 10, 0.6), ("ngram-simple", 6, 0.0),
-                                  ("ngram-map-k", 6, 0.0), ("ngram-map-k4v", 6, 0.0), ("ngram-map-k-tree", 6, 0.0),
-                                  ("ngram-mod", 6, 0.0), ("suffix", 16, 0.0), ("suffix-tree", 16, 0.0),
-                                  (CHAIN, 6, 0.0), (DEFAULT_WITH_DRAFT_MODEL, 16, 0.0)):
+        for spec, k, branch_p in (
+            ("draft", 4, 0.0),
+            ("draft", 10, 0.0),
+            ("draft", 10, 0.6),
+            ("ngram-simple", 6, 0.0),
+            ("ngram-map-k", 6, 0.0),
+            ("ngram-map-k4v", 6, 0.0),
+            ("ngram-map-k-tree", 6, 0.0),
+            ("ngram-mod", 6, 0.0),
+            ("suffix", 16, 0.0),
+            ("suffix-tree", 16, 0.0),
+            (CHAIN, 6, 0.0),
+            (DEFAULT_WITH_DRAFT_MODEL, 16, 0.0),
+        ):
             llm.engine.spec.draft_max, drafter.branch_p = k, branch_p
             r = llm.generate(prompt, max_tokens=48, chat=True, spec_type=spec)
             assert r.token_ids == base.token_ids, (prompt, spec, k, branch_p)
@@ -178,8 +195,7 @@ def test_smollm_greedy_equality(smollm_dir):
 def test_gemma3_270m_greedy_equality():
     """The gemma3-270m pack (Gemma 3, real weights, its Q4_K_M blocks through the kernels, Python layers around them):
     every model-free drafter and the model as its own draft equal plain decoding, with drafts accepted."""
-    llm = specdec.LLM("gemma3-270m", draft="gemma3-270m", spec_type="none", context=256, adaptive=False,
-                      progress=False)
+    llm = specdec.LLM("gemma3-270m", draft="gemma3-270m", spec_type="none", context=256, adaptive=False, progress=False)
     for prompt in ("The capital of France is", "def fibonacci(n):"):
         base = llm.generate(prompt, max_tokens=48, spec_type="none")
         for spec, k in (("draft", 4), ("ngram-simple", 6), ("suffix-tree", 16)):
@@ -192,8 +208,17 @@ def test_gemma3_270m_greedy_equality():
 @pytest.mark.real
 def test_smollm_gain_chains_equal_plain(smollm_dir):
     """--spec-chain gain on a real model (fp32): token-identical to plain decoding."""
-    llm = specdec.LLM(str(smollm_dir), draft=str(smollm_dir), spec_type="none", dtype="fp32", context=256,
-                      adaptive=False, draft_max=6, chain_mode="gain", progress=False)
+    llm = specdec.LLM(
+        str(smollm_dir),
+        draft=str(smollm_dir),
+        spec_type="none",
+        dtype="fp32",
+        context=256,
+        adaptive=False,
+        draft_max=6,
+        chain_mode="gain",
+        progress=False,
+    )
     stats = {}
     for prompt in REAL_PROMPTS:
         base = llm.generate(prompt, max_tokens=48, chat=True, spec_type="none")
@@ -227,8 +252,9 @@ def test_smollm_light_steps_equal_plain(smollm_dir):
     """Light steps (the load controller's arm: only a chain's model-free members draft) every other step, with
     adaptive lengths (drafts priced on top of the step's rows, acceptance started from the drafters' history):
     token-identical to plain decoding on a real model (fp32)."""
-    llm = specdec.LLM(str(smollm_dir), draft=str(smollm_dir), spec_type="none", dtype="fp32", context=256,
-                      draft_max=8, progress=False)
+    llm = specdec.LLM(
+        str(smollm_dir), draft=str(smollm_dir), spec_type="none", dtype="fp32", context=256, draft_max=8, progress=False
+    )
     step, n = llm.engine.step, itertools.count()
     stats = {}
     for prompt in REAL_PROMPTS:

@@ -2,32 +2,38 @@
 in fp32 by every head loader; the parameter count ignores the scales; a head stored so drafts losslessly. EAGLE-3
 and Medusa heads run as Q8_0 blocks through the CPU kernels (`--spec-head-quant auto`), losslessly, or as loaded
 (`none`)."""
+
 from __future__ import annotations
 
-import torch
-from safetensors.torch import load_file
-
 import pytest
-
+import torch
 from conftest import head_llm
-from specdec.runtime import kernels
-from specdec.runtime.gguf_linear import GGUFLinear
+from safetensors.torch import load_file
+from test_eagle3 import random_head
+from test_medusa import random_heads
+
 from specdec.drafters.heads import safetensors_params
 from specdec.models.eagle3 import load_head, save_head
 from specdec.models.medusa import load_heads, save_heads
 from specdec.models.state import SCALE, quantize_int8, read_tensors, store_int8
-from test_eagle3 import random_head
-from test_medusa import random_heads
+from specdec.runtime import kernels
+from specdec.runtime.gguf_linear import GGUFLinear
 
 
 def test_int8_rows_round_trip_within_half_a_step(tmp_path):
     g = torch.Generator().manual_seed(0)
-    state = {"w": torch.randn(6, 40, generator=g), "norm": torch.randn(40, generator=g),
-             "ids": torch.arange(6), "zero": torch.zeros(3, 4)}
+    state = {
+        "w": torch.randn(6, 40, generator=g),
+        "norm": torch.randn(40, generator=g),
+        "ids": torch.arange(6),
+        "zero": torch.zeros(3, 4),
+    }
     q = quantize_int8(state)
-    assert q["w"].dtype == torch.int8 and q["w" + SCALE].shape == (6,) and set(q) == {*state, "w" + SCALE,
-                                                                                       "zero" + SCALE}
+    assert (
+        q["w"].dtype == torch.int8 and q["w" + SCALE].shape == (6,) and set(q) == {*state, "w" + SCALE, "zero" + SCALE}
+    )
     from safetensors.torch import save_file
+
     tmp_path.mkdir(exist_ok=True)
     save_file(q, str(tmp_path / "model.safetensors"))
     back = read_tensors(tmp_path)

@@ -1,4 +1,5 @@
 """Finding trained heads: finished before unfinished, newest first; `specdec models list` shows them."""
+
 from __future__ import annotations
 
 import json
@@ -25,7 +26,7 @@ def test_finished_heads_come_first(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     old = _head(tmp_path, "a", "eagle3", "smollm2-135m", True, 1_000)
-    _head(tmp_path, "b", "eagle3", "smollm2-135m", False, 2_000)          # newer, but mid-training
+    _head(tmp_path, "b", "eagle3", "smollm2-135m", False, 2_000)  # newer, but mid-training
     newest = _head(tmp_path, "c", "eagle3", "/models/smollm2-135m", True, 3_000)  # a path: its last part counts
     _head(tmp_path, "d", "medusa", "smollm2-135m", True, 4_000)
     (tmp_path / "heads" / "broken").mkdir()
@@ -52,8 +53,14 @@ def test_plan_counts_the_heads_memory(smollm_dir, tmp_path):
 
     d = _head(tmp_path, "m", "medusa", "smollm2-135m", True, 1_000)
     save_file({"w": torch.zeros(10, 20), "b": torch.zeros(5)}, str(d / "model.safetensors"))
-    plan = make_plan(PlanInputs(model="smollm2-135m", spec_type="medusa,mtp", context=1024,
-                                drafter_options={"medusa_head": str(d), "mtp_head": str(tmp_path / "none")}))
+    plan = make_plan(
+        PlanInputs(
+            model="smollm2-135m",
+            spec_type="medusa,mtp",
+            context=1024,
+            drafter_options={"medusa_head": str(d), "mtp_head": str(tmp_path / "none")},
+        )
+    )
     assert plan.heads["medusa head weights"] == 205 * 4
     assert plan.heads["mtp head KV"] == 2 * 3 * 64 * 1024 * 4  # one layer: 3 KV heads x 64, K and V, fp32
     assert plan.heads["mtp head weights"] > 4 * 576 * 576
@@ -68,6 +75,10 @@ def test_server_drafts_with_every_head_at_concurrency(tiny_dir, tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
+    from test_eagle3 import random_head as eagle3_head
+    from test_medusa import random_heads
+    from test_mtp import random_head as mtp_head
+    from test_server import LiveServer
 
     import specdec
     from specdec.models.config import ModelConfig
@@ -75,31 +86,42 @@ def test_server_drafts_with_every_head_at_concurrency(tiny_dir, tmp_path):
     from specdec.models.medusa import save_heads
     from specdec.models.mtp import MtpConfig
     from specdec.models.mtp import save_head as save_mtp
-    from test_eagle3 import random_head as eagle3_head
-    from test_medusa import random_heads
-    from test_mtp import random_head as mtp_head
-    from test_server import LiveServer
 
     target = tiny_dir("llama", layers=3)
     save_eagle3(eagle3_head(target), tmp_path / "eagle3", {"kind": "eagle3", "target": "t"})
     save_heads(random_heads(target), tmp_path / "medusa", {"kind": "medusa", "target": "t"})
     cfg = MtpConfig.for_target(ModelConfig.from_file(target / "config.json"))
     save_mtp(mtp_head(cfg, scale=0.05), tmp_path / "mtp", str(target), {"kind": "mtp", "target": "t"})
-    llm = specdec.LLM(str(target), spec_type="eagle3", dtype="fp32", context=96, parallel=6, adaptive=False,
-                      draft_max=3, progress=False, eagle3_head=str(tmp_path / "eagle3"),
-                      medusa_head=str(tmp_path / "medusa"), mtp_head=str(tmp_path / "mtp"))
+    llm = specdec.LLM(
+        str(target),
+        spec_type="eagle3",
+        dtype="fp32",
+        context=96,
+        parallel=6,
+        adaptive=False,
+        draft_max=3,
+        progress=False,
+        eagle3_head=str(tmp_path / "eagle3"),
+        medusa_head=str(tmp_path / "medusa"),
+        mtp_head=str(tmp_path / "mtp"),
+    )
     llm.engine.stop_ids = set()
     prompts = ["t5 t9 t12 t5 t9 t12 t5 t9", "t33 t2 t71", "t8 " * 20 + "t4", "t1 t2 t3"]
     plain = {p: llm.generate(p, max_tokens=20, spec_type="none").text for p in prompts}
     kinds = ["eagle3", "medusa", "mtp", "mtp,suffix"]
     srv = LiveServer(llm, load_control=False)
     try:
+
         def one(i: int) -> tuple[str, str, dict]:
             p, kind = prompts[i % 4], kinds[i // 4 % 4]
-            r = httpx.post(srv.url + "/v1/completions", timeout=300,
-                           json={"prompt": p, "max_tokens": 20, "temperature": 0, "speculative": {"type": kind}})
+            r = httpx.post(
+                srv.url + "/v1/completions",
+                timeout=300,
+                json={"prompt": p, "max_tokens": 20, "temperature": 0, "speculative": {"type": kind}},
+            )
             assert r.status_code == 200, r.text
             return p, kind, r.json()
+
         drafted = dict.fromkeys(kinds, 0)
         with ThreadPoolExecutor(12) as ex:
             for p, kind, out in ex.map(one, range(16)):
@@ -122,8 +144,15 @@ def test_the_shipped_smollm_head_is_lossless_and_accepted(smollm_dir):
     assert m["kind"] == "eagle3" and m["target"] == "smollm2-135m" and m["command"] and m["data"]["rules"]
     assert sum(f.stat().st_size for f in head.iterdir()) <= 40e6
     assert any(h.shipped and h.path == head for h in list_heads())
-    llm = specdec.LLM("smollm2-135m", spec_type="eagle3", eagle3_head=str(head), dtype="fp32", adaptive=False,
-                      draft_max=3, progress=False)
+    llm = specdec.LLM(
+        "smollm2-135m",
+        spec_type="eagle3",
+        eagle3_head=str(head),
+        dtype="fp32",
+        adaptive=False,
+        draft_max=3,
+        progress=False,
+    )
     prompt = "Write a short story about a cat who learns to play the piano."
     plain = llm.generate(prompt, max_tokens=64, chat=True, spec_type="none")
     spec = llm.generate(prompt, max_tokens=64, chat=True)
@@ -134,8 +163,17 @@ def test_learning_curve_plot(tmp_path):
     from specdec.train.plots import plot_heads
 
     m = tmp_path / "manifest.json"
-    m.write_text(json.dumps({"kind": "eagle3", "target": "t", "training": {"hours": 0.1},
-                             "learning_curve": [[0, 1.0], [1000, 1.3]], "validation": {"accept": [0.3, 0.1]}}))
+    m.write_text(
+        json.dumps(
+            {
+                "kind": "eagle3",
+                "target": "t",
+                "training": {"hours": 0.1},
+                "learning_curve": [[0, 1.0], [1000, 1.3]],
+                "validation": {"accept": [0.3, 0.1]},
+            }
+        )
+    )
     out = plot_heads([m], tmp_path / "lc.png")
     assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
 
@@ -154,8 +192,9 @@ def test_the_shipped_qwen_coder_head_is_lossless_and_accepted():
     assert m["command"] and m["data"]["rules"]["deny_list_sha256"]
     assert sum(f.stat().st_size for f in head.iterdir()) <= 40e6
     assert any(h.shipped and h.path == head for h in list_heads())
-    llm = specdec.LLM("qwen2.5-coder-1.5b", spec_type="eagle3", eagle3_head=str(head), adaptive=False, draft_max=3,
-                      progress=False)
+    llm = specdec.LLM(
+        "qwen2.5-coder-1.5b", spec_type="eagle3", eagle3_head=str(head), adaptive=False, draft_max=3, progress=False
+    )
     prompt = "Explain what a hash map is and when to use one."
     plain = llm.generate(prompt, max_tokens=48, chat=True, spec_type="none")
     spec = llm.generate(prompt, max_tokens=48, chat=True)

@@ -2,6 +2,7 @@
 decode, chain verification, ragged batches and trees (logits and the K/V it writes), on a tiny mixed-type GGUF and
 on the real SmolLM2 pack; the Python path where the C layer does not apply; one arithmetic per token, however the
 prompt is chunked."""
+
 from __future__ import annotations
 
 import pytest
@@ -27,10 +28,12 @@ def _counting(monkeypatch, off: bool = False) -> list[int]:
     """Count the calls the C path took, one layer's or the whole stack's (or, off, make it decline every one)."""
     ran = []
     for cls in (LayerKernel, LayerStack):
+
         def counted(self, *args, run=cls.run):
             out = None if off else run(self, *args)
             ran.append(out is not None)
             return out
+
         monkeypatch.setattr(cls, "run", counted)
     return ran
 
@@ -40,10 +43,12 @@ def _steps(runner: ModelRunner) -> list:
     runner.prefill(PROMPT, 0)
     runner.prefill(PROMPT[:9], 1)
     n = len(PROMPT)
-    out = [runner.forward([[7]], [n], [0])[0],
-           runner.forward([[7, 5, 9, 14, 3]], [n], [0])[0],
-           *runner.forward([[7, 5], [3, 7, 5, 9]], [n, 9], [0, 1]),
-           runner.verify_tree(0, n, [7, 5, 9, 2, 4], [-1, 0, -1, 2])]
+    out = [
+        runner.forward([[7]], [n], [0])[0],
+        runner.forward([[7, 5, 9, 14, 3]], [n], [0])[0],
+        *runner.forward([[7, 5], [3, 7, 5, 9]], [n, 9], [0, 1]),
+        runner.verify_tree(0, n, [7, 5, 9, 2, 4], [-1, 0, -1, 2]),
+    ]
     return out + [t.clone() for t in runner.cache.k + runner.cache.v]
 
 
@@ -102,8 +107,10 @@ def _ragged(runner: ModelRunner, mode: str) -> list:
     n, chunks = len(PROMPT), [[7, 5, 9], [3], [1, 2, 3, 4, 5, 6]]
     starts = [n, 9, 5]
     if mode == "resume":
-        h = [torch.randn(len(c), runner.model.config.hidden_size, generator=torch.Generator().manual_seed(i))
-             for i, c in enumerate(chunks)]
+        h = [
+            torch.randn(len(c), runner.model.config.hidden_size, generator=torch.Generator().manual_seed(i))
+            for i, c in enumerate(chunks)
+        ]
         out = runner.forward(chunks, starts, [0, 1, 2], resume=h, resume_layer=1)
     elif mode == "last":
         out = runner.forward(chunks, starts, [0, 1, 2], last_only=True)
@@ -124,8 +131,11 @@ def test_ragged_chunks_one_row_each(tiny_gguf, monkeypatch, mode):
     shapes = []
     with monkeypatch.context() as mp:
         forward = type(model).forward
-        mp.setattr(type(model), "forward", lambda self, tokens, *a, **k: shapes.append(tuple(tokens.shape))
-                   or forward(self, tokens, *a, **k))
+        mp.setattr(
+            type(model),
+            "forward",
+            lambda self, tokens, *a, **k: shapes.append(tuple(tokens.shape)) or forward(self, tokens, *a, **k),
+        )
         flat = _ragged(ModelRunner(model, num_slots=3, context=64), mode)
     assert shapes[-1] == (10, 1)
     monkeypatch.setattr(type(model), "layers_in_c", lambda self, rows: False)

@@ -1,4 +1,5 @@
 """`--llama-server auto`: CPU flags, cache key, missing tools, finished marker; no real build (fake cmake)."""
+
 from __future__ import annotations
 
 import json
@@ -42,16 +43,30 @@ def test_avx2_only_cpu():
     o = opts(ZEN3)
     assert o["GGML_NATIVE"] == "OFF"
     assert all(o[k] == "ON" for k in ("GGML_AVX", "GGML_AVX2", "GGML_FMA", "GGML_F16C", "GGML_BMI2", "GGML_SSE42"))
-    assert all(o[k] == "OFF" for k in ("GGML_AVX_VNNI", "GGML_AVX512", "GGML_AVX512_VBMI", "GGML_AVX512_VNNI",
-                                       "GGML_AVX512_BF16"))
+    assert all(
+        o[k] == "OFF"
+        for k in ("GGML_AVX_VNNI", "GGML_AVX512", "GGML_AVX512_VBMI", "GGML_AVX512_VNNI", "GGML_AVX512_BF16")
+    )
     assert all(o[k] == "OFF" for k in lb.AMX_OFF)
 
 
 def test_avx512_cpu_keeps_amx_off():
     o = opts(SPR)
     assert o["GGML_NATIVE"] == "OFF"
-    assert all(o[k] == "ON" for k in ("GGML_AVX2", "GGML_FMA", "GGML_F16C", "GGML_BMI2", "GGML_AVX_VNNI",
-                                      "GGML_AVX512", "GGML_AVX512_VBMI", "GGML_AVX512_VNNI", "GGML_AVX512_BF16"))
+    assert all(
+        o[k] == "ON"
+        for k in (
+            "GGML_AVX2",
+            "GGML_FMA",
+            "GGML_F16C",
+            "GGML_BMI2",
+            "GGML_AVX_VNNI",
+            "GGML_AVX512",
+            "GGML_AVX512_VBMI",
+            "GGML_AVX512_VNNI",
+            "GGML_AVX512_BF16",
+        )
+    )
     assert all(o[k] == "OFF" for k in ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16"))
     assert "-DGGML_NATIVE=ON" not in lb.cmake_cpu_options(SPR, machine="x86_64")
 
@@ -206,8 +221,9 @@ def test_bench_llama_server_auto(monkeypatch, methods, built):
 
     monkeypatch.setattr(lb, "ensure_llama_server", lambda: Path("/cache/llama-server"))
     monkeypatch.setattr(api, "build_llm", fake_build_llm)
-    a = cli.make_parser().parse_args(["bench", "--quick", "--llama-server", "auto", "--methods", methods,
-                                      "-m", "x.gguf", "-t", "1"])
+    a = cli.make_parser().parse_args(
+        ["bench", "--quick", "--llama-server", "auto", "--methods", methods, "-m", "x.gguf", "-t", "1"]
+    )
     with pytest.raises(_Stop):
         run_bench(a)
     assert seen["llama_server"] == ("/cache/llama-server" if built else "auto")

@@ -11,6 +11,7 @@ check) and, on the triples, total variation below `tv_bound` (1.4x what exact sa
 and tree (q surer than p: where a biased rule shows most) run 20,000 times; every other configuration 8,000.
 Negative controls: verifiers biased only past the second drafted token must fail the same check, on tokens 4-6.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -20,8 +21,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from conftest import untrained_spec_types, word_tokenizer
+
 from specdec.drafters import REGISTRY, BuildContext, build_drafter
 from specdec.drafters.chain import ChainDrafter
 from specdec.drafters.draft_model import DraftModelDrafter
@@ -33,15 +34,15 @@ from specdec.runtime.runner import Features
 from specdec.sampling import SamplingParams, probs_from_logits, sample
 from specdec.verify import verify_tree_sampling
 
-V = 6                      # token 0 is EOS and never drawn; 1..5 cycle 1 -> 2 -> ... -> 5 -> 1
+V = 6  # token 0 is EOS and never drawn; 1..5 cycle 1 -> 2 -> ... -> 5 -> 1
 PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]
 RUNS = 20_000
-RUNS_MATRIX = 8_000        # the other configurations: the same test at a 1.6x wider bound, 2.5x cheaper
-BATCH = 500                # sequences stepped together
-MAX_TOKENS = 6             # the first output token is the prefill's; drafts cover tokens 2..6
-DRAFT_MAX = 4              # so tokens 4..6 are often a later verify step's, or a chain's third or fourth draft
+RUNS_MATRIX = 8_000  # the other configurations: the same test at a 1.6x wider bound, 2.5x cheaper
+BATCH = 500  # sequences stepped together
+MAX_TOKENS = 6  # the first output token is the prefill's; drafts cover tokens 2..6
+DRAFT_MAX = 4  # so tokens 4..6 are often a later verify step's, or a chain's third or fourth draft
 P_MIN = 0.5
-ALPHA = 1e-3               # the chance that exact samples fail one configuration's check (all its windows together)
+ALPHA = 1e-3  # the chance that exact samples fail one configuration's check (all its windows together)
 
 
 def _table(seed: int, sure: float, noise: float) -> torch.Tensor:
@@ -55,8 +56,8 @@ def _table(seed: int, sure: float, noise: float) -> torch.Tensor:
     return t
 
 
-TARGET = _table(0, sure=2.0, noise=1.0)   # p(next in cycle) 0.3-0.86
-DRAFT = _table(1, sure=2.5, noise=0.5)    # q(next in cycle) 0.55-0.9: often above P_MIN, the rest below
+TARGET = _table(0, sure=2.0, noise=1.0)  # p(next in cycle) 0.3-0.86
+DRAFT = _table(1, sure=2.5, noise=0.5)  # q(next in cycle) 0.55-0.9: often above P_MIN, the rest below
 
 
 class MarkovRunner:
@@ -86,7 +87,7 @@ class MarkovRunner:
         out = []
         for c, s, slot in zip(chunks, starts, slots):
             rows = self._rows(slot, s, c)
-            self.hist[slot, s:s + len(c)] = torch.tensor(c)
+            self.hist[slot, s : s + len(c)] = torch.tensor(c)
             out.append(rows[-1:] if last_only else rows)
         if self.capture is not None:
             self.features = [Features(torch.zeros(len(c), 0, 1), torch.zeros(len(c), 1)) for c in chunks]
@@ -135,8 +136,14 @@ def tokenizer(tmp_path_factory) -> Tokenizer:
     return Tokenizer(d)
 
 
-def _drafter(spec: str, p_min: float = P_MIN, branch_p: float = 0.0, mode: str = "first",
-             target: MarkovRunner | None = None, vocab: int = V):
+def _drafter(
+    spec: str,
+    p_min: float = P_MIN,
+    branch_p: float = 0.0,
+    mode: str = "first",
+    target: MarkovRunner | None = None,
+    vocab: int = V,
+):
     """`vocab`: the draft model's logits cover token ids below it only (`--draft-vocab`)."""
     parts = spec.split(",")
     if len(parts) > 1:
@@ -151,15 +158,17 @@ def _drafter(spec: str, p_min: float = P_MIN, branch_p: float = 0.0, mode: str =
 
 
 def _engine(tokenizer: Tokenizer) -> Engine:
-    engine = Engine(MarkovRunner(TARGET, BATCH), tokenizer, SpecConfig(draft_max=DRAFT_MAX, adaptive=True),
-                    clock=TickClock())
+    engine = Engine(
+        MarkovRunner(TARGET, BATCH), tokenizer, SpecConfig(draft_max=DRAFT_MAX, adaptive=True), clock=TickClock()
+    )
     engine.cost.verify_s = {k: 1.0 + 0.05 * min(k, 6) for k in range(1, BATCH + 1)}  # every batch's plain cost known
     engine.cost.ema, engine.cost.smooth = 0.0, False  # costs stay as set: deterministic adaptive lengths
     return engine
 
 
-def run_engine(engine: Engine, drafter, params: SamplingParams, runs: int = RUNS,
-               seeds: bool = False) -> dict[int, tuple[int, ...]]:
+def run_engine(
+    engine: Engine, drafter, params: SamplingParams, runs: int = RUNS, seeds: bool = False
+) -> dict[int, tuple[int, ...]]:
     """Run index -> its MAX_TOKENS output tokens. `seeds`: run i has seed i (the seeded path); otherwise
     run i samples from its own generator seeded with i (rejection sampling, reproducible)."""
     out: dict[int, tuple[int, ...]] = {}
@@ -219,8 +228,11 @@ def fit(samples: list[tuple[int, ...]], want: dict[tuple[int, ...], float]) -> t
     if exp[-1] < 5:  # nothing (or almost nothing) to pool
         obs, exp = obs[:-1], exp[:-1]
     stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
-    p_value = float(torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2, dtype=torch.float64),
-                                            torch.tensor(stat / 2, dtype=torch.float64)))
+    p_value = float(
+        torch.special.gammaincc(
+            torch.tensor((len(obs) - 1) / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)
+        )
+    )
     tv = 0.5 * sum(abs(counts[c] / n - p) for c, p in want.items())
     return p_value, tv
 
@@ -234,18 +246,19 @@ def tv_bound(want: dict[tuple[int, ...], float], n: int) -> float:
 
 T1 = SamplingParams(temperature=1.0)
 CONFIGS = [(t, T1, {}) for t in untrained_spec_types() if t != "none"] + [
-    ("draft", T1, {"branch_p": 0.95}),                                    # tree from the draft model
-    ("ngram-mod,draft", T1, {}),                                          # chain, first non-empty draft
-    ("suffix-tree,draft", T1, {"mode": "gain", "branch_p": 0.95}),        # chain by expected gain, tree members
+    ("draft", T1, {"branch_p": 0.95}),  # tree from the draft model
+    ("ngram-mod,draft", T1, {}),  # chain, first non-empty draft
+    ("suffix-tree,draft", T1, {"mode": "gain", "branch_p": 0.95}),  # chain by expected gain, tree members
     ("draft", SamplingParams(temperature=1.0, top_p=0.9), {"branch_p": 0.95}),
     ("suffix,draft", SamplingParams(temperature=1.0, top_k=5), {"mode": "gain"}),
-    ("draft", T1, {"vocab": 4}),                                          # reduced draft vocabulary: 4, 5 never drafted
+    ("draft", T1, {"vocab": 4}),  # reduced draft vocabulary: 4, 5 never drafted
 ]
 FULL = {("draft", ()), ("draft", ("branch_p",))}  # (spec, options) run RUNS times at T 1; the rest RUNS_MATRIX
 
 
-@pytest.mark.parametrize("spec,params,opts", CONFIGS,
-                         ids=[f"{s}-{p.top_p}-{p.top_k}-{'-'.join(o)}" for s, p, o in CONFIGS])
+@pytest.mark.parametrize(
+    "spec,params,opts", CONFIGS, ids=[f"{s}-{p.top_p}-{p.top_k}-{'-'.join(o)}" for s, p, o in CONFIGS]
+)
 def test_engine_sampling_matches_plain(tokenizer, spec, params, opts):
     runs = RUNS if params is T1 and (spec, tuple(opts)) in FULL else RUNS_MATRIX
     engine = _engine(tokenizer)
@@ -285,24 +298,28 @@ def _depths(parents: list[int]) -> list[int]:
 def q_read_small(boost: float, past: int):
     """`verify_tree_sampling` reading the draft's probabilities `boost` times too small at nodes `past` or more drafts
     deep: there a drafted token is accepted with probability min(1, boost p/q), and the residual is off too."""
+
     def verify(tokens, parents, draft_probs, *args, **kw):
         deep = [i for i, d in enumerate(_depths(parents)) if d >= past]
         if draft_probs is not None and deep:
             draft_probs = draft_probs.clone()
             draft_probs[deep] /= boost
         return verify_tree_sampling(tokens, parents, draft_probs, *args, **kw)
+
     return verify
 
 
 def no_residual(past: int):
     """`verify_tree_sampling` that, where it rejects the drafts after `past` or more accepted ones, draws the target's
     token from p itself instead of the residual norm(max(p - q, 0))."""
+
     def verify(tokens, parents, draft_probs, target_logits, params, generator, relax=None):
         new, path = verify_tree_sampling(tokens, parents, draft_probs, target_logits, params, generator, relax)
         at = path[-1] if path else -1
         if len(path) >= past and at in parents:  # the last accepted node had children: all rejected
-            new[-1] = int(sample(probs_from_logits(target_logits[at + 1:at + 2], params), generator)[0])
+            new[-1] = int(sample(probs_from_logits(target_logits[at + 1 : at + 2], params), generator)[0])
         return new, path
+
     return verify
 
 

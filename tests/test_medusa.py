@@ -1,6 +1,7 @@
 """Medusa heads: lossless with any head (greedy identical in fp32 for chains and trees, sampling distributed as
 plain through the engine), vLLM and TGI layouts load to the same heads, the head for a target is found, best-first
 trees, and training lowers the loss."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -9,20 +10,21 @@ from functools import partial
 
 import pytest
 import torch
+from conftest import head_llm, make_tiny, randomize
 from safetensors.torch import load_file, save_file
+from test_eagle3 import HEAD_RUNS, PROMPTS, V, engine_fit
+from test_train_data import _build, chat_dir, rules  # noqa: F401 (fixtures)
 
 import specdec
-from conftest import head_llm, make_tiny, randomize
 from specdec.drafters.medusa import best_first_tree, chain, find_head
 from specdec.models.loader import load_checkpoint
 from specdec.models.medusa import MedusaConfig, MedusaHeads, load_heads, save_heads
 from specdec.train.medusa import MedusaTrainer, TrainConfig, gather, head_losses
-from test_eagle3 import HEAD_RUNS, PROMPTS, V, engine_fit
-from test_train_data import _build, chat_dir, rules  # noqa: F401 (fixtures)
 
 
-def random_heads(target_dir, seed: int = 0, scale: float = 0.3, skip: int = 5, num_heads: int = 3,
-                 num_layers: int = 1) -> MedusaHeads:
+def random_heads(
+    target_dir, seed: int = 0, scale: float = 0.3, skip: int = 5, num_heads: int = 3, num_layers: int = 1
+) -> MedusaHeads:
     """Random heads for the checkpoint in `target_dir`, the draft vocabulary all but the first `skip` ids."""
     model, _ = load_checkpoint(target_dir, torch.float32)
     c = model.config
@@ -52,8 +54,9 @@ def test_sampling_through_the_engine_matches_plain(tmp_path):
     tree verification Medusa's trees use is covered by the EAGLE-3 and n-gram tree tests, one forward per tree."""
     target = make_tiny(tmp_path / "t", "llama", seed=3, layers=3, vocab=V)
     save_heads(random_heads(target, seed=1, scale=1.0, skip=2), tmp_path / "head", {"kind": "medusa", "target": "t"})
-    drafted, p_value, tv, bound = engine_fit(target, spec_type="medusa", medusa_head=str(tmp_path / "head"),
-                                             medusa_topk=1)
+    drafted, p_value, tv, bound = engine_fit(
+        target, spec_type="medusa", medusa_head=str(tmp_path / "head"), medusa_topk=1
+    )
     assert drafted > HEAD_RUNS and p_value > 1e-3 and tv < bound, (drafted, p_value, tv)
 
 
@@ -106,8 +109,9 @@ def test_tgi_layout_loads(tiny_dir, tmp_path):
             state[f"{i}.{j}.linear.bias"] = heads.blocks[i].layers[j].bias.detach().clone()
         state[f"{i}.2.weight"] = heads.lm_heads[i].weight.detach().clone()
     save_file(state, str(tgi / "medusa_lm_head.safetensors"))
-    (tgi / "config.json").write_text(json.dumps({"medusa_num_heads": 3, "medusa_num_layers": 2,
-                                                 "base_model_name_or_path": "tiny"}))
+    (tgi / "config.json").write_text(
+        json.dumps({"medusa_num_heads": 3, "medusa_num_layers": 2, "base_model_name_or_path": "tiny"})
+    )
     _same(heads, load_heads(tgi))
 
 
@@ -117,13 +121,19 @@ def test_vllm_shared_lm_head_and_no_bias(tiny_dir, tmp_path):
         for i in range(3):
             heads.blocks[i].layers[0].bias.zero_()
             heads.lm_heads[i].weight.copy_(heads.lm_heads[0].weight)
-    state = {k: v for k, v in heads.state_dict().items() if "bias" not in k and k != "token_map"
-             and not k.startswith(("lm_heads.1", "lm_heads.2"))}
+    state = {
+        k: v
+        for k, v in heads.state_dict().items()
+        if "bias" not in k and k != "token_map" and not k.startswith(("lm_heads.1", "lm_heads.2"))
+    }
     d = tmp_path / "shared"
     d.mkdir()
     save_file(state, str(d / "model.safetensors"))
-    (d / "config.json").write_text(json.dumps({"num_heads": 3, "num_hidden_layers": 1, "original_lm_head": True,
-                                               "hidden_size": 64, "vocab_size": 96}))
+    (d / "config.json").write_text(
+        json.dumps(
+            {"num_heads": 3, "num_hidden_layers": 1, "original_lm_head": True, "hidden_size": 64, "vocab_size": 96}
+        )
+    )
     _same(heads, load_heads(d))
 
 
@@ -136,8 +146,9 @@ def test_auto_finds_the_targets_heads(tiny_dir, tmp_path, monkeypatch):
     assert find_head(str(target), "medusa", "--spec-medusa-head") == tmp_path / "heads" / "medusa-tiny"
     with pytest.raises(specdec.SpecdecError, match="no medusa head"):
         find_head("other", "medusa", "--spec-medusa-head")
-    llm = specdec.LLM(str(target), spec_type="medusa", dtype="fp32", context=64, progress=False,
-                      adaptive=False)  # fixed draft lengths: an adaptive one may draft nothing
+    llm = specdec.LLM(
+        str(target), spec_type="medusa", dtype="fp32", context=64, progress=False, adaptive=False
+    )  # fixed draft lengths: an adaptive one may draft nothing
     r = llm.generate(PROMPTS[0], max_tokens=8)
     assert r.token_ids == llm.generate(PROMPTS[0], max_tokens=8, spec_type="none").token_ids
     assert r.stats.drafted > 0, r.stats  # drafted only: random heads
@@ -145,15 +156,16 @@ def test_auto_finds_the_targets_heads(tiny_dir, tmp_path, monkeypatch):
 
 def test_heads_for_another_target_are_refused(tiny_dir, tmp_path):
     save_heads(random_heads(tiny_dir("qwen3", layers=3)), tmp_path / "head")
-    (tmp_path / "head" / "config.json").write_text(json.dumps({**json.loads((tmp_path / "head" / "config.json")
-                                                                            .read_text()), "vocab_size": 200}))
+    (tmp_path / "head" / "config.json").write_text(
+        json.dumps({**json.loads((tmp_path / "head" / "config.json").read_text()), "vocab_size": 200})
+    )
     with pytest.raises(specdec.SpecdecError, match="another target"):
         _llm(tiny_dir("llama", layers=3), tmp_path / "head", context=64)
 
 
 def test_chain_and_best_first_tree():
-    assert chain([0.9, 0.5, 0.5], [7, 8, 9], 5, 0.3).tokens == [7, 8]        # 0.9, 0.45, then 0.225 < 0.3
-    assert chain([0.1, 0.9], [7, 8], 5, 0.5).tokens == [7]                   # the first token always
+    assert chain([0.9, 0.5, 0.5], [7, 8, 9], 5, 0.3).tokens == [7, 8]  # 0.9, 0.45, then 0.225 < 0.3
+    assert chain([0.1, 0.9], [7, 8], 5, 0.5).tokens == [7]  # the first token always
     probs, ids = [[0.6, 0.25], [0.5, 0.4], [0.9, 0.1]], [[1, 2], [3, 4], [5, 6]]
     d = best_first_tree(probs, ids, 5, 0.0)
     # 1 (.6), 1>3 (.3), 1>3>5 (.27), 2 (.25), 1>4 (.24)
@@ -177,8 +189,18 @@ def _train_loss(trainer: MedusaTrainer) -> float:
 @pytest.mark.parametrize("labels", ["soft", "hard"])
 def test_training_lowers_the_loss_and_resumes(chat_dir, rules, tmp_path, labels):
     cache = _build(chat_dir, rules, tmp_path / "cache", n=12, max_new_tokens=24)
-    cfg = TrainConfig(num_heads=2, draft_vocab=64, labels=labels, epochs=3, lr=1e-2, max_len=32, batch_tokens=64,
-                      autocast="fp32", val_share=0.25, progress=False)
+    cfg = TrainConfig(
+        num_heads=2,
+        draft_vocab=64,
+        labels=labels,
+        epochs=3,
+        lr=1e-2,
+        max_len=32,
+        batch_tokens=64,
+        autocast="fp32",
+        val_share=0.25,
+        progress=False,
+    )
     trainer = MedusaTrainer(str(chat_dir), cache, tmp_path / "heads", cfg, command="test")
     before = _train_loss(trainer)
     m = trainer.run()

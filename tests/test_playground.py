@@ -5,6 +5,7 @@ and the chart update, compare mode shows two identical answers, the tooltip expl
 shows the 429 message.
 
 Set SPECDEC_PLAYGROUND_PNG=docs/playground.png to refresh the README's screenshot."""
+
 import json
 import os
 import shutil
@@ -31,9 +32,11 @@ PROMPT = "List the numbers from 1 to 30, separated by commas."
 
 try:
     import selenium  # noqa: F401
+
     SELENIUM = True
 except ImportError:
     SELENIUM = False
+
 
 class _Fixed(Drafter):
     """Always drafts `tokens` (none: an empty draft)."""
@@ -46,7 +49,7 @@ class _Fixed(Drafter):
 
 
 def test_chain_drafts_name_the_member_that_drafted_them():
-    seq = Sequence([1, 2, 3], 3, slot=0, params=SamplingParams())
+    seq = Sequence([1, 2, 3], 3, 0, SamplingParams())
     for mode in ("first", "gain"):
         chain = ChainDrafter([_Fixed("empty", []), _Fixed("fixed", [4, 5])], mode)
         assert chain.propose(seq, 8).source == "fixed"
@@ -74,15 +77,23 @@ def _events(url: str, body: dict) -> list[dict]:
 
 def test_trace_extension_only_when_asked_and_consistent_with_the_stats(tiny_dir):
     """Synthetic drafts (accepted at 0.8 per position, forced) give accepted drafts, corrections and bonus tokens."""
-    llm = specdec.LLM(str(tiny_dir("llama")), spec_type="synthetic", dtype="fp32", context=64, parallel=1,
-                      adaptive=False, progress=False)
+    llm = specdec.LLM(
+        str(tiny_dir("llama")),
+        spec_type="synthetic",
+        dtype="fp32",
+        context=64,
+        parallel=1,
+        adaptive=False,
+        progress=False,
+    )
     llm.engine.stop_ids = set()  # a random model: no early end
     srv = ServerThread(create_app(llm, Scheduler(llm.engine, 1), ServerConfig("m", SamplingParams(max_tokens=16))))
     try:
         body = {"prompt": "t5 t6 t7 t8", "max_tokens": 40, "stream": True}
         plain, traced = _events(srv.url, body), _events(srv.url, {**body, "specdec_trace": True})
-        whole = httpx.post(srv.url + "/v1/completions", json={**body, "stream": False, "specdec_trace": True},
-                           timeout=120).json()
+        whole = httpx.post(
+            srv.url + "/v1/completions", json={**body, "stream": False, "specdec_trace": True}, timeout=120
+        ).json()
     finally:
         srv.close()
     assert not any("specdec_trace" in e for e in plain)
@@ -107,12 +118,22 @@ def _check_trace(trace: list[dict], final: dict) -> None:
 def test_per_request_drafter_options(tiny_dir):
     """`speculative.options`: model-free drafters' numeric options per request (own drafter instance, output
     unchanged); a draft model's or a text option, an option of another type and a bad value are 400s."""
-    llm = specdec.LLM(str(tiny_dir("llama")), spec_type="ngram-simple", dtype="fp32", context=64, parallel=1,
-                      adaptive=False, progress=False)
+    llm = specdec.LLM(
+        str(tiny_dir("llama")),
+        spec_type="ngram-simple",
+        dtype="fp32",
+        context=64,
+        parallel=1,
+        adaptive=False,
+        progress=False,
+    )
     llm.engine.stop_ids = set()
     srv = ServerThread(create_app(llm, Scheduler(llm.engine, 1), ServerConfig("m", SamplingParams(max_tokens=16))))
-    post = lambda spec: httpx.post(srv.url + "/v1/completions", timeout=60, json={  # noqa: E731
-        "prompt": "t8 " * 10 + "t4", "max_tokens": 24, "speculative": spec})  # its answer repeats: drafts accepted
+
+    def post(spec):  # its answer repeats: drafts accepted
+        body = {"prompt": "t8 " * 10 + "t4", "max_tokens": 24, "speculative": spec}
+        return httpx.post(srv.url + "/v1/completions", timeout=60, json=body)
+
     try:
         plain, loose = post(False), post({"options": {"ngram_n": 1, "ngram_m": 3}})
         assert loose.status_code == 200 and loose.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
@@ -122,10 +143,12 @@ def test_per_request_drafter_options(tiny_dir):
         for m in range(1, 41):  # a bounded number of per-request drafters is kept
             llm.drafter_for("ngram-simple", None, {"ngram_m": m})
         assert sum(1 for key in llm._drafters if key[2]) == specdec.api.OPTION_DRAFTERS
-        for spec, needle in (({"type": "draft", "options": {"draft_p_min": 0.5}}, "only for model-free"),
-                             ({"options": {"suffix_factor": 2}}, "not a per-request option of ngram-simple"),
-                             ({"type": "suffix", "options": {"ngram_n": 2}}, "not a per-request option of suffix"),
-                             ({"options": {"ngram_n": 0}}, "ngram_n must be >= 1")):
+        for spec, needle in (
+            ({"type": "draft", "options": {"draft_p_min": 0.5}}, "only for model-free"),
+            ({"options": {"suffix_factor": 2}}, "not a per-request option of ngram-simple"),
+            ({"type": "suffix", "options": {"ngram_n": 2}}, "not a per-request option of suffix"),
+            ({"options": {"ngram_n": 0}}, "ngram_n must be >= 1"),
+        ):
             r = post(spec)
             assert r.status_code == 400 and needle in r.json()["error"]["message"], (spec, r.text)
     finally:
@@ -135,8 +158,15 @@ def test_per_request_drafter_options(tiny_dir):
 @pytest.fixture(scope="module")
 def server(smollm_dir):
     """SmolLM2-135M (fp32) behind an API key, one slot and no queue (so a second request gets 429)."""
-    llm = specdec.LLM(str(smollm_dir), spec_type="ngram-simple,suffix", dtype="fp32", context=512, parallel=1,
-                      adaptive=False, progress=False)  # fixed draft lengths: an adaptive one may draft nothing
+    llm = specdec.LLM(
+        str(smollm_dir),
+        spec_type="ngram-simple,suffix",
+        dtype="fp32",
+        context=512,
+        parallel=1,
+        adaptive=False,
+        progress=False,
+    )  # fixed draft lengths: an adaptive one may draft nothing
     scheduler = Scheduler(llm.engine, 1, max_queue=0)
     srv = ServerThread(create_app(llm, scheduler, ServerConfig("smollm2-135m", SamplingParams(max_tokens=48), (KEY,))))
     yield srv
@@ -173,8 +203,11 @@ def _send(driver, wait, prompt: str) -> None:
 
 
 @pytest.mark.real
-@pytest.mark.skipif(not (CHROMIUM and DRIVER), reason="needs Chromium and chromedriver (apt-get install chromium "
-                    "chromium-driver; scripts/test.sh does where apt is available)")
+@pytest.mark.skipif(
+    not (CHROMIUM and DRIVER),
+    reason="needs Chromium and chromedriver (apt-get install chromium "
+    "chromium-driver; scripts/test.sh does where apt is available)",
+)
 @pytest.mark.skipif(not SELENIUM, reason="needs selenium (pip install selenium)")
 def test_playground_streams_colours_compares_and_reports_busy(server, browser, tmp_path):
     from selenium.webdriver.common.action_chains import ActionChains
@@ -197,8 +230,10 @@ def test_playground_streams_colours_compares_and_reports_busy(server, browser, t
     assert len(tokens) > 10 and d.find_elements(By.CSS_SELECTOR, ".tok.draft")  # accepted drafts are coloured
     for stat in ("stat-tps", "stat-acc", "stat-mal", "stat-dps"):
         assert d.find_element(By.ID, stat).text not in ("", "-"), stat
-    assert d.execute_script("const c = document.getElementById('chart'); return c.getContext('2d')"
-                            ".getImageData(30, 0, c.width - 30, c.height - 17).data.some((v, i) => i % 4 == 3 && v)")
+    assert d.execute_script(
+        "const c = document.getElementById('chart'); return c.getContext('2d')"
+        ".getImageData(30, 0, c.width - 30, c.height - 17).data.some((v, i) => i % 4 == 3 && v)"
+    )
 
     d.find_element(By.ID, "compare").click()
     _send(d, wait, "Write them again, in the same way.")
@@ -242,12 +277,14 @@ def _busy_message(d, wait, url: str) -> None:
 
     def hold():
         body = {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 400, "stream": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120,
-                          headers={"Authorization": f"Bearer {KEY}"}) as r:
+        with httpx.stream(
+            "POST", url + "/v1/completions", json=body, timeout=120, headers={"Authorization": f"Bearer {KEY}"}
+        ) as r:
             for _ in r.iter_lines():
                 started.set()
                 if release.is_set():
                     break
+
     holder = threading.Thread(target=hold)
     holder.start()
     try:

@@ -3,9 +3,11 @@ without the cache is identical (plain, draft model, suffix, suffix-tree; tiny mo
 budget holds (LRU eviction); a block in use or with cached children is never evicted; drafters that read target
 features prefill every prompt token; the server counts hits; the draft model drafts a step's sequences in one
 ragged forward and stays lossless at concurrency."""
+
 import httpx
 import pytest
 import torch
+from test_scheduler import _run
 
 import specdec
 from specdec.drafters.base import Draft, Drafter
@@ -16,8 +18,6 @@ from specdec.runtime.runner import FeatureSpec
 from specdec.sampling import SamplingParams
 from specdec.server.app import ServerConfig, create_app
 from specdec.server.serve import ServerThread
-
-from test_scheduler import _run
 
 DOC = " ".join(f"t{(i * 7) % 90 + 3}" for i in range(70))  # a shared 70-token "document"
 PROMPTS = [DOC + " t5 t6", DOC + " t8 t9 t10", DOC + " t5 t6 t44 t45", "t11 t12 t13", DOC[:200] + " t2"]
@@ -62,8 +62,15 @@ def test_salts_keep_prefixes_apart_and_parents_outlive_children():
 
 
 def _tiny_llm(tiny_dir, **kw):
-    llm = specdec.LLM(str(tiny_dir("llama")), draft=str(tiny_dir("llama", seed=1, layers=1)), spec_type="none",
-                      dtype="fp32", context=128, progress=False, **kw)
+    llm = specdec.LLM(
+        str(tiny_dir("llama")),
+        draft=str(tiny_dir("llama", seed=1, layers=1)),
+        spec_type="none",
+        dtype="fp32",
+        context=128,
+        progress=False,
+        **kw,
+    )
     llm.engine.stop_ids = set()
     return llm
 
@@ -85,8 +92,10 @@ def test_tiny_greedy_equal_with_and_without_the_cache(tiny_dir, spec):
     assert st.hits >= 5 and st.tokens_saved >= 4 * 4 * BLOCK
     if spec == "draft":
         assert cached.prefix_cache.stats["draft"].hits >= 3
-    assert all(b.refs == sum(c.parent is b for c in cached.prefix_cache.blocks.values())
-               for b in cached.prefix_cache.blocks.values())  # nothing held once every sequence ended
+    assert all(
+        b.refs == sum(c.parent is b for c in cached.prefix_cache.blocks.values())
+        for b in cached.prefix_cache.blocks.values()
+    )  # nothing held once every sequence ended
 
 
 def test_tiny_eviction_keeps_the_budget_and_the_output(tiny_dir):
@@ -103,6 +112,7 @@ def test_tiny_eviction_keeps_the_budget_and_the_output(tiny_dir):
 
 class _Reader(Drafter):
     """Drafts nothing; counts the target feature rows it is handed (a stand-in for EAGLE-3 / MTP / Medusa)."""
+
     name = "reader"
     features = FeatureSpec(())
 
@@ -169,11 +179,16 @@ def test_server_counts_hits_and_cache_prompt_false_skips_the_cache(tiny_dir):
     sched = Scheduler(llm.engine, 2)
     srv = ServerThread(create_app(llm, sched, ServerConfig("m", SamplingParams(max_tokens=8), ())))
     try:
+
         def ask(**extra):
-            r = httpx.post(srv.url + "/v1/completions", timeout=60, json={"prompt": DOC + " t5", "max_tokens": 4,
-                                                                           "temperature": 0, **extra})
+            r = httpx.post(
+                srv.url + "/v1/completions",
+                timeout=60,
+                json={"prompt": DOC + " t5", "max_tokens": 4, "temperature": 0, **extra},
+            )
             assert r.status_code == 200, r.text
             return r.json()
+
         first, second, off = ask(), ask(), ask(cache_prompt=False)
         assert first["choices"][0]["text"] == second["choices"][0]["text"] == off["choices"][0]["text"]
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
@@ -190,14 +205,23 @@ def test_server_counts_hits_and_cache_prompt_false_skips_the_cache(tiny_dir):
 
 @pytest.mark.real
 def test_smollm_greedy_equal_with_and_without_the_cache(smollm_dir):
-    kw = dict(draft=str(smollm_dir), draft_quant="int8", dtype="fp32", context=384, progress=False, adaptive=False,
-              draft_max=4)
+    kw = dict(
+        draft=str(smollm_dir),
+        draft_quant="int8",
+        dtype="fp32",
+        context=384,
+        progress=False,
+        adaptive=False,
+        draft_max=4,
+    )
     plain = specdec.LLM(str(smollm_dir), spec_type="none", **kw)
     cached = specdec.LLM(str(smollm_dir), spec_type="none", cache_mb=64, **kw)
     plain.engine.stop_ids = cached.engine.stop_ids = set()  # every answer runs its 12 tokens
-    doc = ("The Hubble Space Telescope was launched into low Earth orbit in 1990 and remains in operation. It was "
-           "not the first space telescope, but it is one of the largest and most versatile, renowned both as a vital "
-           "research tool and as a public relations boon for astronomy. ")
+    doc = (
+        "The Hubble Space Telescope was launched into low Earth orbit in 1990 and remains in operation. It was "
+        "not the first space telescope, but it is one of the largest and most versatile, renowned both as a vital "
+        "research tool and as a public relations boon for astronomy. "
+    )
     questions = ["When was it launched?", "Is it still working?", "Why is it famous?"]
     for spec in ("none", "draft", "suffix-tree"):
         drafted = accepted = 0
@@ -221,9 +245,39 @@ def test_bench_serve_rag_and_multi_turn_with_and_without_the_cache(smollm_dir, t
     work = tmp_path / "w.jsonl"
     work.write_text(json.dumps({"id": "c", "category": "chat", "turns": ["Say hi.", "Say bye."]}) + "\n")
     out = tmp_path / "serve"
-    assert main(["bench", "serve", "-m", str(smollm_dir), "--dtype", "fp32", "-c", "1024", "--spec-type", "suffix",
-                 "--concurrency", "1", "--requests", "2", "-n", "3", "--workload", f"rag,{work}", "--per-category", "1",
-                 "--modes", "on,on-nocache", "--cache-mb", "64", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "serve",
+                "-m",
+                str(smollm_dir),
+                "--dtype",
+                "fp32",
+                "-c",
+                "1024",
+                "--spec-type",
+                "suffix",
+                "--concurrency",
+                "1",
+                "--requests",
+                "2",
+                "-n",
+                "3",
+                "--workload",
+                f"rag,{work}",
+                "--per-category",
+                "1",
+                "--modes",
+                "on,on-nocache",
+                "--cache-mb",
+                "64",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     runs = {r["mode"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
     reqs = runs["on"]["requests"]
     assert [(r["index"], r["turn"]) for r in reqs] == [(0, 0), (1, 0), (1, 1)] and runs["on"]["errors"] == 0
@@ -237,12 +291,13 @@ def test_plan_counts_the_cache_budget(tiny_dir):
     def ram(mb: int) -> int:
         p = make_plan(PlanInputs(model=str(tiny_dir("llama")), gpu="none", ram="16GiB", cache_mb=mb, spec_type="none"))
         return p.chosen.ram_need
+
     assert ram(256) - ram(0) == 256 << 20
 
 
 @pytest.mark.real
 def test_soak_with_a_small_cache_stays_in_budget_and_lossless(smollm_dir, tmp_path):
-    from specdec.server import soak
+    from specdec.bench import soak
 
     report = soak.run(str(smollm_dir), requests=48, concurrency=8, parallel=4, cache_mb=1, sample_s=2.0, minutes=2)
     assert report.ok(rss_limit_mb=64.0), report.problems
@@ -253,14 +308,21 @@ def test_soak_with_a_small_cache_stays_in_budget_and_lossless(smollm_dir, tmp_pa
 
 def test_server_keys_do_not_share_cached_prefixes(tiny_dir):
     llm = _tiny_llm(tiny_dir, cache_mb=1)
-    srv = ServerThread(create_app(llm, Scheduler(llm.engine, 1), ServerConfig("m", SamplingParams(max_tokens=4),
-                                                                            ("key-a", "key-b"))))
+    srv = ServerThread(
+        create_app(llm, Scheduler(llm.engine, 1), ServerConfig("m", SamplingParams(max_tokens=4), ("key-a", "key-b")))
+    )
     try:
+
         def cached(key: str) -> int:
-            r = httpx.post(srv.url + "/v1/completions", headers={"Authorization": f"Bearer {key}"}, timeout=60,
-                           json={"prompt": DOC, "max_tokens": 2})
+            r = httpx.post(
+                srv.url + "/v1/completions",
+                headers={"Authorization": f"Bearer {key}"},
+                timeout=60,
+                json={"prompt": DOC, "max_tokens": 2},
+            )
             assert r.status_code == 200, r.text
             return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
         assert [cached("key-a"), cached("key-b"), cached("key-a"), cached("key-b")] == [0, 0, 4 * BLOCK, 4 * BLOCK]
     finally:
         srv.close()

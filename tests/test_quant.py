@@ -1,4 +1,5 @@
 """Weight-only draft quantization: both int4 paths (packed kernel, dequantize) agree and stay close to bf16."""
+
 import torch
 from torch import nn
 

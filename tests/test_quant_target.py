@@ -1,5 +1,6 @@
 """The target's `--quant` (`LLM(quant=...)`): `gguf` runs the GGUF file's own blocks (GGUFLinear); speculation
 stays lossless against that quantized target; a checkpoint directory with `--quant gguf` is a clear error."""
+
 from __future__ import annotations
 
 import json
@@ -50,8 +51,14 @@ def test_gguf_target_loads_and_speculation_is_lossless(tiny_gguf):
     from specdec.runtime.gguf_linear import GGUFLinear
 
     # draft_max 7: verification stays within 8 rows, the kernel path plain decoding uses (prefill: the same in both)
-    llm = LLM(str(tiny_gguf), quant="gguf", dtype="fp32", draft_max=7, adaptive=False,  # fixed: adaptive may not draft
-              progress=False)
+    llm = LLM(
+        str(tiny_gguf),
+        quant="gguf",
+        dtype="fp32",
+        draft_max=7,
+        adaptive=False,  # fixed: adaptive may not draft
+        progress=False,
+    )
     m = llm.runner.model
     assert isinstance(m.model.embed_tokens, GGUFEmbedding)
     assert not any(isinstance(x, torch.nn.Linear) for x in m.modules())
@@ -89,8 +96,12 @@ def test_unknown_quant_is_refused(tiny_gguf):
 
 
 def test_quant_gguf_on_checkpoint_dir_is_a_clear_error(tiny_dir):
-    res = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "-m", str(tiny_dir("qwen2")), "-p", "t1",
-                          "--quant", "gguf"], capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "specdec.cli", "generate", "-m", str(tiny_dir("qwen2")), "-p", "t1", "--quant", "gguf"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 1
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "--quant gguf needs a GGUF file or a model pack" in lines[0], res.stderr
@@ -100,8 +111,9 @@ def test_quant_int8_target_is_lossless_against_itself(tiny_dir):
     from specdec.runtime.quant import Int8Linear
 
     # fixed draft lengths (see above); ngram_min 1: the output repeats a 3-gram, found from its first token
-    llm = LLM(str(tiny_dir("qwen2")), quant="int8", dtype="fp32", draft_max=4, adaptive=False, ngram_min=1,
-              progress=False)
+    llm = LLM(
+        str(tiny_dir("qwen2")), quant="int8", dtype="fp32", draft_max=4, adaptive=False, ngram_min=1, progress=False
+    )
     assert any(isinstance(x, Int8Linear) for x in llm.runner.model.modules())
     assert llm.quant_info.startswith("int8: weight-only")
     prompt = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4, 5]
@@ -114,11 +126,19 @@ def test_quant_int8_target_is_lossless_against_itself(tiny_dir):
 def test_smollm_pack_gguf_greedy_lossless(smollm_dir):
     """The SmolLM2-135M pack's GGUF (Q4_1 matrices and the Q8_0 embedding, all as blocks through the kernels): plain
     and ngram-simple greedy outputs identical on the quantized target."""
-    llm = LLM("smollm2-135m", quant="gguf", dtype="fp32", draft_max=7, adaptive=False,  # fixed: see above
-              progress=False)
+    llm = LLM(
+        "smollm2-135m",
+        quant="gguf",
+        dtype="fp32",
+        draft_max=7,
+        adaptive=False,  # fixed: see above
+        progress=False,
+    )
     assert llm.quant_info.startswith("gguf: Q4_1/Q8_0 ") and "dequantized" not in llm.quant_info
-    prompt = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n" \
-             "def factorial(n):\n    if n < 2:\n        return 1\n"  # it goes on with lines of the prompt: drafts
+    prompt = (
+        "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
+        "def factorial(n):\n    if n < 2:\n        return 1\n"
+    )  # it goes on with lines of the prompt: drafts
     plain = llm.generate(prompt, max_tokens=24, spec_type="none")
     spec = llm.generate(prompt, max_tokens=24, spec_type="ngram-simple")
     assert spec.token_ids == plain.token_ids and spec.stats.drafted > 0 and spec.stats.accepted > 0, spec.stats
@@ -155,12 +175,19 @@ def test_real_model_through_the_kernels_greedy_identical(smollm_q8):
     """SmolLM2-135M in Q8_0 blocks, the default `--quant auto` (gguf, fp32 activations): every spec type, the
     draft model (itself) and a draft tree give exactly plain decoding's tokens (on AVX-512: x16 kernels at every
     row count, attention per row)."""
-    llm = LLM(str(smollm_q8), draft=str(smollm_q8), spec_type="none", adaptive=False,  # fixed: see above
-              progress=False)
+    llm = LLM(
+        str(smollm_q8),
+        draft=str(smollm_q8),
+        spec_type="none",
+        adaptive=False,  # fixed: see above
+        progress=False,
+    )
     assert llm.quant == "gguf" and llm.dtype == torch.float32
     assert llm.quant_info.startswith("gguf: Q8_0 ") and "dequantized" not in llm.quant_info
-    prompt = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n" \
-             "def factorial(n):\n"
+    prompt = (
+        "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
+        "def factorial(n):\n"
+    )
     plain = llm.generate(prompt, max_tokens=40, spec_type="none")
     for spec in ("ngram-simple", "suffix", "suffix-tree", "draft"):
         r = llm.generate(prompt, max_tokens=40, spec_type=spec)
@@ -171,9 +198,28 @@ def test_real_model_through_the_kernels_greedy_identical(smollm_q8):
 
 @pytest.mark.real
 def test_generate_json_reports_quant(smollm_dir):
-    res = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "-m", "smollm2-135m", "--quant", "gguf",
-                          "--dtype", "fp32", "-p", "Hello", "-n", "4", "--json"], capture_output=True, text=True,
-                         timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specdec.cli",
+            "generate",
+            "-m",
+            "smollm2-135m",
+            "--quant",
+            "gguf",
+            "--dtype",
+            "fp32",
+            "-p",
+            "Hello",
+            "-n",
+            "4",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["quant"].startswith("gguf: ")
 
@@ -187,9 +233,11 @@ def test_densify_holds_the_files_weights(tiny_gguf):
     model, _ = load_gguf_quantized(tiny_gguf, torch.float32)
     fused = model.model.layers[0].self_attn.qkv_proj
     assert isinstance(fused, GGUFConcatLinear)
-    want = {"model.layers.0.self_attn.qkv_proj": torch.cat([p.dequantize() for p in fused.parts]),
-            "model.layers.1.mlp.down_proj": model.model.layers[1].mlp.down_proj.dequantize(),
-            "model.embed_tokens": model.model.embed_tokens.table.dequantize()}
+    want = {
+        "model.layers.0.self_attn.qkv_proj": torch.cat([p.dequantize() for p in fused.parts]),
+        "model.layers.1.mlp.down_proj": model.model.layers[1].mlp.down_proj.dequantize(),
+        "model.embed_tokens": model.model.embed_tokens.table.dequantize(),
+    }
     norm = model.model.norm.weight
     assert densify(model, torch.float32) is model and model.model.norm.weight is norm
     assert not any(isinstance(m, (GGUFEmbedding, GGUFLinear, GGUFConcatLinear)) for m in model.modules())

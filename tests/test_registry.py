@@ -1,6 +1,7 @@
 """A drafter is one file plus one registry line: a toy drafter defined and registered here works from the CLI,
 the API, the server's `speculative` field, `specdec bench` and `bench replay`, with no other file changing; its
 output is the target's (fp32, the real SmolLM2-135M)."""
+
 import json
 
 import httpx
@@ -16,6 +17,7 @@ PROMPT = "def add(a, b):\n    return a + b\n\ndef sub(a, b):"
 
 class RepeatDrafter(Drafter):
     """Proposes the last token `n` times: often wrong, so verification rejects and rolls back."""
+
     name = "toy-repeat"
 
     def __init__(self, n: int):
@@ -25,8 +27,12 @@ class RepeatDrafter(Drafter):
         return Draft([seq.tokens[-1]] * min(self.n, max_tokens))
 
 
-TOY = DrafterType("toy-repeat", lambda ctx: RepeatDrafter(ctx.options["toy_len"]), "repeat the last token",
-                  (Option("toy_len", "--spec-toy-len", 3, "toy-repeat: tokens per draft", int, ">= 1"),))
+TOY = DrafterType(
+    "toy-repeat",
+    lambda ctx: RepeatDrafter(ctx.options["toy_len"]),
+    "repeat the last token",
+    (Option("toy_len", "--spec-toy-len", 3, "toy-repeat: tokens per draft", int, ">= 1"),),
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +44,16 @@ def toy():
 
 @pytest.fixture(scope="module")
 def smol(smollm_dir, toy):
-    llm = specdec.LLM(str(smollm_dir), spec_type="toy-repeat", dtype="fp32", context=256, parallel=2,
-                      adaptive=False, toy_len=2, progress=False)
+    llm = specdec.LLM(
+        str(smollm_dir),
+        spec_type="toy-repeat",
+        dtype="fp32",
+        context=256,
+        parallel=2,
+        adaptive=False,
+        toy_len=2,
+        progress=False,
+    )
     return llm, llm.generate(PROMPT, max_tokens=16, spec_type="none").token_ids
 
 
@@ -53,8 +67,31 @@ def test_toy_through_the_api(smol):
 
 def test_toy_through_the_cli(smollm_dir, smol, capsys):
     _, plain = smol
-    assert main(["generate", "-m", str(smollm_dir), "--dtype", "fp32", "-c", "256", "-p", PROMPT, "-n", "16",
-                 "--spec-type", "toy-repeat", "--spec-toy-len", "2", "--spec-adaptive", "off", "--json"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "-m",
+                str(smollm_dir),
+                "--dtype",
+                "fp32",
+                "-c",
+                "256",
+                "-p",
+                PROMPT,
+                "-n",
+                "16",
+                "--spec-type",
+                "toy-repeat",
+                "--spec-toy-len",
+                "2",
+                "--spec-adaptive",
+                "off",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["token_ids"] == plain and out["spec_type"] == "toy-repeat" and out["stats"]["drafted"] > 0
     assert out["stats"]["accepted"] > 0
@@ -85,19 +122,78 @@ def test_toy_through_bench_and_replay(smollm_dir, toy, tmp_path):
     work.write_text(json.dumps({"id": "e", "category": "code-edit", "prompt": PROMPT}) + "\n")
     threads = torch.get_num_threads()
     try:  # fixed draft lengths (an adaptive one may draft nothing) and 16 tokens: some drafts are accepted
-        assert main(["bench", "-m", str(smollm_dir), "--dtype", "fp32", "-t", "1", "--max-tokens", "16",
-                     "--workload", str(work), "--methods", "none,toy-repeat", "--spec-toy-len", "2",
-                     "--spec-adaptive", "off", "--out", str(tmp_path / "bench")]) == 0
+        assert (
+            main(
+                [
+                    "bench",
+                    "-m",
+                    str(smollm_dir),
+                    "--dtype",
+                    "fp32",
+                    "-t",
+                    "1",
+                    "--max-tokens",
+                    "16",
+                    "--workload",
+                    str(work),
+                    "--methods",
+                    "none,toy-repeat",
+                    "--spec-toy-len",
+                    "2",
+                    "--spec-adaptive",
+                    "off",
+                    "--out",
+                    str(tmp_path / "bench"),
+                ]
+            )
+            == 0
+        )
         rec = tmp_path / "rec.json"
-        assert main(["bench", "replay", "--record", str(rec), "-m", str(smollm_dir), "--dtype", "fp32", "-t", "1",
-                     "-n", "16", "--workload", str(work)]) == 0
+        assert (
+            main(
+                [
+                    "bench",
+                    "replay",
+                    "--record",
+                    str(rec),
+                    "-m",
+                    str(smollm_dir),
+                    "--dtype",
+                    "fp32",
+                    "-t",
+                    "1",
+                    "-n",
+                    "16",
+                    "--workload",
+                    str(work),
+                ]
+            )
+            == 0
+        )
     finally:
         torch.set_num_threads(threads)
     runs = json.loads((tmp_path / "bench" / "results.json").read_text())["runs"]
     assert [r["method"] for r in runs] == ["none", "toy-repeat"] and all(r["matches_baseline"] for r in runs)
     assert runs[1]["drafted"] > 0 and runs[1]["accepted"] > 0, runs[1]
-    assert main(["bench", "replay", "--from", str(rec), "--methods", "none,toy-repeat", "--spec-toy-len", "2",
-                 "--spec-adaptive", "off", "--out", str(tmp_path / "replay")]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "replay",
+                "--from",
+                str(rec),
+                "--methods",
+                "none,toy-repeat",
+                "--spec-toy-len",
+                "2",
+                "--spec-adaptive",
+                "off",
+                "--out",
+                str(tmp_path / "replay"),
+            ]
+        )
+        == 0
+    )
     runs = json.loads((tmp_path / "replay" / "results.json").read_text())["runs"]
     assert [r["method"] for r in runs] == ["none", "toy-repeat"] and all(r["matches_baseline"] for r in runs)
     assert runs[1]["drafted"] > 0 and runs[1]["accepted"] > 0, runs[1]

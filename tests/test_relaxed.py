@@ -1,4 +1,5 @@
 """Opt-in relaxed acceptance (--spec-accept-threshold): off by default, flagged wherever it was used."""
+
 import json
 
 import httpx
@@ -26,15 +27,34 @@ def test_relaxed_rule_on_a_chain():
     assert verify_tree_greedy([2], chain(1), logits, strict) == ([1], []) and strict.count == 0
     # sampling: the lossless test first (0.3 / 1.0 against the draw), the relaxed rule where it rejects
     g = torch.Generator().manual_seed(0)
-    accepted = sum(verify_tree_sampling([2], chain(1), None, logits, SamplingParams(temperature=1.0), g,
-                                        Relaxed([2], logits, SamplingParams(temperature=1.0), 0.5))[1] == [0]
-                   for _ in range(50))
+    accepted = sum(
+        verify_tree_sampling(
+            [2],
+            chain(1),
+            None,
+            logits,
+            SamplingParams(temperature=1.0),
+            g,
+            Relaxed([2], logits, SamplingParams(temperature=1.0), 0.5),
+        )[1]
+        == [0]
+        for _ in range(50)
+    )
     assert accepted == 50
 
 
 def _llm(tiny_dir, **kw):
-    llm = specdec.LLM(str(tiny_dir("llama")), draft=str(tiny_dir("llama", seed=1, layers=1)), spec_type="draft",
-                      dtype="fp32", context=64, adaptive=False, draft_max=4, progress=False, **kw)
+    llm = specdec.LLM(
+        str(tiny_dir("llama")),
+        draft=str(tiny_dir("llama", seed=1, layers=1)),
+        spec_type="draft",
+        dtype="fp32",
+        context=64,
+        adaptive=False,
+        draft_max=4,
+        progress=False,
+        **kw,
+    )
     llm.engine.stop_ids = set()
     return llm
 
@@ -57,8 +77,22 @@ def test_engine_flags_relaxed_outputs(tiny_dir):
 def test_cli_json_says_lossless_false(tiny_dir):
     from test_cli import run
 
-    res = run("generate", "-m", str(tiny_dir("llama")), "-p", "t5 t9 t5 t9", "-n", "8", "--dtype", "fp32",
-              "--spec-type", "ngram-simple", "--spec-accept-threshold", "0.7", "--json")
+    res = run(
+        "generate",
+        "-m",
+        str(tiny_dir("llama")),
+        "-p",
+        "t5 t9 t5 t9",
+        "-n",
+        "8",
+        "--dtype",
+        "fp32",
+        "--spec-type",
+        "ngram-simple",
+        "--spec-accept-threshold",
+        "0.7",
+        "--json",
+    )
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["lossless"] is False and "relaxed" in out["stats"]
@@ -69,8 +103,9 @@ def test_cli_json_says_lossless_false(tiny_dir):
 @pytest.mark.parametrize("allow", [False, True])
 def test_server_takes_it_only_with_allow_lossy(tiny_dir, allow):
     llm = _llm(tiny_dir, parallel=2)
-    srv = ServerThread(create_app(llm, Scheduler(llm.engine, 2),
-                                  ServerConfig("m", SamplingParams(max_tokens=16), allow_lossy=allow)))
+    srv = ServerThread(
+        create_app(llm, Scheduler(llm.engine, 2), ServerConfig("m", SamplingParams(max_tokens=16), allow_lossy=allow))
+    )
     try:
         body = {"prompt": PROMPTS[0], "max_tokens": 20, "speculative": {"accept_threshold": 0.05}}
         r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)

@@ -1,10 +1,11 @@
 """`specdec bench replay`: the stand-in target, lossless replays of every model-free type, the CLI."""
+
 import json
 
 import pytest
 import torch
-
 from conftest import VOCAB, word_tokenizer
+
 from specdec.bench.replay import ReplayRunner, Turn, replay_turn, replayable_types
 from specdec.cli import main
 from specdec.drafters import REGISTRY, BuildContext, build_drafter
@@ -88,15 +89,38 @@ def test_replay_cli_errors(tmp_path, capsys):
 @pytest.mark.real
 def test_record_and_replay_smollm(smollm_dir, tmp_path, capsys):
     work = tmp_path / "w.jsonl"
-    work.write_text(json.dumps({"id": "e", "category": "code-edit", "prompt":
-                                "Repeat this line exactly: def add(a, b): return a + b"}) + "\n" +
-                    json.dumps({"id": "m", "category": "multi_turn", "turns": ["Name a fruit.", "And a vegetable?"]})
-                    + "\n")
+    work.write_text(
+        json.dumps(
+            {"id": "e", "category": "code-edit", "prompt": "Repeat this line exactly: def add(a, b): return a + b"}
+        )
+        + "\n"
+        + json.dumps({"id": "m", "category": "multi_turn", "turns": ["Name a fruit.", "And a vegetable?"]})
+        + "\n"
+    )
     rec = tmp_path / "rec.json"
     threads = torch.get_num_threads()
     try:
-        assert main(["bench", "replay", "--record", str(rec), "-m", str(smollm_dir), "--dtype", "fp32", "-t", "1",
-                     "-n", "12", "--workload", str(work)]) == 0
+        assert (
+            main(
+                [
+                    "bench",
+                    "replay",
+                    "--record",
+                    str(rec),
+                    "-m",
+                    str(smollm_dir),
+                    "--dtype",
+                    "fp32",
+                    "-t",
+                    "1",
+                    "-n",
+                    "12",
+                    "--workload",
+                    str(work),
+                ]
+            )
+            == 0
+        )
     finally:
         torch.set_num_threads(threads)
     data = json.loads(rec.read_text())
@@ -104,10 +128,11 @@ def test_record_and_replay_smollm(smollm_dir, tmp_path, capsys):
     assert set(data["tree_forward_s"]) >= {"2", "16", "64"} and "1" not in data["tree_forward_s"]
     assert 0 < len(data["prompts"][0]["turns"][0]["output"]) <= 12
     first, second = data["prompts"][1]["turns"]  # turn 2's prompt holds turn 1 and its answer
-    assert second["prompt"][:len(first["prompt"])] == first["prompt"] and len(second["prompt"]) > len(first["prompt"])
+    assert second["prompt"][: len(first["prompt"])] == first["prompt"] and len(second["prompt"]) > len(first["prompt"])
     out = tmp_path / "out"
-    assert main(["bench", "replay", "--from", str(rec), "--methods", "none,suffix,ngram-simple",
-                 "--out", str(out)]) == 0
+    assert (
+        main(["bench", "replay", "--from", str(rec), "--methods", "none,suffix,ngram-simple", "--out", str(out)]) == 0
+    )
     res = json.loads((out / "results.json").read_text())
     assert [r["method"] for r in res["runs"]] == ["none", "suffix", "ngram-simple"] * 2
     assert all(r["matches_baseline"] for r in res["runs"])

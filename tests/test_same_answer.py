@@ -6,6 +6,7 @@ others (one batch of 8 slots), again with the prompt cache warm, and in a second
 On the code before one arithmetic per token (prefill chunks above a start-up-timed row count dequantized to bf16 and
 used torch's attention) the cached and batched answers differed: a cache hit prefilled only the prompt's tail through
 the decode kernels."""
+
 from __future__ import annotations
 
 import json
@@ -23,11 +24,14 @@ pytestmark = pytest.mark.real
 SLOTS, TOKENS = 8, 24
 SPECS = ("none", "ngram-simple", "suffix-tree,draft")
 # a long system message (the prompt cache's case: a shared document, then a question), built from numbered facts
-FACTS = " ".join(f"Fact {i}: the river {['Alder', 'Birch', 'Cedar', 'Dune'][i % 4]} flows {10 + i} miles past the "
-                 f"village of {['Ash', 'Brook', 'Crest'][i % 3]}ford." for i in range(48))
+FACTS = " ".join(
+    f"Fact {i}: the river {['Alder', 'Birch', 'Cedar', 'Dune'][i % 4]} flows {10 + i} miles past the "
+    f"village of {['Ash', 'Brook', 'Crest'][i % 3]}ford."
+    for i in range(48)
+)
 PROMPTS = [
     f"{FACTS}\n\nQuestion: which river flows past Brookford, and how far? Answer:",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "The capital of France is",
     "Once upon a time, in a small village by the sea,",
     "List three colours of the rainbow: red, orange,",
@@ -39,8 +43,10 @@ PROMPTS = [
 
 def _requests(llm, spec: str, seeded: bool, cache: bool) -> list[Request]:
     drafter = llm.drafter_for(spec)
-    return [Request(llm.encode(p), SamplingParams(max_tokens=TOKENS, **_sampling(i, seeded)), drafter,
-                    cache_prompt=cache) for i, p in enumerate(PROMPTS)]
+    return [
+        Request(llm.encode(p), SamplingParams(max_tokens=TOKENS, **_sampling(i, seeded)), drafter, cache_prompt=cache)
+        for i, p in enumerate(PROMPTS)
+    ]
 
 
 def _sampling(i: int, seeded: bool) -> dict:
@@ -63,8 +69,17 @@ def _run(sched: Scheduler, reqs: list[Request], together: bool) -> list[Request]
 @pytest.fixture(scope="module")
 def llm(smollm_dir):
     # adaptive off: every step drafts (adaptive lengths may draft nothing in a batch, which would prove nothing)
-    model = specdec.LLM("smollm2-135m", draft="smollm2-135m", spec_type="none", parallel=SLOTS, context=1280,
-                        cache_mb=256, adaptive=False, draft_max=4, progress=False)
+    model = specdec.LLM(
+        "smollm2-135m",
+        draft="smollm2-135m",
+        spec_type="none",
+        parallel=SLOTS,
+        context=1280,
+        cache_mb=256,
+        adaptive=False,
+        draft_max=4,
+        progress=False,
+    )
     model.engine.stop_ids = set()  # every answer runs TOKENS tokens
     return model
 
@@ -99,8 +114,22 @@ def test_same_tokens_in_a_second_process(llm, seeded, tmp_path):
         prompt = tmp_path / f"prompt{i}.txt"
         prompt.write_text(PROMPTS[i])
         s = _sampling(i, seeded)
-        cmd = [sys.executable, "-m", "specdec.cli", "generate", "-m", "smollm2-135m", "-f", str(prompt), "-n",
-               str(TOKENS), "--temp", str(s["temperature"]), "--ignore-eos", "--json"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "specdec.cli",
+            "generate",
+            "-m",
+            "smollm2-135m",
+            "-f",
+            str(prompt),
+            "-n",
+            str(TOKENS),
+            "--temp",
+            str(s["temperature"]),
+            "--ignore-eos",
+            "--json",
+        ]
         if seeded:
             cmd += ["--top-p", str(s["top_p"]), "--seed", str(s["seed"])]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

@@ -1,19 +1,36 @@
 """Continuous batching: batched greedy output equals single-request output (fp32); cancel frees slots;
 the load controller turns speculation off when measured goodput says so."""
+
 import specdec
 from specdec.engine.engine import StepInfo
 from specdec.engine.load_control import LoadController
 from specdec.engine.scheduler import QueueFull, Request, Scheduler
 from specdec.sampling import SamplingParams
 
-PROMPTS = ["t5 t9 t12 t5 t9 t12 t5 t9", "t33 t2 t71", "t8 " * 20 + "t4", "t60",
-           "t1 t2 t3 t1 t2 t3 t1 t2", "t40 t41 t40 t41", "t7 " * 30, "t90 t91"]
+PROMPTS = [
+    "t5 t9 t12 t5 t9 t12 t5 t9",
+    "t33 t2 t71",
+    "t8 " * 20 + "t4",
+    "t60",
+    "t1 t2 t3 t1 t2 t3 t1 t2",
+    "t40 t41 t40 t41",
+    "t7 " * 30,
+    "t90 t91",
+]
 SPECS = ["none", "draft", "ngram-simple", "suffix", "ngram-mod", "ngram-map-k", "draft", "ngram-mod,draft"]
 
 
 def _llm(tiny_dir, **kw):
-    llm = specdec.LLM(str(tiny_dir("llama")), draft=str(tiny_dir("llama", seed=1, layers=1)), spec_type="none",
-                      dtype="fp32", context=64, progress=False, parallel=4, **kw)
+    llm = specdec.LLM(
+        str(tiny_dir("llama")),
+        draft=str(tiny_dir("llama", seed=1, layers=1)),
+        spec_type="none",
+        dtype="fp32",
+        context=64,
+        progress=False,
+        parallel=4,
+        **kw,
+    )
     llm.engine.stop_ids = set()
     return llm
 
@@ -39,8 +56,10 @@ def test_batched_greedy_equals_single_requests(tiny_dir):
     bases = [llm.generate(p, max_tokens=n, spec_type="none").token_ids for p, n in zip(prompts, lens)]
     sched = Scheduler(llm.engine, 4, controller=None, prefill_chunk=5)
     texts = [[] for _ in prompts]
-    reqs = [Request(llm.encode(p), SamplingParams(max_tokens=n), llm.drafter_for(s), on_text=texts[i].append)
-            for i, (p, n, s) in enumerate(zip(prompts, lens, specs))]
+    reqs = [
+        Request(llm.encode(p), SamplingParams(max_tokens=n), llm.drafter_for(s), on_text=texts[i].append)
+        for i, (p, n, s) in enumerate(zip(prompts, lens, specs))
+    ]
     _run(sched, reqs)
     stats = {s: [0, 0] for s in specs if s != "none"}  # spec -> [drafted, accepted]
     for r, base, t, s in zip(reqs, bases, texts, specs):
@@ -115,8 +134,9 @@ def test_load_controller_speculates_at_low_load_and_stops_at_high_load():
     assert c.report()["16"]["chosen"] == "off"
 
 
-def _plain_and_spec(setup_every: int = 0, setup_s: float = 0.0, steps: int = 200,
-                    start: LoadController | None = None) -> tuple[LoadController, int]:
+def _plain_and_spec(
+    setup_every: int = 0, setup_s: float = 0.0, steps: int = 200, start: LoadController | None = None
+) -> tuple[LoadController, int]:
     """A controller at batch 1 where plain decoding gives 1 token per 0.25 s and speculation 3 per 0.625 s (1.2x),
     plus a catch-up of `setup_s` on every `setup_every`-th speculative step (a new request); and how many of the
     `steps` it speculated."""
@@ -171,6 +191,7 @@ def test_a_failing_sequence_ends_alone(tiny_dir):
         if seq is bad.seq:
             raise RuntimeError("probability tensor contains nan")
         return real(seq, *args)
+
     llm.engine._verify = verify
     _run(sched, [good], submit=False)
     assert good.seq.output_ids == base and good.error is None
@@ -223,8 +244,14 @@ def test_a_thread_can_end_its_openmp_workers():
     torch.set_num_threads(2)
     try:
         results = []
-        t = threading.Thread(target=lambda: (torch.ones(1 << 22).exp_().sum(), results.append(threads()),
-                                             release_openmp_workers(), results.append(threads())))
+        t = threading.Thread(
+            target=lambda: (
+                torch.ones(1 << 22).exp_().sum(),
+                results.append(threads()),
+                release_openmp_workers(),
+                results.append(threads()),
+            )
+        )
         t.start()
         t.join()
     finally:

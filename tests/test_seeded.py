@@ -1,12 +1,12 @@
 """A seeded sampled request gives the same tokens whatever drafts it and whatever runs beside it (fp32)."""
+
 import pytest
+from conftest import untrained_spec_types
+from test_scheduler import PROMPTS, _llm, _run
 
 import specdec
-from conftest import untrained_spec_types
 from specdec.engine.scheduler import Request, Scheduler
 from specdec.sampling import SamplingParams
-
-from test_scheduler import PROMPTS, _llm, _run
 
 SPECS = [t for t in untrained_spec_types() if t != "none"] + ["ngram-mod,draft", "suffix,draft"]
 
@@ -35,10 +35,21 @@ def test_tiny_seeded_equal_at_every_concurrency(tiny_dir):
     # fixed draft lengths, no load controller (adaptive lengths and its plain arm could leave nothing drafted) and
     # n = 1: the n-gram drafters draft on most steps
     llm = _llm(tiny_dir, draft_branch_p=0.5, adaptive=False, ngram_n=1)
-    specs = ["none", "draft", "ngram-simple", "suffix", "ngram-mod", "ngram-map-k-tree", "suffix-tree", "ngram-mod,draft"]
+    specs = [
+        "none",
+        "draft",
+        "ngram-simple",
+        "suffix",
+        "ngram-mod",
+        "ngram-map-k-tree",
+        "suffix-tree",
+        "ngram-mod,draft",
+    ]
     params = [SamplingParams(temperature=0.8, top_k=20, seed=i, max_tokens=24) for i in range(len(PROMPTS))]
-    bases = [llm.generate(p, spec_type="none", max_tokens=24, temperature=0.8, top_k=20, seed=i).token_ids
-             for i, p in enumerate(PROMPTS)]
+    bases = [
+        llm.generate(p, spec_type="none", max_tokens=24, temperature=0.8, top_k=20, seed=i).token_ids
+        for i, p in enumerate(PROMPTS)
+    ]
     stats = {s: [0, 0] for s in specs[1:]}  # spec -> [drafted, accepted]
     for slots in (1, 2, 4):
         sched = Scheduler(llm.engine, slots, controller=None, prefill_chunk=5)
@@ -55,8 +66,17 @@ def test_tiny_seeded_equal_at_every_concurrency(tiny_dir):
 
 @pytest.mark.real
 def test_smollm_seeded_equal_for_every_spec_type(smollm_dir):
-    llm = specdec.LLM(str(smollm_dir), draft=str(smollm_dir), spec_type="none", dtype="fp32", context=256,
-                      progress=False, draft_branch_p=0.6, adaptive=False, draft_max=3)  # fixed: drafts every step
+    llm = specdec.LLM(
+        str(smollm_dir),
+        draft=str(smollm_dir),
+        spec_type="none",
+        dtype="fp32",
+        context=256,
+        progress=False,
+        draft_branch_p=0.6,
+        adaptive=False,
+        draft_max=3,
+    )  # fixed: drafts every step
     kw = dict(max_tokens=40, chat=True, temperature=0.8, top_p=0.95, seed=3)
     prompt = "List the first five prime numbers and explain why 9 is not prime."
     base = llm.generate(prompt, spec_type="none", **kw)

@@ -1,5 +1,6 @@
 """The OpenAI-compatible server, live on loopback: the `openai` client, lossless batching, errors,
 disconnects, a load run and a schema fuzz run."""
+
 import socket
 import time
 from collections import Counter
@@ -16,8 +17,16 @@ from specdec.sampling import SamplingParams
 from specdec.server.app import ServerConfig, create_app
 from specdec.server.serve import ServerThread
 
-PROMPTS = ["def fib(n):", "The capital of France is", "import numpy as np\n\ndef", "Once upon a time",
-           "# Sort a list\ndef sort(xs):", "1, 2, 3, 4,", "<html>\n<body>", "The sum of two and two is"]
+PROMPTS = [
+    "def fib(n):",
+    "The capital of France is",
+    "import numpy as np\n\ndef",
+    "Once upon a time",
+    "# Sort a list\ndef sort(xs):",
+    "1, 2, 3, 4,",
+    "<html>\n<body>",
+    "The sum of two and two is",
+]
 SPECS = ["none", "draft", "ngram-simple", "ngram-map-k", "ngram-mod", "suffix", "ngram-mod,draft", "draft"]
 
 
@@ -32,8 +41,15 @@ class LiveServer(ServerThread):
 @pytest.fixture(scope="module")
 def smol(smollm_dir):
     """SmolLM2 in fp32 with 16 slots; greedy single-request outputs computed before the server starts."""
-    llm = specdec.LLM(str(smollm_dir), draft=str(smollm_dir), spec_type="ngram-simple", dtype="fp32", context=512,
-                      parallel=16, progress=False)
+    llm = specdec.LLM(
+        str(smollm_dir),
+        draft=str(smollm_dir),
+        spec_type="ngram-simple",
+        dtype="fp32",
+        context=512,
+        parallel=16,
+        progress=False,
+    )
     bases = {p: llm.generate(p, max_tokens=24, spec_type="none").token_ids for p in PROMPTS}
     srv = LiveServer(llm, load_control=False)  # speculate at any load: the tests check accepted drafts
     srv.llm, srv.bases = llm, bases
@@ -43,8 +59,9 @@ def smol(smollm_dir):
 
 @pytest.fixture(scope="module")
 def tiny(tiny_dir):
-    llm = specdec.LLM(str(tiny_dir("llama")), spec_type="ngram-simple", dtype="fp32", context=64, parallel=4,
-                      progress=False)
+    llm = specdec.LLM(
+        str(tiny_dir("llama")), spec_type="ngram-simple", dtype="fp32", context=64, parallel=4, progress=False
+    )
     srv = LiveServer(llm, api_key="k", max_queue=4)
     yield srv
     srv.close()
@@ -52,32 +69,60 @@ def tiny(tiny_dir):
 
 def _client(url, key="x"):
     from openai import OpenAI
+
     return OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
 
 
 @pytest.mark.real
 def test_openai_client_chat_completions_streaming_stop_and_seed(smol):
     c = _client(smol.url)
-    r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "Name three colors."}],
-                                  max_tokens=20, logprobs=True, top_logprobs=2)
+    r = c.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "Name three colors."}],
+        max_tokens=20,
+        logprobs=True,
+        top_logprobs=2,
+    )
     assert r.choices[0].message.content and r.usage.completion_tokens <= 20
     lp = r.choices[0].logprobs.content
     assert len(lp) == r.usage.completion_tokens and len(lp[0].top_logprobs) == 2
     assert r.model_extra["timings"]["draft_n"] >= r.model_extra["timings"]["draft_n_accepted"] >= 0
-    parts = [ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "Name three colors."}], max_tokens=20, stream=True)]
+    parts = [
+        ch.choices[0].delta.content or ""
+        for ch in c.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Name three colors."}], max_tokens=20, stream=True
+        )
+    ]
     assert "".join(parts) == r.choices[0].message.content  # greedy: streaming gives the same text
     full = c.completions.create(model="m", prompt="def fib(n):", max_tokens=40).choices[0].text
     cut = c.completions.create(model="m", prompt="def fib(n):", max_tokens=40, stop=["return"])
-    assert "return" in full and cut.choices[0].text == full[:full.index("return")]
+    assert "return" in full and cut.choices[0].text == full[: full.index("return")]
     assert cut.choices[0].finish_reason == "stop"
-    chunks = list(c.completions.create(model="m", prompt="def fib(n):", max_tokens=40, stop=["return"], stream=True,
-                                       stream_options={"include_usage": True}))
+    chunks = list(
+        c.completions.create(
+            model="m",
+            prompt="def fib(n):",
+            max_tokens=40,
+            stop=["return"],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == cut.choices[0].text
     assert chunks[-1].usage.completion_tokens > 0
-    sampled = [c.completions.create(model="m", prompt="Once upon a time", max_tokens=16, temperature=0.9, seed=5,
-                                    extra_body={"speculative": {"type": t}}).choices[0].text
-               for t in ("none", "none", "ngram-simple", "ngram-simple")]
+    sampled = [
+        c.completions.create(
+            model="m",
+            prompt="Once upon a time",
+            max_tokens=16,
+            temperature=0.9,
+            seed=5,
+            extra_body={"speculative": {"type": t}},
+        )
+        .choices[0]
+        .text
+        for t in ("none", "none", "ngram-simple", "ngram-simple")
+    ]
     assert sampled[0] == sampled[1] and sampled[2] == sampled[3]
     assert [m.id for m in c.models.list().data] == ["m"]
 
@@ -85,10 +130,17 @@ def test_openai_client_chat_completions_streaming_stop_and_seed(smol):
 @pytest.mark.real
 def test_batched_requests_return_plain_decoding_tokens(smol):
     """8 concurrent greedy requests with different spec types (fp32) = plain single-request decoding."""
+
     def one(i):
-        body = {"model": "m", "prompt": PROMPTS[i], "max_tokens": 24, "logprobs": 0,
-                "speculative": {"type": SPECS[i]} if SPECS[i] != "none" else False}
+        body = {
+            "model": "m",
+            "prompt": PROMPTS[i],
+            "max_tokens": 24,
+            "logprobs": 0,
+            "speculative": {"type": SPECS[i]} if SPECS[i] != "none" else False,
+        }
         return httpx.post(smol.url + "/v1/completions", json=body, timeout=300).json()
+
     with ThreadPoolExecutor(8) as ex:
         outs = list(ex.map(one, range(8)))
     tok = smol.llm.tokenizer
@@ -109,8 +161,12 @@ def _cancelled(url: str) -> int:
 def test_disconnect_mid_stream_frees_the_slot(smol):
     """A stream whose client leaves frees its slot and is counted in /metrics as cancelled."""
     before = _cancelled(smol.url)
-    with httpx.stream("POST", smol.url + "/v1/completions", timeout=60,
-                      json={"model": "m", "prompt": "Once upon a time", "max_tokens": 400, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        smol.url + "/v1/completions",
+        timeout=60,
+        json={"model": "m", "prompt": "Once upon a time", "max_tokens": 400, "stream": True},
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data:"):
                 break
@@ -125,8 +181,11 @@ def test_disconnect_mid_stream_frees_the_slot(smol):
 @pytest.mark.real
 def test_disconnect_while_waiting_for_a_plain_response_frees_the_slot(smol):
     with pytest.raises(httpx.TimeoutException):  # the client gives up and closes the connection
-        httpx.post(smol.url + "/v1/completions", timeout=1.0,
-                   json={"model": "m", "prompt": "Once upon a time", "max_tokens": 400})
+        httpx.post(
+            smol.url + "/v1/completions",
+            timeout=1.0,
+            json={"model": "m", "prompt": "Once upon a time", "max_tokens": 400},
+        )
     for _ in range(30):  # well before 400 tokens could be done: the request was cancelled
         if httpx.get(smol.url + "/health").json()["running"] == 0:
             break
@@ -139,9 +198,12 @@ def test_100_requests_at_concurrency_16_no_errors_bounded_memory(smol):
     proc = psutil.Process()
 
     def one(i):
-        return httpx.post(smol.url + "/v1/completions", timeout=300,
-                          json={"prompt": PROMPTS[i % 8] + " " * (i % 3), "max_tokens": 6, "temperature": 0.7,
-                                "seed": i}).status_code
+        return httpx.post(
+            smol.url + "/v1/completions",
+            timeout=300,
+            json={"prompt": PROMPTS[i % 8] + " " * (i % 3), "max_tokens": 6, "temperature": 0.7, "seed": i},
+        ).status_code
+
     with ThreadPoolExecutor(16) as ex:
         assert set(ex.map(one, range(32))) == {200}  # warm-up
         rss = proc.memory_info().rss
@@ -151,8 +213,14 @@ def test_100_requests_at_concurrency_16_no_errors_bounded_memory(smol):
     assert growth_mb < 64, growth_mb  # stated bound: 64 MB over 100 requests
     metrics = httpx.get(smol.url + "/metrics").text
     assert "specdec_requests_total" in metrics and "specdec_engine_spec_steps_total" in metrics
-    seconds = {k: float(v) for k, v in (line.split() for line in metrics.splitlines() if line.startswith(
-        ("specdec_engine_prefill_seconds_total", "specdec_engine_step_seconds_total")))}
+    seconds = {
+        k: float(v)
+        for k, v in (
+            line.split()
+            for line in metrics.splitlines()
+            if line.startswith(("specdec_engine_prefill_seconds_total", "specdec_engine_step_seconds_total"))
+        )
+    }
     assert len(seconds) == 2 and all(v > 0 for v in seconds.values())
 
 
@@ -162,12 +230,19 @@ def test_errors_are_openai_style_with_the_right_codes(tiny):
     assert post("/v1/completions", json={"prompt": "t1"}).status_code == 401
     r = post("/v1/completions", headers={**h, "content-type": "application/json"}, content=b"{not json")
     assert r.status_code == 400 and "error" in r.json()
-    cases = [({"prompt": "t1", "temperature": "hot"}, 400), ({"prompt": "t1", "max_tokens": 0}, 400),
-             ({"prompt": "t1", "top_p": 1.5}, 400), ({"prompt": "t1", "n": 2}, 400), ({"prompt": 5}, 400),
-             ({"prompt": "t1 " * 80}, 400), ({"prompt": "t1", "model": "gpt-9"}, 404),
-             ({"prompt": "t1", "speculative": {"type": "warp"}}, 400),
-             ({"prompt": "t1", "speculative": {"type": "draft"}}, 400),
-             ({"prompt": "t1", "speculative": {"type": "synthetic"}}, 400), ({"prompt": [10**9]}, 400)]
+    cases = [
+        ({"prompt": "t1", "temperature": "hot"}, 400),
+        ({"prompt": "t1", "max_tokens": 0}, 400),
+        ({"prompt": "t1", "top_p": 1.5}, 400),
+        ({"prompt": "t1", "n": 2}, 400),
+        ({"prompt": 5}, 400),
+        ({"prompt": "t1 " * 80}, 400),
+        ({"prompt": "t1", "model": "gpt-9"}, 404),
+        ({"prompt": "t1", "speculative": {"type": "warp"}}, 400),
+        ({"prompt": "t1", "speculative": {"type": "draft"}}, 400),
+        ({"prompt": "t1", "speculative": {"type": "synthetic"}}, 400),
+        ({"prompt": [10**9]}, 400),
+    ]
     for body, code in cases:
         r = post("/v1/completions", headers=h, json=body)
         assert r.status_code == code, (body, r.text)
@@ -183,8 +258,12 @@ def test_full_queue_answers_429_at_once(tiny):
     h = {"Authorization": "Bearer k"}
     body = {"prompt": "t5 t9", "max_tokens": 60, "speculative": False}
     with ThreadPoolExecutor(12) as ex:
-        codes = list(ex.map(lambda _: httpx.post(tiny.url + "/v1/completions", headers=h, json=body,
-                                                  timeout=120).status_code, range(12)))
+        codes = list(
+            ex.map(
+                lambda _: httpx.post(tiny.url + "/v1/completions", headers=h, json=body, timeout=120).status_code,
+                range(12),
+            )
+        )
     assert set(codes) <= {200, 429} and codes.count(200) >= 4
 
 
@@ -203,12 +282,14 @@ def test_fuzz_500_requests_against_the_openapi_schema_get_no_5xx(tiny):
         op = result.ok()
         modes = [GenerationMode.POSITIVE] if op.method.upper() == "GET" else list(GenerationMode)  # GET: no input
         for mode in modes:
+
             @settings(max_examples=140, deadline=None, database=None, suppress_health_check=list(HealthCheck))
             @given(op.as_strategy(generation_mode=mode))
             def check(case):
                 r = case.call(base_url=tiny.url, headers=auth, timeout=60)
                 sent[op.label] += 1
                 assert r.status_code < 500 and "internal_error" not in r.text, (op.label, case.body, r.text)
+
             check()
     assert sum(sent.values()) >= 500, sent
     assert all(sent[label] for label in ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models")), sent
@@ -226,8 +307,24 @@ def test_sigterm_finishes_in_flight_work_and_exits_0(tiny_dir):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "-m", str(tiny_dir("llama")), "--dtype",
-                             "fp32", "-c", "64", "--port", str(port)], stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "specdec.cli",
+            "serve",
+            "-m",
+            str(tiny_dir("llama")),
+            "--dtype",
+            "fp32",
+            "-c",
+            "64",
+            "--port",
+            str(port),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_healthy(url)
         with ThreadPoolExecutor(1) as ex:
@@ -243,10 +340,20 @@ def test_sigterm_finishes_in_flight_work_and_exits_0(tiny_dir):
 def test_metrics_show_the_load_controllers_goodput(tiny):
     h = {"Authorization": "Bearer k"}
     for _ in range(3):
-        assert httpx.post(tiny.url + "/v1/completions", headers=h, timeout=60,
-                          json={"prompt": "t5 t9 t12 t5 t9 t12 t5", "max_tokens": 8}).status_code == 200
-    lines = [ln for ln in httpx.get(tiny.url + "/metrics", headers=h).text.splitlines()
-             if ln.startswith("specdec_goodput_tokens_per_second{")]
+        assert (
+            httpx.post(
+                tiny.url + "/v1/completions",
+                headers=h,
+                timeout=60,
+                json={"prompt": "t5 t9 t12 t5 t9 t12 t5", "max_tokens": 8},
+            ).status_code
+            == 200
+        )
+    lines = [
+        ln
+        for ln in httpx.get(tiny.url + "/metrics", headers=h).text.splitlines()
+        if ln.startswith("specdec_goodput_tokens_per_second{")
+    ]
     assert lines and all(float(ln.rsplit(" ", 1)[1]) >= 0 for ln in lines)  # numbers (an arm due to run: left out)
 
 
@@ -266,10 +373,11 @@ def test_bodies_are_json_whatever_their_content_type(tiny):
     import json
 
     auth = {"Authorization": "Bearer k"}
-    for path, body in (("/v1/completions", {"prompt": "t1 t2", "max_tokens": 2}),
-                       ("/completion", {"prompt": "t1 t2", "n_predict": 2}),
-                       ("/api/generate", {"model": "m", "prompt": "t1 t2", "stream": False,
-                                          "options": {"num_predict": 2}})):
+    for path, body in (
+        ("/v1/completions", {"prompt": "t1 t2", "max_tokens": 2}),
+        ("/completion", {"prompt": "t1 t2", "n_predict": 2}),
+        ("/api/generate", {"model": "m", "prompt": "t1 t2", "stream": False, "options": {"num_predict": 2}}),
+    ):
         for ctype in ("application/x-www-form-urlencoded", "text/plain", None):
             headers = {**auth, **({"Content-Type": ctype} if ctype else {})}
             r = httpx.post(tiny.url + path, content=json.dumps(body), headers=headers, timeout=60)
@@ -282,10 +390,12 @@ def test_one_log_line_per_request(tiny, caplog):
 
     auth = {"Authorization": "Bearer k"}
     with caplog.at_level(logging.INFO, logger="specdec.access"):
-        ok = httpx.post(tiny.url + "/v1/completions", json={"prompt": "t1 t2", "max_tokens": 3}, headers=auth,
-                        timeout=60)
-        bad = httpx.post(tiny.url + "/v1/completions", json={"prompt": "t1", "temperature": 5}, headers=auth,
-                         timeout=60)
+        ok = httpx.post(
+            tiny.url + "/v1/completions", json={"prompt": "t1 t2", "max_tokens": 3}, headers=auth, timeout=60
+        )
+        bad = httpx.post(
+            tiny.url + "/v1/completions", json={"prompt": "t1", "temperature": 5}, headers=auth, timeout=60
+        )
         for _ in range(100):  # the finished line is written on the server's loop, after the response
             if any(ok.json()["id"] in r.getMessage() for r in caplog.records):
                 break
@@ -311,7 +421,7 @@ def test_llama_server_and_ollama_info_routes(tiny):
     assert post("/detokenize", {"tokens": ids})["content"].strip() == "t1 t2 t3"
     pieces = post("/tokenize", {"content": "t1 t2", "with_pieces": True})["tokens"]
     assert all(set(p) == {"id", "piece"} for p in pieces)
-    bad = httpx.post(tiny.url + "/detokenize", json={"tokens": [10 ** 9]}, headers=auth, timeout=60)
+    bad = httpx.post(tiny.url + "/detokenize", json={"tokens": [10**9]}, headers=auth, timeout=60)
     assert bad.status_code == 400
     props = httpx.get(tiny.url + "/props", headers=auth, timeout=60).json()
     assert props["total_slots"] == 4 and props["default_generation_settings"]["n_ctx"] == 64

@@ -1,6 +1,7 @@
 """Other engines' server APIs on a live server: Ollama's /api/chat, /api/generate, /api/tags, /api/version (the
 `ollama` client), llama-server's /completion (plain and SSE, `timings`), transformers' assisted-generation words per
 request, and each API's error format (docs/compat.md)."""
+
 import json
 import shutil
 import time
@@ -20,8 +21,10 @@ from specdec.server.serve import ServerThread
 ollama = pytest.importorskip("ollama")
 
 KEY = {"Authorization": "Bearer k"}
-TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}t2 {{ m['content'] }} t3 "
-            "{% else %}{{ m['content'] }} t0 {% endif %}{% endfor %}{% if add_generation_prompt %}t4{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}t2 {{ m['content'] }} t3 "
+    "{% else %}{{ m['content'] }} t0 {% endif %}{% endfor %}{% if add_generation_prompt %}t4{% endif %}"
+)
 USER = [{"role": "user", "content": "t5 t6 t7 t5 t6"}]
 
 
@@ -32,8 +35,9 @@ def tiny(tiny_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("compat") / "llama"
     shutil.copytree(tiny_dir("llama"), d)
     (d / "chat_template.jinja").write_text(TEMPLATE)
-    llm = specdec.LLM(str(d), spec_type="ngram-mod", ngram_n=2, ngram_min=1, dtype="fp32", context=64, parallel=2,
-                      progress=False)
+    llm = specdec.LLM(
+        str(d), spec_type="ngram-mod", ngram_n=2, ngram_min=1, dtype="fp32", context=64, parallel=2, progress=False
+    )
     scheduler = Scheduler(llm.engine, 2)
     srv = ServerThread(create_app(llm, scheduler, ServerConfig("m", SamplingParams(max_tokens=16), ("k",))))
     srv.llm, srv.scheduler = llm, scheduler
@@ -70,8 +74,11 @@ def test_ollama_client_chat_and_generate(tiny):
     assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True] and parts[-1].eval_count == r.eval_count
 
     g = c.generate(model="m", prompt="t5 t6 t7", system="t9", options=opts)  # in the template, with the system
-    assert g.response == _text(_openai(tiny, messages=[{"role": "system", "content": "t9"},
-                                                       {"role": "user", "content": "t5 t6 t7"}], max_tokens=8))
+    assert g.response == _text(
+        _openai(
+            tiny, messages=[{"role": "system", "content": "t9"}, {"role": "user", "content": "t5 t6 t7"}], max_tokens=8
+        )
+    )
     raw = c.generate(model="m", prompt="t5 t6 t7", raw=True, options=opts)
     assert raw.response == _text(_openai(tiny, prompt="t5 t6 t7", max_tokens=8))
     assert raw.context == tiny.llm.encode("t5 t6 t7") + tiny.llm.encode(raw.response)
@@ -89,8 +96,13 @@ def test_ollama_client_chat_and_generate(tiny):
 
 
 def test_ollama_without_stream_field_streams_ndjson_with_specdecs_stats(tiny):
-    with httpx.stream("POST", tiny.url + "/api/chat", headers=KEY, timeout=60,
-                      json={"model": "m", "messages": USER, "options": {"num_predict": 6, "seed": -1}}) as r:
+    with httpx.stream(
+        "POST",
+        tiny.url + "/api/chat",
+        headers=KEY,
+        timeout=60,
+        json={"model": "m", "messages": USER, "options": {"num_predict": 6, "seed": -1}},
+    ) as r:
         assert r.headers["content-type"].startswith("application/x-ndjson")
         lines = [json.loads(line) for line in r.iter_lines() if line]
     last = lines[-1]
@@ -98,16 +110,19 @@ def test_ollama_without_stream_field_streams_ndjson_with_specdecs_stats(tiny):
     assert last["speculative"]["type"] == "ngram-mod" and last["lossless"] is True
 
 
-@pytest.mark.parametrize("body, status, words", [
-    ({"options": {"num_ctx": 65}}, 400, "context is 64"),
-    ({"model": "nope"}, 404, "nope"),
-    ({"options": {"repeat_penalty": 1.3}}, 400, "repeat_penalty"),
-    ({"format": "json"}, 400, "format"),
-    ({"options": {"temperature": "hot"}}, 400, "options.temperature"),
-    ({"options": {"num_predict": 0}}, 400, "options.num_predict"),
-    ({"options": {"seed": 2 ** 63}}, 400, "options.seed"),
-    ({"messages": [{"role": "user", "content": "t5", "images": ["aGk="]}]}, 400, "images"),
-])
+@pytest.mark.parametrize(
+    "body, status, words",
+    [
+        ({"options": {"num_ctx": 65}}, 400, "context is 64"),
+        ({"model": "nope"}, 404, "nope"),
+        ({"options": {"repeat_penalty": 1.3}}, 400, "repeat_penalty"),
+        ({"format": "json"}, 400, "format"),
+        ({"options": {"temperature": "hot"}}, 400, "options.temperature"),
+        ({"options": {"num_predict": 0}}, 400, "options.num_predict"),
+        ({"options": {"seed": 2**63}}, 400, "options.seed"),
+        ({"messages": [{"role": "user", "content": "t5", "images": ["aGk="]}]}, 400, "images"),
+    ],
+)
 def test_ollama_errors_in_ollamas_format(tiny, body, status, words):
     c = ollama.Client(host=tiny.url, headers=KEY)
     with pytest.raises(ollama.ResponseError) as e:
@@ -120,8 +135,12 @@ def test_ollama_no_key_bad_json_and_neutral_options(tiny):
     assert r.status_code == 401 and isinstance(r.json()["error"], str)
     r = httpx.post(tiny.url + "/api/generate", content=b"{not json", headers=KEY, timeout=60)
     assert r.status_code == 400 and isinstance(r.json()["error"], str)
-    ok = {"model": "m", "messages": USER, "stream": False,
-          "options": {"num_ctx": 64, "repeat_penalty": 1.0, "num_thread": 2, "num_predict": 4}}
+    ok = {
+        "model": "m",
+        "messages": USER,
+        "stream": False,
+        "options": {"num_ctx": 64, "repeat_penalty": 1.0, "num_thread": 2, "num_predict": 4},
+    }
     assert _post(tiny, "/api/chat", ok).status_code == 200
 
 
@@ -133,10 +152,22 @@ def test_llama_server_completion_plain_and_streamed(tiny):
     assert got["tokens_predicted"] == want["usage"]["completion_tokens"]
     assert got["tokens_evaluated"] == want["usage"]["prompt_tokens"]
     assert got["stop_type"] == {"length": "limit", "stop": "eos"}[want["choices"][0]["finish_reason"]]
-    assert set(got["timings"]) >= {"prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "predicted_per_second",
-                                   "draft_n", "draft_n_accepted"}
-    with httpx.stream("POST", tiny.url + "/completion", headers=KEY, timeout=60,
-                      json={"prompt": "t5 t6 t7", "n_predict": 10, "stream": True}) as s:
+    assert set(got["timings"]) >= {
+        "prompt_n",
+        "prompt_ms",
+        "predicted_n",
+        "predicted_ms",
+        "predicted_per_second",
+        "draft_n",
+        "draft_n_accepted",
+    }
+    with httpx.stream(
+        "POST",
+        tiny.url + "/completion",
+        headers=KEY,
+        timeout=60,
+        json={"prompt": "t5 t6 t7", "n_predict": 10, "stream": True},
+    ) as s:
         lines = [line for line in s.iter_lines() if line]
     assert all(line.startswith("data: ") for line in lines)
     events = [json.loads(line[6:]) for line in lines]
@@ -147,17 +178,20 @@ def test_llama_server_completion_plain_and_streamed(tiny):
     if len(words) >= 3:  # a stop string: cut there, stop_type word
         cut = _post(tiny, "/completions", {"prompt": "t5 t6 t7", "n_predict": 10, "stop": [words[2]]}).json()
         assert cut["stop_type"] == "word" and cut["stopping_word"] == words[2]
-        assert cut["content"] == got["content"][:got["content"].index(words[2])]
+        assert cut["content"] == got["content"][: got["content"].index(words[2])]
     whole = _post(tiny, "/completion", {"prompt": "t5 t6 t7", "n_predict": -1}).json()  # to the end of the context
     assert whole["stop_type"] == "eos" or whole["tokens_evaluated"] + whole["tokens_predicted"] == 64
 
 
-@pytest.mark.parametrize("body, status, kind, words", [
-    ({"prompt": "t5 " * 80}, 400, "exceed_context_size_error", "context"),
-    ({"prompt": "t5", "repeat_penalty": 1.2}, 400, "invalid_request_error", "repeat_penalty"),
-    ({"prompt": "t5", "n_predict": 0}, 400, "invalid_request_error", "n_predict"),
-    ({"prompt": 5}, 400, "invalid_request_error", "prompt"),
-])
+@pytest.mark.parametrize(
+    "body, status, kind, words",
+    [
+        ({"prompt": "t5 " * 80}, 400, "exceed_context_size_error", "context"),
+        ({"prompt": "t5", "repeat_penalty": 1.2}, 400, "invalid_request_error", "repeat_penalty"),
+        ({"prompt": "t5", "n_predict": 0}, 400, "invalid_request_error", "n_predict"),
+        ({"prompt": 5}, 400, "invalid_request_error", "prompt"),
+    ],
+)
 def test_llama_server_errors_in_its_format(tiny, body, status, kind, words):
     r = _post(tiny, "/completion", body)
     err = r.json()["error"]
@@ -169,6 +203,7 @@ def test_llama_server_errors_in_its_format(tiny, body, status, kind, words):
 def test_full_queue_is_429_in_each_apis_format(tiny, monkeypatch):
     def full(_req):
         raise QueueFull("every slot is busy and the queue is full (0 waiting requests)")
+
     monkeypatch.setattr(tiny.scheduler, "submit", full)
     r = _post(tiny, "/api/chat", {"model": "m", "messages": USER, "stream": False})
     assert r.status_code == 429 and "queue is full" in r.json()["error"]
@@ -195,12 +230,14 @@ def test_a_failing_request_is_a_500_in_each_apis_format_whole_and_streamed(tiny,
     for stream in (False, True):
         with pytest.raises(ollama.ResponseError) as e:
             list(c.chat(model="m", messages=USER, options=boom, stream=True)) if stream else c.chat(
-                model="m", messages=USER, options=boom)
+                model="m", messages=USER, options=boom
+            )
         assert "internal server error (request id ollama-" in e.value.error and "secret" not in e.value.error
     r = _post(tiny, "/completion", {"prompt": "t5 t6", **boom})
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error" and "secret" not in r.text
-    with httpx.stream("POST", tiny.url + "/completion", headers=KEY, timeout=60,
-                      json={"prompt": "t5 t6", "stream": True, **boom}) as s:
+    with httpx.stream(
+        "POST", tiny.url + "/completion", headers=KEY, timeout=60, json={"prompt": "t5 t6", "stream": True, **boom}
+    ) as s:
         last = json.loads([line for line in s.iter_lines() if line][-1][6:])
     assert last["error"]["code"] == 500 and "secret" not in json.dumps(last)
 
@@ -219,8 +256,11 @@ def test_transformers_words_per_request(tiny, path):
     assert r.status_code == 200 and r.json()["speculative"]["type"] == "ngram-simple", r.text
     r = ask(num_assistant_tokens=3, num_assistant_tokens_schedule="heuristic")
     assert r.status_code == 200 and r.json()["speculative"]["type"] == "ngram-mod"
-    for bad in ({"assistant_model": "other-model"}, {"prompt_lookup_num_tokens": 4, "max_matching_ngram_size": 3},
-                {"num_assistant_tokens_schedule": "constant"}):
+    for bad in (
+        {"assistant_model": "other-model"},
+        {"prompt_lookup_num_tokens": 4, "max_matching_ngram_size": 3},
+        {"num_assistant_tokens_schedule": "constant"},
+    ):
         r = ask(**bad)
         msg = json.dumps(r.json())
         assert r.status_code == 400 and "per request only the spec type" in msg, msg
@@ -229,12 +269,24 @@ def test_transformers_words_per_request(tiny, path):
 
 
 def test_for_request_keeps_the_servers_other_settings():
-    server = {"draft": "/packs/smollm2-135m.gguf", "draft_max": 8, "ngram_n": 2, "ngram_min": 1, "ngram_m": 16,
-              "adaptive": True, "draft_p_min": 0.0, "spec_exit_layer": 0}
+    server = {
+        "draft": "/packs/smollm2-135m.gguf",
+        "draft_max": 8,
+        "ngram_n": 2,
+        "ngram_min": 1,
+        "ngram_m": 16,
+        "adaptive": True,
+        "draft_p_min": 0.0,
+        "spec_exit_layer": 0,
+    }
     assert compat.for_request({"assistant_model": "smollm2-135m", "num_assistant_tokens": 5}, server) == {
-        "spec_type": "draft", "draft_max": 5}  # the server's -md, named by its stem
+        "spec_type": "draft",
+        "draft_max": 5,
+    }  # the server's -md, named by its stem
     assert compat.for_request({"prompt_lookup_num_tokens": 10, "assistant_confidence_threshold": 0}, server) == {
-        "spec_type": "ngram-simple", "draft_max": 10}
+        "spec_type": "ngram-simple",
+        "draft_max": 10,
+    }
     with pytest.raises(SpecdecError, match="ngram_m=20, but this server or LLM runs ngram_m=16"):
         compat.for_request({"prompt_lookup_num_tokens": 20}, {**server, "draft_max": 32})
     with pytest.raises(SpecdecError, match="draft_p_min=0.5"):
@@ -247,13 +299,16 @@ def test_for_request_keeps_the_servers_other_settings():
 def test_smollm_greedy_text_equals_plain_decoding(smollm_dir):
     """SmolLM2-135M in fp32 with n-gram speculation: /api/chat (whole and streamed) and /completion give the text of
     plain greedy decoding; a client leaving an Ollama stream cancels its request."""
-    llm = specdec.LLM(str(smollm_dir), spec_type="ngram-simple", dtype="fp32", context=256, parallel=2, progress=False,
-                      adaptive=False)  # fixed draft lengths: an adaptive one may draft nothing
+    llm = specdec.LLM(
+        str(smollm_dir), spec_type="ngram-simple", dtype="fp32", context=256, parallel=2, progress=False, adaptive=False
+    )  # fixed draft lengths: an adaptive one may draft nothing
     chat = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
     plain_chat = llm.generate(llm.encode_chat(chat), max_tokens=24, spec_type="none").text
     # code that goes on with lines of its own: n-gram drafts are accepted
-    code = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n\ndef fact(n):\n" \
-           "    if n < 2:\n        return 1\n"
+    code = (
+        "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n\ndef fact(n):\n"
+        "    if n < 2:\n        return 1\n"
+    )
     plain = llm.generate(code, max_tokens=24, spec_type="none").text
     scheduler = Scheduler(llm.engine, 2)
     srv = ServerThread(create_app(llm, scheduler, ServerConfig("smol", SamplingParams(max_tokens=16))))
@@ -261,16 +316,22 @@ def test_smollm_greedy_text_equals_plain_decoding(smollm_dir):
         c = ollama.Client(host=srv.url)
         opts = {"temperature": 0, "num_predict": 24}
         assert c.chat(model="smol", messages=chat, options=opts).message.content == plain_chat
-        assert "".join(p.message.content for p in c.chat(model="smol", messages=chat, options=opts,
-                                                          stream=True)) == plain_chat
+        assert (
+            "".join(p.message.content for p in c.chat(model="smol", messages=chat, options=opts, stream=True))
+            == plain_chat
+        )
         r = _post(srv, "/completion", {"prompt": code, "n_predict": 24, "temperature": 0}, headers={})
         timings = r.json()["timings"]
         assert r.json()["content"] == plain and timings["draft_n"] >= timings["draft_n_accepted"] > 0, timings
         cancelled = []
         cancel = scheduler.cancel
         scheduler.cancel = lambda req: (cancelled.append(req), cancel(req))
-        with httpx.stream("POST", srv.url + "/api/chat", timeout=60,
-                          json={"model": "smol", "messages": chat, "options": {"num_predict": -1}}) as s:
+        with httpx.stream(
+            "POST",
+            srv.url + "/api/chat",
+            timeout=60,
+            json={"model": "smol", "messages": chat, "options": {"num_predict": -1}},
+        ) as s:
             next(s.iter_lines())
         for _ in range(100):
             if cancelled and httpx.get(srv.url + "/health").json()["running"] == 0:

@@ -2,6 +2,7 @@
 exception in a request's work, a dead engine loop (503, exit 1), long drafts beside long contexts, empty
 steps, requests cancelled in the queue, --max-queue 0, concurrent draft-model loads and pack assembly,
 the body limit (413), bounded stop strings scanned incrementally, tokenizing off the event loop."""
+
 import json
 import random
 import shutil
@@ -16,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
+from test_server import wait_healthy
 
 import specdec
 from specdec.drafters.base import Draft, Drafter
@@ -30,13 +32,12 @@ from specdec.server.app import ServerConfig, create_app
 from specdec.server.metrics import Metrics
 from specdec.server.serve import ServerThread
 
-from test_server import wait_healthy
-
 MAX_BODY = 3 << 20
 
 
 class Garbage(Drafter):
     """Drafts `k` copies of one token (mostly rejected): long drafts on demand."""
+
     name = "garbage"
 
     def propose(self, seq, max_tokens, min_path_prob=0.0):
@@ -45,6 +46,7 @@ class Garbage(Drafter):
 
 class Raising(Drafter):
     """Raises in `propose` or in `release`."""
+
     name = "raising"
 
     def __init__(self, where: str):
@@ -114,6 +116,7 @@ def _run(sched, reqs):
 
 # -- 3. one request never stops the engine or fails the others -------------------------------------------
 
+
 def test_seed_out_of_range_is_400_and_the_engine_goes_on(tiny):
     for seed in (2**64, 2**63, -1):
         r = _post(tiny.url, {"prompt": "t5 t9", "temperature": 0.8, "seed": seed}, timeout=20)
@@ -149,6 +152,7 @@ def test_an_error_outside_any_request_fails_the_requests_in_flight_and_the_loop_
 
     def broken(load):
         raise RuntimeError("controller broke")
+
     controller.choose = broken
     sched.start()
     try:
@@ -168,8 +172,10 @@ def test_an_error_outside_any_request_fails_the_requests_in_flight_and_the_loop_
 def test_a_dead_engine_loop_fails_its_requests_and_health_turns_503(tiny_dir):
     srv = _server(_llm(tiny_dir))
     try:
+
         def die():
             raise Fatal("injected")
+
         srv.scheduler.run_once = die
         r = _post(srv.url, {"prompt": "t5 t9"}, timeout=20)
         assert r.status_code == 500 and set(r.json()["error"]) == {"message", "type", "param", "code"}
@@ -184,12 +190,30 @@ def test_the_server_process_exits_1_when_the_engine_loop_dies(tiny_dir):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    script = ("import sys\nfrom specdec.engine.scheduler import Scheduler\n"
-              "class Fatal(BaseException): pass\n"
-              "def die(self): raise Fatal('injected')\n"
-              "Scheduler.run_once = die\nfrom specdec.cli import main\nsys.exit(main(sys.argv[1:]))\n")
-    proc = subprocess.Popen([sys.executable, "-c", script, "serve", "-m", str(tiny_dir("llama")), "--dtype", "fp32",
-                             "-c", "64", "--port", str(port)], stderr=subprocess.PIPE, text=True)
+    script = (
+        "import sys\nfrom specdec.engine.scheduler import Scheduler\n"
+        "class Fatal(BaseException): pass\n"
+        "def die(self): raise Fatal('injected')\n"
+        "Scheduler.run_once = die\nfrom specdec.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            script,
+            "serve",
+            "-m",
+            str(tiny_dir("llama")),
+            "--dtype",
+            "fp32",
+            "-c",
+            "64",
+            "--port",
+            str(port),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url)
@@ -207,8 +231,9 @@ def test_a_long_context_sequence_beside_a_256_token_draft(tiny_dir, tmp_path):
     shutil.copytree(tiny_dir("llama"), d)
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 1024}))
-    llm = specdec.LLM(str(d), spec_type="none", dtype="fp32", context=600, parallel=2, progress=False,
-                      draft_max=256, adaptive=False)
+    llm = specdec.LLM(
+        str(d), spec_type="none", dtype="fp32", context=600, parallel=2, progress=False, draft_max=256, adaptive=False
+    )
     llm.engine.stop_ids = set()
     long_prompt = [1 + i % 90 for i in range(590)]
     bases = [llm.generate(long_prompt, max_tokens=6).token_ids, llm.generate([5, 9, 12], max_tokens=260).token_ids]
@@ -227,7 +252,7 @@ def test_a_long_context_sequence_beside_a_256_token_draft(tiny_dir, tmp_path):
 def test_per_request_draft_max_is_capped_at_the_servers(tiny):
     seen = []
     submit = tiny.scheduler.submit
-    tiny.scheduler.submit = lambda req: (seen.append(req.draft_max), submit(req))[1]
+    tiny.scheduler.submit = lambda req: (seen.append(req.options.draft_max), submit(req))[1]
     try:
         for spec in ({"type": "ngram-simple", "draft_max": 256}, {"draft_max": 256}, {"draft_max": 2}):
             assert _post(tiny.url, {"prompt": "t5 t9", "speculative": spec}).status_code == 200
@@ -283,8 +308,15 @@ def test_max_queue_0_admits_into_free_slots_and_refuses_the_rest(tiny_dir):
 def test_the_draft_model_is_loaded_once_when_requests_ask_at_the_same_time(tiny_dir, monkeypatch):
     import specdec.api
 
-    llm = specdec.LLM(str(tiny_dir("llama")), draft=str(tiny_dir("llama", seed=1, layers=1)), spec_type="none",
-                      dtype="fp32", context=64, progress=False, draft_quant="none")
+    llm = specdec.LLM(
+        str(tiny_dir("llama")),
+        draft=str(tiny_dir("llama", seed=1, layers=1)),
+        spec_type="none",
+        dtype="fp32",
+        context=64,
+        progress=False,
+        draft_quant="none",
+    )
     loads = []
     real = specdec.api.load_checkpoint
 
@@ -292,6 +324,7 @@ def test_the_draft_model_is_loaded_once_when_requests_ask_at_the_same_time(tiny_
         loads.append(args[0])
         time.sleep(0.5)
         return real(*args, **kw)
+
     monkeypatch.setattr(specdec.api, "load_checkpoint", slow_load)
     with ThreadPoolExecutor(4) as ex:
         drafters = list(ex.map(lambda _: llm.drafter_for("draft"), range(4)))
@@ -323,6 +356,7 @@ def test_two_assemblies_of_one_pack_at_once_both_succeed(tmp_path, monkeypatch):
         for item in items:
             both.wait(10)
             yield item
+
     monkeypatch.setattr(tqdm, "tqdm", in_step)
     out = tmp_path / "fake.gguf"
     with ThreadPoolExecutor(2) as ex:
@@ -351,8 +385,12 @@ def test_assembly_checks_the_hash_of_the_file_on_disk(tmp_path, monkeypatch):
         def __exit__(self, *exc):
             self.f.close()
 
-    monkeypatch.setattr(packs, "open", lambda p, mode="r", *a: LossyDisk(real_open(p, mode)) if "w" in mode
-                        else real_open(p, mode, *a), raising=False)
+    monkeypatch.setattr(
+        packs,
+        "open",
+        lambda p, mode="r", *a: LossyDisk(real_open(p, mode)) if "w" in mode else real_open(p, mode, *a),
+        raising=False,
+    )
     out = tmp_path / "fake.gguf"
     with pytest.raises(SpecdecError, match="SHA-256 mismatch"):
         packs._assemble(pack, out, False)
@@ -360,6 +398,7 @@ def test_assembly_checks_the_hash_of_the_file_on_disk(tmp_path, monkeypatch):
 
 
 # -- 4. bounded work per request -------------------------------------------------------------------------
+
 
 def test_a_body_over_the_limit_is_413_in_openai_format(tiny):
     big = {"prompt": "t5 " * (MAX_BODY // 3 + 10)}
@@ -369,8 +408,10 @@ def test_a_body_over_the_limit_is_413_in_openai_format(tiny):
     def chunks():  # no Content-Length: counted as it arrives
         for _ in range(MAX_BODY // (1 << 16) + 2):
             yield b" " * (1 << 16)
-    r = httpx.post(tiny.url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"},
-                   timeout=60)
+
+    r = httpx.post(
+        tiny.url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"}, timeout=60
+    )
     assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
     assert _post(tiny.url, {"prompt": "t5 t9"}).status_code == 200
 
@@ -399,7 +440,7 @@ def test_the_incremental_stop_scan_equals_a_full_rescan():
         stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(0, 4))]
         text, held = "", 0
         for _ in range(20):  # commits of a few tokens each; the stream holds back `held` characters
-            scan = StopScan(stops, text[len(text) - held:])
+            scan = StopScan(stops, text[len(text) - held :])
             cut = None
             for _ in range(rng.randint(1, 3)):
                 new = text + "".join(rng.choice("abc") for _ in range(rng.randint(0, 3)))
@@ -426,6 +467,7 @@ def test_the_stop_scan_per_step_does_not_grow_with_the_stop_strings(tiny_dir):
         for _ in range(200):
             llm.engine._commit(seq, [5], logits)
         return time.perf_counter() - t
+
     times = {k: [] for k in ("short", "long")}
     for _ in range(5):
         times["short"].append(commit_s(["q"]))
@@ -440,6 +482,7 @@ def test_tokenizing_a_huge_prompt_does_not_stall_other_requests(tiny):
         t = time.perf_counter()
         r = _post(tiny.url, {"prompt": prompt})
         return r, time.perf_counter() - t
+
     health_s = []
     with ThreadPoolExecutor(1) as ex:
         fut = ex.submit(big)

@@ -1,7 +1,7 @@
 """Who gets in and what they see: API keys (constant-time, from env or file, several), the OpenAPI schema
 behind the key, the Host header check without a key (DNS rebinding), no internal exception text in error
 bodies, and drafter memory scoped per API key."""
-import argparse
+
 import contextlib
 import json
 import logging
@@ -14,7 +14,7 @@ from specdec.drafters import Drafter
 from specdec.engine.scheduler import Scheduler
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
-from specdec.server import app as server_app
+from specdec.server import handler as server_handler
 from specdec.server.app import ServerConfig, create_app
 from specdec.server.serve import ServerThread, api_keys
 
@@ -23,8 +23,16 @@ PROMPT = "t5 t9 t13 t17 t21"
 
 def _llm(tiny_dir, spec_type: str = "ngram-simple", **kw) -> specdec.LLM:
     """Fixed draft lengths (adaptive off), so acceptance statistics are repeatable."""
-    return specdec.LLM(str(tiny_dir("llama")), spec_type=spec_type, dtype="fp32", context=128, parallel=2,
-                       progress=False, adaptive=False, **kw)
+    return specdec.LLM(
+        str(tiny_dir("llama")),
+        spec_type=spec_type,
+        dtype="fp32",
+        context=128,
+        parallel=2,
+        progress=False,
+        adaptive=False,
+        **kw,
+    )
 
 
 @contextlib.contextmanager
@@ -53,8 +61,9 @@ def test_keys_are_compared_in_constant_time_and_any_configured_key_passes(llm, m
     def spy(a, b):
         calls.append((len(a), len(b)))
         return real(a, b)
-    real = server_app.hmac.compare_digest
-    monkeypatch.setattr(server_app.hmac, "compare_digest", spy)
+
+    real = server_handler.hmac.compare_digest
+    monkeypatch.setattr(server_handler.hmac, "compare_digest", spy)
     with _serve(llm, api_keys=("alpha", "b", "gamma-key")) as srv:
         for key in ("alpha", "b", "gamma-key"):
             calls.clear()
@@ -146,12 +155,13 @@ def _request_id(err: dict) -> str:
 
 
 def test_internal_errors_are_logged_with_a_request_id_not_returned(llm, monkeypatch, caplog):
-    caplog.set_level(logging.ERROR, logger="specdec.server.app")
+    caplog.set_level(logging.ERROR, logger="specdec.server.handler")
     with _serve(llm) as srv:
         monkeypatch.setattr(llm, "drafter_for", lambda spec_type, scope=None, options=None: _Boom())
         boom = {"type": "ngram-simple"}  # -> drafter_for -> _Boom
-        r = httpx.post(srv.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "speculative": boom},
-                       timeout=60)
+        r = httpx.post(
+            srv.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "speculative": boom}, timeout=60
+        )
         assert r.status_code == 500 and "secret" not in r.text and "RuntimeError" not in r.text
         err = r.json()["error"]
         assert err["code"] == "internal_error" and err["type"] == "server_error"

@@ -1,5 +1,6 @@
 """A decoder layer's small operations in C (specdec/runtime/small_ops.py): they match torch's, a row's result is
 the same bits however many rows share the call, and torch runs where the C path does not apply."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,8 +1,9 @@
-"""The soak run at CI size (specdec/server/soak.py; a longer one: `python scripts/soak.py --requests N`): 250
+"""The soak run at CI size (specdec/bench/soak.py; a longer one: `python scripts/soak.py --requests N`): 250
 mixed requests at concurrency 32 against `specdec serve -np 8` on SmolLM2-135M in fp32, on loopback."""
+
 import pytest
 
-from specdec.server import soak
+from specdec.bench import soak
 
 
 @pytest.mark.real

@@ -1,5 +1,6 @@
 """Target features for drafters: `ModelRunner.capture` returns the hidden states entering chosen decoder layers
 and the final norm's input, equal to what forward pre-hooks see in a plain forward, on every forward path."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,16 +16,26 @@ from specdec.runtime.runner import Features, FeatureSpec, ModelRunner
 LAYERS = 4
 SPEC = FeatureSpec((0, 1, 3))  # embeddings, output of layer 0, output of layer 2
 PREFIX = [5, 9, 12, 5, 9, 12, 7]
-TREE = [40, 41, 42, 43, 44, 45]   # node tokens
-PARENTS = [-1, -1, 0, 0, 2, 1]    # two roots (40, 41); 40 -> 42, 43; 42 -> 44; 41 -> 45
+TREE = [40, 41, 42, 43, 44, 45]  # node tokens
+PARENTS = [-1, -1, 0, 0, 2, 1]  # two roots (40, 41); 40 -> 42, 43; 42 -> 44; 41 -> 45
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
 @pytest.fixture(scope="module")
 def model() -> Transformer:
     """A tiny random Qwen3-style model (qk-norm), fp32, with non-trivial norm weights."""
-    cfg = ModelConfig(model_type="qwen3", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=LAYERS,
-                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256, qk_norm=True)
+    cfg = ModelConfig(
+        model_type="qwen3",
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=LAYERS,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        qk_norm=True,
+    )
     torch.manual_seed(0)
     m = Transformer(cfg)
     with torch.no_grad():
@@ -46,6 +57,7 @@ def _reference(model: Transformer, tokens: list[int]) -> tuple[torch.Tensor, tor
 
     def hook(name: str):
         return lambda _module, args: seen.__setitem__(name, args[0][0].clone())  # [T, H]
+
     mods = {f"layer{i}": model.model.layers[i] for i in SPEC.layers} | {"norm": model.model.norm}
     handles = [m.register_forward_pre_hook(hook(name)) for name, m in mods.items()]
     try:

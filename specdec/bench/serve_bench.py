@@ -4,6 +4,7 @@ on, and load-controlled (auto), each also without the prefix cache (`MODE-nocach
 conversation: one request per turn, each carrying the earlier turns and the server's answers. Each level runs every
 mode `--passes` times in alternating order (as given, then reversed: drift over time hits every mode alike); a
 mode's figures are its passes' means, a ratio to off the geometric mean of the ratios within each pass."""
+
 from __future__ import annotations
 
 import argparse
@@ -71,11 +72,18 @@ def run_serve_bench(args: argparse.Namespace) -> Path:
     out_dir = Path(args.out or Path("bench-out") / datetime.now().strftime("serve-%Y%m%d-%H%M%S"))
     out_dir.mkdir(parents=True, exist_ok=True)
     llm = build_llm(args, spec_type=spec, parallel=max(levels))
-    convs = [Conversation(list(p.turns),
-                          p.limit(args.max_tokens) if p.max_tokens else args.max_tokens or SERVE_MAX_TOKENS)
-             for p in prompts]
-    meta = {**bench_meta(args, llm, prompts), "spec_type": spec, "concurrency": levels, "modes": modes,
-            "passes": args.passes, "cache_mb": llm.config.cache_mb}
+    convs = [
+        Conversation(list(p.turns), p.limit(args.max_tokens) if p.max_tokens else args.max_tokens or SERVE_MAX_TOKENS)
+        for p in prompts
+    ]
+    meta = {
+        **bench_meta(args, llm, prompts),
+        "spec_type": spec,
+        "concurrency": levels,
+        "modes": modes,
+        "passes": args.passes,
+        "cache_mb": llm.config.cache_mb,
+    }
     runs: list[dict] = []
     _level(llm, [Conversation(convs[0].turns[:1], 8)], 1, "on", 1)  # warm-up
     for c in levels:
@@ -87,8 +95,17 @@ def run_serve_bench(args: argparse.Namespace) -> Path:
             if llm.prefix_cache is not None:
                 llm.prefix_cache.clear()  # no mode starts with what another one cached
             res, report, engine = _level(llm, convs, c, mode, n)
-            runs.append({"concurrency": c, "mode": mode, "pass": p, **_summary(res), **engine, "controller": report,
-                         "requests": res})
+            runs.append(
+                {
+                    "concurrency": c,
+                    "mode": mode,
+                    "pass": p,
+                    **_summary(res),
+                    **engine,
+                    "controller": report,
+                    "requests": res,
+                }
+            )
             _write(out_dir, runs, meta)
     print(render(runs, meta))
     print(f"results: {out_dir}/results.json, {out_dir}/report.md", file=sys.stderr)
@@ -107,8 +124,10 @@ def _level(llm, convs: list["Conversation"], conc: int, mode: str, n: int) -> tu
     from specdec.server.serve import ServerThread
 
     spec_mode = mode.removesuffix(NOCACHE)
-    extra = {**({"speculative": False} if spec_mode == "off" else {}),
-             **({"cache_prompt": False} if mode.endswith(NOCACHE) else {})}
+    extra = {
+        **({"speculative": False} if spec_mode == "off" else {}),
+        **({"cache_prompt": False} if mode.endswith(NOCACHE) else {}),
+    }
     controller = LoadController(llm.engine.spec.draft_max) if spec_mode == "auto" else None
     scheduler = Scheduler(llm.engine, conc, max_queue=n, controller=controller)
     srv = ServerThread(create_app(llm, scheduler, ServerConfig("m", SamplingParams(max_tokens=SERVE_MAX_TOKENS))))
@@ -124,6 +143,7 @@ def _level(llm, convs: list["Conversation"], conc: int, mode: str, n: int) -> tu
                     return
                 conv = convs[i % len(convs)]
                 results.extend(_conversation(client, srv.url, llm, conv.turns, conv.max_tokens, extra, i))
+
     try:
         threads = [threading.Thread(target=worker) for _ in range(conc)]
         for t in threads:
@@ -133,8 +153,11 @@ def _level(llm, convs: list["Conversation"], conc: int, mode: str, n: int) -> tu
     finally:
         srv.close()
     tokens = sum(r["tokens"] for r in results if not r["error"])
-    engine = {"prefill_s": round(scheduler.prefill_s, 2), "step_s": round(scheduler.step_s, 2),
-              "step_tok_s": round(tokens / scheduler.step_s, 3) if scheduler.step_s else None}
+    engine = {
+        "prefill_s": round(scheduler.prefill_s, 2),
+        "step_s": round(scheduler.step_s, 2),
+        "step_tok_s": round(tokens / scheduler.step_s, 3) if scheduler.step_s else None,
+    }
     return sorted(results, key=lambda r: (r["index"], r["turn"])), controller.report() if controller else {}, engine
 
 
@@ -151,8 +174,14 @@ def _conversation(client, url: str, llm, turns: list[str], max_tokens: int, extr
 
 
 def _one(client, url: str, ids: list[int], max_tokens: int, extra: dict, index: int) -> dict:
-    body = {"model": "m", "prompt": ids, "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}, **extra}
+    body = {
+        "model": "m",
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **extra,
+    }
     t0 = time.perf_counter()
     first, tokens, stats, error, text, cached = None, 0, {}, None, [], 0
     with client.stream("POST", url + "/v1/completions", json=body) as r:
@@ -175,10 +204,20 @@ def _one(client, url: str, ids: list[int], max_tokens: int, extra: dict, index: 
                 cached = ev["timings"].get("cache_n", 0)
     end = time.perf_counter()
     first = first or end
-    return {"index": index, "start": t0, "end": end, "ttft_s": first - t0, "latency_s": end - t0,
-            "tokens": tokens, "tpot_s": (end - first) / (tokens - 1) if tokens > 1 else None,
-            "drafted": stats.get("drafted", 0), "accepted": stats.get("accepted", 0), "error": error,
-            "cached_tokens": cached, "text": "".join(text)}
+    return {
+        "index": index,
+        "start": t0,
+        "end": end,
+        "ttft_s": first - t0,
+        "latency_s": end - t0,
+        "tokens": tokens,
+        "tpot_s": (end - first) / (tokens - 1) if tokens > 1 else None,
+        "drafted": stats.get("drafted", 0),
+        "accepted": stats.get("accepted", 0),
+        "error": error,
+        "cached_tokens": cached,
+        "text": "".join(text),
+    }
 
 
 def _summary(res: list[dict]) -> dict:
@@ -187,13 +226,18 @@ def _summary(res: list[dict]) -> dict:
     med = lambda xs: round(statistics.median(xs), 4) if xs else None  # noqa: E731
     tokens = sum(r["tokens"] for r in ok)
     drafted = sum(r["drafted"] for r in ok)
-    return {"throughput_tok_s": round(tokens / wall, 3) if wall > 0 else 0.0, "wall_s": round(wall, 2),
-            "tokens": tokens, "errors": len(res) - len(ok), "ttft_s": med([r["ttft_s"] for r in ok]),
-            "tpot_s": med([r["tpot_s"] for r in ok if r["tpot_s"] is not None]),
-            "latency_s": med([r["latency_s"] for r in ok]),
-            "ttft_later_turns_s": med([r["ttft_s"] for r in ok if r["turn"] > 0]),
-            "cached_tokens": sum(r["cached_tokens"] for r in ok),
-            "acceptance_rate": round(sum(r["accepted"] for r in ok) / drafted, 4) if drafted else None}
+    return {
+        "throughput_tok_s": round(tokens / wall, 3) if wall > 0 else 0.0,
+        "wall_s": round(wall, 2),
+        "tokens": tokens,
+        "errors": len(res) - len(ok),
+        "ttft_s": med([r["ttft_s"] for r in ok]),
+        "tpot_s": med([r["tpot_s"] for r in ok if r["tpot_s"] is not None]),
+        "latency_s": med([r["latency_s"] for r in ok]),
+        "ttft_later_turns_s": med([r["ttft_s"] for r in ok if r["turn"] > 0]),
+        "cached_tokens": sum(r["cached_tokens"] for r in ok),
+        "acceptance_rate": round(sum(r["accepted"] for r in ok) / drafted, 4) if drafted else None,
+    }
 
 
 def combined(runs: list[dict], c: int, mode: str, key: str) -> float | None:
@@ -243,8 +287,10 @@ def render_engine(runs: list[dict], meta: dict) -> str:
     """Markdown: per concurrency and mode, the engine thread's seconds in prefill and in decode steps, and tokens per
     second of step time (means over passes; runs from before these were recorded show blanks)."""
     modes = meta["modes"]
-    lines = ["| concurrency | " + " | ".join(f"{m} prefill s | {m} step s | {m} step tok/s" for m in modes) + " |",
-             "|" + "---|" * (1 + 3 * len(modes))]
+    lines = [
+        "| concurrency | " + " | ".join(f"{m} prefill s | {m} step s | {m} step tok/s" for m in modes) + " |",
+        "|" + "---|" * (1 + 3 * len(modes)),
+    ]
     for c in meta["concurrency"]:
         cells = _mean_cells(runs, c, modes, (("prefill_s", ".1f"), ("step_s", ".1f"), ("step_tok_s", ".2f")))
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
@@ -259,34 +305,50 @@ def _max_tokens_note(meta: dict) -> str:
 def _write(out_dir: Path, runs: list[dict], meta: dict) -> None:
     write_atomic(out_dir / "results.json", json.dumps({"runs": runs, "meta": meta}, indent=1))
     plots = _plots(out_dir, runs, meta)
-    text = ["# specdec bench serve", "", f"`{meta['command']}`", "",
-            f"{meta['date']} · {meta['machine']['cpu']} · {meta['dtype']} · {meta['threads']} threads · "
-            f"target {meta['models']['target']} · spec type `{meta['spec_type']}` for on/auto · "
-            f"workload {meta['workload']} · max tokens per turn: {_max_tokens_note(meta)}", "",
-            "Throughput: completion tokens over all requests / wall time of the level. TTFT and TPOT: medians "
-            "per request (streaming). off: `speculative: false`; on: speculation at any load; auto: the "
-            f"load controller (engine/load_control.py); MODE{NOCACHE}: `cache_prompt: false` (prefix cache "
-            f"{meta['cache_mb']} MiB, emptied before every level and mode). Turns after the first of a conversation "
-            f"carry the earlier turns and answers. {meta['passes']} passes per level, the modes as given, then "
-            "reversed, ...: figures are means over passes, ratios geometric means of each pass's ratio (each pass's "
-            "in parentheses).", "", render(runs, meta), "## Engine time", "",
-            "Seconds the engine thread spent prefilling prompts and in decode steps (drafting, the target forward, "
-            "verification, commits), and completion tokens per second of step time: what the load controller's "
-            "goodput measures (it cannot change the prefill, so it leaves it out). Means over passes.", "",
-            render_engine(runs, meta), "## Plots", "",
-            *[f"![{p}]({p})" for p in plots]]
+    text = [
+        "# specdec bench serve",
+        "",
+        f"`{meta['command']}`",
+        "",
+        f"{meta['date']} · {meta['machine']['cpu']} · {meta['dtype']} · {meta['threads']} threads · "
+        f"target {meta['models']['target']} · spec type `{meta['spec_type']}` for on/auto · "
+        f"workload {meta['workload']} · max tokens per turn: {_max_tokens_note(meta)}",
+        "",
+        "Throughput: completion tokens over all requests / wall time of the level. TTFT and TPOT: medians "
+        "per request (streaming). off: `speculative: false`; on: speculation at any load; auto: the "
+        f"load controller (engine/load_control.py); MODE{NOCACHE}: `cache_prompt: false` (prefix cache "
+        f"{meta['cache_mb']} MiB, emptied before every level and mode). Turns after the first of a conversation "
+        f"carry the earlier turns and answers. {meta['passes']} passes per level, the modes as given, then "
+        "reversed, ...: figures are means over passes, ratios geometric means of each pass's ratio (each pass's "
+        "in parentheses).",
+        "",
+        render(runs, meta),
+        "## Engine time",
+        "",
+        "Seconds the engine thread spent prefilling prompts and in decode steps (drafting, the target forward, "
+        "verification, commits), and completion tokens per second of step time: what the load controller's "
+        "goodput measures (it cannot change the prefill, so it leaves it out). Means over passes.",
+        "",
+        render_engine(runs, meta),
+        "## Plots",
+        "",
+        *[f"![{p}]({p})" for p in plots],
+    ]
     write_report(out_dir, "\n".join(text) + "\n")
 
 
 def _plots(out_dir: Path, runs: list[dict], meta: dict) -> list[str]:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = []
-    for key, label, name in (("throughput_tok_s", "throughput (tokens/s, all requests)", "serve_throughput.png"),
-                             ("ttft_s", "median time to first token (s)", "serve_ttft.png"),
-                             ("tpot_s", "median time per output token (s)", "serve_tpot.png")):
+    for key, label, name in (
+        ("throughput_tok_s", "throughput (tokens/s, all requests)", "serve_throughput.png"),
+        ("ttft_s", "median time to first token (s)", "serve_ttft.png"),
+        ("tpot_s", "median time per output token (s)", "serve_tpot.png"),
+    ):
         fig, ax = plt.subplots(figsize=(7, 4))
         for m in meta["modes"]:
             pts = [(c, v) for c in meta["concurrency"] if (v := combined(runs, c, m, key)) is not None]

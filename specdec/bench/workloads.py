@@ -1,5 +1,6 @@
 """Bench workloads: the built-in quick prompts, multi-turn conversations and RAG questions, Spec-Bench questions,
 the same questions in several languages (from a pinned wheel), or a JSONL file."""
+
 from __future__ import annotations
 
 import json
@@ -19,18 +20,25 @@ SPEC_BENCH_DIR = REPO_ROOT.parent / "shared" / "workloads" / "spec_bench"
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 DEFAULT_MAX_TOKENS = 128
 # `rag`: questions about one ~850-token document (prompts/rag-document.txt), each prompt the whole document first
-RAG_QUESTIONS = ("How many replicas does Larkspur run per region, and on which ports does it listen?",
-                 "What happens to a batch whose sequence number is not higher than the last one seen?",
-                 "Why must operators not restart replicas while the time-series store is down?",
-                 "How long can a revoked device key keep working, and why?",
-                 "What is the largest batch a device may send?",
-                 "Which three conditions page the on-call engineer?",
-                 "Why should Larkspur never run more than sixteen replicas per region?",
-                 "Who must approve a change to the batch limits, and why?")
+RAG_QUESTIONS = (
+    "How many replicas does Larkspur run per region, and on which ports does it listen?",
+    "What happens to a batch whose sequence number is not higher than the last one seen?",
+    "Why must operators not restart replicas while the time-series store is down?",
+    "How long can a revoked device key keep working, and why?",
+    "What is the largest batch a device may send?",
+    "Which three conditions page the on-call engineer?",
+    "Why should Larkspur never run more than sixteen replicas per region?",
+    "Who must approve a change to the batch limits, and why?",
+)
 # `multilingual`: ChatterBot's dialog corpus (BSD-3-Clause), whose topic files below are translated line for line
 # into every language here; a conversation's first line is the question. Category = language code.
-CHATTERBOT = WheelSource("chatterbot-corpus", "chatterbot-corpus", "1.3.3",
-                         "86de5300afb9a80826386339d3bec79c0a72eb0358abb8327e2ecef5ae0ce154", "chatterbot_corpus/data")
+CHATTERBOT = WheelSource(
+    "chatterbot-corpus",
+    "chatterbot-corpus",
+    "1.3.3",
+    "86de5300afb9a80826386339d3bec79c0a72eb0358abb8327e2ecef5ae0ce154",
+    "chatterbot_corpus/data",
+)
 ML_LANGUAGES = {"en": "english", "de": "german", "nl": "dutch", "it": "italian", "ja": "japanese", "ko": "korean"}
 ML_TOPICS = ("history", "food")
 
@@ -39,8 +47,8 @@ ML_TOPICS = ("history", "food")
 class Prompt:
     id: str
     category: str
-    turns: tuple[str, ...]          # user turns; turn i+1 is sent after the model's answer to turn i
-    max_tokens: int | None = None   # per turn; None = the bench default
+    turns: tuple[str, ...]  # user turns; turn i+1 is sent after the model's answer to turn i
+    max_tokens: int | None = None  # per turn; None = the bench default
 
     def limit(self, cap: int | None) -> int:
         """New tokens per turn: the prompt's own limit capped by `--max-tokens`."""
@@ -49,8 +57,13 @@ class Prompt:
         return min(self.max_tokens, cap) if cap else self.max_tokens
 
 
-def load_workload(name: str, workload_dir: str | None = None, per_category: int | None = None,
-                  seed: int = 0, categories: list[str] | None = None) -> list[Prompt]:
+def load_workload(
+    name: str,
+    workload_dir: str | None = None,
+    per_category: int | None = None,
+    seed: int = 0,
+    categories: list[str] | None = None,
+) -> list[Prompt]:
     """`quick`, `spec_bench` or a JSONL file, or several of them comma-separated; optionally `per_category`
     prompts sampled with `seed` (in each workload on its own, so it samples as if run alone), then only those
     of `categories` (filtered after sampling, so a subset of categories keeps the same prompts)."""
@@ -66,8 +79,10 @@ def load_workload(name: str, workload_dir: str | None = None, per_category: int 
         unknown = sorted(set(categories) - {p.category for p in prompts})
         if unknown:
             known = ", ".join(dict.fromkeys(p.category for p in prompts))
-            raise SpecdecError(f"no prompts in categor{'ies' if len(unknown) > 1 else 'y'} {', '.join(unknown)} "
-                               f"(this workload has: {known})")
+            raise SpecdecError(
+                f"no prompts in categor{'ies' if len(unknown) > 1 else 'y'} {', '.join(unknown)} "
+                f"(this workload has: {known})"
+            )
         prompts = [p for p in prompts if p.category in categories]
     return prompts
 
@@ -79,8 +94,9 @@ def _load_one(name: str, workload_dir: str | None, per_category: int | None, see
         prompts = read_jsonl(PROMPT_DIR / "multi-turn.jsonl")
     elif name == "rag":
         doc = (PROMPT_DIR / "rag-document.txt").read_text()
-        prompts = [Prompt(f"rag-{i}", "rag", (f"{doc}\nAnswer from the note above: {q}",))
-                   for i, q in enumerate(RAG_QUESTIONS)]
+        prompts = [
+            Prompt(f"rag-{i}", "rag", (f"{doc}\nAnswer from the note above: {q}",)) for i, q in enumerate(RAG_QUESTIONS)
+        ]
     elif name == "spec_bench":
         prompts = spec_bench(Path(workload_dir) if workload_dir else SPEC_BENCH_DIR)
     elif name == "multilingual":  # sampled by question, so every language keeps the same ones
@@ -126,8 +142,9 @@ def parallel_questions() -> dict[str, dict[str, str]]:
     with zipfile.ZipFile(fetch_wheel(CHATTERBOT, progress=False)) as z:
         out: dict[str, dict[str, str]] = {}
         for topic in ML_TOPICS:
-            firsts = {code: _first_lines(z, f"{CHATTERBOT.member}/{lang}/{topic}.yml")
-                      for code, lang in ML_LANGUAGES.items()}
+            firsts = {
+                code: _first_lines(z, f"{CHATTERBOT.member}/{lang}/{topic}.yml") for code, lang in ML_LANGUAGES.items()
+            }
             n = len(firsts["en"])
             short = [code for code, lines in firsts.items() if len(lines) < n]
             if short:
@@ -204,4 +221,3 @@ def sample_per_category(prompts: list[Prompt], n: int, seed: int) -> list[Prompt
         by_cat.setdefault(p.category, []).append(p)
     keep = {id(p) for group in by_cat.values() for p in rng.sample(group, min(n, len(group)))}
     return [p for p in prompts if id(p) in keep]
-

@@ -10,6 +10,7 @@ member not expected to pay at the step's load (the draft model in a large batch)
 (the suffix tree) still drafts. A member whose catch-up on a new prompt (the draft model's own prefill) the engine
 declines sits out the rest of that sequence, and the others draft without it.
 """
+
 from __future__ import annotations
 
 import time
@@ -27,11 +28,12 @@ CHAIN_MODES = ("first", "gain")
 @dataclass
 class _Pick:
     """One sequence's choice among its members' drafts so far."""
+
     draft: Draft = field(default_factory=lambda: Draft([]))
-    gain: float = 0.0     # expected accepted tokens of `draft` (`gain`)
+    gain: float = 0.0  # expected accepted tokens of `draft` (`gain`)
     setup_s: float = 0.0  # every asked member's catch-up, whichever draft is used
     draft_s: float = 0.0  # every asked member's drafting time for this sequence, whichever draft is used
-    final: bool = False   # settled: no further member is asked
+    final: bool = False  # settled: no further member is asked
 
 
 class ChainDrafter(Drafter):
@@ -77,8 +79,11 @@ class ChainDrafter(Drafter):
         confidence, a full-length draft from it could beat the best so far."""
         if pick.final or max_tokens <= 0:
             return False
-        return not (self.mode == "gain" and m.confidence_stop
-                    and pick.gain >= sum(seq.acceptance_of(m.name).survival(max_tokens)))
+        return not (
+            self.mode == "gain"
+            and m.confidence_stop
+            and pick.gain >= sum(seq.acceptance_of(m.name).survival(max_tokens))
+        )
 
     def _offer(self, seq: Sequence, pick: _Pick, m: Drafter, draft: Draft) -> None:
         """Member m's draft for `seq`: used at once (`first`, or sampled), or if it is the best."""

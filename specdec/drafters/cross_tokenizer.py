@@ -19,6 +19,7 @@ drawn from. From the first position whose top token has no twin on, the draft dr
 text, verified as one-hot (a draw independent of the verifier's leaves the target's distribution intact). Seeded
 sampling draws twins under the target's noise for each position, like the same-tokenizer draft.
 """
+
 from __future__ import annotations
 
 import math
@@ -33,7 +34,7 @@ from specdec.models.tokenizer import Tokenizer
 from specdec.runtime.runner import ModelRunner
 from specdec.sequence import Sequence
 
-WINDOW = 4    # tokens before a join that are decoded / re-encoded with what follows it
+WINDOW = 4  # tokens before a join that are decoded / re-encoded with what follows it
 LOOKBACK = 4  # tokens decoded before a span so that its own text comes out as it reads in context
 UTF8_MAX = 4  # a character split across tokens is complete within this many of them
 
@@ -45,11 +46,11 @@ def text(tok: Tokenizer, ids: list[int]) -> str:
 
 def span_text(tok: Tokenizer, ids: list[int], start: int, end: int) -> str | None:
     """The text of ids[start:end] as it reads after ids[:start]; None when either end splits a character."""
-    ctx = ids[max(0, start - LOOKBACK):start]
+    ctx = ids[max(0, start - LOOKBACK) : start]
     before, after = text(tok, ctx), text(tok, ctx + ids[start:end])
     if not after.startswith(before) or after.endswith("\ufffd"):
         return None
-    return after[len(before):]
+    return after[len(before) :]
 
 
 def clean_tail(tok: Tokenizer, ids: list[int], start: int) -> tuple[int, str]:
@@ -85,8 +86,11 @@ class Twins:
 
     def __init__(self, draft_tok: Tokenizer, target_tok: Tokenizer, draft_vocab: int, target_vocab: int):
         tv = target_tok.fast.get_vocab(with_added_tokens=True)
-        pairs = [(d, tv[s]) for s, d in draft_tok.fast.get_vocab(with_added_tokens=True).items()
-                 if s in tv and d < draft_vocab and tv[s] < target_vocab]
+        pairs = [
+            (d, tv[s])
+            for s, d in draft_tok.fast.get_vocab(with_added_tokens=True).items()
+            if s in tv and d < draft_vocab and tv[s] < target_vocab
+        ]
         self.d_ids = torch.tensor([d for d, _ in pairs], dtype=torch.long)  # [n]
         self.t_ids = torch.tensor([t for _, t in pairs], dtype=torch.long)  # [n]
         self.target_vocab = target_vocab
@@ -105,22 +109,24 @@ class Twins:
 @dataclass
 class _Slot:
     """One sequence's draft side."""
-    seq: Sequence       # whose it is (a new sequence in the slot starts afresh)
+
+    seq: Sequence  # whose it is (a new sequence in the slot starts afresh)
     cached: list[int] = field(default_factory=list)  # draft tokens whose K/V the draft cache holds, in order
     committed: int = 0  # how many of `cached` spell committed text (the rest: the last draft)
-    synced: int = 0     # target tokens whose text the draft has (a character boundary)
+    synced: int = 0  # target tokens whose text the draft has (a character boundary)
 
 
 @dataclass
 class _Drafting:
     """One sequence's draft in progress: twins drawn directly (exact q), then free draft tokens (through text)."""
+
     seq: Sequence
-    max_tokens: int      # target tokens asked for
+    max_tokens: int  # target tokens asked for
     min_path_prob: float
-    budget: int = 0      # draft tokens to draw at most
+    budget: int = 0  # draft tokens to draw at most
     logits: torch.Tensor | None = None  # [V_draft] the draft's logits for the next position; None: no draft
     setup_s: float = 0.0
-    direct: list[int] = field(default_factory=list)   # target ids of twins drawn among twins
+    direct: list[int] = field(default_factory=list)  # target ids of twins drawn among twins
     probs: list[torch.Tensor] = field(default_factory=list)  # [V_target] q of each direct token (sampling)
     drafted: list[int] = field(default_factory=list)  # every draft token, in order (the direct ones first)
     path_prob: float = 1.0
@@ -128,12 +134,14 @@ class _Drafting:
 
 class CrossTokenizerDrafter(Drafter):
     """A draft model with its own tokenizer: catch-up and proposals through text (see the module docstring)."""
+
     name = "draft"
     confidence_stop = True
     batched = True
 
-    def __init__(self, runner: ModelRunner, target_tok: Tokenizer, draft_tok: Tokenizer, target_vocab: int,
-                 p_min: float = 0.0):
+    def __init__(
+        self, runner: ModelRunner, target_tok: Tokenizer, draft_tok: Tokenizer, target_vocab: int, p_min: float = 0.0
+    ):
         self.runner, self.target_tok, self.draft_tok = runner, target_tok, draft_tok
         self.target_vocab, self.p_min = target_vocab, p_min
         self.twins = Twins(draft_tok, target_tok, runner.vocab_size, target_vocab)
@@ -149,8 +157,9 @@ class CrossTokenizerDrafter(Drafter):
         feed = [(st, tok) for st in states if st.logits is not None and (tok := self._advance(st)) is not None]
         while feed:
             slots = [st.seq.slot for st, _ in feed]
-            out = self.runner.forward([[tok] for _, tok in feed], [len(self.slots[s].cached) for s in slots], slots,
-                                      last_only=True)  # per sequence [1, V_draft]
+            out = self.runner.forward(
+                [[tok] for _, tok in feed], [len(self.slots[s].cached) for s in slots], slots, last_only=True
+            )  # per sequence [1, V_draft]
             for (st, tok), logits in zip(feed, out):
                 self.slots[st.seq.slot].cached.append(tok)
                 st.logits = logits[-1]
@@ -179,8 +188,12 @@ class CrossTokenizerDrafter(Drafter):
             self._synced(st, ids, end, self.runner.prefill(ids[keep:], st.seq.slot, start=keep))
             st.setup_s = time.perf_counter() - t
         if short:
-            out = self.runner.forward([ids[keep:] for _, ids, keep, _ in short], [keep for _, _, keep, _ in short],
-                                      [st.seq.slot for st, *_ in short], last_only=True)  # per sequence [1, V_draft]
+            out = self.runner.forward(
+                [ids[keep:] for _, ids, keep, _ in short],
+                [keep for _, _, keep, _ in short],
+                [st.seq.slot for st, *_ in short],
+                last_only=True,
+            )  # per sequence [1, V_draft]
             for (st, ids, _, end), logits in zip(short, out):
                 self._synced(st, ids, end, logits[-1])
 
@@ -192,7 +205,7 @@ class CrossTokenizerDrafter(Drafter):
         if slot is None or slot.seq is not seq:
             slot = self.slots[seq.slot] = _Slot(seq)
         end, new = clean_tail(self.target_tok, seq.tokens, slot.synced)
-        start, tail = window(self.draft_tok, slot.cached[:slot.committed])
+        start, tail = window(self.draft_tok, slot.cached[: slot.committed])
         ids = slot.cached[:start] + self.draft_tok.encode(tail + new, add_special_tokens=False)
         if not ids or len(ids) + st.max_tokens >= self.runner.context:
             return None
@@ -208,8 +221,7 @@ class CrossTokenizerDrafter(Drafter):
         if end == len(st.seq.tokens):
             st.logits = logits  # [V_draft]
             # as many draft tokens per target token as the draft's tokenizer spends on the text so far
-            st.budget = min(math.ceil(st.max_tokens * max(1.0, len(ids) / max(1, end))),
-                            self.runner.context - len(ids))
+            st.budget = min(math.ceil(st.max_tokens * max(1.0, len(ids) / max(1, end))), self.runner.context - len(ids))
 
     def _advance(self, st: _Drafting) -> int | None:
         """Draw the next draft token from `st.logits` (the cut decided before the draw, from q's top and the path);
@@ -246,7 +258,7 @@ class CrossTokenizerDrafter(Drafter):
         """The target tokens: the direct twins, then the rest through text, cut to max_tokens."""
         if st.logits is None:
             return Draft([], setup_s=st.setup_s)
-        tokens = (st.direct + self._through_text(st))[:st.max_tokens]
+        tokens = (st.direct + self._through_text(st))[: st.max_tokens]
         return Draft(tokens, self._probs(st, tokens), setup_s=st.setup_s)
 
     def _through_text(self, st: _Drafting) -> list[int]:
@@ -254,7 +266,7 @@ class CrossTokenizerDrafter(Drafter):
         slot, n = self.slots[st.seq.slot], len(st.direct)
         if len(st.drafted) == n:
             return []
-        _, new = clean_tail(self.draft_tok, slot.cached[:slot.committed] + st.drafted, slot.committed + n)
+        _, new = clean_tail(self.draft_tok, slot.cached[: slot.committed] + st.drafted, slot.committed + n)
         _, before = window(self.target_tok, st.seq.tokens + st.direct)
         return (encode_after(self.target_tok, before, new) or []) if new else []
 
@@ -262,8 +274,8 @@ class CrossTokenizerDrafter(Drafter):
         """[k, V_target]: q of the direct tokens, one-hot for those through text; None when all are one-hot."""
         if not st.probs:
             return None
-        exact = st.probs[:len(tokens)]  # a long run of twins may be cut to max_tokens
-        rest = torch.tensor(tokens[len(exact):], dtype=torch.long)  # [k - n]
+        exact = st.probs[: len(tokens)]  # a long run of twins may be cut to max_tokens
+        rest = torch.tensor(tokens[len(exact) :], dtype=torch.long)  # [k - n]
         one_hot = torch.zeros(len(rest), self.target_vocab).scatter_(1, rest.view(-1, 1), 1.0)  # [k - n, V_target]
         return torch.cat([torch.stack(exact), one_hot])
 
@@ -271,8 +283,9 @@ class CrossTokenizerDrafter(Drafter):
         self.slots.pop(seq.slot, None)
 
 
-def build(runner: ModelRunner, tokenizers: tuple[Tokenizer, Tokenizer], target_vocab: int, p_min: float,
-          branch_p: float) -> CrossTokenizerDrafter:
+def build(
+    runner: ModelRunner, tokenizers: tuple[Tokenizer, Tokenizer], target_vocab: int, p_min: float, branch_p: float
+) -> CrossTokenizerDrafter:
     """The cross-tokenizer draft (chains only: `--draft-branch-p` needs a shared vocabulary)."""
     if branch_p > 0:
         raise SpecdecError("--draft-branch-p needs a draft model with the target's tokenizer")

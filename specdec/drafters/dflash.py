@@ -13,6 +13,7 @@ before it, so the block verifies as an ordinary chain. The next injection overwr
 the cache again holds exactly the committed context. The lengths of the blocks drafted are counted in
 `block_lens` (length -> blocks).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -62,8 +63,9 @@ class DFlashDrafter(PairedHeadDrafter):
         positions = torch.arange(anchor, anchor + c.block_size)[None]  # [1, B]
         cos, sin = self.rotary.tables(positions, g.dtype)
         slots = torch.tensor([seq.slot])
-        batch = Batch(slots, positions, cos, sin, None, anchor + c.block_size,
-                      KVCache.span(slots, positions)).to(self.device)
+        batch = Batch(slots, positions, cos, sin, None, anchor + c.block_size, KVCache.span(slots, positions)).to(
+            self.device
+        )
         block = [tokens[-1]] + [c.mask_token_id] * (c.block_size - 1)
         logits, h = self.run(self.embed_ids([block], g.dtype), g[None], batch, depth)
         return logits[0].cpu(), h[0]
@@ -75,13 +77,21 @@ class DFlashDrafter(PairedHeadDrafter):
         ctx = torch.arange(first - n, first)[None]  # [1, n]
         cos, sin = self.rotary.tables(ctx, g.dtype)
         slots = batch.slots.cpu()
-        self.net.inject(g, Batch(slots, ctx, cos, sin, None, first, KVCache.span(slots, ctx)).to(self.device),
-                        self.cache)
-        h = self.net.block(emb, batch, self.cache)[:, self.net.config.first_slot:]  # [1, D, H]
+        self.net.inject(
+            g, Batch(slots, ctx, cos, sin, None, first, KVCache.span(slots, ctx)).to(self.device), self.cache
+        )
+        h = self.net.block(emb, batch, self.cache)[:, self.net.config.first_slot :]  # [1, D, H]
         return self.lm_head(h).float(), h  # the network runs in the target's activation dtype
 
-    def _draft(self, seq: Sequence, logits: torch.Tensor, h: torch.Tensor, max_tokens: int, min_path_prob: float,
-               setup_s: float) -> Draft:
+    def _draft(
+        self,
+        seq: Sequence,
+        logits: torch.Tensor,
+        h: torch.Tensor,
+        max_tokens: int,
+        min_path_prob: float,
+        setup_s: float,
+    ) -> Draft:
         """The chain read off the block's logits [D, V] and states [D, H]."""
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
@@ -117,8 +127,12 @@ def head_path(options: Mapping[str, Any], model: str | None, kind: str, flag: st
 def shape(path: Path) -> HeadShape:
     """A block drafter directory: parameters and its KV cache (one entry per draft layer)."""
     c = read_config(path).layer
-    return HeadShape(safetensors_params(path, lambda name: name.startswith(("embed_tokens", "verifier_"))),
-                     c.num_layers, c.num_kv_heads, c.head_dim)
+    return HeadShape(
+        safetensors_params(path, lambda name: name.startswith(("embed_tokens", "verifier_"))),
+        c.num_layers,
+        c.num_kv_heads,
+        c.head_dim,
+    )
 
 
 def estimate(q: MemoryQuery, layers: int = 5, markov_rank: int = 0) -> HeadShape:
@@ -126,33 +140,54 @@ def estimate(q: MemoryQuery, layers: int = 5, markov_rank: int = 0) -> HeadShape
     layer (DFlash's default), a Markov head of `markov_rank` and a confidence head when DSpark."""
     H = q.hidden
     markov = markov_rank * 2 * q.vocab + H + markov_rank + 1 if markov_rank else 0
-    return HeadShape(layers * H * H + layers * layer_params(q, H) + 2 * H + markov, layers, q.num_kv_heads,
-                     q.head_dim)
+    return HeadShape(layers * H * H + layers * layer_params(q, H) + 2 * H + markov, layers, q.num_kv_heads, q.head_dim)
 
 
-def build(ctx: BuildContext, kind: str, flag: str, threshold: float = 0.0,
-          cls: type[DFlashDrafter] = DFlashDrafter) -> DFlashDrafter:
+def build(
+    ctx: BuildContext, kind: str, flag: str, threshold: float = 0.0, cls: type[DFlashDrafter] = DFlashDrafter
+) -> DFlashDrafter:
     """A `kind` drafter (class `cls`) from the directory the options name, loaded in the target's dtype and device."""
     target = ctx.target
     path = head_path(ctx.options, ctx.model, kind, flag)
     net = load_block_drafter(path, target.model.model.norm.weight.dtype).to(target.head_device)
     L, t = net.config.layer, target.model.config
     if L.vocab_size != t.vocab_size or L.hidden_size != t.hidden_size:
-        raise SpecdecError(f"{kind} drafter {path} was made for another target (vocabulary {L.vocab_size}, hidden "
-                           f"{L.hidden_size}; this target: {t.vocab_size}, {t.hidden_size})")
+        raise SpecdecError(
+            f"{kind} drafter {path} was made for another target (vocabulary {L.vocab_size}, hidden "
+            f"{L.hidden_size}; this target: {t.vocab_size}, {t.hidden_size})"
+        )
     return cls(net, target, ctx.options["draft_p_min"], threshold)
 
 
-HEAD = Option("dflash_head", "--spec-dflash-head", "auto", "dflash: the drafter's directory (z-lab DFlash or "
-              "speculators dflash layout); auto = the one trained for the target (SPECDEC_HOME/heads, then shipped "
-              "ones)", str)
+HEAD = Option(
+    "dflash_head",
+    "--spec-dflash-head",
+    "auto",
+    "dflash: the drafter's directory (z-lab DFlash or "
+    "speculators dflash layout); auto = the one trained for the target (SPECDEC_HOME/heads, then shipped "
+    "ones)",
+    str,
+)
 
 
 def _memory(q: MemoryQuery) -> HeadMemory:
-    return planned_memory(q, "dflash", lambda: head_path(q.options, q.model, "dflash", HEAD.flag), shape,
-                          lambda m: estimate(m, len(default_features(m.num_layers, 5))))
+    return planned_memory(
+        q,
+        "dflash",
+        lambda: head_path(q.options, q.model, "dflash", HEAD.flag),
+        shape,
+        lambda m: estimate(m, len(default_features(m.num_layers, 5))),
+    )
 
 
-TYPES = (DrafterType("dflash", lambda ctx: build(ctx, "dflash", HEAD.flag), "a DFlash block draft network on the "
-                     "target's hidden states: a block of drafts per forward", (HEAD, P_MIN), target_features=True,
-                     per_scope=False, memory=_memory),)
+TYPES = (
+    DrafterType(
+        "dflash",
+        lambda ctx: build(ctx, "dflash", HEAD.flag),
+        "a DFlash block draft network on the target's hidden states: a block of drafts per forward",
+        (HEAD, P_MIN),
+        target_features=True,
+        per_scope=False,
+        memory=_memory,
+    ),
+)

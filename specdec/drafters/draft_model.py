@@ -16,6 +16,7 @@ guessed token, the logits after it are ready and its forward is saved; from the 
 the guessed rows are dropped (length pointer). Every token is still drawn from the draft's own logits for its
 position, so the draft is the same as without guesses; only its cost changes.
 """
+
 from __future__ import annotations
 
 import time
@@ -33,13 +34,13 @@ from specdec.runtime.prefix_cache import Block
 from specdec.runtime.runner import ModelRunner
 from specdec.sequence import Sequence
 
-
 GUESS_NGRAM = 3  # `lookup` guesses follow a match of the context's last this many tokens
 
 
 @dataclass
 class _Drafting:
     """One sequence's draft in progress: a main chain, with siblings where the draft is unsure."""
+
     seq: Sequence
     max_tokens: int
     min_path_prob: float
@@ -48,9 +49,9 @@ class _Drafting:
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     probs: list[torch.Tensor] = field(default_factory=list)  # per node, q it was drawn from (rejection sampling)
-    last: int = -1           # node index of the newest main-chain token
-    depth: int = 0           # main-chain tokens so far
-    path_prob: float = 1.0   # the draft's own estimate that the main chain so far is accepted
+    last: int = -1  # node index of the newest main-chain token
+    depth: int = 0  # main-chain tokens so far
+    path_prob: float = 1.0  # the draft's own estimate that the main chain so far is accepted
     ahead: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (guessed token, [V_target] logits after it)
 
     def advance(self, p_min: float, branch_p: float) -> int | None:
@@ -79,8 +80,12 @@ class _Drafting:
 
     def draft(self) -> Draft:
         is_tree = any(p != i - 1 for i, p in enumerate(self.parents))
-        return Draft(self.tokens, torch.stack(self.probs) if self.probs else None,
-                     self.parents if is_tree else None, self.setup_s)
+        return Draft(
+            self.tokens,
+            torch.stack(self.probs) if self.probs else None,
+            self.parents if is_tree else None,
+            self.setup_s,
+        )
 
 
 class DraftModelDrafter(Drafter):
@@ -88,8 +93,9 @@ class DraftModelDrafter(Drafter):
     confidence_stop = True
     batched = True
 
-    def __init__(self, runner: ModelRunner, target_vocab: int, p_min: float = 0.0, branch_p: float = 0.0,
-                 lookup: int = 0):
+    def __init__(
+        self, runner: ModelRunner, target_vocab: int, p_min: float = 0.0, branch_p: float = 0.0, lookup: int = 0
+    ):
         self.runner, self.target_vocab = runner, target_vocab
         self.p_min, self.branch_p = p_min, branch_p
         self.lookup = 0 if branch_p > 0 else lookup  # guessed tokens fed per drafting forward (chains only)
@@ -102,7 +108,7 @@ class DraftModelDrafter(Drafter):
         """[..., V_draft] -> [..., V_target]: drop or pad (with -inf) the padding rows."""
         v = logits.shape[-1]
         if v >= self.target_vocab:
-            return logits[..., :self.target_vocab]
+            return logits[..., : self.target_vocab]
         pad = logits.new_full((*logits.shape[:-1], self.target_vocab - v), float("-inf"))
         return torch.cat([logits, pad], dim=-1)
 
@@ -117,8 +123,9 @@ class DraftModelDrafter(Drafter):
         while feed:
             slots = [st.seq.slot for st, _ in feed]
             chunks = [[tok, *self._guess(st)] for st, tok in feed]
-            out = self.runner.forward(chunks, [len(self.cached[s]) for s in slots], slots,
-                                      last_only=all(len(c) == 1 for c in chunks))  # per sequence [T_i, V_draft]
+            out = self.runner.forward(
+                chunks, [len(self.cached[s]) for s in slots], slots, last_only=all(len(c) == 1 for c in chunks)
+            )  # per sequence [T_i, V_draft]
             self._after_forward([st for st, _ in feed])
             for (st, tok), chunk, logits in zip(feed, chunks, out):
                 self.cached[st.seq.slot].append(tok)
@@ -174,13 +181,17 @@ class DraftModelDrafter(Drafter):
             slots = [st.seq.slot for st in short]
             starts = [len(self.cached[s]) for s in slots]
             guesses = [self._guess(st) if self.lookup else [] for st in short]  # rows for the first drafted tokens
-            out = self.runner.forward([st.seq.tokens[n:] + g for st, n, g in zip(short, starts, guesses)], starts,
-                                      slots, last_only=not any(guesses))  # per sequence [1 or T_i, V_draft]
+            out = self.runner.forward(
+                [st.seq.tokens[n:] + g for st, n, g in zip(short, starts, guesses)],
+                starts,
+                slots,
+                last_only=not any(guesses),
+            )  # per sequence [1 or T_i, V_draft]
             self._after_forward(short)
             for st, g, logits in zip(short, guesses, out):
                 self.cached[st.seq.slot][:] = st.seq.tokens
                 st.logits = self._fit_vocab(logits[-1 - len(g)])
-                st.ahead = [(t, self._fit_vocab(row)) for t, row in zip(g, logits[len(logits) - len(g):])]
+                st.ahead = [(t, self._fit_vocab(row)) for t, row in zip(g, logits[len(logits) - len(g) :])]
         for st in states:
             self.drafted_from[st.seq.slot] = len(self.cached[st.seq.slot])
 
@@ -224,23 +235,53 @@ class DraftModelDrafter(Drafter):
         self.reach.pop(seq.slot, None)
 
 
-P_MIN = Option("draft_p_min", "--draft-p-min", 0.0, "draft, eagle3: stop drafting when the draft's largest "
-               "probability at the next position falls below this (decided before drawing, so sampling stays "
-               "lossless; default 0)", float, "in [0, 1]")
-BRANCH_P = Option("draft_branch_p", "--draft-branch-p", 0.0, "draft model: where its largest probability is below "
-                  "this, also propose its second choice (sampling: a second draw) as a sibling (a token tree "
-                  "verified in one forward); 0 = chains only (default 0)", float, "in [0, 1]")
+P_MIN = Option(
+    "draft_p_min",
+    "--draft-p-min",
+    0.0,
+    "draft, eagle3: stop drafting when the draft's largest "
+    "probability at the next position falls below this (decided before drawing, so sampling stays "
+    "lossless; default 0)",
+    float,
+    "in [0, 1]",
+)
+BRANCH_P = Option(
+    "draft_branch_p",
+    "--draft-branch-p",
+    0.0,
+    "draft model: where its largest probability is below "
+    "this, also propose its second choice (sampling: a second draw) as a sibling (a token tree "
+    "verified in one forward); 0 = chains only (default 0)",
+    float,
+    "in [0, 1]",
+)
 
-LOOKUP = Option("draft_lookup", "--draft-lookup", 8, "draft model: feed up to N guessed tokens (prompt lookup: what "
-               "followed the context's last 3 tokens earlier in it) after each drafted token in the same draft "
-               "forward; where the draft draws them, their forwards are saved; the draft is unchanged (chains, same "
-               "tokenizer; 0 = off, default 8)", int, ">= 0")
-AUTO_VOCAB = 65536  # `--draft-vocab auto`: larger vocabularies are cut to this many ids (docs/benchmarks.md section 23)
-VOCAB = Option("draft_vocab", "--draft-vocab", "auto", "draft model: compute its logits over the first N token ids "
-               "only (BPE vocabularies list the most frequent merges first), so each drafted token reads N rows of its "
-               "LM head instead of all; the target checks every token as before, so the output is unchanged; 0 = the "
-               f"whole vocabulary; auto = {AUTO_VOCAB} where the vocabulary is larger (Qwen2.5, Llama 3), else all "
-               "(default auto)", lambda t: t if t == "auto" else int(t), "auto or >= 0")
+LOOKUP = Option(
+    "draft_lookup",
+    "--draft-lookup",
+    8,
+    "draft model: feed up to N guessed tokens (prompt lookup: what "
+    "followed the context's last 3 tokens earlier in it) after each drafted token in the same draft "
+    "forward; where the draft draws them, their forwards are saved; the draft is unchanged (chains, same "
+    "tokenizer; 0 = off, default 8)",
+    int,
+    ">= 0",
+)
+# `--draft-vocab auto`: larger vocabularies are cut to this many ids (the code edit with the 0.5B draft: 1.04-1.08x the
+# whole head's tok/s; 32,768 lost there, 7 of its 192 output tokens lie above it)
+AUTO_VOCAB = 65536
+VOCAB = Option(
+    "draft_vocab",
+    "--draft-vocab",
+    "auto",
+    "draft model: compute its logits over the first N token ids "
+    "only (BPE vocabularies list the most frequent merges first), so each drafted token reads N rows of its "
+    "LM head instead of all; the target checks every token as before, so the output is unchanged; 0 = the "
+    f"whole vocabulary; auto = {AUTO_VOCAB} where the vocabulary is larger (Qwen2.5, Llama 3), else all "
+    "(default auto)",
+    lambda t: t if t == "auto" else int(t),
+    "auto or >= 0",
+)
 
 
 def head_rows(option: int | str, vocab: int) -> int:
@@ -256,12 +297,22 @@ def build(ctx: BuildContext) -> Drafter:
     if tokenizers is not None:
         if opts["draft_vocab"] not in (0, "auto"):
             raise SpecdecError("--draft-vocab is not supported with a draft model of another tokenizer")
-        return cross_tokenizer.build(runner, tokenizers, ctx.target.vocab_size, opts["draft_p_min"],
-                                     opts["draft_branch_p"])
+        return cross_tokenizer.build(
+            runner, tokenizers, ctx.target.vocab_size, opts["draft_p_min"], opts["draft_branch_p"]
+        )
     runner.model.keep_head_rows(head_rows(opts["draft_vocab"], runner.vocab_size))
-    return DraftModelDrafter(runner, ctx.target.vocab_size, opts["draft_p_min"], opts["draft_branch_p"],
-                             opts["draft_lookup"])
+    return DraftModelDrafter(
+        runner, ctx.target.vocab_size, opts["draft_p_min"], opts["draft_branch_p"], opts["draft_lookup"]
+    )
 
 
-TYPES = (DrafterType("draft", build, "a smaller model (-md); with another tokenizer than the target's, through text",
-                     (P_MIN, BRANCH_P, VOCAB, LOOKUP), draft_model=True, per_scope=False),)
+TYPES = (
+    DrafterType(
+        "draft",
+        build,
+        "a smaller model (-md); with another tokenizer than the target's, through text",
+        (P_MIN, BRANCH_P, VOCAB, LOOKUP),
+        draft_model=True,
+        per_scope=False,
+    ),
+)

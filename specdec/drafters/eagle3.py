@@ -13,6 +13,7 @@ its own ancestors; each offers the head's K best tokens as children (seeded: the
 that position). Tree drafts are deterministic, verified one-hot: lossless at any temperature. The next feed
 overwrites their cache rows, so the head's cache again holds exactly the committed pairs.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,15 @@ import torch
 
 from specdec.drafters.base import Draft, draft_distribution
 from specdec.drafters.draft_model import P_MIN
-from specdec.drafters.heads import (HEAD_QUANT, HeadShape, find_head, layer_params, planned_memory, quantize_head,
-                                   safetensors_params)
+from specdec.drafters.heads import (
+    HEAD_QUANT,
+    HeadShape,
+    find_head,
+    layer_params,
+    planned_memory,
+    quantize_head,
+    safetensors_params,
+)
 from specdec.drafters.paired_head import PairedHeadDrafter
 from specdec.drafters.registry import BuildContext, DrafterType, HeadMemory, MemoryQuery, Option
 from specdec.drafters.tree import ROOT, DynamicTree
@@ -46,8 +54,15 @@ class Eagle3Drafter(PairedHeadDrafter):
         self.draft_ids = head.draft_to_target.cpu()  # [Vd] target id of each draft entry, where logits come back
         self.topk, self.nodes = min(topk, c.draft_vocab_size), nodes  # tree width (1: chains); node budget (0: any)
         self.features = FeatureSpec(tuple(c.aux_layers))
-        cache = KVCache.allocate(1, target.cache.num_slots, c.num_kv_heads, target.context + HEADROOM, c.head_dim,
-                                 head.dtype, [head.norm.weight.device])
+        cache = KVCache.allocate(
+            1,
+            target.cache.num_slots,
+            c.num_kv_heads,
+            target.context + HEADROOM,
+            c.head_dim,
+            head.dtype,
+            [head.norm.weight.device],
+        )
         super().__init__(target.model.model.embed_tokens, head.rotary, cache, target.vocab_size, p_min)
 
     def state(self, feats: Features) -> torch.Tensor:
@@ -62,8 +77,15 @@ class Eagle3Drafter(PairedHeadDrafter):
         out[self.draft_ids] = logits
         return out
 
-    def _draft(self, seq: Sequence, logits: torch.Tensor, h: torch.Tensor, max_tokens: int, min_path_prob: float,
-               setup_s: float) -> Draft:
+    def _draft(
+        self,
+        seq: Sequence,
+        logits: torch.Tensor,
+        h: torch.Tensor,
+        max_tokens: int,
+        min_path_prob: float,
+        setup_s: float,
+    ) -> Draft:
         """A chain (topk 1), else a tree, from the first draft position's logits [Vd] and pre-norm state h [1, H]."""
         if self.topk == 1:
             return super()._draft(seq, logits, h, max_tokens, min_path_prob, setup_s)
@@ -71,13 +93,14 @@ class Eagle3Drafter(PairedHeadDrafter):
         tokens, parents = self._tree(seq, logits, h[0], budget, min_path_prob).draft()
         return Draft(tokens, parents=parents, setup_s=setup_s)
 
-    def _tree(self, seq: Sequence, logits: torch.Tensor, h: torch.Tensor, budget: int,
-              min_path_prob: float) -> DynamicTree:
+    def _tree(
+        self, seq: Sequence, logits: torch.Tensor, h: torch.Tensor, budget: int, min_path_prob: float
+    ) -> DynamicTree:
         """An EAGLE-2 tree of up to `budget` nodes from the first draft position's logits [Vd] and pre-norm state
         h [H]: one head forward per depth over the nodes `DynamicTree.to_expand` picks."""
         tree = DynamicTree(budget, min_path_prob)
-        outputs = {ROOT: h}             # expanded candidate -> its pre-norm output [H], its children's g
-        frontier = [(ROOT, logits)]     # (expanded candidate, its logits [Vd])
+        outputs = {ROOT: h}  # expanded candidate -> its pre-norm output [H], its children's g
+        frontier = [(ROOT, logits)]  # (expanded candidate, its logits [Vd])
         while frontier:
             layer = [c for node, lg in frontier for c in self._children(seq, tree, node, lg)]
             chosen = tree.to_expand(layer, self.topk)
@@ -91,13 +114,13 @@ class Eagle3Drafter(PairedHeadDrafter):
     def _children(self, seq: Sequence, tree: DynamicTree, node: int, logits: torch.Tensor) -> list[int]:
         """Add the head's `topk` best continuations of `node` (its logits [Vd]) to the tree, none where its largest
         probability is below p_min -> the new candidates."""
-        full = self.full(logits)                # [V]
+        full = self.full(logits)  # [V]
         q = draft_distribution(full, seq, True)  # [V]: ranks the paths
         if float(q.max()) < self.p_min:
             return []
         position = len(seq.tokens) + (0 if node == ROOT else tree.depths[node] + 1)  # the children's tokens'
         scores = seeded_scores(full, seq.params, position) if seq.seeded else q
-        ids = scores.topk(self.topk).indices     # [K]
+        ids = scores.topk(self.topk).indices  # [K]
         ids = ids[q[ids] > 0]
         return tree.add_children(node, ids.tolist(), q[ids].tolist())
 
@@ -111,7 +134,7 @@ class Eagle3Drafter(PairedHeadDrafter):
         for i, c in enumerate(chosen):
             mask[i, [base + tree.rows[a] for a in tree.lineage(c)]] = True
         positions = torch.tensor([[base + tree.depths[c] for c in chosen]])  # [1, m]
-        rows = torch.tensor([[base + tree.rows[c] for c in chosen]])         # [1, m], consecutive
+        rows = torch.tensor([[base + tree.rows[c] for c in chosen]])  # [1, m], consecutive
         cos, sin = self.rotary.tables(positions, g.dtype)
         slots = torch.tensor([seq.slot])
         batch = Batch(slots, rows, cos, sin, mask[None, None], end, KVCache.span(slots, rows)).to(self.device)
@@ -131,8 +154,12 @@ def _shape(path: Path) -> HeadShape:
     d = json.loads((path / "config.json").read_text())
     layer = d.get("transformer_layer_config", d)
     kv_heads = layer.get("num_key_value_heads", layer["num_attention_heads"])
-    return HeadShape(safetensors_params(path, lambda name: "embed_tokens" in name), 1, kv_heads,
-                     layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"])
+    return HeadShape(
+        safetensors_params(path, lambda name: "embed_tokens" in name),
+        1,
+        kv_heads,
+        layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
+    )
 
 
 def _estimate(q: MemoryQuery) -> HeadShape:
@@ -149,22 +176,55 @@ def _memory(q: MemoryQuery) -> HeadMemory:
 def _build(ctx: BuildContext) -> Eagle3Drafter:
     path = head_path(ctx.options, ctx.model)
     target = ctx.target
-    head = load_head(path, target.model.config.num_layers, target.model.model.norm.weight.dtype).to(
-        target.head_device)
+    head = load_head(path, target.model.config.num_layers, target.model.model.norm.weight.dtype).to(target.head_device)
     if head.config.vocab_size != target.vocab_size or head.config.target_hidden_size != target.model.config.hidden_size:
-        raise SpecdecError(f"EAGLE-3 head {path} was made for another target (vocabulary {head.config.vocab_size}, "
-                           f"hidden {head.config.target_hidden_size})")
-    return Eagle3Drafter(quantize_head(head, ctx.options), target, ctx.options["draft_p_min"],
-                         ctx.options["eagle3_topk"], ctx.options["eagle3_nodes"])
+        raise SpecdecError(
+            f"EAGLE-3 head {path} was made for another target (vocabulary {head.config.vocab_size}, "
+            f"hidden {head.config.target_hidden_size})"
+        )
+    return Eagle3Drafter(
+        quantize_head(head, ctx.options),
+        target,
+        ctx.options["draft_p_min"],
+        ctx.options["eagle3_topk"],
+        ctx.options["eagle3_nodes"],
+    )
 
 
-HEAD = Option("eagle3_head", "--spec-eagle3-head", "auto", "eagle3: the head's directory (HF / SpecForge or "
-              "speculators layout); auto = the head trained for the target (SPECDEC_HOME/heads, then shipped ones)",
-              str)
-TOPK = Option("eagle3_topk", "--spec-eagle3-topk", 1, "eagle3: 1 = a chain of the head's best tokens; K > 1 = an "
-              "EAGLE-2 dynamic token tree: per depth the K best new nodes by path probability each offer the head's "
-              "K best tokens (one head forward per depth; default 1)", int, ">= 1")
-NODES = Option("eagle3_nodes", "--spec-eagle3-nodes", 0, "eagle3 trees: at most this many nodes, the best by path "
-               "probability; 0 = the engine's draft length (default 0)", int, ">= 0")
-TYPES = (DrafterType("eagle3", _build, "a trained EAGLE-3 head on the target's hidden states",
-                     (HEAD, P_MIN, TOPK, NODES, HEAD_QUANT), target_features=True, per_scope=False, memory=_memory),)
+HEAD = Option(
+    "eagle3_head",
+    "--spec-eagle3-head",
+    "auto",
+    "eagle3: the head's directory (HF / SpecForge or "
+    "speculators layout); auto = the head trained for the target (SPECDEC_HOME/heads, then shipped ones)",
+    str,
+)
+TOPK = Option(
+    "eagle3_topk",
+    "--spec-eagle3-topk",
+    1,
+    "eagle3: 1 = a chain of the head's best tokens; K > 1 = an "
+    "EAGLE-2 dynamic token tree: per depth the K best new nodes by path probability each offer the head's "
+    "K best tokens (one head forward per depth; default 1)",
+    int,
+    ">= 1",
+)
+NODES = Option(
+    "eagle3_nodes",
+    "--spec-eagle3-nodes",
+    0,
+    "eagle3 trees: at most this many nodes, the best by path probability; 0 = the engine's draft length (default 0)",
+    int,
+    ">= 0",
+)
+TYPES = (
+    DrafterType(
+        "eagle3",
+        _build,
+        "a trained EAGLE-3 head on the target's hidden states",
+        (HEAD, P_MIN, TOPK, NODES, HEAD_QUANT),
+        target_features=True,
+        per_scope=False,
+        memory=_memory,
+    ),
+)

@@ -12,6 +12,7 @@ draft fed it on (a draft cut by confidence), so a verify whose every draft token
 token: the next draft's forward over that token is its first E layers. Token trees (`--draft-branch-p`) are verified
 by a whole forward.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -48,7 +49,7 @@ class EarlyExitDrafter(DraftModelDrafter):
         """A chain with the rows its verify starts from: [newest committed token] + draft tokens, k or k + 1."""
         if draft.parents is not None or not draft.tokens:
             return draft
-        hidden = torch.cat(rows)[:len(draft.tokens) + 1]  # [k or k + 1, H]
+        hidden = torch.cat(rows)[: len(draft.tokens) + 1]  # [k or k + 1, H]
         return replace(draft, resume=hidden, resume_layer=self.runner.model.config.num_layers)
 
     def pending_setup(self, seq: Sequence) -> int:
@@ -74,11 +75,14 @@ def planned_memory(q: MemoryQuery) -> HeadMemory:
 
     layer = q.options["spec_exit_layer"] or max(1, q.num_layers // 2)
     cost = layer / q.num_layers
-    return HeadMemory({}, f"early-exit at layer {layer} of {q.num_layers}: no weights or KV of its own (the target's "
-                          f"first layers on its cache); a draft token costs ~{cost:.2f} of a target forward, so one "
-                          f"draft token a step pays only above {break_even_alpha(cost, 1):.0%} acceptance, which "
-                          "targets not trained for early exit (LayerSkip) rarely reach: plan never recommends it "
-                          "(measured acceptance: docs/benchmarks.md)")
+    return HeadMemory(
+        {},
+        f"early-exit at layer {layer} of {q.num_layers}: no weights or KV of its own (the target's "
+        f"first layers on its cache); a draft token costs ~{cost:.2f} of a target forward, so one "
+        f"draft token a step pays only above {break_even_alpha(cost, 1):.0%} acceptance, which "
+        "targets not trained for early exit (LayerSkip) rarely reach: plan never recommends it "
+        "(measured acceptance: docs/benchmarks.md)",
+    )
 
 
 def build(ctx: BuildContext) -> EarlyExitDrafter:
@@ -90,9 +94,23 @@ def build(ctx: BuildContext) -> EarlyExitDrafter:
     return EarlyExitDrafter(runner, target.vocab_size, ctx.options["draft_p_min"], ctx.options["draft_branch_p"])
 
 
-EXIT_LAYER = Option("spec_exit_layer", "--spec-exit-layer", 0, "early-exit: draft with the target's first E layers, "
-                    "its final norm and LM head (0 = half of its layers; transformers' assistant_early_exit)", int,
-                    ">= 0")
-TYPES = (DrafterType("early-exit", build, "self-speculation: the target's own first layers draft (--spec-exit-layer)",
-                     (EXIT_LAYER, P_MIN, BRANCH_P), per_scope=False, target_layers=True,
-                     memory=planned_memory),)
+EXIT_LAYER = Option(
+    "spec_exit_layer",
+    "--spec-exit-layer",
+    0,
+    "early-exit: draft with the target's first E layers, "
+    "its final norm and LM head (0 = half of its layers; transformers' assistant_early_exit)",
+    int,
+    ">= 0",
+)
+TYPES = (
+    DrafterType(
+        "early-exit",
+        build,
+        "self-speculation: the target's own first layers draft (--spec-exit-layer)",
+        (EXIT_LAYER, P_MIN, BRANCH_P),
+        per_scope=False,
+        target_layers=True,
+        memory=planned_memory,
+    ),
+)

@@ -1,4 +1,5 @@
 """Where trained drafter heads are found: a directory with a `manifest.json` naming its `kind` and `target`."""
+
 from __future__ import annotations
 
 import json
@@ -7,18 +8,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from specdec import paths
 from torch import nn
 
+from specdec import paths
 from specdec.drafters.registry import HeadMemory, MemoryQuery, Option
 from specdec.errors import SpecdecError
 from specdec.models.state import int8_scales
 
 SHIPPED = Path(__file__).resolve().parent.parent / "heads"  # heads committed with the package
-HEAD_QUANT = Option("head_quant", "--spec-head-quant", "auto", "eagle3, medusa: auto = the head's matrices as Q8_0 "
-                    "blocks through the CPU kernels where it runs on the CPU in fp32 (its drafts may differ slightly; "
-                    "verification keeps the output the target's); none = the weights as loaded (default auto)", str,
-                    "auto or none")
+HEAD_QUANT = Option(
+    "head_quant",
+    "--spec-head-quant",
+    "auto",
+    "eagle3, medusa: auto = the head's matrices as Q8_0 "
+    "blocks through the CPU kernels where it runs on the CPU in fp32 (its drafts may differ slightly; "
+    "verification keeps the output the target's); none = the weights as loaded (default auto)",
+    str,
+    "auto or none",
+)
 
 
 def quantize_head(head: nn.Module, options) -> nn.Module:
@@ -35,12 +42,13 @@ def quantize_head(head: nn.Module, options) -> nn.Module:
 @dataclass(frozen=True)
 class Head:
     """A head directory and what its manifest says."""
+
     path: Path
     kind: str
-    target: str          # the target's name (a pack name, or a model path's last part)
-    finished: bool       # training ran to its end (a head saved mid-run says False)
-    tau: float | None    # validation mean acceptance length, when the trainer measured one
-    shipped: bool        # committed with specdec rather than under SPECDEC_HOME
+    target: str  # the target's name (a pack name, or a model path's last part)
+    finished: bool  # training ran to its end (a head saved mid-run says False)
+    tau: float | None  # validation mean acceptance length, when the trainer measured one
+    shipped: bool  # committed with specdec rather than under SPECDEC_HOME
     mtime: float
 
     @property
@@ -51,8 +59,12 @@ class Head:
 
 def list_heads() -> list[Head]:
     """Every head under SPECDEC_HOME/heads and shipped with specdec: finished before unfinished, newest first."""
-    heads = [_read(m, root == SHIPPED) for root in (paths.home() / "heads", SHIPPED) if root.is_dir()
-             for m in root.glob("*/manifest.json")]
+    heads = [
+        _read(m, root == SHIPPED)
+        for root in (paths.home() / "heads", SHIPPED)
+        if root.is_dir()
+        for m in root.glob("*/manifest.json")
+    ]
     return sorted((h for h in heads if h is not None), key=lambda h: (h.shipped, not h.finished, -h.mtime))
 
 
@@ -63,8 +75,9 @@ def find_head(target: str | None, kind: str, flag: str) -> Path:
     name = Path(target).name if target else ""
     found = [h.path for h in list_heads() if h.kind == kind and h.target == name]
     if not found:
-        raise SpecdecError(f"no {kind} head for {target!r} (train one: specdec train {kind} -m {target}; or give "
-                           f"{flag} DIR)")
+        raise SpecdecError(
+            f"no {kind} head for {target!r} (train one: specdec train {kind} -m {target}; or give {flag} DIR)"
+        )
     return found[0]
 
 
@@ -74,21 +87,34 @@ def _read(path: Path, shipped: bool) -> Head | None:
     except (OSError, ValueError):
         return None
     tau = (m.get("validation") or {}).get("tau")
-    return Head(path.parent, str(m.get("kind", "")), Path(str(m.get("target", ""))).name,
-                bool(m.get("finished", True)), tau, shipped, path.stat().st_mtime)
+    return Head(
+        path.parent,
+        str(m.get("kind", "")),
+        Path(str(m.get("target", ""))).name,
+        bool(m.get("finished", True)),
+        tau,
+        shipped,
+        path.stat().st_mtime,
+    )
 
 
 @dataclass(frozen=True)
 class HeadShape:
     """What a head holds at run time: parameters and its KV cache's layers x KV heads x head dim (0 layers: none)."""
+
     params: int
     kv_layers: int = 0
     kv_heads: int = 0
     head_dim: int = 0
 
 
-def planned_memory(q: MemoryQuery, kind: str, locate: Callable[[], Path], shape: Callable[[Path], HeadShape],
-                   estimate: Callable[[MemoryQuery], HeadShape]) -> HeadMemory:
+def planned_memory(
+    q: MemoryQuery,
+    kind: str,
+    locate: Callable[[], Path],
+    shape: Callable[[Path], HeadShape],
+    estimate: Callable[[MemoryQuery], HeadShape],
+) -> HeadMemory:
     """A head's resident bytes for `specdec plan`: the head `--spec-type kind` would load (`locate`, as the
     drafter finds it) measured by `shape`, else `estimate` for a default head shaped for the target. Weights in the
     runtime dtype; the KV cache holds `context` positions per slot."""

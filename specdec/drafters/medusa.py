@@ -8,6 +8,7 @@ drafts a token tree instead, grown best-first by path probability (the product o
 the path): every node at depth d - 1 may take head d's N best tokens as children. Drafts are deterministic (no
 `Draft.probs`), verified like n-gram drafts: lossless at any temperature.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -19,8 +20,7 @@ import torch
 from torch import nn
 
 from specdec.drafters.base import Draft, Drafter
-from specdec.drafters.heads import (HEAD_QUANT, HeadShape, find_head, planned_memory, quantize_head,
-                                   safetensors_params)
+from specdec.drafters.heads import HEAD_QUANT, HeadShape, find_head, planned_memory, quantize_head, safetensors_params
 from specdec.drafters.registry import BuildContext, DrafterType, HeadMemory, MemoryQuery, Option
 from specdec.errors import SpecdecError
 from specdec.models.medusa import MedusaHeads, load_heads
@@ -35,9 +35,9 @@ class MedusaDrafter(Drafter):
 
     def __init__(self, heads: MedusaHeads, norm: nn.Module, topk: int = 1):
         self.heads, self.norm, self.topk = heads, norm, min(topk, heads.config.draft_vocab_size)
-        self.owner: dict[int, Sequence] = {}      # slot -> the sequence its state belongs to
+        self.owner: dict[int, Sequence] = {}  # slot -> the sequence its state belongs to
         self.final: dict[int, torch.Tensor] = {}  # slot -> the newest committed token's final state [H]
-        self.seen: dict[int, int] = {}            # slot -> positions whose features arrived
+        self.seen: dict[int, int] = {}  # slot -> positions whose features arrived
 
     @torch.inference_mode()
     def observe_features(self, seq: Sequence, feats: Features) -> None:
@@ -115,8 +115,13 @@ def _memory(q: MemoryQuery) -> HeadMemory:
     """The heads' weights (no KV cache); without heads, `specdec train medusa`'s default: 3 heads of one block
     and a 16384-token LM head each."""
     estimate = HeadShape(3 * (q.hidden * q.hidden + q.hidden + 16384 * q.hidden))
-    return planned_memory(q, "medusa", lambda: head_path(q.options, q.model),
-                          lambda path: HeadShape(safetensors_params(path)), lambda q: estimate)
+    return planned_memory(
+        q,
+        "medusa",
+        lambda: head_path(q.options, q.model),
+        lambda path: HeadShape(safetensors_params(path)),
+        lambda q: estimate,
+    )
 
 
 def _build(ctx: BuildContext) -> MedusaDrafter:
@@ -126,15 +131,38 @@ def _build(ctx: BuildContext) -> MedusaDrafter:
     heads = load_heads(path, norm.weight.dtype).to(target.head_device)
     c, t = heads.config, target.model.config
     if c.vocab_size != target.vocab_size or c.hidden_size != t.hidden_size:
-        raise SpecdecError(f"Medusa head {path} was made for another target (vocabulary {c.vocab_size}, hidden "
-                           f"{c.hidden_size}; this target: {target.vocab_size}, {t.hidden_size})")
+        raise SpecdecError(
+            f"Medusa head {path} was made for another target (vocabulary {c.vocab_size}, hidden "
+            f"{c.hidden_size}; this target: {target.vocab_size}, {t.hidden_size})"
+        )
     return MedusaDrafter(quantize_head(heads, ctx.options), norm, ctx.options["medusa_topk"])
 
 
-HEAD = Option("medusa_head", "--spec-medusa-head", "auto", "medusa: the heads' directory (vLLM or TGI layout); auto = "
-              "the heads trained for the target (SPECDEC_HOME/heads, then shipped ones)", str)
-TOPK = Option("medusa_topk", "--spec-medusa-topk", 1, "medusa: candidates per head; 1 = a chain of each head's best "
-              "token, N > 1 = a token tree grown best-first by path probability (default 1)", int, ">= 1")
-TYPES = (DrafterType("medusa", _build, "trained Medusa-1 heads on the target's last hidden state",
-                     (HEAD, TOPK, HEAD_QUANT),
-                     target_features=True, per_scope=False, memory=_memory),)
+HEAD = Option(
+    "medusa_head",
+    "--spec-medusa-head",
+    "auto",
+    "medusa: the heads' directory (vLLM or TGI layout); auto = "
+    "the heads trained for the target (SPECDEC_HOME/heads, then shipped ones)",
+    str,
+)
+TOPK = Option(
+    "medusa_topk",
+    "--spec-medusa-topk",
+    1,
+    "medusa: candidates per head; 1 = a chain of each head's best "
+    "token, N > 1 = a token tree grown best-first by path probability (default 1)",
+    int,
+    ">= 1",
+)
+TYPES = (
+    DrafterType(
+        "medusa",
+        _build,
+        "trained Medusa-1 heads on the target's last hidden state",
+        (HEAD, TOPK, HEAD_QUANT),
+        target_features=True,
+        per_scope=False,
+        memory=_memory,
+    ),
+)

@@ -6,6 +6,7 @@ the committed pairs (token[P+1], norm(final[P])) go into every block's KV cache,
 token, and draft step s runs block min(s, n - 1) on (its token, the state the step before returned), one position
 on. Logits are over the full vocabulary (the target's LM head unless a block has its own).
 """
+
 from __future__ import annotations
 
 import json
@@ -61,16 +62,20 @@ def _shape(path: Path) -> HeadShape:
     n = native_blocks(path)
     layer = d if n else d["transformer_layer_config"]
     heads, kv_heads = layer["num_attention_heads"], layer.get("num_key_value_heads", layer["num_attention_heads"])
-    params = safetensors_params(path, (lambda name: not is_mtp_tensor(name, d["num_hidden_layers"])) if n
-                                else (lambda name: False))
-    return HeadShape(params, n or int(d.get("num_nextn_predict_layers", 1)), kv_heads,
-                     layer.get("head_dim") or layer["hidden_size"] // heads)
+    params = safetensors_params(
+        path, (lambda name: not is_mtp_tensor(name, d["num_hidden_layers"])) if n else (lambda name: False)
+    )
+    return HeadShape(
+        params,
+        n or int(d.get("num_nextn_predict_layers", 1)),
+        kv_heads,
+        layer.get("head_dim") or layer["hidden_size"] // heads,
+    )
 
 
 def _estimate(q: MemoryQuery) -> HeadShape:
     """One post-hoc block shaped like the target's layers (`specdec train mtp`'s default)."""
-    return HeadShape(2 * q.hidden * q.hidden + layer_params(q, q.hidden) + 3 * q.hidden, 1, q.num_kv_heads,
-                     q.head_dim)
+    return HeadShape(2 * q.hidden * q.hidden + layer_params(q, q.hidden) + 3 * q.hidden, 1, q.num_kv_heads, q.head_dim)
 
 
 def _memory(q: MemoryQuery) -> HeadMemory:
@@ -82,14 +87,30 @@ def _build(ctx: BuildContext) -> MtpDrafter:
     head = load_head(path, target.model.model.norm.weight.dtype)
     c, t = head.config.layer, target.model.config
     if c.vocab_size != target.vocab_size or c.hidden_size != t.hidden_size:
-        raise SpecdecError(f"MTP head {path} was made for another target (vocabulary {c.vocab_size}, hidden "
-                           f"{c.hidden_size}; this target: {target.vocab_size}, {t.hidden_size})")
+        raise SpecdecError(
+            f"MTP head {path} was made for another target (vocabulary {c.vocab_size}, hidden "
+            f"{c.hidden_size}; this target: {target.vocab_size}, {t.hidden_size})"
+        )
     return MtpDrafter(head.to(target.head_device), target, ctx.options["draft_p_min"])
 
 
-HEAD = Option("mtp_head", "--spec-mtp-head", "auto", "mtp: the MTP blocks' directory (a checkpoint with native "
-              "nextn / MiMo layers, or a head in the speculators mtp layout); auto = the target's own MTP layers, "
-              "else the block trained for the target (SPECDEC_HOME/heads, then shipped ones)", str)
-TYPES = (DrafterType("mtp", _build, "MTP blocks (the checkpoint's own next-n layers or a trained one) on the "
-                     "target's last hidden state", (HEAD, P_MIN), target_features=True, per_scope=False,
-                     memory=_memory),)
+HEAD = Option(
+    "mtp_head",
+    "--spec-mtp-head",
+    "auto",
+    "mtp: the MTP blocks' directory (a checkpoint with native "
+    "nextn / MiMo layers, or a head in the speculators mtp layout); auto = the target's own MTP layers, "
+    "else the block trained for the target (SPECDEC_HOME/heads, then shipped ones)",
+    str,
+)
+TYPES = (
+    DrafterType(
+        "mtp",
+        _build,
+        "MTP blocks (the checkpoint's own next-n layers or a trained one) on the target's last hidden state",
+        (HEAD, P_MIN),
+        target_features=True,
+        per_scope=False,
+        memory=_memory,
+    ),
+)

@@ -1,4 +1,5 @@
 """Shared n-gram machinery: a 64-bit LCG context hash, continuation counts, per-sequence incremental state."""
+
 from __future__ import annotations
 
 import heapq
@@ -17,8 +18,9 @@ LCG_MUL = 6364136223846793005  # Knuth's MMIX LCG multiplier
 MASK64 = (1 << 64) - 1
 
 NGRAM_N = Option("ngram_n", "--spec-ngram-size-n", 3, "ngram-*: tokens to match (default 3)", int, ">= 1")
-NGRAM_M = Option("ngram_m", "--spec-ngram-size-m", 16, "ngram-*: max tokens to propose after a match (default 16)",
-                 int, ">= 1")
+NGRAM_M = Option(
+    "ngram_m", "--spec-ngram-size-m", 16, "ngram-*: max tokens to propose after a match (default 16)", int, ">= 1"
+)
 
 
 def hash_step(h, tok):
@@ -45,9 +47,9 @@ def window_hashes(tokens: list[int], start: int, stop: int, max_len: int) -> np.
     """
     lo = max(0, start - max_len)
     seg = np.asarray(tokens[lo:stop], dtype=np.uint64)  # [stop - lo]
-    pos = np.arange(start - lo, stop - lo)              # [W] positions within seg
+    pos = np.arange(start - lo, stop - lo)  # [W] positions within seg
     out = np.empty((len(pos), max_len), dtype=np.uint64)
-    h = np.zeros(len(pos), dtype=np.uint64)             # [W]
+    h = np.zeros(len(pos), dtype=np.uint64)  # [W]
     for d in range(1, max_len + 1):
         h = hash_step(h, seg[np.maximum(pos - d, 0)])
         out[:, d - 1] = h
@@ -64,7 +66,7 @@ def latest_continuation(ctx: np.ndarray, n: int, want: int) -> list[int] | None:
     if not hits.size:
         return None
     start = int(hits[-1]) + n  # most recent occurrence
-    return ctx[start:start + want].tolist()
+    return ctx[start : start + want].tolist()
 
 
 def chain_lookups(context: list[int], want: int, step: Callable[[list[int]], int | None]) -> list[int]:
@@ -79,8 +81,9 @@ def chain_lookups(context: list[int], want: int, step: Callable[[list[int]], int
     return out
 
 
-def tree_lookups(context: list[int], max_nodes: int, candidates: Callable[[list[int]], list[tuple[int, float]]],
-                 min_path_prob: float) -> Draft:
+def tree_lookups(
+    context: list[int], max_nodes: int, candidates: Callable[[list[int]], list[tuple[int, float]]], min_path_prob: float
+) -> Draft:
     """Draft a token tree best-first: repeatedly add the candidate whose path probability (the product of
     the empirical probabilities `candidates(context + path)` gives along its path) is highest, while it is
     at least `min_path_prob`, up to `max_nodes` nodes. `context` is the window look-ups read (its length
@@ -102,7 +105,7 @@ def tree_lookups(context: list[int], max_nodes: int, candidates: Callable[[list[
         ctx = (context if parent < 0 else paths[parent]) + [tok]
         tokens.append(tok)
         parents.append(parent)
-        paths.append(ctx[-max(1, len(context)):])
+        paths.append(ctx[-max(1, len(context)) :])
         push(len(tokens) - 1, paths[-1], -neg)
     is_chain = all(p == i - 1 for i, p in enumerate(parents))
     return Draft(tokens, parents=None if is_chain else parents)
@@ -178,7 +181,7 @@ class ContinuationCounts:
 
 @dataclass
 class SeqIndex:
-    owner: Sequence   # the sequence this state belongs to (a slot reused without release starts afresh)
+    owner: Sequence  # the sequence this state belongs to (a slot reused without release starts afresh)
     indexed: int = 0  # owner.tokens[:indexed] have been recorded as continuations
 
 

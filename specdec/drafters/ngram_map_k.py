@@ -1,17 +1,35 @@
 """`ngram-map-k` / `ngram-map-k4v` / `ngram-map-k-tree`: per sequence, the last n tokens -> up to k next
 tokens with hit counts."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from specdec.drafters.base import Draft
-from specdec.drafters.ngram_index import (NGRAM_M, NGRAM_N, ContinuationCounts, IncrementalDrafter, SeqIndex,
-                                          chain_lookups, ranked, suffix_hashes, top, tree_lookups, window_hashes)
+from specdec.drafters.ngram_index import (
+    NGRAM_M,
+    NGRAM_N,
+    ContinuationCounts,
+    IncrementalDrafter,
+    SeqIndex,
+    chain_lookups,
+    ranked,
+    suffix_hashes,
+    top,
+    tree_lookups,
+    window_hashes,
+)
 from specdec.drafters.registry import DrafterType, Option
 from specdec.sequence import Sequence
 
-MIN_HITS = Option("ngram_min_hits", "--spec-ngram-min-hits", 1,
-                  "ngram-map-k/k4v/k-tree: hits a continuation needs before it is drafted (default 1)", int, ">= 1")
+MIN_HITS = Option(
+    "ngram_min_hits",
+    "--spec-ngram-min-hits",
+    1,
+    "ngram-map-k/k4v/k-tree: hits a continuation needs before it is drafted (default 1)",
+    int,
+    ">= 1",
+)
 
 
 @dataclass
@@ -54,7 +72,8 @@ class NgramMapKDrafter(IncrementalDrafter):
         def step(ctx: list[int]) -> int | None:
             counts = self._counts(table, ctx)
             return self._pick(counts) if counts else None
-        return Draft(chain_lookups(seq.tokens[-self.n:], min(self.m, max_tokens), step))
+
+        return Draft(chain_lookups(seq.tokens[-self.n :], min(self.m, max_tokens), step))
 
 
 class NgramMapK4VDrafter(NgramMapKDrafter):
@@ -83,7 +102,8 @@ class NgramMapKTreeDrafter(NgramMapKDrafter):
         def candidates(ctx: list[int]) -> list[tuple[int, float]]:
             counts = self._counts(table, ctx)
             return ranked(counts, self.min_hits) if counts else []
-        return tree_lookups(seq.tokens[-self.n:], min(self.m, max_tokens), candidates, self.BRANCH_MIN_PROB)
+
+        return tree_lookups(seq.tokens[-self.n :], min(self.m, max_tokens), candidates, self.BRANCH_MIN_PROB)
 
 
 def _builder(cls: type[NgramMapKDrafter]):
@@ -92,10 +112,22 @@ def _builder(cls: type[NgramMapKDrafter]):
 
 OPTIONS = (NGRAM_N, NGRAM_M, MIN_HITS)
 TYPES = (
-    DrafterType("ngram-map-k", _builder(NgramMapKDrafter), "per sequence, the last n tokens -> the most hit of up "
-                "to k next tokens", OPTIONS),
-    DrafterType("ngram-map-k4v", _builder(NgramMapK4VDrafter), "ngram-map-k, drafting only while the top "
-                "continuation clearly dominates", OPTIONS),
-    DrafterType("ngram-map-k-tree", _builder(NgramMapKTreeDrafter), "ngram-map-k as a token tree over every "
-                "continuation", OPTIONS),
+    DrafterType(
+        "ngram-map-k",
+        _builder(NgramMapKDrafter),
+        "per sequence, the last n tokens -> the most hit of up to k next tokens",
+        OPTIONS,
+    ),
+    DrafterType(
+        "ngram-map-k4v",
+        _builder(NgramMapK4VDrafter),
+        "ngram-map-k, drafting only while the top continuation clearly dominates",
+        OPTIONS,
+    ),
+    DrafterType(
+        "ngram-map-k-tree",
+        _builder(NgramMapKTreeDrafter),
+        "ngram-map-k as a token tree over every continuation",
+        OPTIONS,
+    ),
 )

@@ -1,16 +1,30 @@
 """`ngram-mod`: the last n tokens hashed into one fixed-size pool of next tokens, shared by all sequences."""
+
 from __future__ import annotations
 
 import numpy as np
 
 from specdec.drafters.base import Draft
-from specdec.drafters.ngram_index import (NGRAM_M, NGRAM_N, IncrementalDrafter, SeqIndex, chain_lookups,
-                                          suffix_hashes, window_hashes)
+from specdec.drafters.ngram_index import (
+    NGRAM_M,
+    NGRAM_N,
+    IncrementalDrafter,
+    SeqIndex,
+    chain_lookups,
+    suffix_hashes,
+    window_hashes,
+)
 from specdec.drafters.registry import DrafterType, Option
 from specdec.sequence import Sequence
 
-POOL_MB = Option("ngram_mod_pool_mb", "--spec-ngram-mod-pool-mb", 16.0,
-                 "ngram-mod: size of the hash pool shared by all sequences, in MB (default 16)", float, "in (0, 65536]")
+POOL_MB = Option(
+    "ngram_mod_pool_mb",
+    "--spec-ngram-mod-pool-mb",
+    16.0,
+    "ngram-mod: size of the hash pool shared by all sequences, in MB (default 16)",
+    float,
+    "in (0, 65536]",
+)
 
 
 class NgramModDrafter(IncrementalDrafter):
@@ -32,7 +46,7 @@ class NgramModDrafter(IncrementalDrafter):
         super().__init__()
         self.n, self.m = n, m
         self.pool = np.full(pool_size, -1, dtype=np.int32)  # [pool_size] next token, -1 = empty
-        self.used = 0         # non-empty entries
+        self.used = 0  # non-empty entries
         self.next_region = 0  # the region cleared at the next pressure event
 
     def _slot(self, h):
@@ -44,7 +58,7 @@ class NgramModDrafter(IncrementalDrafter):
         if start >= stop:
             return
         slots = self._slot(window_hashes(tokens, start, stop, self.n)[:, -1]).astype(np.intp)[::-1]  # [W] newest first
-        nxt = np.asarray(tokens[start:stop], dtype=np.int32)[::-1]                                     # [W]
+        nxt = np.asarray(tokens[start:stop], dtype=np.int32)[::-1]  # [W]
         slots, first = np.unique(slots, return_index=True)  # the newest write to each entry wins
         self.used += int((self.pool[slots] < 0).sum())
         self.pool[slots] = nxt[first]
@@ -53,7 +67,7 @@ class NgramModDrafter(IncrementalDrafter):
 
     def _clear_region(self) -> None:
         size, r = len(self.pool), self.next_region
-        region = self.pool[size * r // self.REGIONS:size * (r + 1) // self.REGIONS]  # view
+        region = self.pool[size * r // self.REGIONS : size * (r + 1) // self.REGIONS]  # view
         self.used -= int((region >= 0).sum())
         region[:] = -1
         self.next_region = (r + 1) % self.REGIONS
@@ -65,7 +79,8 @@ class NgramModDrafter(IncrementalDrafter):
             hs = suffix_hashes(ctx, self.n)
             tok = int(self.pool[self._slot(hs[-1])]) if len(hs) == self.n else -1
             return tok if tok >= 0 else None
-        return Draft(chain_lookups(seq.tokens[-self.n:], min(self.m, max_tokens), step))
+
+        return Draft(chain_lookups(seq.tokens[-self.n :], min(self.m, max_tokens), step))
 
     def release(self, seq: Sequence) -> None:
         self._catch_up(seq)  # the pool keeps what this sequence wrote, for later requests
@@ -83,5 +98,11 @@ def _build(ctx) -> NgramModDrafter:
     return NgramModDrafter(ctx.options["ngram_n"], ctx.options["ngram_m"], pool_size=entries)
 
 
-TYPES = (DrafterType("ngram-mod", _build, "the last n tokens hashed into one pool of next tokens shared by all "
-                     "sequences (llama.cpp's ngram-mod)", (NGRAM_N, NGRAM_M, POOL_MB)),)
+TYPES = (
+    DrafterType(
+        "ngram-mod",
+        _build,
+        "the last n tokens hashed into one pool of next tokens shared by all sequences (llama.cpp's ngram-mod)",
+        (NGRAM_N, NGRAM_M, POOL_MB),
+    ),
+)

@@ -2,6 +2,7 @@
 
 With `ngram_min` below n, a miss tries n - 1, n - 2, ... down to it (transformers' prompt lookup from
 `max_matching_ngram_size` down to 1; vLLM's from `prompt_lookup_max` down to `prompt_lookup_min`)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -30,9 +31,19 @@ class NgramSimpleDrafter(Drafter):
         return Draft([])
 
 
-NGRAM_MIN = Option("ngram_min", "--spec-ngram-min", 0, "ngram-simple: on a miss, try shorter matches down to this "
-                   "many tokens (0 = only --spec-ngram-size-n; default 0)", int, ">= 0")
-TYPES = (DrafterType("ngram-simple", lambda ctx: NgramSimpleDrafter(ctx.options["ngram_n"], ctx.options["ngram_m"],
-                                                                    ctx.options["ngram_min"]),
-                     "prompt lookup: what followed the last n tokens earlier in the context",
-                     (NGRAM_N, NGRAM_M, NGRAM_MIN)),)
+NGRAM_MIN = Option(
+    "ngram_min",
+    "--spec-ngram-min",
+    0,
+    "ngram-simple: on a miss, try shorter matches down to this many tokens (0 = only --spec-ngram-size-n; default 0)",
+    int,
+    ">= 0",
+)
+TYPES = (
+    DrafterType(
+        "ngram-simple",
+        lambda ctx: NgramSimpleDrafter(ctx.options["ngram_n"], ctx.options["ngram_m"], ctx.options["ngram_min"]),
+        "prompt lookup: what followed the last n tokens earlier in the context",
+        (NGRAM_N, NGRAM_M, NGRAM_MIN),
+    ),
+)

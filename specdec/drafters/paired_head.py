@@ -10,6 +10,7 @@ feed (the cache is position-indexed, like the target's). Greedy and seeded draft
 drafts draw from q (zero outside a reduced draft vocabulary). Where a draft ends is decided before each draw, from
 the largest q and the path so far, so it never depends on the token drawn.
 """
+
 from __future__ import annotations
 
 import time
@@ -32,10 +33,10 @@ class PairedHeadDrafter(Drafter):
     def __init__(self, embed: nn.Embedding, rotary: Rotary, cache: KVCache, vocab: int, p_min: float = 0.0):
         self.embed, self.rotary, self.cache, self.vocab, self.p_min = embed, rotary, cache, vocab, p_min
         self.device = cache.k[0].device  # the head's (the target's head device, `ModelRunner.head_device`)
-        self.owner: dict[int, Sequence] = {}              # slot -> the sequence its state belongs to
+        self.owner: dict[int, Sequence] = {}  # slot -> the sequence its state belongs to
         self.waiting: dict[int, list[torch.Tensor]] = {}  # slot -> states [n, H] not yet fed
-        self.fed: dict[int, int] = {}                     # slot -> positions whose pair is in the head's cache
-        self.seen: dict[int, int] = {}                    # slot -> positions whose features arrived
+        self.fed: dict[int, int] = {}  # slot -> positions whose pair is in the head's cache
+        self.seen: dict[int, int] = {}  # slot -> positions whose features arrived
 
     @abstractmethod
     def state(self, feats: Features) -> torch.Tensor:
@@ -87,13 +88,20 @@ class PairedHeadDrafter(Drafter):
             return Draft([])  # features of the committed tokens have not all arrived
         t = time.perf_counter()
         g = torch.cat(self.waiting[slot])  # [n, H] for positions start..
-        logits, h = self._step(seq, seq.tokens[start + 1:], g, start, None)
+        logits, h = self._step(seq, seq.tokens[start + 1 :], g, start, None)
         self.waiting[slot], self.fed[slot] = [], self.seen[slot]
         setup_s = time.perf_counter() - t if len(g) > SETUP_TOKENS else 0.0
         return self._draft(seq, logits, h, max_tokens, min_path_prob, setup_s)
 
-    def _draft(self, seq: Sequence, logits: torch.Tensor, h: torch.Tensor, max_tokens: int, min_path_prob: float,
-               setup_s: float) -> Draft:
+    def _draft(
+        self,
+        seq: Sequence,
+        logits: torch.Tensor,
+        h: torch.Tensor,
+        max_tokens: int,
+        min_path_prob: float,
+        setup_s: float,
+    ) -> Draft:
         """A chain from the first draft position's logits [V'] and recycled state h [1, H]."""
         tokens: list[int] = []
         probs: list[torch.Tensor] = []

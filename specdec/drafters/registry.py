@@ -7,6 +7,7 @@ file declares its `DrafterType`s; `specdec.drafters` registers them, one line pe
     register(DrafterType("toy", build=lambda ctx: ToyDrafter(ctx.options["toy_len"]), help="...",
                          options=(Option("toy_len", "--spec-toy-len", 4, "tokens per draft", int, ">= 1"),)))
 """
+
 from __future__ import annotations
 
 import math
@@ -45,12 +46,13 @@ def float_list(text: str) -> tuple[float, ...]:
 @dataclass(frozen=True)
 class Option:
     """One drafter setting: its keyword (`LLM(name=...)`, argparse dest), CLI flag, default and rule."""
+
     name: str
     flag: str
     default: Any
     help: str
     parse: Callable[[str], Any] = float  # CLI text -> value
-    rule: str | None = None              # a key of RULES
+    rule: str | None = None  # a key of RULES
 
     def check(self, value: Any) -> Any:
         """The value, validated (lists become tuples); SpecdecError naming the option otherwise."""
@@ -70,9 +72,10 @@ class Option:
 @dataclass
 class BuildContext:
     """What a drafter may be built from."""
-    options: Mapping[str, Any]                       # every registered option's value
-    target: ModelRunner | None = None                # the target's runner (None in `bench replay`)
-    model: str | None = None                         # the target's name (a pack) or path
+
+    options: Mapping[str, Any]  # every registered option's value
+    target: ModelRunner | None = None  # the target's runner (None in `bench replay`)
+    model: str | None = None  # the target's name (a pack) or path
     load_draft: Callable[[], ModelRunner] | None = None  # the -md model in a runner of its own, loaded on call
     # (target, draft) tokenizers when the -md model's vocabulary differs from the target's, else None (after load_draft)
     draft_tokenizers: Callable[[], tuple[Tokenizer, Tokenizer] | None] = lambda: None
@@ -86,17 +89,18 @@ class BuildContext:
 @dataclass(frozen=True)
 class MemoryQuery:
     """What `specdec plan` asks a drafter that holds memory of its own (a trained head) about."""
-    model: str                     # the target's name (a pack) or path: where its head is looked up
-    hidden: int                    # the target's shape
+
+    model: str  # the target's name (a pack) or path: where its head is looked up
+    hidden: int  # the target's shape
     num_layers: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
     intermediate: int
     vocab: int
-    context: int                   # positions per slot
+    context: int  # positions per slot
     slots: int
-    dtype_bytes: int               # bytes per element of the runtime's activations (the head loads in that dtype)
+    dtype_bytes: int  # bytes per element of the runtime's activations (the head loads in that dtype)
     options: Mapping[str, Any] = field(default_factory=dict)  # drafter options (e.g. a head directory)
 
 
@@ -104,6 +108,7 @@ class MemoryQuery:
 class HeadMemory:
     """A drafter's own resident memory: bytes per part ("eagle3 head weights", "eagle3 head KV") and a note on
     where the figures come from."""
+
     parts: dict[str, int]
     note: str
 
@@ -117,11 +122,11 @@ class DrafterType:
     build: Callable[[BuildContext], Drafter]
     help: str
     options: tuple[Option, ...] = ()
-    lossy: bool = False            # opt-in only: the output is not the target's
-    draft_model: bool = False      # needs a draft model (-md)
+    lossy: bool = False  # opt-in only: the output is not the target's
+    draft_model: bool = False  # needs a draft model (-md)
     target_features: bool = False  # reads the target's hidden states
-    target_layers: bool = False    # drafts with the target's own layers (runs model forwards; not replayable)
-    per_scope: bool = True         # learns across requests: one instance per scope (API key); else one for all
+    target_layers: bool = False  # drafts with the target's own layers (runs model forwards; not replayable)
+    per_scope: bool = True  # learns across requests: one instance per scope (API key); else one for all
     # A lossy type may replace verification: (seq, draft, logits [N+1, V]) -> (new tokens, accepted path), or
     # None to verify as usual. Installed on the engine when a drafter of the type is made.
     verify_hook: VerifyHook | None = None
@@ -169,8 +174,10 @@ class Registry:
 
     def get(self, name: str) -> DrafterType:
         if name not in self.types:
-            raise SpecdecError(f"unknown spec type {name!r} (choose {', '.join(('none', *self.types))}, "
-                               "or a comma-separated chain such as ngram-mod,draft)")
+            raise SpecdecError(
+                f"unknown spec type {name!r} (choose {', '.join(('none', *self.types))}, "
+                "or a comma-separated chain such as ngram-mod,draft)"
+            )
         return self.types[name]
 
     def request_options(self, spec: list[str], given: Mapping[str, Any]) -> dict[str, Any]:
@@ -178,13 +185,16 @@ class Registry:
         `DrafterType.request_options` of each); else SpecdecError."""
         types = [self.get(p) for p in spec if p != "none"]
         if not all(t.model_free for t in types):
-            raise SpecdecError("per-request drafter options only for model-free spec types (n-grams, suffix); "
-                               "start the server with the others")
+            raise SpecdecError(
+                "per-request drafter options only for model-free spec types (n-grams, suffix); "
+                "start the server with the others"
+            )
         own = {o.name: o for t in types for o in t.request_options}
         bad = sorted(set(given) - set(own))
         if bad:
-            raise SpecdecError(f"{bad[0]!r} is not a per-request option of {','.join(spec)} (choose from "
-                               f"{', '.join(own) or 'none'})")
+            raise SpecdecError(
+                f"{bad[0]!r} is not a per-request option of {','.join(spec)} (choose from {', '.join(own) or 'none'})"
+            )
         return {n: own[n].check(v) for n, v in given.items()}
 
     def option_values(self, given: Mapping[str, Any] | None = None) -> dict[str, Any]:

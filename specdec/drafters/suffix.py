@@ -1,4 +1,5 @@
 """`suffix`: SuffixDecoding-style drafting from the request's own tokens and from past requests' outputs."""
+
 from __future__ import annotations
 
 import math
@@ -7,24 +8,51 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from specdec.drafters.base import Draft
-from specdec.drafters.ngram_index import (ContinuationCounts, IncrementalDrafter, SeqIndex, chain_lookups,
-                                          ranked, suffix_hashes, top, tree_lookups, window_hashes)
+from specdec.drafters.ngram_index import (
+    ContinuationCounts,
+    IncrementalDrafter,
+    SeqIndex,
+    chain_lookups,
+    ranked,
+    suffix_hashes,
+    top,
+    tree_lookups,
+    window_hashes,
+)
 from specdec.drafters.registry import DrafterType, Option
 from specdec.sequence import Sequence
 
 MAX_ORDER = 8  # contexts of 1..MAX_ORDER tokens are indexed
 # Draft at most FACTOR x match length tokens. SuffixDecoding uses 1 with its deeper suffix-tree matches; ours
-# are shorter. Replayed on input-grounded prompts (docs/benchmarks.md, run 2e), suffix-tree with 1, 2, 4, 8:
+# are shorter. Replayed on input-grounded prompts (`specdec bench replay`), suffix-tree with 1, 2, 4, 8:
 # 2.28x, 2.44x, 2.57x, 2.53x plain decoding.
 FACTOR = 4.0
 OPTIONS = (
-    Option("suffix_max_requests", "--spec-suffix-max-requests", 64, "suffix: past requests whose outputs are "
-           "remembered, oldest evicted; 0 = none (default 64)", int, ">= 0"),
-    Option("suffix_factor", "--spec-suffix-factor", FACTOR, "suffix, suffix-tree: draft at most factor x match "
-           "length tokens (default 4)", float, "> 0 and finite"),
-    Option("suffix_min_prob", "--spec-suffix-min-prob", 0.1, "suffix: stop drafting below this empirical "
-           "continuation probability; suffix-tree: cut nodes whose path probability is below it (default 0.1)",
-           float, "in [0, 1]"),
+    Option(
+        "suffix_max_requests",
+        "--spec-suffix-max-requests",
+        64,
+        "suffix: past requests whose outputs are remembered, oldest evicted; 0 = none (default 64)",
+        int,
+        ">= 0",
+    ),
+    Option(
+        "suffix_factor",
+        "--spec-suffix-factor",
+        FACTOR,
+        "suffix, suffix-tree: draft at most factor x match length tokens (default 4)",
+        float,
+        "> 0 and finite",
+    ),
+    Option(
+        "suffix_min_prob",
+        "--spec-suffix-min-prob",
+        0.1,
+        "suffix: stop drafting below this empirical "
+        "continuation probability; suffix-tree: cut nodes whose path probability is below it (default 0.1)",
+        float,
+        "in [0, 1]",
+    ),
 )
 
 
@@ -32,7 +60,7 @@ def contexts(tokens: list[int], start: int, stop: int) -> Iterator[tuple[list[in
     """For p in [start, stop): (hashes of the 1..min(p, MAX_ORDER) tokens before p, tokens[p])."""
     rows = window_hashes(tokens, start, stop, MAX_ORDER).tolist()  # [W][MAX_ORDER]
     for p, row, tok in zip(range(start, stop), rows, tokens[start:stop]):
-        yield row[:min(p, MAX_ORDER)], tok
+        yield row[: min(p, MAX_ORDER)], tok
 
 
 def _merged(a: dict[int, int] | None, b: dict[int, int] | None) -> dict[int, int] | None:
@@ -100,12 +128,14 @@ class SuffixDrafter(IncrementalDrafter):
 
     def _draft(self, state: _RequestState, context: list[int], want: int) -> Draft:
         """A chain: the most frequent continuation while its probability is at least `min_prob`."""
+
         def step(ctx: list[int]) -> int | None:
             counts = self._lookup(state, ctx)[1]
             if not counts:
                 return None
             tok, hits, _, total = top(counts)
             return tok if hits / total >= self.min_prob else None
+
         return Draft(chain_lookups(context, want, step))
 
     def release(self, seq: Sequence) -> None:
@@ -141,17 +171,24 @@ class SuffixTreeDrafter(SuffixDrafter):
     def _draft(self, state: _RequestState, context: list[int], want: int) -> Draft:
         def candidates(ctx: list[int]) -> list[tuple[int, float]]:
             return ranked(self._lookup(state, ctx)[1])
+
         return tree_lookups(context, want, candidates, self.min_prob)
 
 
 def _builder(cls: type[SuffixDrafter]):
-    return lambda ctx: cls(factor=ctx.options["suffix_factor"], min_prob=ctx.options["suffix_min_prob"],
-                           max_requests=ctx.options["suffix_max_requests"])
+    return lambda ctx: cls(
+        factor=ctx.options["suffix_factor"],
+        min_prob=ctx.options["suffix_min_prob"],
+        max_requests=ctx.options["suffix_max_requests"],
+    )
 
 
 TYPES = (
-    DrafterType("suffix", _builder(SuffixDrafter), "SuffixDecoding-style: the request's own tokens and past "
-                "requests' outputs", OPTIONS),
-    DrafterType("suffix-tree", _builder(SuffixTreeDrafter), "suffix as a token tree over every continuation",
-                OPTIONS),
+    DrafterType(
+        "suffix",
+        _builder(SuffixDrafter),
+        "SuffixDecoding-style: the request's own tokens and past requests' outputs",
+        OPTIONS,
+    ),
+    DrafterType("suffix-tree", _builder(SuffixTreeDrafter), "suffix as a token tree over every continuation", OPTIONS),
 )

@@ -3,6 +3,7 @@
 Its `verify_hook` keeps `forced` draft tokens whatever the target says, so the output is NOT the
 target's text (results are flagged `synthetic`). Only for benchmarks, and only on request.
 """
+
 from __future__ import annotations
 
 import random
@@ -47,12 +48,24 @@ def forced_acceptance(seq: Sequence, draft: Draft, logits: torch.Tensor) -> tupl
 
 
 OPTIONS = (
-    Option("synth_rates", "--spec-synth-rates", (0.8,), "synthetic: acceptance probability per draft position, "
-           "e.g. 0.9,0.8,0.6 (the last one repeats); output is NOT valid text (default 0.8)", float_list,
-           "numbers in [0, 1]"),
+    Option(
+        "synth_rates",
+        "--spec-synth-rates",
+        (0.8,),
+        "synthetic: acceptance probability per draft position, "
+        "e.g. 0.9,0.8,0.6 (the last one repeats); output is NOT valid text (default 0.8)",
+        float_list,
+        "numbers in [0, 1]",
+    ),
     Option("synth_len", "--spec-synth-len", 8, "synthetic: tokens per fake draft (default 8)", int, ">= 1"),
 )
-TYPES = (DrafterType("synthetic", lambda ctx: SyntheticDrafter(list(ctx.options["synth_rates"]),
-                                                               ctx.options["synth_len"]),
-                     "fake drafts accepted at --spec-synth-rates (benchmarks; output NOT valid)", OPTIONS,
-                     lossy=True, verify_hook=forced_acceptance),)
+TYPES = (
+    DrafterType(
+        "synthetic",
+        lambda ctx: SyntheticDrafter(list(ctx.options["synth_rates"]), ctx.options["synth_len"]),
+        "fake drafts accepted at --spec-synth-rates (benchmarks; output NOT valid)",
+        OPTIONS,
+        lossy=True,
+        verify_hook=forced_acceptance,
+    ),
+)

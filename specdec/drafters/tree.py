@@ -7,6 +7,7 @@ children could still make the final tree); the draft is the `budget` best candid
 a tree because a child's path probability never exceeds its parent's. Drafts are deterministic (the drafter's
 best tokens, no `Draft.probs`), so the verifier treats them as one-hot: lossless at any temperature.
 """
+
 from __future__ import annotations
 
 ROOT = -1  # the parent of depth-0 candidates: the last committed token
@@ -18,10 +19,10 @@ class DynamicTree:
     def __init__(self, budget: int, min_path_prob: float = 0.0):
         self.budget, self.min_path_prob = budget, min_path_prob
         self.tokens: list[int] = []
-        self.parents: list[int] = []          # candidate index, or ROOT
-        self.depths: list[int] = []           # 0: continues the last committed token
-        self.paths: list[float] = []          # path probability
-        self.rows: dict[int, int] = {}        # expanded candidate -> its order of expansion (a cache row)
+        self.parents: list[int] = []  # candidate index, or ROOT
+        self.depths: list[int] = []  # 0: continues the last committed token
+        self.paths: list[float] = []  # path probability
+        self.rows: dict[int, int] = {}  # expanded candidate -> its order of expansion (a cache row)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -53,8 +54,11 @@ class DynamicTree:
         ranked = self._ranked()
         bar = self.paths[ranked[self.budget - 1]] if len(ranked) >= self.budget else 0.0  # the budget-th best path
         room = self.budget - 1 - len(self.rows)
-        chosen = [c for c in sorted(layer, key=lambda c: (-self.paths[c], c))
-                  if self.paths[c] > bar and self.paths[c] >= self.min_path_prob][:max(0, min(width, room))]
+        chosen = [
+            c
+            for c in sorted(layer, key=lambda c: (-self.paths[c], c))
+            if self.paths[c] > bar and self.paths[c] >= self.min_path_prob
+        ][: max(0, min(width, room))]
         for c in chosen:
             self.rows[c] = len(self.rows)
         return chosen
@@ -69,7 +73,7 @@ class DynamicTree:
 
     def draft(self) -> tuple[list[int], list[int] | None]:
         """(tokens [N], parents [N] or None for a chain) of the `budget` best candidates, parents first."""
-        keep = sorted(self._ranked()[:self.budget])
+        keep = sorted(self._ranked()[: self.budget])
         node = {c: i for i, c in enumerate(keep)}
         parents = [ROOT if self.parents[c] == ROOT else node[self.parents[c]] for c in keep]
         is_chain = all(p == i - 1 for i, p in enumerate(parents))

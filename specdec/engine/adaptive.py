@@ -17,7 +17,8 @@ verify(B) / B per token (forward costs are measured by the tokens of a forward, 
 to). Where a forward's cost per row grows past some size, later sequences see the dearer rows.
 While a forward is bound by reading the weights, B rows cost little more than one, so each token of plain
 decoding gets cheaper with B while a draft's extra rows (past that point) do not: drafts that pay alone may
-not pay in a batch (docs/benchmarks.md section 20).
+not pay in a batch. With a 1.5B target on an AVX2 CPU, two sequences' plain forward took 0.12 s and one carrying
+their 16-token drafts (~30 tokens) 0.56 s: drafting as if alone ran at 0.83x plain decoding's speed at two clients.
 
 Drafters that know their confidence (the draft model) instead get the budget k_max and stop by
 themselves once the product of their token probabilities falls below (draft_cost + row_cost) / (verify(B) / B):
@@ -37,6 +38,7 @@ guessed from larger forwards (a one-sequence server that always drafts 16 tokens
 forward to cost as much as a 17-row one): a step over B sequences runs plain while a forward over B tokens is
 unmeasured, and again every REMEASURE steps over B sequences without one (costs drift with the machine's load).
 """
+
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
@@ -46,18 +48,18 @@ from itertools import accumulate
 from specdec.acceptance import EMA, AcceptanceEstimate
 
 PROBE_EVERY = 32  # undrafted steps (per drafter, over all sequences) before a one-token probe
-REMEASURE = 64    # steps over B sequences without a forward over B tokens before a plain step re-measures it
-SPAN = 1.5        # `CostModel.smoothed`: a size's cost is fitted over the measured sizes within this factor of it
+REMEASURE = 64  # steps over B sequences without a forward over B tokens before a plain step re-measures it
+SPAN = 1.5  # `CostModel.smoothed`: a size's cost is fitted over the measured sizes within this factor of it
 
 
 @dataclass
 class CostModel:
     verify_s: dict[int, float] = field(default_factory=dict)  # tokens per forward -> seconds
-    draft_s: dict[str, float] = field(default_factory=dict)   # drafter name -> seconds per drafted token
-    setup_s: dict[str, float] = field(default_factory=dict)   # drafter name -> seconds per token of catch-up
+    draft_s: dict[str, float] = field(default_factory=dict)  # drafter name -> seconds per drafted token
+    setup_s: dict[str, float] = field(default_factory=dict)  # drafter name -> seconds per token of catch-up
     history: dict[str, AcceptanceEstimate] = field(default_factory=dict)  # drafter name -> over all sequences
-    idle: dict[str, int] = field(default_factory=dict)        # drafter name -> undrafted steps since its last draft
-    unmeasured: dict[int, int] = field(default_factory=dict)  # batch size -> steps since a forward over that many tokens
+    idle: dict[str, int] = field(default_factory=dict)  # drafter name -> undrafted steps since its last draft
+    unmeasured: dict[int, int] = field(default_factory=dict)  # batch size -> steps since a forward of that size
     ema: float = EMA
     # Above the largest measured size, forwards grow by the measured slope per row (False: `row_cost`) or in
     # proportion to tokens (True: compute-bound, for batches much larger than any measured).
@@ -150,16 +152,26 @@ class CostModel:
         (where there are at least three), then never more than a larger size's (cached until the next measurement).
         A size measured at a busy moment, or seldom, sits off its neighbours' line; interpolated as it is, the rows
         just past it look dear and those past the next size cheap, so drafts in a batch (priced by the rows they
-        add) came out short and erratic (docs/benchmarks.md section 36)."""
+        add) came out short and erratic: forwards of 16 rows measured at 67.8 ms and of 17 at 81.1 priced the one
+        drafted row at 13 ms, three plain tokens' worth (4.2 ms each), so a one-token draft never paid."""
         if self._smooth_of is not self.verify_s:  # measured since (`observe_verify` clears it), or a table set anew
             self._smooth_of = self.verify_s
             pts = sorted(self.verify_s.items())
             xs = [t for t, _ in pts]
             # running sums of (1, x, y, x^2, xy): any window's least-squares line in O(1), a refit in O(n log n)
-            sums = list(accumulate(((1, x, y, x * x, x * y) for x, y in pts),
-                                   lambda a, b: tuple(u + v for u, v in zip(a, b)), initial=(0, 0, 0.0, 0, 0.0)))
-            lines = [_line_at(t, y, [u - v for u, v in zip(sums[bisect_right(xs, t * SPAN)],
-                                                            sums[bisect_left(xs, t / SPAN)])]) for t, y in pts]
+            sums = list(
+                accumulate(
+                    ((1, x, y, x * x, x * y) for x, y in pts),
+                    lambda a, b: tuple(u + v for u, v in zip(a, b)),
+                    initial=(0, 0, 0.0, 0, 0.0),
+                )
+            )
+            lines = [
+                _line_at(
+                    t, y, [u - v for u, v in zip(sums[bisect_right(xs, t * SPAN)], sums[bisect_left(xs, t / SPAN)])]
+                )
+                for t, y in pts
+            ]
             fit = [v for v, _ in lines]
             for i in range(len(fit) - 2, -1, -1):
                 fit[i] = min(fit[i], fit[i + 1])
@@ -178,8 +190,15 @@ def _line_at(t: int, own: float, sums: list[float]) -> tuple[float, float | None
     return (sy + slope * (n * t - sx)) / n, slope
 
 
-def _rate(cost: CostModel, acc: AcceptanceEstimate, k_min: int, k_max: int, drafter: str,
-          batch: int = 1, rows: int | None = None) -> tuple[int, float]:
+def _rate(
+    cost: CostModel,
+    acc: AcceptanceEstimate,
+    k_min: int,
+    k_max: int,
+    drafter: str,
+    batch: int = 1,
+    rows: int | None = None,
+) -> tuple[int, float]:
     """(k, expected tokens per second) for the best k in [k_min, k_max], or k = 0 (plain decoding), for a sequence
     in a step over `batch` sequences: its share of the plain forward plus the rows its draft adds to a forward of
     `rows` tokens (default `batch`; batch 1: the whole forward over its k + 1 tokens)."""
@@ -199,8 +218,15 @@ def _rate(cost: CostModel, acc: AcceptanceEstimate, k_min: int, k_max: int, draf
     return best_k, best_rate
 
 
-def choose_draft_len(cost: CostModel, acc: AcceptanceEstimate, k_min: int, k_max: int, drafter: str = "",
-                     batch: int = 1, rows: int | None = None) -> int:
+def choose_draft_len(
+    cost: CostModel,
+    acc: AcceptanceEstimate,
+    k_min: int,
+    k_max: int,
+    drafter: str = "",
+    batch: int = 1,
+    rows: int | None = None,
+) -> int:
     """The k in [k_min, k_max] (or 0) with the most expected tokens per second for `drafter` in a step over
     `batch` sequences whose forward already holds `rows` tokens (default `batch`)."""
     return _rate(cost, acc, k_min, k_max, drafter, batch, rows)[0]

@@ -1,72 +1,61 @@
 """The speculative step loop: prefill, then draft -> verify in one batched target forward -> commit."""
+
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Callable, Hashable
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 import torch
 
-from specdec.drafters.base import Budgets, Drafter, time_shares
 from specdec.drafters.registry import VerifyHook
-from specdec.engine.adaptive import CostModel, choose_draft_len, expected_saving, plain_cost
+from specdec.engine.adaptive import CostModel
+from specdec.engine.planner import DraftPlanner, Proposal, SpecConfig, source
 from specdec.engine.stops import StopScan
 from specdec.errors import SpecdecError
 from specdec.models.tokenizer import Detokenizer, Tokenizer
 from specdec.runtime.runner import PREFILL_CHUNK, Features, ModelRunner
 from specdec.runtime.small_ops import top2
 from specdec.sampling import SamplingParams, probs_from_logits, sample, seeded_pick
-from specdec.sequence import Draft, Sequence, StreamCallback
+from specdec.sequence import Draft, RequestOptions, Sequence, StreamCallback
 from specdec.trace import step_trace
 from specdec.verify import Relaxed, chain, verify_tree_greedy, verify_tree_sampling, verify_tree_seeded
 
-__all__ = ["Engine", "SpecConfig", "StreamCallback"]
-
-
-@dataclass
-class Proposal:
-    """One sequence's draft for a step."""
-    draft: Draft
-    asked: int  # the draft length asked for (the adaptive choice)
+__all__ = ["Engine", "PromptTooLong", "SpecConfig", "StepInfo", "StreamCallback"]
 
 
 @dataclass
 class Verdict:
     """What verification decided for one sequence's draft."""
-    new: list[int]       # tokens to commit: the accepted draft tokens, then the target's own
-    path: list[int]      # accepted draft nodes, in order
-    rows: torch.Tensor   # [>= len(new), V] target logits each new token was chosen from
-    seconds: float       # time verification took (beyond the forward)
+
+    new: list[int]  # tokens to commit: the accepted draft tokens, then the target's own
+    path: list[int]  # accepted draft nodes, in order
+    rows: torch.Tensor  # [>= len(new), V] target logits each new token was chosen from
+    seconds: float  # time verification took (beyond the forward)
 
 
 @dataclass
 class StepInfo:
     """What one batched step did and cost (the load controller's measurements)."""
-    batch: int            # sequences stepped
-    committed: int        # tokens added over all sequences
-    drafted: int          # draft tokens over all sequences
-    forward_tokens: int   # tokens the target forward processed
+
+    batch: int  # sequences stepped
+    committed: int  # tokens added over all sequences
+    drafted: int  # draft tokens over all sequences
+    forward_tokens: int  # tokens the target forward processed
     forward_s: float
-    draft_s: float        # drafting, setup excluded
-    seconds: float        # the whole step, setup excluded
+    draft_s: float  # drafting, setup excluded
+    seconds: float  # the whole step, setup excluded
     setup_s: float = 0.0  # drafters catching up on new prompts (one-off per sequence)
     cap: int | None = None  # the draft cap it ran with: 0 also where it ran plain to measure plain decoding
-
-
-@dataclass
-class SpecConfig:
-    draft_max: int = 16
-    draft_min: int = 0
-    adaptive: bool = True  # choose each step's draft length by expected tokens/s (engine/adaptive.py)
-    accept_threshold: float = 0.0  # opt-in LOSSY relaxed acceptance (verify.Relaxed); 0 = off, lossless
 
 
 class PromptTooLong(SpecdecError):
     """A prompt that leaves no free position in the context."""
 
     def __init__(self, tokens: int, context: int):
-        super().__init__(f"prompt has {tokens} tokens but the context is {context} "
-                         "(at least one free position is needed; raise -c)")
+        super().__init__(
+            f"prompt has {tokens} tokens but the context is {context} (at least one free position is needed; raise -c)"
+        )
         self.tokens, self.context = tokens, context
 
 
@@ -74,14 +63,17 @@ class Engine:
     """Drives sequences through a target runner: prefill, then steps that draft for every running
     sequence, verify all of them in one batched target forward, and commit each on its own."""
 
-    def __init__(self, target: ModelRunner, tokenizer: Tokenizer, spec: SpecConfig | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
+    def __init__(
+        self,
+        target: ModelRunner,
+        tokenizer: Tokenizer,
+        spec: SpecConfig | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         self.target, self.tokenizer = target, tokenizer
         self.spec = spec or SpecConfig()
         self.clock = clock  # seconds; `bench replay` passes a virtual one
         self.cost = CostModel()  # measured target/draft costs, shared by every sequence
-        self.rows = 0  # while a step proposes: its forward's rows so far (last tokens, drafts budgeted before)
-        self.light = False  # while a step proposes: only model-free drafter parts draft
         self.verify_hooks: dict[str, VerifyHook] = {}  # opt-in lossy drafters' verification, by spec type
         self.stop_ids = tokenizer.stop_ids(target.model.config.eos_token_ids)
 
@@ -94,29 +86,45 @@ class Engine:
         if len(prompt_ids) >= self.target.context:
             raise PromptTooLong(len(prompt_ids), self.target.context)
 
-    def new_sequence(self, prompt_ids: list[int], params: SamplingParams, slot: int = 0,
-                     drafter: Drafter | None = None, draft_max: int | None = None,
-                     on_text: StreamCallback | None = None, logprobs: bool = False, top_logprobs: int = 0,
-                     trace: bool = False, cache_prompt: bool = True, cache_salt: Hashable = None,
-                     accept_threshold: float | None = None) -> Sequence:
-        """A sequence ready to prefill; bad prompts and parameters raise SpecdecError. `cache_prompt`: reuse and
-        keep its prompt's K/V in the prefix cache (if any), among sequences of the same `cache_salt`.
-        `accept_threshold`: opt-in lossy relaxed acceptance (None: the engine's)."""
-        self.check(prompt_ids, params)
-        if drafter is not None and drafter.features is not None:  # from now on every forward captures them
-            self.target.capture = drafter.features.union(self.target.capture)
+    def new_sequence(
+        self,
+        prompt_ids: list[int],
+        options: RequestOptions | SamplingParams,
+        slot: int = 0,
+        on_text: StreamCallback | None = None,
+        **fields: Any,
+    ) -> Sequence:
+        """A sequence ready to prefill in `slot`, running with the request's `options` (or sampling parameters and
+        other RequestOptions `fields`: `RequestOptions.of`), the engine's relaxed acceptance where they have none;
+        bad prompts and parameters raise SpecdecError."""
+        options = RequestOptions.of(options, **fields)
+        self.check(prompt_ids, options.params)
+        if options.drafter is not None and options.drafter.features is not None:  # every forward captures them now
+            self.target.capture = options.drafter.features.union(self.target.capture)
+        if options.accept_threshold is None:
+            options = replace(options, accept_threshold=self.spec.accept_threshold)
+        params = options.params
         unseeded = not params.greedy and params.seed is None  # the only sequences that draw from a generator
-        return Sequence(list(prompt_ids), len(prompt_ids), slot=slot, params=params,
-                        generator=params.generator() if unseeded else None, drafter=drafter,
-                        draft_max=draft_max, on_text=on_text, detok=Detokenizer(self.tokenizer),
-                        logprobs=[] if logprobs else None, top_logprobs=top_logprobs, trace=[] if trace else None,
-                        started=self.clock(), cache_prompt=cache_prompt, cache_salt=cache_salt,
-                        accept_threshold=self.spec.accept_threshold if accept_threshold is None else accept_threshold)
+        return Sequence(
+            list(prompt_ids),
+            len(prompt_ids),
+            slot,
+            options,
+            generator=params.generator() if unseeded else None,
+            on_text=on_text,
+            detok=Detokenizer(self.tokenizer),
+            started=self.clock(),
+        )
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams, on_text: StreamCallback | None = None,
-                 drafter: Drafter | None = None, draft_max: int | None = None) -> Sequence:
-        """One sequence from prompt to finish (slot 0); `draft_max`: its cap on drafted tokens (None: the engine's)."""
-        seq = self.new_sequence(prompt_ids, params, drafter=drafter, draft_max=draft_max, on_text=on_text)
+    def generate(
+        self,
+        prompt_ids: list[int],
+        options: RequestOptions | SamplingParams,
+        on_text: StreamCallback | None = None,
+        **fields: Any,
+    ) -> Sequence:
+        """One sequence from prompt to finish (slot 0), with `options` as `new_sequence` takes them."""
+        seq = self.new_sequence(prompt_ids, options, on_text=on_text, **fields)
         self.prefill(seq)
         while seq.finish_reason is None:
             self.step([seq])
@@ -125,22 +133,13 @@ class Engine:
             raise SpecdecError(seq.error)
         return seq
 
-    @staticmethod
-    def _guarded(seq: Sequence, fn, *args):
-        """fn(*args) for one sequence of a batch; a failure ends that sequence ("error"), not the batch."""
-        try:
-            return fn(*args)
-        except Exception as e:  # noqa: BLE001
-            seq.error, seq.finish_reason = f"{type(e).__name__}: {e}", "error"
-            return None
-
     def prefill(self, seq: Sequence, chunk: int | None = None) -> bool:
         """Feed the next `chunk` prompt tokens (all with None); after the last, sample the first output
         token. Returns True once the prompt is in."""
         t = self.clock()
         self._reuse_prefix(seq)
         end = len(seq.tokens) if chunk is None else min(len(seq.tokens), seq.prefilled + chunk)
-        logits = self.target.prefill(seq.tokens[seq.prefilled:end], seq.slot, start=seq.prefilled)  # [V]
+        logits = self.target.prefill(seq.tokens[seq.prefilled : end], seq.slot, start=seq.prefilled)  # [V]
         feats = self.target.features
         return self._prefilled(seq, end, logits[None], feats[0] if feats else None, self.clock() - t)
 
@@ -156,15 +155,18 @@ class Engine:
         if not short:
             return
         t = self.clock()
-        logits = self.target.forward([s.tokens[s.prefilled:] for s in short], [s.prefilled for s in short],
-                                     [s.slot for s in short], last_only=True)  # per sequence [1, V]
+        logits = self.target.forward(
+            [s.tokens[s.prefilled :] for s in short],
+            [s.prefilled for s in short],
+            [s.slot for s in short],
+            last_only=True,
+        )  # per sequence [1, V]
         feats = self.target.features
         share = (self.clock() - t) / len(short)
         for i, s in enumerate(short):
             self._prefilled(s, len(s.tokens), logits[i], feats[i] if feats else None, share)
 
-    def _prefilled(self, seq: Sequence, end: int, logits: torch.Tensor, feats: Features | None,
-                   seconds: float) -> bool:
+    def _prefilled(self, seq: Sequence, end: int, logits: torch.Tensor, feats: Features | None, seconds: float) -> bool:
         """After a prefill forward up to `end`: hand the drafter its features, count the time and, once the
         prompt is in, sample the first output token from logits [1, V]. Returns whether the prompt is in."""
         self._hand_features(seq, [feats] if feats is not None else None)
@@ -188,9 +190,7 @@ class Engine:
         if self.spec.adaptive and draft_cap != 0 and self.cost.plain_due(len(seqs)):
             draft_cap = 0
         # 1. propose: each sequence's drafter drafts (timed; its catch-up on a new prompt counted apart)
-        self.rows, self.light = len(seqs), light
-        proposals = self._propose_all(seqs, draft_cap)
-        self.rows, self.light = 0, False
+        proposals = DraftPlanner(self.spec, self.cost, self.target.context, self.clock).propose(seqs, draft_cap, light)
         seqs = [s for s in seqs if s.error is None]
         props = [proposals[id(s)] for s in seqs]
         before = sum(len(s.tokens) for s in seqs)
@@ -203,13 +203,21 @@ class Engine:
             self.cost.observe_verify(drafted + len(seqs), forward_s)  # one forward over that many tokens
         for seq, prop, seq_logits, seq_feats in zip(seqs, props, logits, feats):
             # 3. verify: the accepted path and the tokens to commit; 4. commit them, roll back the rest
-            verdict = self._guarded(seq, self._verify, seq, prop.draft, seq_logits)
+            verdict = seq.guarded(self._verify, seq, prop.draft, seq_logits)
             if verdict is not None:
-                self._guarded(seq, self._commit_step, seq, prop, verdict, forward_s, seq_feats)
+                seq.guarded(self._commit_step, seq, prop, verdict, forward_s, seq_feats)
         setup_s = sum(p.draft.setup_s for p in props)
-        return StepInfo(batch=len(seqs), committed=sum(len(s.tokens) for s in seqs) - before, drafted=drafted,
-                        forward_tokens=drafted + len(seqs), forward_s=forward_s, draft_s=t1 - t0 - setup_s,
-                        seconds=self.clock() - t0 - setup_s, setup_s=setup_s, cap=draft_cap)
+        return StepInfo(
+            batch=len(seqs),
+            committed=sum(len(s.tokens) for s in seqs) - before,
+            drafted=drafted,
+            forward_tokens=drafted + len(seqs),
+            forward_s=forward_s,
+            draft_s=t1 - t0 - setup_s,
+            seconds=self.clock() - t0 - setup_s,
+            setup_s=setup_s,
+            cap=draft_cap,
+        )
 
     def finish(self, seq: Sequence, reason: str | None = None) -> None:
         """Close a sequence (finished, or cancelled with `reason`): flush its stream, free drafter state."""
@@ -230,15 +238,16 @@ class Engine:
         its slot and prefill only the rest. Not for drafters that read target features: they need the features
         of every prompt token, which the cache does not keep."""
         store = self.target.prefix
-        if store is None or seq.prefilled or not seq.cache_prompt or (seq.drafter and seq.drafter.features is not None):
+        reads_features = seq.drafter is not None and seq.drafter.features is not None
+        if store is None or seq.prefilled or not seq.options.cache_prompt or reads_features:
             return
-        seq.cached_tokens, seq.prefix_held = store.reuse(seq.slot, seq.tokens, seq.cache_salt)
+        seq.cached_tokens, seq.prefix_held = store.reuse(seq.slot, seq.tokens, seq.options.cache_salt)
         seq.prefilled = seq.cached_tokens
 
     def _keep_prefix(self, seq: Sequence, end: int) -> None:
         """Keep the target K/V of seq.tokens[:end] (all in its slot) in the prefix cache."""
-        if self.target.prefix is not None and seq.cache_prompt:
-            self.target.prefix.keep(seq.slot, seq.tokens[:end], seq.cache_salt)
+        if self.target.prefix is not None and seq.options.cache_prompt:
+            self.target.prefix.keep(seq.slot, seq.tokens[:end], seq.options.cache_salt)
 
     def _sample(self, logits: torch.Tensor, seq: Sequence) -> int:
         if seq.params.greedy:
@@ -246,142 +255,6 @@ class Engine:
         if seq.seeded:
             return seeded_pick(logits[0], seq.params, len(seq.tokens))
         return int(sample(probs_from_logits(logits, seq.params), seq.generator)[0])
-
-    def _budgets(self, seq: Sequence, cap: int | None, batch: int = 1) -> Budgets:
-        """Per part of the sequence's drafter (`Drafter.parts`: a chain's members, judged apart), the tokens to ask
-        it for and the path probability below which it should stop by itself, in a step over `batch` sequences;
-        parts not expected to pay are left out, and in a light step those that run a model. Only drafts that can
-        still matter: room in the context and in max_tokens, less the bonus token."""
-        room = min(self.target.context - len(seq.tokens), seq.params.max_tokens - len(seq.output_ids)) - 1
-        k_max = min(self.spec.draft_max if seq.draft_max is None else seq.draft_max, room)
-        if cap is not None:
-            k_max = min(k_max, cap)
-        if seq.drafter is None or k_max <= 0:
-            return {}
-        parts = [p for p in seq.drafter.parts(seq) if p.model_free or not self.light]
-        if not self.spec.adaptive:
-            return {p.name: (k_max, 0.0) for p in parts}
-        out = {p.name: self._part_len(seq, p, k_max, batch) for p in parts}
-        self.rows += max((rows for _, _, rows in out.values()), default=0)  # one part's draft is verified
-        return {name: (k, prob) for name, (k, prob, _) in out.items() if k > 0}
-
-    def _part_len(self, seq: Sequence, part: Drafter, k_max: int, batch: int) -> tuple[int, float, int]:
-        """(tokens, stopping path probability, tokens expected) for one part of the sequence's drafter: 0 where
-        no draft of it is expected to beat plain decoding on top of the step's rows so far, except a one-token
-        probe now and then. A part that stops by itself gets k_max tokens but is expected to draft the best k."""
-        acc = seq.acceptance_of(part.name, self.cost.acceptance(part.name))
-        k = choose_draft_len(self.cost, acc, min(self.spec.draft_min, k_max), k_max, part.name, batch,
-                             self.rows or batch)
-        probe = k == 0
-        if probe:  # drafting is not expected to pay: skip it, but now and then draft one token to re-measure
-            acc.relax()
-            if not self.cost.probe_due(part.name):
-                return 0, 0.0, 0
-            if batch > 1 and part.pending_setup(seq) > len(seq.output_ids):
-                return 0, 0.0, 0  # in a batch a probe never pays a catch-up on a new prompt: the batch would wait
-            k = min(k_max, max(1, self.spec.draft_min))
-        if not self._setup_pays(seq, part, k_max, batch):
-            seq.drafter.decline_setup(seq)  # a chain leaves the part out for the rest of the sequence
-            return 0, 0.0, 0
-        if not part.confidence_stop:
-            return k, 0.0, k
-        # Draft one more token while its expected yield (the chance the path so far is accepted, times the
-        # target forward it saves) beats what drafting it and verifying one more row cost.
-        draft_s = self.cost.draft_cost(part.name)
-        min_path_prob = ((draft_s + self.cost.row_cost()) / plain_cost(self.cost, batch)
-                         if draft_s > 0 and self.cost.verify_s else 0.0)
-        return (k if probe else k_max), min_path_prob, k
-
-    def _setup_pays(self, seq: Sequence, part: Drafter, k_max: int, batch: int = 1) -> bool:
-        """Whether the part's pending catch-up on this sequence (its own prefill of a new prompt) is expected to
-        be repaid over the rest of the request (engine/adaptive.py); unmeasured, it is paid and so measured. A
-        sequence refused at its first step lets the part's history drift back toward the prior, so a later
-        request pays again and re-measures."""
-        setup_s = self.cost.setup_cost(part.pending_setup(seq), part.name)
-        if setup_s == 0:
-            return True
-        left = min(self.target.context - len(seq.tokens), seq.params.max_tokens - len(seq.output_ids))
-        if left * expected_saving(self.cost, k_max, part.name, batch) > setup_s:
-            return True
-        if seq.stats.target_forwards == 1:
-            self.cost.acceptance(part.name).relax()
-        return False
-
-    def _propose_all(self, seqs: list[Sequence], cap: int | None) -> dict[int, Proposal | None]:
-        """Each sequence's proposal by id (None if its drafting failed); sequences sharing a batched drafter
-        draft together."""
-        out: dict[int, Proposal | None] = {}
-        groups: dict[int, list[Sequence]] = {}
-        for s in seqs:
-            if s.drafter is not None and s.drafter.batched:
-                groups.setdefault(id(s.drafter), []).append(s)
-            else:
-                out[id(s)] = self._guarded(s, self._propose, s, cap, len(seqs))
-        for group in groups.values():
-            out.update(self._propose_batch(group, cap, len(seqs)))
-        return out
-
-    def _propose(self, seq: Sequence, cap: int | None, batch: int = 1) -> Proposal:
-        """The drafter's draft for this step (over `batch` sequences), timed."""
-        return self._propose_alone(seq, self._budgets(seq, cap, batch))
-
-    def _propose_batch(self, seqs: list[Sequence], cap: int | None, batch: int) -> dict[int, Proposal | None]:
-        """Proposals of sequences sharing one batched drafter, from one `propose_parts` call whose time is shared
-        by drafted tokens (each sequence's catch-up on a new prompt apart) unless the drafter tells each draft's
-        share. If that call fails, each sequence drafts alone, so a failure ends only the sequence it belongs to."""
-        budgets = {id(s): self._guarded(s, self._budgets, s, cap, batch) for s in seqs}
-        live = [s for s in seqs if budgets[id(s)] is not None]
-        todo = [s for s in live if budgets[id(s)]]
-        setups = {id(s): self._setups(s, budgets[id(s)]) for s in todo}
-        t = self.clock()
-        try:
-            drafts = seqs[0].drafter.propose_parts(todo, [budgets[id(s)] for s in todo]) if todo else []
-        except Exception:  # noqa: BLE001 - retried one by one below
-            return {id(s): self._guarded(s, self._propose_alone, s, budgets[id(s)]) for s in live}
-        dt = self.clock() - t
-        shares = time_shares(dt - sum(d.setup_s for d in drafts), drafts)
-        by_seq = dict(zip(map(id, todo), zip(drafts, shares)))
-        out: dict[int, Proposal | None] = {id(s): None for s in seqs if budgets[id(s)] is None}
-        for s in live:
-            if id(s) not in by_seq:  # asked for no draft this step
-                out[id(s)] = self._proposal(s, {}, Draft([]), 0.0)
-                continue
-            d, share = by_seq[id(s)]
-            spent = d.draft_s if d.draft_s is not None else share
-            out[id(s)] = self._proposal(s, budgets[id(s)], d, d.setup_s + spent, setups[id(s)])
-        return out
-
-    def _propose_alone(self, seq: Sequence, budgets: Budgets) -> Proposal:
-        """One sequence's draft within its parts' budgets, timed."""
-        setups = self._setups(seq, budgets)
-        t = self.clock()
-        draft = seq.drafter.propose_parts([seq], [budgets])[0] if budgets else Draft([])
-        return self._proposal(seq, budgets, draft, self.clock() - t, setups)
-
-    @staticmethod
-    def _setups(seq: Sequence, budgets: Budgets) -> dict[str, int]:
-        """Tokens each part asked to draft must first catch up on (its own prefill of a new prompt), by name."""
-        return {p.name: p.pending_setup(seq) for p in seq.drafter.parts(seq) if p.name in budgets} if budgets else {}
-
-    def _proposal(self, seq: Sequence, budgets: Budgets, draft: Draft, seconds: float,
-                  setups: dict[str, int] | None = None) -> Proposal:
-        """Record a sequence's draft (its parts asked for `budgets`, `seconds` spent on it, their catch-up on
-        `setups` tokens included): costs and, later, acceptance count for the part that drafted it."""
-        if len(draft.tokens) < self.spec.draft_min and draft.probs is None:
-            draft = Draft([], setup_s=draft.setup_s)  # a sampled draft is kept: dropping it by length biases it
-        seq.stats.draft_s += seconds
-        total = sum((setups or {}).values())
-        for name, tokens in (setups or {}).items():
-            if tokens:
-                self.cost.observe_setup(tokens, draft.setup_s * tokens / total, name)
-        if draft.tokens:  # the drafter's catch-up on a new prompt is not drafting
-            self.cost.observe_draft(len(draft.tokens), seconds - draft.setup_s, self._source(seq, draft))
-        return Proposal(draft, max((k for k, _ in budgets.values()), default=0))
-
-    @staticmethod
-    def _source(seq: Sequence, draft: Draft) -> str:
-        """The part of the sequence's drafter that drafted `draft`."""
-        return draft.source or seq.drafter.name
 
     def _forward(self, seqs: list[Sequence], drafts: list[Draft]) -> tuple[list[torch.Tensor], list[Features | None]]:
         """Per sequence, target logits [1 + nodes, V] over its last committed token and its draft, and their
@@ -393,11 +266,13 @@ class Engine:
             if d.parents is None:
                 groups.setdefault(d.resume_layer if self._resumed(d) else 0, []).append(i)
         for layer, chains in groups.items():
-            inputs = [([seqs[i].tokens[-1]] + drafts[i].tokens)[:len(drafts[i].resume) if layer else None]
-                      for i in chains]
+            inputs = [
+                ([seqs[i].tokens[-1]] + drafts[i].tokens)[: len(drafts[i].resume) if layer else None] for i in chains
+            ]
             resumed = {"resume": [drafts[i].resume for i in chains], "resume_layer": layer} if layer else {}
-            res = self.target.forward(inputs, [seqs[i].last_position for i in chains], [seqs[i].slot for i in chains],
-                                      **resumed)
+            res = self.target.forward(
+                inputs, [seqs[i].last_position for i in chains], [seqs[i].slot for i in chains], **resumed
+            )
             for j, i in enumerate(chains):
                 out[i] = _no_bonus_row(res[j], len(drafts[i].tokens))
                 feats[i] = self.target.features[j] if self.target.features else None
@@ -419,7 +294,8 @@ class Engine:
         t = self.clock()
         decided = next((d for d in (h(seq, draft, logits) for h in self.verify_hooks.values()) if d is not None), None)
         parents = chain(len(draft.tokens)) if draft.parents is None else draft.parents
-        relax = Relaxed(draft.tokens, logits, seq.params, seq.accept_threshold) if seq.accept_threshold else None
+        threshold = seq.options.accept_threshold
+        relax = Relaxed(draft.tokens, logits, seq.params, threshold) if threshold else None
         if decided is not None:
             new, path = decided
         elif seq.params.greedy:
@@ -427,16 +303,18 @@ class Engine:
         elif seq.seeded:
             new, path = verify_tree_seeded(draft.tokens, parents, logits, seq.params, len(seq.tokens), relax)
         else:
-            new, path = verify_tree_sampling(draft.tokens, parents, draft.probs, logits, seq.params, seq.generator,
-                                             relax)
+            new, path = verify_tree_sampling(
+                draft.tokens, parents, draft.probs, logits, seq.params, seq.generator, relax
+            )
         if self._resumed(draft) and len(draft.resume) == len(draft.tokens) == len(path):
             new = new[:-1]  # a resumed verify without the last token's row has no bonus token
         seq.stats.relaxed += relax.count if relax else 0
         rows = logits if draft.parents is None else logits[[0] + [i + 1 for i in path]]
         return Verdict(new, path, rows, self.clock() - t)
 
-    def _commit_step(self, seq: Sequence, prop: Proposal, verdict: Verdict, forward_s: float,
-                     feats: Features | None) -> None:
+    def _commit_step(
+        self, seq: Sequence, prop: Proposal, verdict: Verdict, forward_s: float, feats: Features | None
+    ) -> None:
         """Keep the accepted path's KV (trees: compacted), record the step, commit its tokens, tell the drafter
         (and hand it the accepted rows' target features when it reads them)."""
         draft, path = prop.draft, verdict.path
@@ -446,8 +324,8 @@ class Engine:
         seq.stats.verify_s += forward_s + verdict.seconds
         seq.stats.record_step(prop.asked, len(draft.tokens), len(path), draft.depth)
         if draft.tokens:
-            seq.acceptance_of(self._source(seq, draft)).observe(draft.depth, len(path))
-            self.cost.acceptance(self._source(seq, draft)).observe(draft.depth, len(path))
+            seq.acceptance_of(source(seq, draft)).observe(draft.depth, len(path))
+            self.cost.acceptance(source(seq, draft)).observe(draft.depth, len(path))
         self._commit(seq, verdict.new, verdict.rows, draft, path)
         if seq.drafter:
             seq.drafter.update(seq, len(draft.tokens), len(path))
@@ -458,19 +336,25 @@ class Engine:
         if feats and d is not None and d.features is not None:
             d.observe_features(seq, feats[0].columns(d.features.layers, self.target.capture.layers))
 
-    def _commit(self, seq: Sequence, new: list[int], logits: torch.Tensor, draft: Draft | None = None,
-                path: list[int] | None = None) -> None:
+    def _commit(
+        self,
+        seq: Sequence,
+        new: list[int],
+        logits: torch.Tensor,
+        draft: Draft | None = None,
+        path: list[int] | None = None,
+    ) -> None:
         """Append verified tokens one by one, stopping at EOS, stop strings, max tokens or the context.
 
         logits [>= len(new), V]: row i is the target distribution token i was chosen from; draft and path (the
         accepted nodes): what the step drafted, for the sequence's trace when it keeps one.
         """
         before = len(seq.tokens)
-        rows = logits[:len(new)]
+        rows = logits[: len(new)]
         gaps = top2(rows)[1]  # [n]
         if seq.logprobs is not None:
-            lps = _logprobs(rows, new, seq.top_logprobs)
-        stops = StopScan(seq.params.stop, seq.text[seq.streamed:])
+            lps = _logprobs(rows, new, seq.options.top_logprobs)
+        stops = StopScan(seq.params.stop, seq.text[seq.streamed :])
         pieces: list[str] = []  # the text each committed token added (for the trace)
         for i, (tok, gap) in enumerate(zip(new, gaps)):
             if tok in self.stop_ids:
@@ -494,8 +378,16 @@ class Engine:
                 break
         if seq.trace is not None:
             who = (draft.source if draft else None) or (seq.drafter.name if seq.drafter else None)
-            seq.trace += step_trace(seq.stats.target_forwards - 1, new[:len(seq.tokens) - before], rows, gaps, draft,
-                                    path or [], who, pieces)
+            seq.trace += step_trace(
+                seq.stats.target_forwards - 1,
+                new[: len(seq.tokens) - before],
+                rows,
+                gaps,
+                draft,
+                path or [],
+                who,
+                pieces,
+            )
         self._stream(seq, final=seq.finish_reason is not None, held=stops.held)
 
     @staticmethod
@@ -504,7 +396,7 @@ class Engine:
         stop string (what the next commit's StopScan resumes from)."""
         end = len(seq.text) if final else len(seq.text) - held
         if seq.on_text and end > seq.streamed:
-            seq.on_text(seq.text[seq.streamed:end])
+            seq.on_text(seq.text[seq.streamed : end])
         seq.streamed = max(seq.streamed, end)
 
 
@@ -522,4 +414,3 @@ def _logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[tuple[f
         return [(c, []) for c in chosen]
     best = lp.topk(top, dim=-1)  # [n, top]
     return [(c, list(zip(i, v))) for c, i, v in zip(chosen, best.indices.tolist(), best.values.tolist())]
-

@@ -31,6 +31,7 @@ decides by throughput, never by acceptance rate alone:
   high load costs nothing to rule out. Before speculation was ever measured, the uncapped arm is tried at low load
   (up to EXPLORE_LOAD) and only LIGHT above it; LIGHT, until measured, is predicted to win (it is tried).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -40,11 +41,11 @@ from specdec.engine.engine import StepInfo
 
 EMA = 0.25
 SETUP_EMA = 0.05  # catch-up seconds per committed token: its average spreads one catch-up over ~20 steps
-TTL = 48          # steps of a bucket before a losing arm's measurement expires (doubles per loss)
+TTL = 48  # steps of a bucket before a losing arm's measurement expires (doubles per loss)
 MAX_TTL = 1536
-MIN_OBS = 2       # observations before a measured goodput replaces the prediction
+MIN_OBS = 2  # observations before a measured goodput replaces the prediction
 EXPLORE_LOAD = 2  # the highest load at which speculation with every drafter part is tried before it was measured
-LIGHT = "light"   # the arm where only model-free drafter parts draft (`Engine.step(light=True)`)
+LIGHT = "light"  # the arm where only model-free drafter parts draft (`Engine.step(light=True)`)
 Arm = int | str | None  # a draft cap (0: off; None: no cap) or LIGHT
 
 
@@ -69,6 +70,7 @@ class _Avg:
 @dataclass
 class _ArmParts:
     """Per-sequence-step averages of one arm, over every batch size."""
+
     tokens: float = 1.0
     drafted: float = 0.0
     draft_s: float = 0.0
@@ -97,7 +99,7 @@ class _ArmParts:
 @dataclass
 class _Measured:
     avg: _Avg = field(default_factory=_Avg)
-    at_step: int = 0      # the bucket's step count at the last observation
+    at_step: int = 0  # the bucket's step count at the last observation
     at_admitted: int = 0  # requests admitted before the last observation
 
 
@@ -108,8 +110,8 @@ class LoadController:
         self.forward = CostModel(ema=EMA, proportional_above=True)  # forward seconds by total tokens
         self.measured: dict[tuple[int, Arm], _Measured] = {}
         self.ttl: dict[tuple[int, Arm], int] = {}
-        self.steps: dict[int, int] = {}      # bucket -> steps run
-        self.chosen: dict[int, Arm] = {}     # bucket -> arm of the last step (for reports)
+        self.steps: dict[int, int] = {}  # bucket -> steps run
+        self.chosen: dict[int, Arm] = {}  # bucket -> arm of the last step (for reports)
         self.setup = 0.0  # drafters' catch-up seconds per committed token, over every step (SETUP_EMA)
         self.admitted = 0  # requests admitted so far (`admit`)
 
@@ -153,15 +155,22 @@ class LoadController:
         """Measured MIN_OBS times, last within its ttl and (an arm that drafts) before fewer than `b` requests were
         admitted since."""
         m = self.measured.get((b, arm))
-        return (m is not None and m.avg.n >= MIN_OBS and (arm == 0 or self.admitted - m.at_admitted < b)
-                and self.steps.get(b, 0) - m.at_step <= self.ttl.get((b, arm), TTL))
+        return (
+            m is not None
+            and m.avg.n >= MIN_OBS
+            and (arm == 0 or self.admitted - m.at_admitted < b)
+            and self.steps.get(b, 0) - m.at_step <= self.ttl.get((b, arm), TTL)
+        )
 
     def predict(self, arm: Arm, batch: int) -> float:
         if arm == LIGHT and not self.parts[arm].n:
             return float("inf")  # cheap to measure: tried before anything is predicted for it
         p = self.parts[arm] if self.parts[arm].n else self._scaled(arm)
-        t = (p.draft_cost(batch) + self.forward.verify_cost(batch * (1 + p.drafted))
-             + batch * p.tokens * self._setup(arm))
+        t = (
+            p.draft_cost(batch)
+            + self.forward.verify_cost(batch * (1 + p.drafted))
+            + batch * p.tokens * self._setup(arm)
+        )
         return batch * p.tokens / t if t > 0 else float("inf")
 
     def _scaled(self, arm: int | None) -> _ArmParts:
@@ -200,9 +209,13 @@ class LoadController:
 
     def report(self) -> dict:
         """Per bucket: the last chosen arm and each arm's current goodput (measured or predicted)."""
-        return {str(b): {"chosen": _arm_name(self.chosen.get(b)),
-                         "goodput": {_arm_name(a): _rounded(self.goodput(a, b)) for a in self.arms}}
-                for b in sorted(self.steps)}
+        return {
+            str(b): {
+                "chosen": _arm_name(self.chosen.get(b)),
+                "goodput": {_arm_name(a): _rounded(self.goodput(a, b)) for a in self.arms},
+            }
+            for b in sorted(self.steps)
+        }
 
 
 def _rounded(goodput: float) -> float | None:

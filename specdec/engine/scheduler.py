@@ -1,23 +1,21 @@
 """Continuous batching: requests wait in a queue, take a free KV slot, are prefilled in chunks
 and then step together with every other running sequence; one engine thread does all model work."""
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable, Hashable
+from typing import Any, Callable
 
-from specdec.drafters.base import Drafter
 from specdec.engine.engine import Engine
 from specdec.engine.load_control import LIGHT, LoadController
-from specdec.sequence import Sequence, StreamCallback
 from specdec.errors import SpecdecError
 from specdec.runtime.cpu import release_free_memory, release_openmp_workers
 from specdec.runtime.runner import PREFILL_CHUNK
 from specdec.sampling import SamplingParams
-
+from specdec.sequence import Drafter, RequestOptions, Sequence, StreamCallback
 
 PREFILL_BUDGET = 2048  # prompt tokens prefilled per loop iteration, between decode steps
 
@@ -32,26 +30,30 @@ class EngineStopped(SpecdecError):
     """The engine thread has died: nothing more can be served."""
 
 
-@dataclass
 class Request:
-    prompt_ids: list[int]
-    params: SamplingParams
-    drafter: Drafter | None = None
-    draft_max: int | None = None
-    logprobs: bool = False
-    top_logprobs: int = 0
-    trace: bool = False  # record each output token's origin (Sequence.trace)
-    cache_prompt: bool = True     # use the prefix cache (llama-server's `cache_prompt`)
-    cache_salt: Hashable = None   # prefix-cache scope (e.g. the API key): K/V is reused only within one
-    accept_threshold: float | None = None  # opt-in lossy relaxed acceptance (None: the engine's)
-    on_text: StreamCallback | None = None
-    on_done: Callable[["Request"], None] | None = None  # called once, from the engine thread
-    seq: Sequence | None = None
-    error: str | None = None
-    cancelled: bool = False
-    submitted: float = field(default_factory=time.perf_counter)
-    first_token_s: float | None = None  # time to first token, from submission
-    finished_s: float | None = None     # time to the end, from submission
+    """A generation the scheduler runs: its prompt and `RequestOptions`, callbacks (`on_done` is called once, from the
+    engine thread), and what became of it: its sequence, error and timings."""
+
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        options: RequestOptions | SamplingParams,
+        drafter: Drafter | None = None,
+        *,
+        on_text: StreamCallback | None = None,
+        on_done: Callable[[Request], None] | None = None,
+        **fields: Any,
+    ):
+        """`options`: the request's; or sampling parameters, a `drafter` and other RequestOptions `fields`."""
+        self.prompt_ids = prompt_ids
+        self.options = RequestOptions.of(options, drafter, **fields)
+        self.on_text, self.on_done = on_text, on_done
+        self.seq: Sequence | None = None
+        self.error: str | None = None
+        self.cancelled = False
+        self.submitted = time.perf_counter()
+        self.first_token_s: float | None = None  # time to first token, from submission
+        self.finished_s: float | None = None  # time to the end, from submission
 
 
 class Scheduler:
@@ -61,9 +63,15 @@ class Scheduler:
     requests in flight and the loop goes on; if the loop dies anyway, every request still queued or in
     flight ends with an error, `fatal` says why and `on_fatal` is called (the server then exits)."""
 
-    def __init__(self, engine: Engine, num_slots: int, max_queue: int = 64,
-                 controller: LoadController | None = None, prefill_chunk: int = PREFILL_CHUNK,
-                 prefill_budget: int = PREFILL_BUDGET):
+    def __init__(
+        self,
+        engine: Engine,
+        num_slots: int,
+        max_queue: int = 64,
+        controller: LoadController | None = None,
+        prefill_chunk: int = PREFILL_CHUNK,
+        prefill_budget: int = PREFILL_BUDGET,
+    ):
         self.engine, self.controller, self.max_queue = engine, controller, max_queue
         self.num_slots = num_slots
         self.prefill_chunk, self.prefill_budget = prefill_chunk, prefill_budget
@@ -78,7 +86,7 @@ class Scheduler:
         self.tokens_out = 0
         self.spec_steps = 0  # steps in which some sequence could draft
         self.prefill_s = 0.0  # seconds of prompt prefill (engine thread)
-        self.step_s = 0.0     # seconds of decode steps: what the load controller's goodput is measured over
+        self.step_s = 0.0  # seconds of decode steps: what the load controller's goodput is measured over
         self.fatal: str | None = None  # why the engine thread died
         self.on_fatal: Callable[[], None] | None = None  # called from the engine thread if it dies
 
@@ -121,8 +129,11 @@ class Scheduler:
 
     @property
     def load(self) -> dict:
-        return {"waiting": len(self.waiting), "running": len(self.running) + len(self.prefilling),
-                "free_slots": len(self.free)}
+        return {
+            "waiting": len(self.waiting),
+            "running": len(self.running) + len(self.prefilling),
+            "free_slots": len(self.free),
+        }
 
     # -- engine thread ----------------------------------------------------------------------
     def _loop(self) -> None:
@@ -228,10 +239,7 @@ class Scheduler:
                 req = self.waiting.popleft()
                 slot = self.free.pop()
                 try:
-                    req.seq = self.engine.new_sequence(req.prompt_ids, req.params, slot, req.drafter, req.draft_max,
-                                                       req.on_text, req.logprobs, req.top_logprobs,
-                                                       req.trace, req.cache_prompt, req.cache_salt,
-                                                       req.accept_threshold)
+                    req.seq = self.engine.new_sequence(req.prompt_ids, req.options, slot, req.on_text)
                 except Exception as e:  # noqa: BLE001 - a bad request must not stop the engine
                     self.free.append(slot)
                     self._close(req, error=f"{type(e).__name__}: {e}")

@@ -1,6 +1,7 @@
 """Stop strings, scanned incrementally: an Aho-Corasick automaton over a request's stop strings, so that
 finding a stop string in new text, and how much of the text could still grow into one, costs time in
 the new characters only (amortized), whatever the number and length of the stop strings."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -12,8 +13,8 @@ class _Automaton:
 
     def __init__(self, stops: tuple[str, ...]):
         self.goto: dict[tuple[int, str], int] = {}
-        self.depth = [0]    # length of the prefix a node stands for
-        self.fail = [0]     # node of its longest proper suffix that is in the trie
+        self.depth = [0]  # length of the prefix a node stands for
+        self.fail = [0]  # node of its longest proper suffix that is in the trie
         self.longest = [0]  # length of the longest stop string ending at the node (0: none)
         children: list[list[tuple[str, int]]] = [[]]
         for s in stops:

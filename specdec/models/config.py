@@ -1,4 +1,5 @@
 """Model configuration: one dataclass for every supported decoder-only family (`models/families/`)."""
+
 from __future__ import annotations
 
 import json
@@ -13,6 +14,7 @@ from specdec.models.family import sliding_layers
 @dataclass
 class ModelConfig:
     """Sizes plus the layer recipe; the recipe's defaults are Llama's, a family (`models/families/`) sets its own."""
+
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -25,27 +27,27 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
-    attention_bias: bool = False   # q/k/v biases
+    attention_bias: bool = False  # q/k/v biases
     mlp_bias: bool = False
-    qk_norm: str = ""              # "head": RMS norm per head of q and k (Qwen3, Gemma 3); "full": all heads (OLMo 2)
+    qk_norm: str = ""  # "head": RMS norm per head of q and k (Qwen3, Gemma 3); "full": all heads (OLMo 2)
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     family: str = "llama"
     o_bias: bool = False
-    hidden_act: str = "silu"       # silu | gelu_tanh, on the gate of a gated MLP
-    norms: str = "pre"             # pre: x + f(norm(x)); sandwich: x + norm(f(norm(x))) (Gemma); post: x + norm(f(x))
-    norm_offset: float = 0.0       # RMS norm scales by (offset + weight): Gemma's 1
-    embed_scale: float = 1.0       # token embeddings times this (Gemma: sqrt(hidden), Granite: its multiplier)
-    residual_scale: float = 1.0    # each block's output times this before the residual add (Granite)
+    hidden_act: str = "silu"  # silu | gelu_tanh, on the gate of a gated MLP
+    norms: str = "pre"  # pre: x + f(norm(x)); sandwich: x + norm(f(norm(x))) (Gemma); post: x + norm(f(x))
+    norm_offset: float = 0.0  # RMS norm scales by (offset + weight): Gemma's 1
+    embed_scale: float = 1.0  # token embeddings times this (Gemma: sqrt(hidden), Granite: its multiplier)
+    residual_scale: float = 1.0  # each block's output times this before the residual add (Granite)
     attn_scale: float | None = None  # attention score scale, None: head_dim ** -0.5
-    attn_softcap: float | None = None   # scores -> cap * tanh(scores / cap) (Gemma 2)
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2/3)
-    logit_divisor: float = 1.0     # logits divided by this (Granite's logits_scaling)
+    logit_divisor: float = 1.0  # logits divided by this (Granite's logits_scaling)
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None  # per layer "sliding_attention" | "full_attention"; None: all full
-    rope_local_theta: float | None = None       # rope base of sliding layers where it differs (Gemma 3), unscaled
-    no_rope_layers: tuple[int, ...] = ()        # layers without rotary embeddings (SmolLM3)
+    rope_local_theta: float | None = None  # rope base of sliding layers where it differs (Gemma 3), unscaled
+    no_rope_layers: tuple[int, ...] = ()  # layers without rotary embeddings (SmolLM3)
     rope_freq_factors: tuple[float, ...] | None = None  # divide each inverse frequency (GGUF rope_freqs, longrope)
 
     def __post_init__(self):
@@ -63,9 +65,18 @@ class ModelConfig:
     @property
     def plain_layers(self) -> bool:
         """Whether every layer is the Llama recipe the C layer kernel runs (`runtime/layer_kernel.py`)."""
-        return (self.norms == "pre" and self.hidden_act == "silu" and not self.qk_norm and self.attn_scale is None
-                and self.attn_softcap is None and self.residual_scale == 1.0 and self.norm_offset == 0.0
-                and self.layer_types is None and not self.no_rope_layers and self.rope_local_theta is None)
+        return (
+            self.norms == "pre"
+            and self.hidden_act == "silu"
+            and not self.qk_norm
+            and self.attn_scale is None
+            and self.attn_softcap is None
+            and self.residual_scale == 1.0
+            and self.norm_offset == 0.0
+            and self.layer_types is None
+            and not self.no_rope_layers
+            and self.rope_local_theta is None
+        )
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "ModelConfig":
@@ -113,13 +124,20 @@ class ModelConfig:
             "architectures": [fam.hf_types.get(self.model_type, next(iter(fam.hf_types.values())))],
             "model_type": self.model_type if self.model_type in fam.hf_types else next(iter(fam.hf_types)),
             "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
-            "max_position_embeddings": self.max_position_embeddings, "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
-            "attention_bias": self.attention_bias, "mlp_bias": self.mlp_bias,
-            "tie_word_embeddings": self.tie_word_embeddings, "bos_token_id": self.bos_token_id,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "attention_bias": self.attention_bias,
+            "mlp_bias": self.mlp_bias,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else self.eos_token_ids,
             "hidden_act": "gelu_pytorch_tanh" if self.hidden_act == "gelu_tanh" else "silu",
         }

@@ -24,6 +24,7 @@ are written past it and overwritten by the next injection. Ours: the decoder lay
   plus `markov_head.markov_w{1,2}`, `confidence_head.proj`, and `lm_head` only with a reduced vocabulary (not
   supported here).
 """
+
 from __future__ import annotations
 
 import json
@@ -46,13 +47,13 @@ from specdec.runtime.kv_cache import KVCache
 
 @dataclass(frozen=True)
 class BlockConfig:
-    layer: ModelConfig                 # the draft's decoder layers (Qwen3 style; num_layers = draft layers)
-    feature_layers: tuple[int, ...]    # target features: hidden states ENTERING these layers (`FeatureSpec`)
+    layer: ModelConfig  # the draft's decoder layers (Qwen3 style; num_layers = draft layers)
+    feature_layers: tuple[int, ...]  # target features: hidden states ENTERING these layers (`FeatureSpec`)
     block_size: int
     mask_token_id: int
-    sample_from_anchor: bool = False   # slot 0 drafts too (DSpark): block_size drafts, else block_size - 1
-    markov_rank: int = 0               # DSpark's Markov head (0: none)
-    confidence: bool = False           # DSpark's confidence head
+    sample_from_anchor: bool = False  # slot 0 drafts too (DSpark): block_size drafts, else block_size - 1
+    markov_rank: int = 0  # DSpark's Markov head (0: none)
+    confidence: bool = False  # DSpark's confidence head
     confidence_with_markov: bool = True  # its input is [hidden; markov_w1[previous token]]
 
     @property
@@ -70,13 +71,34 @@ class BlockConfig:
         return self.block_size - self.first_slot
 
     @classmethod
-    def for_target(cls, t: ModelConfig, num_layers: int = 5, block_size: int = 8, mask_token_id: int = 0,
-                   dspark: bool = False, markov_rank: int = 256) -> BlockConfig:
+    def for_target(
+        cls,
+        t: ModelConfig,
+        num_layers: int = 5,
+        block_size: int = 8,
+        mask_token_id: int = 0,
+        dspark: bool = False,
+        markov_rank: int = 256,
+    ) -> BlockConfig:
         """A draft shaped like the target's layers, features spread as DFlash's `build_target_layer_ids`."""
-        layer = replace(t, model_type="qwen3", family="qwen3", num_layers=num_layers, qk_norm="head",
-                        attention_bias=False, o_bias=False)
-        return cls(layer, default_features(t.num_layers, num_layers), block_size, mask_token_id,
-                   sample_from_anchor=dspark, markov_rank=markov_rank if dspark else 0, confidence=dspark)
+        layer = replace(
+            t,
+            model_type="qwen3",
+            family="qwen3",
+            num_layers=num_layers,
+            qk_norm="head",
+            attention_bias=False,
+            o_bias=False,
+        )
+        return cls(
+            layer,
+            default_features(t.num_layers, num_layers),
+            block_size,
+            mask_token_id,
+            sample_from_anchor=dspark,
+            markov_rank=markov_rank if dspark else 0,
+            confidence=dspark,
+        )
 
 
 def default_features(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -118,8 +140,9 @@ class BlockDraft(nn.Module):
         self.markov_head = MarkovHead(L.vocab_size, c.markov_rank) if c.markov_rank else None
         if c.confidence and c.confidence_with_markov and not c.markov_rank:
             raise SpecdecError("a confidence head on the Markov embedding needs markov_rank > 0")
-        self.confidence_head = (ConfidenceHead(L.hidden_size + (c.markov_rank if c.confidence_with_markov else 0))
-                                if c.confidence else None)
+        self.confidence_head = (
+            ConfidenceHead(L.hidden_size + (c.markov_rank if c.confidence_with_markov else 0)) if c.confidence else None
+        )
         with torch.device("cpu"):
             self.rotary = Rotary(L.head_dim, L.rope_theta, L.rope_scaling, L.max_position_embeddings)
 
@@ -129,8 +152,9 @@ class BlockDraft(nn.Module):
 
     def allocate_cache(self, num_slots: int, max_len: int) -> KVCache:
         L = self.config.layer
-        return KVCache.allocate(L.num_layers, num_slots, L.num_kv_heads, max_len, L.head_dim, self.dtype,
-                                self.fc.weight.device)
+        return KVCache.allocate(
+            L.num_layers, num_slots, L.num_kv_heads, max_len, L.head_dim, self.dtype, self.fc.weight.device
+        )
 
     def context(self, feats: torch.Tensor) -> torch.Tensor:
         """Target features [..., F, Ht] (in `feature_layers` order) -> context states c [..., H]."""
@@ -146,8 +170,7 @@ class BlockDraft(nn.Module):
             k, v = F.linear(c, attn.qkv_proj.weight[q_size:], bias).split(kv_size, dim=-1)  # [1, n, kv] each
             k = attn.k_norm(k.unflatten(-1, (L.num_kv_heads, L.head_dim))).transpose(1, 2)  # [1, kvh, n, hd]
             v = v.unflatten(-1, (L.num_kv_heads, L.head_dim)).transpose(1, 2)
-            cache.write(i, batch.slots, batch.cache_index, apply_rotary(k, batch.cos, batch.sin), v,
-                        batch.write_span)
+            cache.write(i, batch.slots, batch.cache_index, apply_rotary(k, batch.cos, batch.sin), v, batch.write_span)
 
     def block(self, emb: torch.Tensor, batch: Batch, cache: KVCache) -> torch.Tensor:
         """Block embeddings [1, B, H] at the batch's positions (mask None: every key) -> post-norm states [1, B, H]."""
@@ -156,8 +179,14 @@ class BlockDraft(nn.Module):
             x = layer(x, batch, cache)
         return self.norm(x)
 
-    def packed(self, c: torch.Tensor, ctx_positions: torch.Tensor, emb: torch.Tensor, block_positions: torch.Tensor,
-               mask: torch.Tensor) -> torch.Tensor:
+    def packed(
+        self,
+        c: torch.Tensor,
+        ctx_positions: torch.Tensor,
+        emb: torch.Tensor,
+        block_positions: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
         """Training over one packed row with a scratch cache (autograd flows through it): context states c [1, R, H]
         at ctx_positions [1, R], blocks emb [1, M, H] at block_positions [1, M], mask [1, 1, M, R + M] bool (block
         queries -> context keys, then block keys) -> post-norm block states [1, M, H]."""
@@ -189,6 +218,7 @@ class BlockDraft(nn.Module):
 
 
 # --- loading and saving ---
+
 
 def _layer_config(d: dict) -> ModelConfig:
     layer = ModelConfig.from_hf_dict({**d, "model_type": "qwen3"})  # the reference layers are Qwen3's
@@ -222,12 +252,16 @@ def _speculators_config(d: dict) -> BlockConfig:
     if d.get("mask_token_id") is None or not d.get("aux_hidden_state_layer_ids"):
         raise SpecdecError("speculators block drafter config needs mask_token_id and aux_hidden_state_layer_ids")
     dspark = kind == "dspark"
-    return BlockConfig(_layer_config(d["transformer_layer_config"]), tuple(d["aux_hidden_state_layer_ids"]),
-                       int(d.get("block_size", 8)), int(d["mask_token_id"]),
-                       bool(d.get("sample_from_anchor", dspark)),
-                       int(d.get("markov_rank", 256)) if dspark else 0,
-                       bool(d.get("enable_confidence_head", True)) if dspark else False,
-                       bool(d.get("confidence_head_with_markov", True)))
+    return BlockConfig(
+        _layer_config(d["transformer_layer_config"]),
+        tuple(d["aux_hidden_state_layer_ids"]),
+        int(d.get("block_size", 8)),
+        int(d["mask_token_id"]),
+        bool(d.get("sample_from_anchor", dspark)),
+        int(d.get("markov_rank", 256)) if dspark else 0,
+        bool(d.get("enable_confidence_head", True)) if dspark else False,
+        bool(d.get("confidence_head_with_markov", True)),
+    )
 
 
 def read_config(path: Path) -> BlockConfig:
@@ -267,10 +301,17 @@ def save_zlab(net: BlockDraft, out: Path, num_target_layers: int, manifest: dict
     c = net.config
     if c.kind != "dflash" or c.sample_from_anchor:
         raise SpecdecError("the z-lab layout holds DFlash drafters only (use the speculators layout for DSpark)")
-    cfg = {**_layer_dict(c), "architectures": ["DFlashDraftModel"], "num_target_layers": num_target_layers,
-           "block_size": c.block_size,
-           "dflash_config": {"target_layer_ids": [i - 1 for i in c.feature_layers], "block_size": c.block_size,
-                             "mask_token_id": c.mask_token_id}}
+    cfg = {
+        **_layer_dict(c),
+        "architectures": ["DFlashDraftModel"],
+        "num_target_layers": num_target_layers,
+        "block_size": c.block_size,
+        "dflash_config": {
+            "target_layer_ids": [i - 1 for i in c.feature_layers],
+            "block_size": c.block_size,
+            "mask_token_id": c.mask_token_id,
+        },
+    }
     _write(Path(out), unfused_state(net), cfg, manifest)
     return Path(out)
 
@@ -279,16 +320,26 @@ def save_speculators(net: BlockDraft, out: Path, verifier: str, manifest: dict |
     """speculators 0.9.0's `dflash` / `dspark` layout (`DFlashDraftModel` / `DSparkDraftModel.from_pretrained`)."""
     c = net.config
     kind = c.kind
-    cfg = {"architectures": ["DSparkSpeculator" if kind == "dspark" else "DFlashSpeculator"],
-           "speculators_model_type": kind, "speculators_version": SPECULATORS_VERSION,
-           "transformer_layer_config": _layer_dict(c),
-           "draft_vocab_size": c.layer.vocab_size, "block_size": c.block_size,
-           "target_hidden_size": c.layer.hidden_size, "aux_hidden_state_layer_ids": list(c.feature_layers),
-           "mask_token_id": c.mask_token_id, "sliding_window_non_causal": False,
-           "sample_from_anchor": c.sample_from_anchor,
-           "speculators_config": speculators_config(kind, verifier, _architectures(verifier), c.drafts)}
+    cfg = {
+        "architectures": ["DSparkSpeculator" if kind == "dspark" else "DFlashSpeculator"],
+        "speculators_model_type": kind,
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": _layer_dict(c),
+        "draft_vocab_size": c.layer.vocab_size,
+        "block_size": c.block_size,
+        "target_hidden_size": c.layer.hidden_size,
+        "aux_hidden_state_layer_ids": list(c.feature_layers),
+        "mask_token_id": c.mask_token_id,
+        "sliding_window_non_causal": False,
+        "sample_from_anchor": c.sample_from_anchor,
+        "speculators_config": speculators_config(kind, verifier, _architectures(verifier), c.drafts),
+    }
     if kind == "dspark":
-        cfg.update(markov_rank=c.markov_rank, markov_head_type="vanilla", enable_confidence_head=c.confidence,
-                   confidence_head_with_markov=c.confidence_with_markov)
+        cfg.update(
+            markov_rank=c.markov_rank,
+            markov_head_type="vanilla",
+            enable_confidence_head=c.confidence,
+            confidence_head_with_markov=c.confidence_with_markov,
+        )
     _write(Path(out), unfused_state(net), cfg, manifest)
     return Path(out)

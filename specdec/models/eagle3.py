@@ -13,6 +13,7 @@ fused here (one matmul each); `save_head` / `load_head` convert. Token embedding
 not part of the head). `save_speculators` writes the `speculators` layout that vLLM serves (`layers.0.*`, a
 `speculators_config`); `specdec/models/eagle3_gguf.py` writes llama.cpp's `eagle3` GGUF.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,10 @@ from specdec.runtime.attention import attention
 from specdec.runtime.kv_cache import KVCache
 
 WEIGHTS = "model.safetensors"
-HF_FUSED = {"midlayer.self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
-            "midlayer.mlp.gate_up_proj": ("gate_proj", "up_proj")}
+HF_FUSED = {
+    "midlayer.self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "midlayer.mlp.gate_up_proj": ("gate_proj", "up_proj"),
+}
 SPECULATORS_VERSION = "0.9.0"  # the `speculators` release whose layout `save_speculators` writes (tested against it)
 # speculators / EAGLE-3.1 variants this head does not implement (each False in the layout we read)
 UNSUPPORTED_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
@@ -46,49 +49,96 @@ class Eagle3Config:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    vocab_size: int                 # the target's
+    vocab_size: int  # the target's
     draft_vocab_size: int
     target_hidden_size: int
-    aux_layers: tuple[int, ...]     # target layers whose INPUT hidden states are fused (HF hidden_states[k])
+    aux_layers: tuple[int, ...]  # target layers whose INPUT hidden states are fused (HF hidden_states[k])
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 32768
     rope_scaling: dict | None = field(default=None, hash=False)
 
     @classmethod
-    def for_target(cls, t: ModelConfig, draft_vocab: int, intermediate: int | None = None,
-                   aux_layers: tuple[int, ...] | None = None) -> Eagle3Config:
+    def for_target(
+        cls,
+        t: ModelConfig,
+        draft_vocab: int,
+        intermediate: int | None = None,
+        aux_layers: tuple[int, ...] | None = None,
+    ) -> Eagle3Config:
         """A head shaped like the target's layers (EAGLE-3's default aux layers (2, N // 2, N - 3))."""
         n = t.num_layers
-        return cls(t.hidden_size, intermediate or t.intermediate_size, t.num_heads, t.num_kv_heads, t.head_dim,
-                   t.vocab_size, min(draft_vocab, t.vocab_size), t.hidden_size, aux_layers or (2, n // 2, n - 3),
-                   t.rms_norm_eps, t.rope_theta, t.max_position_embeddings, t.rope_scaling)
+        return cls(
+            t.hidden_size,
+            intermediate or t.intermediate_size,
+            t.num_heads,
+            t.num_kv_heads,
+            t.head_dim,
+            t.vocab_size,
+            min(draft_vocab, t.vocab_size),
+            t.hidden_size,
+            aux_layers or (2, n // 2, n - 3),
+            t.rms_norm_eps,
+            t.rope_theta,
+            t.max_position_embeddings,
+            t.rope_scaling,
+        )
 
     def to_hf(self) -> dict:
         """config.json of the HF / SpecForge layout (`LlamaForCausalLMEagle3`)."""
-        return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
-                "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-                "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
-                "head_dim": self.head_dim, "vocab_size": self.vocab_size, "draft_vocab_size": self.draft_vocab_size,
-                "target_hidden_size": self.target_hidden_size, "rms_norm_eps": self.rms_norm_eps,
-                "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
-                "max_position_embeddings": self.max_position_embeddings, "tie_word_embeddings": False,
-                "hidden_act": "silu", "attention_bias": False,
-                "eagle_aux_hidden_state_layer_ids": list(self.aux_layers), "torch_dtype": "float32"}
+        return {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "model_type": "llama",
+            "num_hidden_layers": 1,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": False,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "eagle_aux_hidden_state_layer_ids": list(self.aux_layers),
+            "torch_dtype": "float32",
+        }
 
-    def to_speculators(self, verifier: str, architectures: list[str], speculative_tokens: int,
-                       dtype: torch.dtype) -> dict:
+    def to_speculators(
+        self, verifier: str, architectures: list[str], speculative_tokens: int, dtype: torch.dtype
+    ) -> dict:
         """config.json of the `speculators` layout (`Eagle3SpeculatorConfig`, speculators 0.9.0)."""
-        layer = {k: v for k, v in self.to_hf().items()
-                 if k not in ("architectures", "draft_vocab_size", "target_hidden_size", "torch_dtype",
-                              "eagle_aux_hidden_state_layer_ids")}
-        return {"architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3",
-                "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": layer,
-                "draft_vocab_size": self.draft_vocab_size, "target_hidden_size": self.target_hidden_size,
-                "eagle_aux_hidden_state_layer_ids": list(self.aux_layers), **dict.fromkeys(UNSUPPORTED_FLAGS, False),
-                "embed_requires_grad": False, "tie_word_embeddings": False,
-                "dtype": str(dtype).removeprefix("torch."),
-                "speculators_config": speculators_config("eagle3", verifier, architectures, speculative_tokens)}
+        layer = {
+            k: v
+            for k, v in self.to_hf().items()
+            if k
+            not in (
+                "architectures",
+                "draft_vocab_size",
+                "target_hidden_size",
+                "torch_dtype",
+                "eagle_aux_hidden_state_layer_ids",
+            )
+        }
+        return {
+            "architectures": ["Eagle3DraftModel"],
+            "speculators_model_type": "eagle3",
+            "speculators_version": SPECULATORS_VERSION,
+            "transformer_layer_config": layer,
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "eagle_aux_hidden_state_layer_ids": list(self.aux_layers),
+            **dict.fromkeys(UNSUPPORTED_FLAGS, False),
+            "embed_requires_grad": False,
+            "tie_word_embeddings": False,
+            "dtype": str(dtype).removeprefix("torch."),
+            "speculators_config": speculators_config("eagle3", verifier, architectures, speculative_tokens),
+        }
 
     @classmethod
     def from_hf(cls, d: dict, num_target_layers: int | None = None) -> Eagle3Config:
@@ -100,24 +150,45 @@ class Eagle3Config:
         aux = d.get("eagle_aux_hidden_state_layer_ids")
         if aux is None:
             if num_target_layers is None:
-                raise SpecdecError("EAGLE-3 config has no eagle_aux_hidden_state_layer_ids; the target's layer count "
-                                   "is needed for the default (2, N // 2, N - 3)")
+                raise SpecdecError(
+                    "EAGLE-3 config has no eagle_aux_hidden_state_layer_ids; the target's layer count "
+                    "is needed for the default (2, N // 2, N - 3)"
+                )
             n = num_target_layers
             aux = (2, n // 2, n - 3)
         h = d["hidden_size"]
         theta, scaling = _rope(d)
-        return cls(h, d["intermediate_size"], d["num_attention_heads"], d["num_key_value_heads"],
-                   d.get("head_dim") or h // d["num_attention_heads"], d["vocab_size"], d["draft_vocab_size"],
-                   d.get("target_hidden_size") or h, tuple(aux), d.get("rms_norm_eps", 1e-6),
-                   theta, d.get("max_position_embeddings", 32768), scaling)
+        return cls(
+            h,
+            d["intermediate_size"],
+            d["num_attention_heads"],
+            d["num_key_value_heads"],
+            d.get("head_dim") or h // d["num_attention_heads"],
+            d["vocab_size"],
+            d["draft_vocab_size"],
+            d.get("target_hidden_size") or h,
+            tuple(aux),
+            d.get("rms_norm_eps", 1e-6),
+            theta,
+            d.get("max_position_embeddings", 32768),
+            scaling,
+        )
 
 
 def speculators_config(algorithm: str, verifier: str, architectures: list[str], speculative_tokens: int) -> dict:
     """The `speculators_config` of a speculators config.json: greedy proposals of `speculative_tokens`."""
-    proposal = {"proposal_type": "greedy", "speculative_tokens": speculative_tokens, "verifier_accept_k": 1,
-                "accept_tolerance": 0.0}
-    return {"algorithm": algorithm, "proposal_methods": [proposal], "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier, "architectures": architectures}}
+    proposal = {
+        "proposal_type": "greedy",
+        "speculative_tokens": speculative_tokens,
+        "verifier_accept_k": 1,
+        "accept_tolerance": 0.0,
+    }
+    return {
+        "algorithm": algorithm,
+        "proposal_methods": [proposal],
+        "default_proposal_method": "greedy",
+        "verifier": {"name_or_path": verifier, "architectures": architectures},
+    }
 
 
 def _rope(d: dict) -> tuple[float, dict | None]:
@@ -164,8 +235,11 @@ class Eagle3Layer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Eagle3Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(SimpleNamespace(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                                       mlp_bias=False, hidden_act="silu"))
+        self.mlp = MLP(
+            SimpleNamespace(
+                hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, mlp_bias=False, hidden_act="silu"
+            )
+        )
 
     def inputs(self, emb: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         """[B, T, H] x 2 -> the attention input [B, T, 2H]."""
@@ -226,8 +300,14 @@ def save_head(head: Eagle3Head, out: Path, manifest: dict | None = None) -> Path
     return out
 
 
-def save_speculators(head: Eagle3Head, out: Path, verifier_name: str, speculative_tokens: int = 3,
-                     manifest: dict | None = None, embeddings: torch.Tensor | None = None) -> Path:
+def save_speculators(
+    head: Eagle3Head,
+    out: Path,
+    verifier_name: str,
+    speculative_tokens: int = 3,
+    manifest: dict | None = None,
+    embeddings: torch.Tensor | None = None,
+) -> Path:
     """The `speculators` layout (what `Eagle3DraftModel.from_pretrained` and vLLM load): `layers.0.*`, `d2t`/`t2d`
     only with a reduced vocabulary. `verifier_name`: the target's HF id or path. `embeddings` (the target's token
     embeddings [V, H]) are stored as `embed_tokens.weight`, as speculators' own checkpoints do; without them vLLM
@@ -238,8 +318,9 @@ def save_speculators(head: Eagle3Head, out: Path, verifier_name: str, speculativ
         del state["d2t"], state["t2d"]
     if embeddings is not None:
         if embeddings.shape != (c.vocab_size, c.hidden_size):
-            raise SpecdecError(f"embeddings {tuple(embeddings.shape)}: the head needs "
-                               f"[{c.vocab_size}, {c.hidden_size}]")
+            raise SpecdecError(
+                f"embeddings {tuple(embeddings.shape)}: the head needs [{c.vocab_size}, {c.hidden_size}]"
+            )
         state["embed_tokens.weight"] = embeddings.detach().to(head.dtype).contiguous()
     cfg = c.to_speculators(verifier_name, _architectures(verifier_name), speculative_tokens, head.dtype)
     _write(out, state, cfg, manifest)
@@ -252,8 +333,11 @@ def hf_state(head: Eagle3Head) -> dict[str, torch.Tensor]:
     c = head.config
     for fused, parts in HF_FUSED.items():
         w = state.pop(f"{fused}.weight")
-        sizes = ([c.num_heads * c.head_dim] + [c.num_kv_heads * c.head_dim] * 2 if "qkv" in fused
-                 else [c.intermediate_size] * 2)
+        sizes = (
+            [c.num_heads * c.head_dim] + [c.num_kv_heads * c.head_dim] * 2
+            if "qkv" in fused
+            else [c.intermediate_size] * 2
+        )
         owner = fused.rsplit(".", 1)[0]
         for name, part in zip(parts, w.split(sizes)):
             state[f"{owner}.{name}.weight"] = part.contiguous()
@@ -309,4 +393,3 @@ def _to_ours(state: dict[str, torch.Tensor], head: Eagle3Head) -> dict[str, torc
     if "t2d" in state:
         state["t2d"] = state["t2d"].to(torch.bool)
     return state
-

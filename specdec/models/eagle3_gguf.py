@@ -8,6 +8,7 @@ ids (I64), and `eagle3.target_layers` are layer-input ids, as `aux_layers` are.
 
     llama-server -m target.gguf -md head.gguf --spec-type draft-eagle3
 """
+
 from __future__ import annotations
 
 import os
@@ -48,8 +49,10 @@ def save_gguf(head: Eagle3Head, path: Path, target_gguf: Path, outtype: str = "f
         raise SpecdecError(f"GGUF outtype {outtype!r}: use one of {', '.join(OUT_TYPES)}")
     c = head.config
     if c.rope_scaling is not None:
-        raise SpecdecError("EAGLE-3 GGUF export: RoPE scaling is not written here; use llama.cpp's "
-                           "convert_hf_to_gguf.py on a save_head directory")
+        raise SpecdecError(
+            "EAGLE-3 GGUF export: RoPE scaling is not written here; use llama.cpp's "
+            "convert_hf_to_gguf.py on a save_head directory"
+        )
     reader = open_gguf(Path(target_gguf))
     _check_target(reader, c, Path(target_gguf))
     path = Path(path)
@@ -97,9 +100,11 @@ def _check_target(reader, c: Eagle3Config, path: Path) -> None:
     hidden = _number(reader, f"{arch}.embedding_length")
     layers = _number(reader, f"{arch}.block_count")
     if n_vocab != c.vocab_size or hidden != c.target_hidden_size or layers is None or layers <= max(c.aux_layers):
-        raise SpecdecError(f"{path}: not the target of this EAGLE-3 head (vocabulary {n_vocab}, hidden {hidden}, "
-                           f"{layers} layers; the head needs {c.vocab_size}, {c.target_hidden_size}, "
-                           f"> {max(c.aux_layers)})")
+        raise SpecdecError(
+            f"{path}: not the target of this EAGLE-3 head (vocabulary {n_vocab}, hidden {hidden}, "
+            f"{layers} layers; the head needs {c.vocab_size}, {c.target_hidden_size}, "
+            f"> {max(c.aux_layers)})"
+        )
 
 
 def _number(reader, key: str) -> int | None:
@@ -115,11 +120,18 @@ def _add_hparams(writer, c: Eagle3Config, file_type: int) -> None:
     writer.add_uint32(f"{ARCH}.target_hidden_size", c.target_hidden_size)
     writer.add_bool(f"{ARCH}.norm_before_residual", False)
     writer.add_bool(f"{ARCH}.norm_before_fc", False)
-    for key, value in {"block_count": 1, "context_length": c.max_position_embeddings,
-                       "embedding_length": c.hidden_size, "feed_forward_length": c.intermediate_size,
-                       "attention.head_count": c.num_heads, "attention.head_count_kv": c.num_kv_heads,
-                       "attention.key_length": c.head_dim, "attention.value_length": c.head_dim,
-                       "rope.dimension_count": c.head_dim, "vocab_size": c.vocab_size}.items():
+    for key, value in {
+        "block_count": 1,
+        "context_length": c.max_position_embeddings,
+        "embedding_length": c.hidden_size,
+        "feed_forward_length": c.intermediate_size,
+        "attention.head_count": c.num_heads,
+        "attention.head_count_kv": c.num_kv_heads,
+        "attention.key_length": c.head_dim,
+        "attention.value_length": c.head_dim,
+        "rope.dimension_count": c.head_dim,
+        "vocab_size": c.vocab_size,
+    }.items():
         writer.add_uint32(f"{ARCH}.{key}", value)
     writer.add_float32(f"{ARCH}.rope.freq_base", c.rope_theta)
     writer.add_float32(f"{ARCH}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)

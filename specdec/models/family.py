@@ -7,6 +7,7 @@ them. The loader, the GGUF reader, the planner and error messages ask the regist
 GGUF tensor names come from the `gguf` package's own tables (`gguf.TensorNameMap`, the ones llama.cpp's
 converter writes with): a family lists its tensors by their Hugging Face names and `gguf_tensor_names` maps them.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -14,8 +15,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # per-layer tensors of a Llama-style layer, by their Hugging Face module names
-LLAMA_LAYER = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-               "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+LLAMA_LAYER = (
+    "input_layernorm",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "post_attention_layernorm",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 TOP = ("model.embed_tokens", "model.norm", "lm_head")
 
@@ -36,9 +46,10 @@ class Family:
     layer: the per-layer tensors by Hugging Face module name; permute_qk: llama.cpp's converter interleaves q/k rows
     (its llama-style archs), undone when reading a GGUF.
     """
+
     name: str
-    hf_types: dict[str, str]        # HF model_type -> the architecture class its config.json names
-    gguf_archs: tuple[str, ...]     # GGUF general.architecture values
+    hf_types: dict[str, str]  # HF model_type -> the architecture class its config.json names
+    gguf_archs: tuple[str, ...]  # GGUF general.architecture values
     recipe: dict = field(default_factory=dict)
     hf_fields: Callable[[dict], dict] = _nothing
     gguf_fields: Callable[[Meta], dict] = _nothing

@@ -8,6 +8,7 @@ conversion. Everything is written in a unique temp directory under `PARENT/.part
 into place; temp directories of killed conversions (process gone, or older than 6 hours) are
 removed by the next conversion.
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,7 +33,7 @@ from specdec.models import families
 from specdec.models.config import ModelConfig
 
 MARKER = "specdec-converted.json"  # written last: {"sha256": GGUF's SHA-256}
-PARTIAL = ".partial"               # temp dirs `HOST.PID.RANDOM` of conversions under way
+PARTIAL = ".partial"  # temp dirs `HOST.PID.RANDOM` of conversions under way
 STALE_S = 6 * 3600
 
 
@@ -119,15 +120,23 @@ def config_from_gguf(reader, path: Path) -> ModelConfig:
     hidden, heads = num("embedding_length"), num("attention.head_count")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     fields = dict(
-        model_type=next(iter(fam.hf_types)), family=fam.name, vocab_size=int(names["token_embd.weight"].shape[1]),
-        hidden_size=hidden, intermediate_size=num("feed_forward_length"), num_layers=num("block_count"),
-        num_heads=heads, num_kv_heads=num("attention.head_count_kv", heads),
-        head_dim=num("attention.key_length", hidden // heads), max_position_embeddings=num("context_length", 4096),
+        model_type=next(iter(fam.hf_types)),
+        family=fam.name,
+        vocab_size=int(names["token_embd.weight"].shape[1]),
+        hidden_size=hidden,
+        intermediate_size=num("feed_forward_length"),
+        num_layers=num("block_count"),
+        num_heads=heads,
+        num_kv_heads=num("attention.head_count_kv", heads),
+        head_dim=num("attention.key_length", hidden // heads),
+        max_position_embeddings=num("context_length", 4096),
         rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=num("rope.freq_base", 10000.0, float), rope_scaling=_rope_scaling(g, names, f"{arch}.", path),
+        rope_theta=num("rope.freq_base", 10000.0, float),
+        rope_scaling=_rope_scaling(g, names, f"{arch}.", path),
         rope_freq_factors=_factors(names.get("rope_freqs.weight")),
         attention_bias="blk.0.attn_q.bias" in names or "blk.0.attn_qkv.bias" in names,
-        o_bias="blk.0.attn_output.bias" in names, mlp_bias="blk.0.ffn_down.bias" in names,
+        o_bias="blk.0.attn_output.bias" in names,
+        mlp_bias="blk.0.ffn_down.bias" in names,
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [int(eos)],
@@ -147,14 +156,21 @@ def _rope_scaling(g, tensors: dict, prefix: str, path: Path) -> dict | None:
     scaling arrives as the `rope_freqs` tensor)."""
     orig = int(g("rope.scaling.original_context_length", 0))
     if "rope_factors_short.weight" in tensors:
-        return {"rope_type": "longrope", "short_factor": list(_factors(tensors["rope_factors_short.weight"])),
-                "long_factor": list(_factors(tensors["rope_factors_long.weight"])),
-                "original_max_position_embeddings": orig, "attention_factor": g("rope.scaling.attn_factor")}
+        return {
+            "rope_type": "longrope",
+            "short_factor": list(_factors(tensors["rope_factors_short.weight"])),
+            "long_factor": list(_factors(tensors["rope_factors_long.weight"])),
+            "original_max_position_embeddings": orig,
+            "attention_factor": g("rope.scaling.attn_factor"),
+        }
     kind = g("rope.scaling.type")
     if kind in (None, "none"):
         return None
-    return {"rope_type": kind, "factor": meta_number(g("rope.scaling.factor"), f"{prefix}rope.scaling.factor", path,
-                                                    float), "original_max_position_embeddings": orig}
+    return {
+        "rope_type": kind,
+        "factor": meta_number(g("rope.scaling.factor"), f"{prefix}rope.scaling.factor", path, float),
+        "original_max_position_embeddings": orig,
+    }
 
 
 def is_converted(out_dir: Path, sha256: str) -> bool:
@@ -289,8 +305,10 @@ def _save_tokenizer(gguf_path: Path, out: Path) -> None:
 
     archs = [*hf_gguf.GGUF_SUPPORTED_ARCHITECTURES, *(a for f in families.ALL for a in f.gguf_archs)]
     try:
-        with (mock.patch.object(gguf, "GGUFReader", fast_reader_class()),  # what transformers opens the file with
-              mock.patch.object(hf_gguf, "GGUF_SUPPORTED_ARCHITECTURES", archs)):
+        with (
+            mock.patch.object(gguf, "GGUFReader", fast_reader_class()),  # what transformers opens the file with
+            mock.patch.object(hf_gguf, "GGUF_SUPPORTED_ARCHITECTURES", archs),
+        ):
             tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception as e:
         raise SpecdecError(f"{gguf_path}: cannot build its tokenizer ({type(e).__name__}: {e})") from None

@@ -13,6 +13,7 @@ the model ties them); norms and biases (F32 in the file) and any tensor of anoth
 The target's `--quant gguf` (`LLM(quant="gguf")`) loads through `load_gguf_quantized`; `describe(model)` says
 which path runs (reported in `--json` stats and bench metadata).
 """
+
 from __future__ import annotations
 
 import mmap
@@ -85,8 +86,9 @@ def _dense(t, cfg: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.array(_dequantize(t, cfg))).to(dtype)  # a writable copy (norms, biases: small)
 
 
-def quantize_from_gguf(model: Transformer, gguf_path: Path | str, dtype: torch.dtype = torch.float32,
-                       reader=None) -> Transformer:
+def quantize_from_gguf(
+    model: Transformer, gguf_path: Path | str, dtype: torch.dtype = torch.float32, reader=None
+) -> Transformer:
     """Give `model` (built for this file's config, weights on meta or anything) the GGUF file's tensors, keeping
     the quantized ones as blocks. Returns the model (modified in place), in eval mode."""
     path = Path(gguf_path)
@@ -111,8 +113,10 @@ def quantize_from_gguf(model: Transformer, gguf_path: Path | str, dtype: torch.d
         biases = [f"{p}.bias" for p in parts if f"{p}.bias" in tensors]
         owner, attr = name.rsplit(".", 1)
         if all(quantized(f"{p}.weight") for p in parts):
-            lins = [_linear(tensors[f"{p}.weight"], cfg, reader, dense(f"{p}.bias") if f"{p}.bias" in tensors
-                            else None) for p in parts]
+            lins = [
+                _linear(tensors[f"{p}.weight"], cfg, reader, dense(f"{p}.bias") if f"{p}.bias" in tensors else None)
+                for p in parts
+            ]
             setattr(model.get_submodule(owner), attr, lins[0] if len(lins) == 1 else GGUFConcatLinear(lins))
             continue
         state[f"{name}.weight"] = torch.cat([dense(f"{p}.weight") for p in parts])
@@ -142,8 +146,9 @@ def quantize_from_gguf(model: Transformer, gguf_path: Path | str, dtype: torch.d
     unexpected = [u for u in unexpected if "rotary_emb" not in u]
     left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if unexpected or left:
-        raise SpecdecError(f"{path}: tensors do not match the model (unexpected {unexpected[:3]}, "
-                           f"not loaded {left[:3]})")
+        raise SpecdecError(
+            f"{path}: tensors do not match the model (unexpected {unexpected[:3]}, not loaded {left[:3]})"
+        )
     return model.eval()
 
 

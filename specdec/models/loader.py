@@ -1,4 +1,5 @@
 """Resolve a model name or path to a checkpoint directory and load it."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -66,8 +67,10 @@ def resolve_gguf(name_or_path: str, progress: bool = True) -> Path:
         return packs.pack_gguf(name_or_path, progress)
     p = packs.local_path(name_or_path)
     if p.is_dir():
-        raise SpecdecError(f"--quant gguf needs a GGUF file or a model pack; {p} is a checkpoint directory "
-                           "(use --quant none, int8 or int4)")
+        raise SpecdecError(
+            f"--quant gguf needs a GGUF file or a model pack; {p} is a checkpoint directory "
+            "(use --quant none, int8 or int4)"
+        )
     return p
 
 
@@ -145,8 +148,9 @@ def load_checkpoint(directory: Path, dtype: torch.dtype, device: str = "cpu") ->
     missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
     unexpected = [u for u in unexpected if "rotary_emb" not in u]
     if missing or unexpected:
-        raise SpecdecError(f"{directory}: weights do not match the config (missing {missing[:3]}, "
-                           f"unexpected {unexpected[:3]})")
+        raise SpecdecError(
+            f"{directory}: weights do not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.eval()

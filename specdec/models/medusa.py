@@ -11,6 +11,7 @@ config `num_heads`, `num_hidden_layers`, `hidden_size`, `vocab_size`, `truncated
 FasterDecoding's (`{i}.{j}.linear.weight/bias`, `{i}.{L}.weight`; config `medusa_num_heads`,
 `medusa_num_layers`) is read too.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,17 +32,25 @@ PREFIXES = ("medusa_heads.", "medusa_head.")  # dropped from tensor names on loa
 
 @dataclass(frozen=True)
 class MedusaConfig:
-    num_heads: int          # K
-    num_layers: int         # residual blocks per head
-    hidden_size: int        # the target's
-    vocab_size: int         # the target's
-    draft_vocab_size: int   # Vd <= vocab_size
+    num_heads: int  # K
+    num_layers: int  # residual blocks per head
+    hidden_size: int  # the target's
+    vocab_size: int  # the target's
+    draft_vocab_size: int  # Vd <= vocab_size
 
     def to_vllm(self) -> dict:
         """config.json of vLLM's Medusa layout (`MedusaModel`)."""
-        return {"architectures": ["MedusaModel"], "model_type": "medusa", "num_heads": self.num_heads,
-                "num_hidden_layers": self.num_layers, "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
-                "truncated_vocab_size": self.draft_vocab_size, "medusa_fc_bias": True, "original_lm_head": False}
+        return {
+            "architectures": ["MedusaModel"],
+            "model_type": "medusa",
+            "num_heads": self.num_heads,
+            "num_hidden_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "truncated_vocab_size": self.draft_vocab_size,
+            "medusa_fc_bias": True,
+            "original_lm_head": False,
+        }
 
     @classmethod
     def from_dict(cls, d: dict, state: dict[str, torch.Tensor]) -> MedusaConfig:
@@ -49,8 +58,9 @@ class MedusaConfig:
         heads = d.get("num_heads", d.get("medusa_num_heads"))
         layers = d.get("num_hidden_layers", d.get("medusa_num_layers"))
         if heads is None or layers is None:
-            raise SpecdecError("not a Medusa config (needs num_heads / medusa_num_heads and num_hidden_layers / "
-                               "medusa_num_layers)")
+            raise SpecdecError(
+                "not a Medusa config (needs num_heads / medusa_num_heads and num_hidden_layers / medusa_num_layers)"
+            )
         if "lm_heads.0.weight" not in state:
             raise SpecdecError("Medusa tensors without a first LM head (lm_heads.0.weight / 0.{L}.weight)")
         rows, hidden = state["lm_heads.0.weight"].shape
@@ -82,8 +92,9 @@ class MedusaHeads(nn.Module):
             raise SpecdecError(f"bad Medusa config {c}")
         self.config = c
         self.blocks = nn.ModuleList(ResBlock(c.hidden_size, c.num_layers) for _ in range(c.num_heads))
-        self.lm_heads = nn.ModuleList(nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
-                                      for _ in range(c.num_heads))
+        self.lm_heads = nn.ModuleList(
+            nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False) for _ in range(c.num_heads)
+        )
         self.register_buffer("token_map", torch.arange(c.draft_vocab_size))  # [Vd] target id of each entry
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -149,7 +160,7 @@ def load_heads(path: Path, dtype: torch.dtype = torch.float32) -> MedusaHeads:
 
 def _to_ours(state: dict[str, torch.Tensor], d: dict) -> dict[str, torch.Tensor]:
     """TGI names (`{i}.{j}.linear.*`, `{i}.{L}.weight`) and prefixed ones -> ours."""
-    state = {next((k[len(p):] for p in PREFIXES if k.startswith(p)), k): v for k, v in state.items()}
+    state = {next((k[len(p) :] for p in PREFIXES if k.startswith(p)), k): v for k, v in state.items()}
     layers = d.get("num_hidden_layers", d.get("medusa_num_layers"))
     out: dict[str, torch.Tensor] = {}
     for k, v in state.items():

@@ -22,6 +22,7 @@ Layouts (block i; N = the target's layer count), read by `load_mtp`:
   `speculators_model_type: "mtp"` and `transformer_layer_config`; [e; h], normed state recycled.
 Ours: `blocks.{i}.{enorm,hnorm,eh_proj,layer.*,norm,head}`, q/k/v and gate/up fused like `transformer.py`.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,11 +42,23 @@ from specdec.models.transformer import Batch, DecoderLayer, RMSNorm, fuse_projec
 from specdec.runtime.kv_cache import KVCache
 
 # layout -> (block i's tensor prefix, their names -> ours); the decoder layer's names are the same everywhere
-MIMO_NAMES = {"token_layernorm": "enorm", "hidden_layernorm": "hnorm", "input_proj": "eh_proj",
-              "final_layernorm": "norm"}
+MIMO_NAMES = {
+    "token_layernorm": "enorm",
+    "hidden_layernorm": "hnorm",
+    "input_proj": "eh_proj",
+    "final_layernorm": "norm",
+}
 LAYOUTS = {
-    "nextn": ("model.layers.{i}.", {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj",
-                                    "shared_head.norm": "norm", "shared_head.head": "head"}),
+    "nextn": (
+        "model.layers.{i}.",
+        {
+            "enorm": "enorm",
+            "hnorm": "hnorm",
+            "eh_proj": "eh_proj",
+            "shared_head.norm": "norm",
+            "shared_head.head": "head",
+        },
+    ),
     "mimo": ("model.mtp_layers.{i}.", MIMO_NAMES),
     "speculators": ("mtp_layers.{i}.", MIMO_NAMES),
 }
@@ -54,11 +67,11 @@ COUNT_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")  # config.jso
 
 @dataclass
 class MtpConfig:
-    layer: ModelConfig           # the decoder layer's shape (a target-like config; num_layers is the target's)
+    layer: ModelConfig  # the decoder layer's shape (a target-like config; num_layers is the target's)
     num_blocks: int = 1
-    hidden_first: bool = False   # eh_proj reads [hnorm(g); enorm(e)] (MiMo)
+    hidden_first: bool = False  # eh_proj reads [hnorm(g); enorm(e)] (MiMo)
     recycle_normed: bool = True  # the next step's g is norm(out) (MiMo, speculators), else out (DeepSeek / vLLM)
-    own_head: bool = False       # blocks carry shared_head.head (else the target's LM head is used)
+    own_head: bool = False  # blocks carry shared_head.head (else the target's LM head is used)
 
     @classmethod
     def for_target(cls, t: ModelConfig, intermediate: int | None = None) -> MtpConfig:
@@ -109,11 +122,19 @@ class MtpHead(nn.Module):
     def allocate_cache(self, num_slots: int, max_len: int) -> KVCache:
         """A KV cache with one layer per block."""
         t = self.config.layer
-        return KVCache.allocate(len(self.blocks), num_slots, t.num_kv_heads, max_len, t.head_dim, self.dtype,
-                                self.blocks[0].eh_proj.weight.device)
+        return KVCache.allocate(
+            len(self.blocks),
+            num_slots,
+            t.num_kv_heads,
+            max_len,
+            t.head_dim,
+            self.dtype,
+            self.blocks[0].eh_proj.weight.device,
+        )
 
-    def forward(self, emb: torch.Tensor, g: torch.Tensor, batch: Batch, cache: KVCache, depth: int = 0,
-                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, emb: torch.Tensor, g: torch.Tensor, batch: Batch, cache: KVCache, depth: int = 0, last_only: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pairs emb, g [B, T, H] through block min(depth, n - 1) -> (logits [B, T or 1, V] fp32, next g [B, T, H])."""
         block = self.blocks[min(depth, len(self.blocks) - 1)]
         out = block(emb, g, batch, cache)
@@ -124,15 +145,22 @@ class MtpHead(nn.Module):
         logits = head(normed[:, -1:] if last_only else normed).float()
         return logits, normed if self.config.recycle_normed else out
 
-    def feed(self, emb: torch.Tensor, g: torch.Tensor, batch: Batch, cache: KVCache,
-             last_only: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def feed(
+        self, emb: torch.Tensor, g: torch.Tensor, batch: Batch, cache: KVCache, last_only: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Committed pairs into every block's cache -> block 0's (logits, next g), as `forward`."""
         for i in range(1, len(self.blocks)):
             self.blocks[i](emb, g, batch, cache)
         return self(emb, g, batch, cache, 0, last_only)
 
-    def packed(self, emb: torch.Tensor, g: torch.Tensor, positions: torch.Tensor | None = None,
-               mask: torch.Tensor | None = None, depth: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def packed(
+        self,
+        emb: torch.Tensor,
+        g: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        depth: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Training / teacher forcing over one packed sequence, with a scratch cache (autograd flows through it):
         emb[t] = embedding of token[t + 1], g[t] = the state of t, both [1, T, H]; positions [1, T] (default
         0..T-1); mask [1, 1, T, T] bool (default causal; block-diagonal for several documents).
@@ -168,9 +196,9 @@ def _to_ours(state: dict[str, torch.Tensor], layout: str, n: int, first: int) ->
     for i in range(n):
         p = prefix.format(i=first + i)
         for name, t in state.items():
-            if not name.startswith(p) or name[len(p):].startswith("embed_tokens."):  # nextn ships a copy
+            if not name.startswith(p) or name[len(p) :].startswith("embed_tokens."):  # nextn ships a copy
                 continue
-            rest = name[len(p):]
+            rest = name[len(p) :]
             module, _, kind = rest.rpartition(".")
             if module in names:
                 ours[f"blocks.{i}.{names[module]}.{kind}"] = t
@@ -199,8 +227,13 @@ def load_native(directory: Path, dtype: torch.dtype = torch.float32) -> MtpHead:
     ours = _to_ours(state, layout, n, t.num_layers if layout == "nextn" else 0)
     for i in range(n):  # nextn without shared_head.norm: the target's final norm (llama.cpp's fallback)
         ours.setdefault(f"blocks.{i}.norm.weight", state["model.norm.weight"])
-    c = MtpConfig(t, n, hidden_first=layout == "mimo", recycle_normed=layout == "mimo",
-                  own_head=any(k.endswith(".head.weight") for k in ours))
+    c = MtpConfig(
+        t,
+        n,
+        hidden_first=layout == "mimo",
+        recycle_normed=layout == "mimo",
+        own_head=any(k.endswith(".head.weight") for k in ours),
+    )
     return _build(c, ours, directory, dtype)
 
 
@@ -208,17 +241,22 @@ def load_native(directory: Path, dtype: torch.dtype = torch.float32) -> MtpHead:
 FLAGS = {"hidden_first": False, "recycle_normed": True, "own_head": False}
 
 
-def save_head(head: MtpHead, out: Path, verifier: str, manifest: dict | None = None,
-              speculative_tokens: int = 3) -> Path:
+def save_head(
+    head: MtpHead, out: Path, verifier: str, manifest: dict | None = None, speculative_tokens: int = 3
+) -> Path:
     """The head directory: the speculators `mtp` layout (config.json, model.safetensors with `mtp_layers.{i}.*`,
     q/k/v and gate/up unfused, MiMo's names) + manifest.json. `verifier`: the target's HF id or path."""
     c = head.config
     layer = {**c.layer.to_hf_dict(), "num_hidden_layers": c.layer.num_layers}
-    cfg = {"architectures": ["MTPDraftModel"], "speculators_model_type": "mtp",
-           "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": layer,
-           "num_nextn_predict_layers": c.num_blocks,
-           "speculators_config": speculators_config("mtp", verifier, _architectures(verifier), speculative_tokens),
-           **{f"mtp_{f}": getattr(c, f) for f, default in FLAGS.items() if getattr(c, f) != default}}
+    cfg = {
+        "architectures": ["MTPDraftModel"],
+        "speculators_model_type": "mtp",
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": layer,
+        "num_nextn_predict_layers": c.num_blocks,
+        "speculators_config": speculators_config("mtp", verifier, _architectures(verifier), speculative_tokens),
+        **{f"mtp_{f}": getattr(c, f) for f, default in FLAGS.items() if getattr(c, f) != default},
+    }
     _write(Path(out), layout_state(head, "speculators"), cfg, manifest)
     return Path(out)
 
@@ -264,6 +302,9 @@ def load_head(path: Path, dtype: torch.dtype = torch.float32) -> MtpHead:
     if d.get("speculators_model_type") != "mtp":
         return load_native(path, dtype)
     n = int(d.get("num_nextn_predict_layers", 1))
-    c = MtpConfig(ModelConfig.from_hf_dict(d["transformer_layer_config"]), n,
-                  **{f: bool(d.get(f"mtp_{f}", default)) for f, default in FLAGS.items()})
+    c = MtpConfig(
+        ModelConfig.from_hf_dict(d["transformer_layer_config"]),
+        n,
+        **{f: bool(d.get(f"mtp_{f}", default)) for f, default in FLAGS.items()},
+    )
     return _build(c, _to_ours(read_tensors(path), "speculators", n, 0), path, dtype)

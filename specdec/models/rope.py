@@ -1,4 +1,5 @@
 """Rotary position embeddings with the scaling variants HF configs use (linear, llama3, yarn, longrope)."""
+
 from __future__ import annotations
 
 import math
@@ -57,8 +58,9 @@ def _longrope(inv: torch.Tensor, p: dict, max_pos: int) -> tuple[torch.Tensor, f
     return inv / torch.tensor(p["short_factor"], dtype=torch.float32), float(attn)
 
 
-def inv_freq_and_scale(head_dim: int, theta: float, scaling: dict | None, max_pos: int,
-                       factors: tuple[float, ...] | None = None) -> tuple[torch.Tensor, float]:
+def inv_freq_and_scale(
+    head_dim: int, theta: float, scaling: dict | None, max_pos: int, factors: tuple[float, ...] | None = None
+) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [head_dim/2] and the attention scale applied to cos/sin; `factors` divide the inverse
     frequencies (a GGUF's `rope_freqs`, llama.cpp's form of llama3 scaling)."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -81,8 +83,9 @@ def inv_freq_and_scale(head_dim: int, theta: float, scaling: dict | None, max_po
 class Rotary:
     """cos/sin tables, grown on demand, indexed by absolute position."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_pos: int,
-                 factors: tuple[float, ...] | None = None):
+    def __init__(
+        self, head_dim: int, theta: float, scaling: dict | None, max_pos: int, factors: tuple[float, ...] | None = None
+    ):
         self.inv_freq, self.scale = inv_freq_and_scale(head_dim, theta, scaling, max_pos, factors)
         self.cos = self.sin = torch.empty(0, head_dim)
 

@@ -1,5 +1,6 @@
 """Drafter heads' tensors on disk: reading a directory's safetensors (weights stored in int8 back in fp32), storing
 weights in int8, and loading a state dict that must match a module exactly."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,7 +23,7 @@ def quantize_int8(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if t.dim() != 2 or not t.is_floating_point():
             out[name] = t
             continue
-        q, scale = int8_rows(t)                                            # [rows, cols], [rows]
+        q, scale = int8_rows(t)  # [rows, cols], [rows]
         out[name], out[name + SCALE] = q.contiguous(), scale.contiguous()
     return out
 
@@ -63,8 +64,9 @@ def int8_scales(dtypes: Mapping[str, str]) -> set[str]:
     return {n for n in dtypes if n.endswith(SCALE) and dtypes.get(n.removesuffix(SCALE)) == "I8"}
 
 
-def load_exact(module: nn.Module, state: dict[str, torch.Tensor], where: Path | str, what: str,
-               optional: tuple[str, ...] = ()) -> None:
+def load_exact(
+    module: nn.Module, state: dict[str, torch.Tensor], where: Path | str, what: str, optional: tuple[str, ...] = ()
+) -> None:
     """Load `state` into `module`; a tensor missing (other than `optional` ones) or left over is a SpecdecError
     saying that the file at `where` does not hold `what` (e.g. "Medusa heads")."""
     missing, unexpected = module.load_state_dict(state, strict=False)

@@ -1,4 +1,5 @@
 """Tokenizer: a `tokenizers` fast tokenizer plus special tokens and the chat template."""
+
 from __future__ import annotations
 
 import json
@@ -54,7 +55,9 @@ class Tokenizer:
                 ids.add(i)
         return ids
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
         if not self.chat_template:
             raise SpecdecError("this model has no chat template; use a plain prompt")
         from jinja2.exceptions import TemplateError
@@ -63,14 +66,22 @@ class Tokenizer:
         def raise_exception(msg: str):
             raise TemplateError(msg)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent, ensure_ascii=ensure_ascii)
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+            x, indent=indent, ensure_ascii=ensure_ascii
+        )
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
             return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
         except TemplateError as e:
             raise SpecdecError(f"chat template error: {e}") from None
 
@@ -91,5 +102,5 @@ class Detokenizer:
         text = self.tokenizer.decode(self.ids)
         if text.endswith("\ufffd"):
             return ""
-        delta, self.text = text[len(self.text):], text
+        delta, self.text = text[len(self.text) :], text
         return delta

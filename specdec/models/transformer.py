@@ -6,6 +6,7 @@ Parameter names mirror Hugging Face checkpoints, except that q/k/v and gate/up a
 Every forward takes a chunk of tokens per sequence, writes their K/V into a static cache at
 the given positions and returns logits for the positions asked for.
 """
+
 from __future__ import annotations
 
 import copy
@@ -130,8 +131,10 @@ class DecoderLayer(nn.Module):
         if self.norms == "pre":
             around = ((get("input_layernorm"), None), (self.post_attention_layernorm, None))
         else:
-            around = ((get("input_layernorm"), self.post_attention_layernorm),
-                      (get("pre_feedforward_layernorm"), self.post_feedforward_layernorm))
+            around = (
+                (get("input_layernorm"), self.post_attention_layernorm),
+                (get("pre_feedforward_layernorm"), self.post_feedforward_layernorm),
+            )
         x = self._block(x, lambda h: self.self_attn(h, batch, cache), *around[0])
         return self._block(x, self.mlp, *around[1])
 
@@ -146,8 +149,14 @@ class DecoderLayer(nn.Module):
         if not self.plain:
             return None
         a, m = self.self_attn, self.mlp
-        modules = (self.input_layernorm, self.post_attention_layernorm, a.qkv_proj, a.o_proj, m.gate_up_proj,
-                   m.down_proj)
+        modules = (
+            self.input_layernorm,
+            self.post_attention_layernorm,
+            a.qkv_proj,
+            a.o_proj,
+            m.gate_up_proj,
+            m.down_proj,
+        )
         built = self._layer_kernel  # (the modules it was built from, the C form or None)
         if built is None or any(x is not y for x, y in zip(built[0], modules)):  # first use, or a module replaced
             built = self._layer_kernel = (modules, LayerKernel.of(a.cfg, *modules))
@@ -169,16 +178,17 @@ class Backbone(nn.Module):
 @dataclass
 class Batch:
     """Per-forward inputs shared by every layer."""
-    slots: torch.Tensor        # [B] cache row of each sequence
+
+    slots: torch.Tensor  # [B] cache row of each sequence
     cache_index: torch.Tensor  # [B, T] where each token's K/V is written
-    cos: torch.Tensor          # [B, 1, T, hd]
-    sin: torch.Tensor          # [B, 1, T, hd]
+    cos: torch.Tensor  # [B, 1, T, hd]
+    sin: torch.Tensor  # [B, 1, T, hd]
     mask: torch.Tensor | None  # [B, 1, T, kv_len] bool (True = attend), None = attend to all
-    kv_len: int                # keys read per sequence
+    kv_len: int  # keys read per sequence
     write_span: tuple[int, int, int] | None  # (slot, start, end) for a contiguous single-sequence write
     fast: StepArgs | None = None  # the step as the C decoder layers take it (`layer_kernel.step_args`)
     local_mask: torch.Tensor | None = None  # [B, 1, T, kv_len] the mask of sliding-window layers, where it differs
-    cos_local: torch.Tensor | None = None   # [B, 1, T, hd] sliding layers' own rotary tables (Gemma 3), or None
+    cos_local: torch.Tensor | None = None  # [B, 1, T, hd] sliding layers' own rotary tables (Gemma 3), or None
     sin_local: torch.Tensor | None = None
 
     def rotary(self, sliding: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,13 +198,25 @@ class Batch:
     def to(self, device: torch.device) -> "Batch":
         """The same batch with its tensors on `device` (a model split across devices)."""
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return Batch(move(self.slots), move(self.cache_index), move(self.cos), move(self.sin), move(self.mask),
-                     self.kv_len, self.write_span, None, move(self.local_mask), move(self.cos_local),
-                     move(self.sin_local))
+        return Batch(
+            move(self.slots),
+            move(self.cache_index),
+            move(self.cos),
+            move(self.sin),
+            move(self.mask),
+            self.kv_len,
+            self.write_span,
+            None,
+            move(self.local_mask),
+            move(self.cos_local),
+            move(self.sin_local),
+        )
 
 
-FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
 
 
 def fuse_projections(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
@@ -217,10 +239,14 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         with torch.device("cpu"):  # tables are built on the host even when the model is created on meta
-            self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings,
-                                 cfg.rope_freq_factors)
-            self.rotary_local = None if cfg.rope_local_theta is None else Rotary(
-                cfg.head_dim, cfg.rope_local_theta, None, cfg.max_position_embeddings)
+            self.rotary = Rotary(
+                cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, cfg.rope_freq_factors
+            )
+            self.rotary_local = (
+                None
+                if cfg.rope_local_theta is None
+                else Rotary(cfg.head_dim, cfg.rope_local_theta, None, cfg.max_position_embeddings)
+            )
         self.split = False  # layers on more than one device (`place`)
 
     def keep_head_rows(self, n: int) -> None:
@@ -234,7 +260,9 @@ class Transformer(nn.Module):
         elif hasattr(head, "first_outputs"):  # GGUF blocks, int8 / int4 (runtime.quant)
             self.lm_head = head.first_outputs(n)
         else:
-            self.lm_head = nn.Linear(head.in_features, n, bias=False, device=head.weight.device, dtype=head.weight.dtype)
+            self.lm_head = nn.Linear(
+                head.in_features, n, bias=False, device=head.weight.device, dtype=head.weight.dtype
+            )
             self.lm_head.weight = nn.Parameter(head.weight[:n], requires_grad=False)
 
     def place(self, devices: dict[str, str]) -> "Transformer":
@@ -296,11 +324,19 @@ class Transformer(nn.Module):
         return stack
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache,
-                cache_index: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                logits_index: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = (),
-                resume: torch.Tensor | None = None,
-                resume_layer: int = 0) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        cache: KVCache,
+        cache_index: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        logits_index: torch.Tensor | None = None,
+        hidden_layers: tuple[int, ...] = (),
+        resume: torch.Tensor | None = None,
+        resume_layer: int = 0,
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run a chunk of tokens through the model.
 
         tokens, positions: [B, T]; slots: [B]; cache_index: [B, T] (defaults to positions);
@@ -328,8 +364,11 @@ class Transformer(nn.Module):
         batch.fast = None if self.split else step_args(x, batch)
         hidden: dict[int, torch.Tensor] = {}
         batches = {x.device: batch}
-        stack = self._stack(cache) if batch.fast is not None and resume is None and not any(
-            i < len(self.model.layers) for i in hidden_layers) else None
+        stack = (
+            self._stack(cache)
+            if batch.fast is not None and resume is None and not any(i < len(self.model.layers) for i in hidden_layers)
+            else None
+        )
         out = None if stack is None else stack.run(x, batch.fast)
         for i, layer in enumerate(self.model.layers[resume_layer:] if out is None else (), start=resume_layer):
             if self.split:

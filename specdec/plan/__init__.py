@@ -6,6 +6,7 @@ checkpoints, config.json), `memory`, `devices`, `speed` (bandwidth bounds, specu
 `recommend`, `planner` (`make_plan`), `report` (table / JSON), `export`. Layer placement itself is
 `specdec.runtime.placement`.
 """
+
 from specdec.plan.planner import Plan, PlanInputs, make_plan
 
 __all__ = ["Plan", "PlanInputs", "make_plan"]

@@ -3,6 +3,7 @@
 Flag names are those of current releases (llama.cpp's `--spec-*` names, vLLM's
 `--speculative-config` JSON); each export says in comments what the engine cannot express.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,9 +16,16 @@ from specdec.plan.specs import ModelSpec
 
 ENGINES = ("llama.cpp", "ollama", "vllm", "tgi", "transformers")
 # our spec type -> llama.cpp --spec-type
-LLAMA_SPEC = {"draft": "draft-simple", "ngram-simple": "ngram-simple", "ngram-map-k": "ngram-map-k",
-              "ngram-map-k4v": "ngram-map-k4v", "ngram-map-k-tree": "ngram-map-k", "ngram-mod": "ngram-mod",
-              "suffix": "ngram-mod", "suffix-tree": "ngram-mod"}
+LLAMA_SPEC = {
+    "draft": "draft-simple",
+    "ngram-simple": "ngram-simple",
+    "ngram-map-k": "ngram-map-k",
+    "ngram-map-k4v": "ngram-map-k4v",
+    "ngram-map-k-tree": "ngram-map-k",
+    "ngram-mod": "ngram-mod",
+    "suffix": "ngram-mod",
+    "suffix-tree": "ngram-mod",
+}
 NGRAM_N, NGRAM_M = 3, 16  # specdec's --spec-ngram-size-n / -m defaults
 
 
@@ -34,8 +42,10 @@ def export(plan: Plan, engine: str) -> str:
 def _gguf(spec: ModelSpec) -> tuple[str, list[str]]:
     if spec.gguf_path is not None:
         return str(spec.gguf_path), []
-    return f"{spec.label}.gguf", [f"# {spec.label} is not a GGUF file: convert it first, e.g. "
-                                  f"python convert_hf_to_gguf.py {spec.path} --outfile {spec.label}.gguf"]
+    return f"{spec.label}.gguf", [
+        f"# {spec.label} is not a GGUF file: convert it first, e.g. "
+        f"python convert_hf_to_gguf.py {spec.path} --outfile {spec.label}.gguf"
+    ]
 
 
 def _hf(spec: ModelSpec) -> tuple[str, list[str]]:
@@ -43,8 +53,10 @@ def _hf(spec: ModelSpec) -> tuple[str, list[str]]:
     if spec.hf_repo:
         return spec.hf_repo, []
     if spec.kind == "gguf":
-        return str(spec.path), [f"# {spec.label} is a GGUF file; these engines load GGUF experimentally, "
-                                "the original Hugging Face checkpoint is the safer input"]
+        return str(spec.path), [
+            f"# {spec.label} is a GGUF file; these engines load GGUF experimentally, "
+            "the original Hugging Face checkpoint is the safer input"
+        ]
     return str(spec.path.parent if spec.kind == "config" else spec.path), []
 
 
@@ -77,8 +89,19 @@ def llama_cpp(plan: Plan) -> str:
     tpath, n1 = _gguf(t.spec)
     notes += n1
     slots = plan.inputs.slots
-    args = ["llama-server", "-m", tpath, "-c", str(t.context * slots), "-np", str(slots), "-ngl", str(s.ngl),
-            "-fa", "on"]
+    args = [
+        "llama-server",
+        "-m",
+        tpath,
+        "-c",
+        str(t.context * slots),
+        "-np",
+        str(slots),
+        "-ngl",
+        str(s.ngl),
+        "-fa",
+        "on",
+    ]
     if t.fmt.kv != "F16":
         args += ["-ctk", t.fmt.kv.lower(), "-ctv", t.fmt.kv.lower()]
     parts = plan.spec_type.split(",")
@@ -88,8 +111,9 @@ def llama_cpp(plan: Plan) -> str:
             raise SpecdecError(f"spec type {missing[0]} has no llama.cpp equivalent")
         kinds = [LLAMA_SPEC[p] for p in parts]
         if {"suffix", "suffix-tree"} & set(parts):
-            notes.append("# llama.cpp has no suffix drafter; ngram-mod (one hash pool shared by all requests) "
-                         "is the closest")
+            notes.append(
+                "# llama.cpp has no suffix drafter; ngram-mod (one hash pool shared by all requests) is the closest"
+            )
         if any(p.endswith("-tree") for p in parts):
             notes.append("# llama.cpp drafts chains only: the tree spec types export as their chain drafters")
         if _uses_draft(plan) and d is not None:
@@ -98,8 +122,14 @@ def llama_cpp(plan: Plan) -> str:
             args += ["-md", dpath, "-cd", str(d.context * slots), "-ngld", str(s.ngld or 0)]
             if d.fmt.kv != "F16":
                 args += ["--spec-draft-type-k", d.fmt.kv.lower(), "--spec-draft-type-v", d.fmt.kv.lower()]
-        args += ["--spec-type", ",".join(dict.fromkeys(kinds)), "--spec-draft-n-max", str(plan.k),
-                 "--spec-draft-n-min", "0"]
+        args += [
+            "--spec-type",
+            ",".join(dict.fromkeys(kinds)),
+            "--spec-draft-n-max",
+            str(plan.k),
+            "--spec-draft-n-min",
+            "0",
+        ]
         if "ngram-simple" in kinds:
             args += ["--spec-ngram-simple-size-n", str(NGRAM_N), "--spec-ngram-simple-size-m", str(NGRAM_M)]
         for kind in ("ngram-map-k", "ngram-map-k4v"):
@@ -107,11 +137,15 @@ def llama_cpp(plan: Plan) -> str:
                 args += [f"--spec-{kind}-size-n", str(NGRAM_N), f"--spec-{kind}-size-m", str(NGRAM_M)]
         if "ngram-mod" in kinds:
             args += ["--spec-ngram-mod-n-match", str(NGRAM_N)]
-        notes.append("# builds before the --spec-draft-* names: --draft-max/--draft-min for --spec-draft-n-max/-n-min"
-                     + (", and -md alone selects the draft model" if _uses_draft(plan) else ""))
+        notes.append(
+            "# builds before the --spec-draft-* names: --draft-max/--draft-min for --spec-draft-n-max/-n-min"
+            + (", and -md alone selects the draft model" if _uses_draft(plan) else "")
+        )
     if t.fmt.runtime:
-        notes.append("# layer counts come from a specdec-runtime plan (--dtype auto|bf16...); `specdec plan --dtype "
-                     "file` sizes them for llama.cpp")
+        notes.append(
+            "# layer counts come from a specdec-runtime plan (--dtype auto|bf16...); `specdec plan --dtype "
+            "file` sizes them for llama.cpp"
+        )
     if plan.hw.gpu is None:
         notes.append("# CPU only: -ngl 0")
     notes.append(f"# -c is the total over -np {slots} slot(s): {t.context} tokens each")
@@ -121,15 +155,25 @@ def llama_cpp(plan: Plan) -> str:
 def ollama(plan: Plan) -> str:
     s, t = plan.chosen, plan.target
     tpath, notes = _gguf(t.spec)
-    lines = ["# Modelfile", f"FROM {tpath}", f"PARAMETER num_ctx {t.context}", f"PARAMETER num_gpu {s.ngl}",
-             "PARAMETER temperature 0", *notes]
+    lines = [
+        "# Modelfile",
+        f"FROM {tpath}",
+        f"PARAMETER num_ctx {t.context}",
+        f"PARAMETER num_gpu {s.ngl}",
+        "PARAMETER temperature 0",
+        *notes,
+    ]
     if plan.spec_type != "none":
-        lines.append(f"# Ollama has no speculative decoding (ollama/ollama#5800): --spec-type {plan.spec_type} "
-                     "and the draft model are dropped; the llama.cpp export keeps them")
+        lines.append(
+            f"# Ollama has no speculative decoding (ollama/ollama#5800): --spec-type {plan.spec_type} "
+            "and the draft model are dropped; the llama.cpp export keeps them"
+        )
     if t.fmt.kv != "F16":
         lines.append(f"# KV cache {t.fmt.kv.lower()}: OLLAMA_KV_CACHE_TYPE={t.fmt.kv.lower()} OLLAMA_FLASH_ATTENTION=1")
-    lines += [f"# parallel requests: OLLAMA_NUM_PARALLEL={plan.inputs.slots} (each gets num_ctx)",
-              "ollama create specdec-plan -f Modelfile && ollama run specdec-plan"]
+    lines += [
+        f"# parallel requests: OLLAMA_NUM_PARALLEL={plan.inputs.slots} (each gets num_ctx)",
+        "ollama create specdec-plan -f Modelfile && ollama run specdec-plan",
+    ]
     return "\n".join(lines)
 
 
@@ -182,8 +226,10 @@ def vllm(plan: Plan) -> str:
     frac = _gpu_fraction(plan)
     if frac is not None:
         args += ["--gpu-memory-utilization", f"{frac:.2f}"]
-        notes.append(f"# sized for bf16 weights, f16 KV for {t.context} x {plan.inputs.slots} tokens and 2 GiB "
-                     "for CUDA graphs and activations; raise it to batch more requests")
+        notes.append(
+            f"# sized for bf16 weights, f16 KV for {t.context} x {plan.inputs.slots} tokens and 2 GiB "
+            "for CUDA graphs and activations; raise it to batch more requests"
+        )
     offload = _cpu_offload_gib(plan)
     if offload:
         args += ["--cpu-offload-gb", str(offload)]
@@ -197,8 +243,12 @@ def vllm(plan: Plan) -> str:
     elif {"suffix", "suffix-tree"} & set(parts):
         cfg = {"method": "suffix", "num_speculative_tokens": plan.k}
     elif parts:
-        cfg = {"method": "ngram", "num_speculative_tokens": plan.k, "prompt_lookup_max": NGRAM_N,
-               "prompt_lookup_min": NGRAM_N}
+        cfg = {
+            "method": "ngram",
+            "num_speculative_tokens": plan.k,
+            "prompt_lookup_max": NGRAM_N,
+            "prompt_lookup_min": NGRAM_N,
+        }
     if cfg is not None:
         args += ["--speculative-config", json.dumps(cfg)]
         if len(parts) > 1:
@@ -211,12 +261,21 @@ def vllm(plan: Plan) -> str:
 def tgi(plan: Plan) -> str:
     t = plan.target
     model, notes = _hf(t.spec)
-    args = ["text-generation-launcher", "--model-id", model, "--max-input-tokens", str(max(t.context - 1, 1)),
-            "--max-total-tokens", str(t.context)]
+    args = [
+        "text-generation-launcher",
+        "--model-id",
+        model,
+        "--max-input-tokens",
+        str(max(t.context - 1, 1)),
+        "--max-total-tokens",
+        str(t.context),
+    ]
     if plan.spec_type != "none":
         args += ["--speculate", str(plan.k)]
-        notes.append("# TGI's --speculate drafts with n-grams (or the model's Medusa heads); it has no separate "
-                     f"draft model, so --spec-type {plan.spec_type} maps to n-gram speculation")
+        notes.append(
+            "# TGI's --speculate drafts with n-grams (or the model's Medusa heads); it has no separate "
+            f"draft model, so --spec-type {plan.spec_type} maps to n-gram speculation"
+        )
     frac = _gpu_fraction(plan)
     if frac is not None:
         args += ["--cuda-memory-fraction", f"{frac:.2f}"]
@@ -233,9 +292,13 @@ def transformers(plan: Plan) -> str:
     gguf = ""
     if t.spec.kind == "gguf" and t.spec.path is not None:
         model, gguf = str(t.spec.path.parent), f", gguf_file={t.spec.path.name!r}"
-    lines = ["import torch", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
-             f"tok = AutoTokenizer.from_pretrained({model!r}{gguf})",
-             f"model = AutoModelForCausalLM.from_pretrained({model!r}{gguf}, {load})"]
+    lines = [
+        "import torch",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "",
+        f"tok = AutoTokenizer.from_pretrained({model!r}{gguf})",
+        f"model = AutoModelForCausalLM.from_pretrained({model!r}{gguf}, {load})",
+    ]
     parts = plan.spec_type.split(",")
     extra = ""
     if "draft" in parts and d is not None:
@@ -252,9 +315,11 @@ def transformers(plan: Plan) -> str:
         extra = f", prompt_lookup_num_tokens={min(plan.k, 10)}"
         if parts != ["ngram-simple"]:
             notes.append(f"# transformers has prompt lookup only: --spec-type {plan.spec_type} maps to it")
-    lines += ['msgs = [{"role": "user", "content": "Write a quicksort in Python"}]',
-              'inputs = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", '
-              'return_dict=True).to(model.device)',
-              f"out = model.generate(**inputs, max_new_tokens=256, do_sample=False{extra})",
-              'print(tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))']
+    lines += [
+        'msgs = [{"role": "user", "content": "Write a quicksort in Python"}]',
+        'inputs = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", '
+        "return_dict=True).to(model.device)",
+        f"out = model.generate(**inputs, max_new_tokens=256, do_sample=False{extra})",
+        'print(tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))',
+    ]
     return "\n".join(lines + notes)

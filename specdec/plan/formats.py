@@ -7,6 +7,7 @@ A plan's weight format is one of
 - a GGML type (`q8_0`, `q4_k`, `iq4_xs`...): the file requantized to it, as llama-quantize would
   do it uniformly (2-D weights in that type, 1-D tensors in F32).
 """
+
 from __future__ import annotations
 
 import functools
@@ -14,12 +15,31 @@ import functools
 from specdec.errors import SpecdecError
 
 RUNTIME_DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
-_ALIASES = {"f32": "F32", "fp32": "F32", "float32": "F32", "f16": "F16", "fp16": "F16", "float16": "F16",
-            "bf16": "BF16", "bfloat16": "BF16"}
+_ALIASES = {
+    "f32": "F32",
+    "fp32": "F32",
+    "float32": "F32",
+    "f16": "F16",
+    "fp16": "F16",
+    "float16": "F16",
+    "bf16": "BF16",
+    "bfloat16": "BF16",
+}
 # safetensors dtype -> (GGML-style name, bytes per element)
-SAFETENSORS_DTYPES = {"F64": ("F64", 8), "F32": ("F32", 4), "F16": ("F16", 2), "BF16": ("BF16", 2),
-                      "I64": ("I64", 8), "I32": ("I32", 4), "I16": ("I16", 2), "I8": ("I8", 1), "U8": ("I8", 1),
-                      "BOOL": ("I8", 1), "F8_E4M3": ("F8", 1), "F8_E5M2": ("F8", 1)}
+SAFETENSORS_DTYPES = {
+    "F64": ("F64", 8),
+    "F32": ("F32", 4),
+    "F16": ("F16", 2),
+    "BF16": ("BF16", 2),
+    "I64": ("I64", 8),
+    "I32": ("I32", 4),
+    "I16": ("I16", 2),
+    "I8": ("I8", 1),
+    "U8": ("I8", 1),
+    "BOOL": ("I8", 1),
+    "F8_E4M3": ("F8", 1),
+    "F8_E5M2": ("F8", 1),
+}
 
 
 @functools.cache
@@ -37,8 +57,9 @@ def ggml_type(name: str) -> str:
     key = _ALIASES.get(name.lower(), name.upper())
     sizes = quant_sizes()
     if key not in sizes:
-        raise SpecdecError(f"unknown quant type {name!r} (the installed gguf package knows: "
-                           f"{', '.join(sorted(sizes))})")
+        raise SpecdecError(
+            f"unknown quant type {name!r} (the installed gguf package knows: {', '.join(sorted(sizes))})"
+        )
     return key
 
 
@@ -46,8 +67,10 @@ def type_bytes(type_name: str, n_elements: int, row_len: int | None = None) -> i
     """Bytes of `n_elements` stored as GGML type `type_name` (rows of `row_len` must fill whole blocks)."""
     sizes = quant_sizes()
     if type_name not in sizes:
-        raise SpecdecError(f"unknown quant type {type_name!r}: its block size is not known to the installed gguf "
-                           "package (upgrade `gguf`)")
+        raise SpecdecError(
+            f"unknown quant type {type_name!r}: its block size is not known to the installed gguf "
+            "package (upgrade `gguf`)"
+        )
     block, size = sizes[type_name]
     row = n_elements if row_len is None else row_len
     if row % block or n_elements % block:

@@ -9,6 +9,7 @@ KV cache = layers x kv_heads x (k_dim + v_dim) x rows x bytes x slots, where row
 Compute buffers are estimates (stated in `compute_note`); the overhead constants below say where each figure
 comes from.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,25 +23,45 @@ from specdec.runtime.placement import Placement
 # Stated overheads (bytes). specdec figures were measured on this repo's machine (docs/planning.md, "specdec's own
 # process"): VmRSS after the imports, the first model build and the kernel library; the growth when one
 # tokenizer.json is loaded; the growth when `gguf.GGUFReader` opens a GGUF, per numpy view it makes.
-SPECDEC_BASE = 312 * 10**6          # Python + torch + specdec; the first model build imports torch._dynamo + sympy
-SPECDEC_TOKENIZER_PER_TOKEN = 600   # bytes of RSS per vocabulary entry (92 MB for Qwen2.5's 151,936)
-GGUF_READER_PER_PART = 313          # bytes per view (238 MB for the 760,735 of the Qwen2.5 packs' headers)
-LLAMA_HOST = 256 * 2**20            # llama.cpp process, tokenizer, host output buffers (approximate)
-GPU_CONTEXT = 512 * 2**20           # CUDA context + cuBLAS workspace per process (approximate)
+SPECDEC_BASE = 312 * 10**6  # Python + torch + specdec; the first model build imports torch._dynamo + sympy
+SPECDEC_TOKENIZER_PER_TOKEN = 600  # bytes of RSS per vocabulary entry (92 MB for Qwen2.5's 151,936)
+GGUF_READER_PER_PART = 313  # bytes per view (238 MB for the 760,735 of the Qwen2.5 packs' headers)
+LLAMA_HOST = 256 * 2**20  # llama.cpp process, tokenizer, host output buffers (approximate)
+GPU_CONTEXT = 512 * 2**20  # CUDA context + cuBLAS workspace per process (approximate)
 # llama-quantize's type for rows that do not fill the requested type's 256-element blocks
-QUANT_FALLBACK = {**{t: "IQ4_NL" for t in ("TQ1_0", "TQ2_0", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S",
-                                            "IQ3_XXS", "IQ3_S", "Q2_K", "Q3_K", "IQ4_XS")},
-                  "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
-UBATCH = 512                        # llama.cpp's default -ub; specdec's PREFILL_CHUNK is the same size
+QUANT_FALLBACK = {
+    **{
+        t: "IQ4_NL"
+        for t in (
+            "TQ1_0",
+            "TQ2_0",
+            "IQ1_S",
+            "IQ1_M",
+            "IQ2_XXS",
+            "IQ2_XS",
+            "IQ2_S",
+            "IQ3_XXS",
+            "IQ3_S",
+            "Q2_K",
+            "Q3_K",
+            "IQ4_XS",
+        )
+    },
+    "Q4_K": "Q5_0",
+    "Q5_K": "Q5_1",
+    "Q6_K": "Q8_0",
+}
+UBATCH = 512  # llama.cpp's default -ub; specdec's PREFILL_CHUNK is the same size
 
 
 @dataclass(frozen=True)
 class Format:
     """How one model's weights and KV are held."""
-    weights: str          # llama.cpp: 'file' | GGML type; specdec runtime: its compute dtype 'bf16'/'fp16'/'fp32'
-    kv: str               # GGML type name of the KV cache
-    quant: str = "none"   # specdec runtime: gguf | int8 | int4 | none (as generate's --quant, resolved)
-    x16: bool = False     # gguf: matrices repacked at load to the AVX-512 x16 layout
+
+    weights: str  # llama.cpp: 'file' | GGML type; specdec runtime: its compute dtype 'bf16'/'fp16'/'fp32'
+    kv: str  # GGML type name of the KV cache
+    quant: str = "none"  # specdec runtime: gguf | int8 | int4 | none (as generate's --quant, resolved)
+    x16: bool = False  # gguf: matrices repacked at load to the AVX-512 x16 layout
 
     @property
     def runtime(self) -> bool:
@@ -66,9 +87,10 @@ class Format:
 class DenseOnGpu:
     """The gguf runtime's parts as `-ngl` puts them on a GPU: dequantized to the compute dtype (`densify`; the GGUF
     kernels run on the CPU only), so a layer there takes its parameter count times the dtype's bytes."""
+
     layers: list[int]  # per decoder layer
     embed: int
-    head: int          # final norm + LM head (tied: its own dense copy of the embeddings)
+    head: int  # final norm + LM head (tied: its own dense copy of the embeddings)
 
 
 @dataclass
@@ -78,18 +100,18 @@ class ModelMemory:
     context: int
     slots: int
     tensor_bytes: dict[str, int]
-    layer_weights: list[int]      # per decoder layer, resident
-    layer_reads: list[int]        # per decoder layer, bytes a decode step reads (int4 keeps two layouts)
-    embed: int                    # token embeddings
-    head: int                     # final norm + LM head as resident (tied: see head_gpu_extra)
-    head_read: int                # bytes of the head a decode step reads (tied: the shared matrix)
-    head_gpu_extra: int           # llama.cpp duplicates tied embeddings as the output when the head is on the GPU
-    other: int                    # tensors outside the layers we do not place (kept on the CPU)
-    kv_rows: int                  # KV rows per slot
-    kv_layer: int                 # KV bytes of one layer, all slots
+    layer_weights: list[int]  # per decoder layer, resident
+    layer_reads: list[int]  # per decoder layer, bytes a decode step reads (int4 keeps two layouts)
+    embed: int  # token embeddings
+    head: int  # final norm + LM head as resident (tied: see head_gpu_extra)
+    head_read: int  # bytes of the head a decode step reads (tied: the shared matrix)
+    head_gpu_extra: int  # llama.cpp duplicates tied embeddings as the output when the head is on the GPU
+    other: int  # tensors outside the layers we do not place (kept on the CPU)
+    kv_rows: int  # KV rows per slot
+    kv_layer: int  # KV bytes of one layer, all slots
     compute: int
     compute_note: str
-    head_rows: int = 0            # LM-head rows a decode step reads (a draft's `--draft-vocab`); 0 = all
+    head_rows: int = 0  # LM-head rows a decode step reads (a draft's `--draft-vocab`); 0 = all
     dense_gpu: DenseOnGpu | None = None  # gguf runtime: what goes to the GPU instead of the blocks
 
     @property
@@ -268,6 +290,7 @@ def _fused(spec: ModelSpec) -> list[tuple[list[TensorSpec], list[TensorSpec]]]:
 
 def kv_rows(context: int, style: str) -> int:
     from specdec.runtime.runner import HEADROOM
+
     return context + HEADROOM if style == "specdec" else context
 
 
@@ -278,12 +301,15 @@ def kv_layer_bytes(spec: ModelSpec, kv_type: str, rows: int, slots: int) -> int:
     try:
         return type_bytes(kv_type, elems, d.num_kv_heads * d.head_dim_k)
     except SpecdecError:
-        raise SpecdecError(f"KV cache type {kv_type} needs rows divisible by its block size; "
-                           f"{spec.label} has {d.num_kv_heads * d.head_dim_k} per position") from None
+        raise SpecdecError(
+            f"KV cache type {kv_type} needs rows divisible by its block size; "
+            f"{spec.label} has {d.num_kv_heads * d.head_dim_k} per position"
+        ) from None
 
 
-def model_memory(spec: ModelSpec, fmt: Format, context: int, slots: int, draft_max: int = 16,
-                 head_rows: int = 0) -> ModelMemory:
+def model_memory(
+    spec: ModelSpec, fmt: Format, context: int, slots: int, draft_max: int = 16, head_rows: int = 0
+) -> ModelMemory:
     """`head_rows` > 0: a decode step reads only that many rows of the LM head (a draft's `--draft-vocab`)."""
     d = spec.dims
     both = _sizes(spec, fmt)
@@ -307,9 +333,26 @@ def model_memory(spec: ModelSpec, fmt: Format, context: int, slots: int, draft_m
     rows = kv_rows(context, fmt.style)
     kv_layer = kv_layer_bytes(spec, fmt.kv, rows, slots)
     compute, note = _compute(spec, fmt, context, slots, draft_max)
-    return ModelMemory(spec, fmt, context, slots, sizes, layers, reads, embed, head, head_read, head_gpu_extra,
-                       other, rows, kv_layer, compute, note, head_rows,
-                       _dense_on_gpu(spec, RUNTIME_DTYPES[fmt.weights]) if fmt.quant == "gguf" else None)
+    return ModelMemory(
+        spec,
+        fmt,
+        context,
+        slots,
+        sizes,
+        layers,
+        reads,
+        embed,
+        head,
+        head_read,
+        head_gpu_extra,
+        other,
+        rows,
+        kv_layer,
+        compute,
+        note,
+        head_rows,
+        _dense_on_gpu(spec, RUNTIME_DTYPES[fmt.weights]) if fmt.quant == "gguf" else None,
+    )
 
 
 def _by_part(spec: ModelSpec, size: Callable[[TensorSpec], int]) -> tuple[list[int], int, int, int]:
@@ -330,7 +373,8 @@ def _by_part(spec: ModelSpec, size: Callable[[TensorSpec], int]) -> tuple[list[i
 
 
 def _dense_on_gpu(spec: ModelSpec, dtype_bytes: int) -> DenseOnGpu:
-    """Every tensor at `dtype_bytes` per parameter, by where `-ngl` places it (a tied head: a copy of the embeddings)."""
+    """Every tensor at `dtype_bytes` per parameter, by where `-ngl` places it (a tied head: a copy of the
+    embeddings)."""
     layers, embed, head, _ = _by_part(spec, lambda t: t.n_elements * dtype_bytes)
     return DenseOnGpu(layers, embed, head + (embed if spec.dims.tied else 0))
 
@@ -349,19 +393,21 @@ def _compute(spec: ModelSpec, fmt: Format, context: int, slots: int, draft_max: 
             note += " + the prefill's dequantized gate/up (bf16)"
         return b, note
     b = chunk * (width + d.vocab) * 4 + d.vocab * 4 * slots
-    return b, (f"one {chunk}-token ubatch of f32 activations and logits (flash attention on); "
-               "llama.cpp logs the real figure")
+    return b, (
+        f"one {chunk}-token ubatch of f32 activations and logits (flash attention on); llama.cpp logs the real figure"
+    )
 
 
 @dataclass
 class RuntimeRSS:
     """specdec's own process on the CPU: predicted resident memory, steady and at the load peak."""
+
     steady: int
     load_peak: int
     peak: int
     parts: dict[str, int]
     phases: dict[str, int]
-    load_note: str        # what loading holds beyond the steady parts
+    load_note: str  # what loading holds beyond the steady parts
 
 
 def tokenizer_bytes(spec: ModelSpec) -> int:
@@ -390,13 +436,19 @@ def runtime_rss(target: ModelMemory, draft: ModelMemory | None, heads: dict[str,
     return RuntimeRSS(steady, load_peak, max(phases.values()), parts, phases, note)
 
 
-_LOAD_NOTES = {True: "the GGUF reader's header objects and a repacked tensor's file pages beside its copy",
-               False: "the mmap'd checkpoint beside the converted weights"}
+_LOAD_NOTES = {
+    True: "the GGUF reader's header objects and a repacked tensor's file pages beside its copy",
+    False: "the mmap'd checkpoint beside the converted weights",
+}
 
 
 def _model_parts(role: str, m: ModelMemory) -> dict[str, int]:
-    return {f"{role} weights": _resident_weights(m), f"{role} KV": m.kv, f"{role} buffers": m.compute,
-            f"{role} tokenizer": tokenizer_bytes(m.spec)}
+    return {
+        f"{role} weights": _resident_weights(m),
+        f"{role} KV": m.kv,
+        f"{role} buffers": m.compute,
+        f"{role} tokenizer": tokenizer_bytes(m.spec),
+    }
 
 
 def _resident_weights(m: ModelMemory) -> int:

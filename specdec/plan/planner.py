@@ -1,4 +1,5 @@
 """`make_plan`: memory, placement, largest context, speed and a recommendation for a target (+ draft)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,8 +8,18 @@ from typing import TYPE_CHECKING
 from specdec.errors import SpecdecError
 from specdec.plan import devices as dev
 from specdec.plan.formats import RUNTIME_DTYPES, is_runtime_format, kv_type, weight_format
-from specdec.plan.memory import (GPU_CONTEXT, LLAMA_HOST, SPECDEC_BASE, Format, ModelMemory, RuntimeRSS,
-                                 dense_matrix_types, model_memory, runtime_rss, tokenizer_bytes)
+from specdec.plan.memory import (
+    GPU_CONTEXT,
+    LLAMA_HOST,
+    SPECDEC_BASE,
+    Format,
+    ModelMemory,
+    RuntimeRSS,
+    dense_matrix_types,
+    model_memory,
+    runtime_rss,
+    tokenizer_bytes,
+)
 from specdec.plan.recommend import Recommendation, recommend, task
 from specdec.plan.specs import ModelSpec, load_spec
 from specdec.plan.speed import StepTime, best_k, break_even_alpha, step_time
@@ -25,33 +36,33 @@ LLAMA_CPP_ENGINES = ("llama.cpp", "ollama")  # exports whose plan defaults to --
 
 @dataclass
 class PlanInputs:
-    model: str | None = None          # None: the default pair
+    model: str | None = None  # None: the default pair
     draft: str | None = None
-    context: int | None = None        # default: DEFAULT_CONTEXT capped at the model's maximum
+    context: int | None = None  # default: DEFAULT_CONTEXT capped at the model's maximum
     draft_context: int | None = None  # default: the target's (capped at the draft's maximum)
-    dtype: str | None = None          # default: auto (specdec's runtime), file when exporting to llama.cpp/Ollama
-    draft_dtype: str | None = None    # default: --dtype
-    quant: str = "auto"               # specdec runtime (as generate's --quant): auto | gguf | int8 | int4 | none
-    draft_quant: str = "auto"         # the same for the draft (generate's --draft-quant)
+    dtype: str | None = None  # default: auto (specdec's runtime), file when exporting to llama.cpp/Ollama
+    draft_dtype: str | None = None  # default: --dtype
+    quant: str = "auto"  # specdec runtime (as generate's --quant): auto | gguf | int8 | int4 | none
+    draft_quant: str = "auto"  # the same for the draft (generate's --draft-quant)
     kv_dtype: str = "auto"
     slots: int = 1
-    gpu: str | None = None            # a named GPU, 'none', or None = detect
+    gpu: str | None = None  # a named GPU, 'none', or None = detect
     gpu_mem: str | None = None
     gpu_bw: str | None = None
     ram: str | None = None
     ram_bw: str | None = None
     pcie_bw: str | None = None
     cpu: str | None = None
-    ngl: int | None = None            # None: as many as fit; ALL_LAYERS: all
+    ngl: int | None = None  # None: as many as fit; ALL_LAYERS: all
     ngld: int | None = None
     task: str = "code"
     accept: float | None = None
     draft_max: int = 16
-    spec_type: str | None = None      # force the exported spec type (default: the recommendation)
-    export: str | None = None         # the engine the plan is exported to (decides the default --dtype)
-    x16: bool | None = None           # the planned CPU runs the x16 layout's kernels (None: the --cpu profile / this CPU)
+    spec_type: str | None = None  # force the exported spec type (default: the recommendation)
+    export: str | None = None  # the engine the plan is exported to (decides the default --dtype)
+    x16: bool | None = None  # the planned CPU runs the x16 layout's kernels (None: the --cpu profile / this CPU)
     drafter_options: dict | None = None  # drafter options (e.g. a head directory) as `LLM(...)` takes them
-    cache_mb: int = 0                 # specdec's prefix cache budget (`serve --cache-mb`), host memory
+    cache_mb: int = 0  # specdec's prefix cache budget (`serve --cache-mb`), host memory
 
 
 @dataclass
@@ -63,13 +74,14 @@ class Hardware:
     pcie_bw: float | None
     ram: int
     ram_bw: float
-    x16: bool                         # the GGUF kernels run the x16 layout (AVX2 / AVX-512)
+    x16: bool  # the GGUF kernels run the x16 layout (AVX2 / AVX-512)
     sources: dict[str, str]
 
 
 @dataclass
 class Setup:
     """One concrete placement of the target (and draft) with its memory and step times."""
+
     ngl: int
     ngld: int | None
     target: Placement
@@ -94,10 +106,10 @@ class Plan:
     alpha: float
     alpha_source: str
     cost_ratio: float | None
-    draft_k: int | None           # best draft length for the draft model (None without one)
-    draft_gain: float | None      # its speedup at the bound
-    k: int                        # draft length of the chosen spec type
-    gain: float                   # speedup of the chosen spec type (1.0 when it has no draft model)
+    draft_k: int | None  # best draft length for the draft model (None without one)
+    draft_gain: float | None  # its speedup at the bound
+    k: int  # draft length of the chosen spec type
+    gain: float  # speedup of the chosen spec type (1.0 when it has no draft model)
     break_even: float | None
     draft_pays: bool
     why_not: str | None
@@ -134,8 +146,9 @@ def resolve_hardware(i: PlanInputs) -> Hardware:
     if profile is not None:
         if gpu_mem is None:
             gpu_mem = int(profile.mem * dev.UNIFIED_GPU_SHARE) if unified else profile.mem
-            src["gpu_mem"] = f"{profile.name} profile" + (f" ({dev.UNIFIED_GPU_SHARE:.0%} of unified memory)"
-                                                          if unified else "")
+            src["gpu_mem"] = f"{profile.name} profile" + (
+                f" ({dev.UNIFIED_GPU_SHARE:.0%} of unified memory)" if unified else ""
+            )
         gpu_bw, pcie = profile.bw, profile.pcie
         src["gpu_bw"] = src["pcie_bw"] = f"{profile.name} profile"
     if i.gpu_mem is not None:
@@ -218,8 +231,10 @@ def _runtime_quant(quant: str, name: str, spec: ModelSpec, flag: str) -> str:
 
     q = "none" if quant == "auto" and spec.kind == "config" else resolve_quant(quant, name)
     if q == "gguf" and spec.kind in ("checkpoint", "config"):
-        raise SpecdecError(f"{flag} gguf needs a GGUF file or a model pack; {spec.label} is a checkpoint "
-                           "(plan it with none, int8 or int4)")
+        raise SpecdecError(
+            f"{flag} gguf needs a GGUF file or a model pack; {spec.label} is a checkpoint "
+            "(plan it with none, int8 or int4)"
+        )
     return q
 
 
@@ -244,18 +259,21 @@ def _check_context(spec: ModelSpec, ctx: int, flag: str) -> None:
     if ctx < 1:
         raise SpecdecError(f"{flag} must be >= 1 (got {ctx})")
     if ctx > spec.dims.max_ctx:
-        raise SpecdecError(f"{flag} {ctx} is larger than {spec.label} allows (max_position_embeddings "
-                           f"{spec.dims.max_ctx})")
+        raise SpecdecError(
+            f"{flag} {ctx} is larger than {spec.label} allows (max_position_embeddings {spec.dims.max_ctx})"
+        )
 
 
 class _Planner:
-    def __init__(self, i: PlanInputs, hw: Hardware, tspec: ModelSpec, dspec: ModelSpec | None,
-                 tfmt: Format, dfmt: Format | None):
+    def __init__(
+        self, i: PlanInputs, hw: Hardware, tspec: ModelSpec, dspec: ModelSpec | None, tfmt: Format, dfmt: Format | None
+    ):
         self.i, self.hw, self.tspec, self.dspec, self.tfmt, self.dfmt = i, hw, tspec, dspec, tfmt, dfmt
         self.use_draft = dspec is not None
         self.draft_head_rows = 0  # LM-head rows a draft step reads: specdec's `--draft-vocab` (0 = all)
         if dspec is not None and dfmt is not None and dfmt.runtime and abs(dspec.dims.vocab - tspec.dims.vocab) <= 1024:
             from specdec.drafters.draft_model import head_rows  # not across tokenizers (notes below)
+
             self.draft_head_rows = head_rows((i.drafter_options or {}).get("draft_vocab", "auto"), dspec.dims.vocab)
 
     def memories(self, ctx: int, dctx: int | None) -> tuple[ModelMemory, ModelMemory | None]:
@@ -285,8 +303,9 @@ class _Planner:
                 best = n
         return best
 
-    def choose(self, t: ModelMemory, d: ModelMemory | None, ngl: int | None,
-               ngld: int | None) -> tuple[int, int | None]:
+    def choose(
+        self, t: ModelMemory, d: ModelMemory | None, ngl: int | None, ngld: int | None
+    ) -> tuple[int, int | None]:
         """-ngl/-ngld: the flags if given, else the draft whole on the GPU first, then as many target layers as fit."""
         if self.hw.gpu is None:
             return 0, (0 if d else None)
@@ -315,14 +334,26 @@ class _Planner:
         pool = ram_need + (gpu_need if self.hw.unified else 0)
         if pool > self.hw.ram:
             why = (why + "; " if why else "") + f"RAM needs {pool / 2**30:.2f} GiB of {self.hw.ram / 2**30:.2f} GiB"
-        return Setup(nt, nd, pt, pd, gpu_need, ram_need, not why, why, self.step(t, pt, 0),
-                     self.step(d, pd, 0) if d and pd else None, self.step(t, pt, t.context))
+        return Setup(
+            nt,
+            nd,
+            pt,
+            pd,
+            gpu_need,
+            ram_need,
+            not why,
+            why,
+            self.step(t, pt, 0),
+            self.step(d, pd, 0) if d and pd else None,
+            self.step(t, pt, t.context),
+        )
 
     def step(self, m: ModelMemory, p: Placement, position: int) -> StepTime:
         gpu_b, cpu_b = m.read_per_token(p, position)
         act = 4 if m.fmt.style == "llama.cpp" else (2 if m.fmt.weights != "fp32" else 4)
-        return step_time(gpu_b, cpu_b, p.crossings, m.spec.dims.hidden * act, self.hw.gpu_bw, self.hw.ram_bw,
-                         self.hw.pcie_bw)
+        return step_time(
+            gpu_b, cpu_b, p.crossings, m.spec.dims.hidden * act, self.hw.gpu_bw, self.hw.ram_bw, self.hw.pcie_bw
+        )
 
     def fits(self, ctx: int, all_on_gpu: bool) -> bool:
         """Whether the chosen setup (with the draft only if it is used) fits at context `ctx`."""
@@ -367,18 +398,23 @@ def _check_inputs(i: PlanInputs) -> None:
             raise SpecdecError(f"{flag} must be >= 0 or 'all' (got {n})")
 
 
-def _formats(i: PlanInputs, model: str, draft: str | None, tspec: ModelSpec, dspec: ModelSpec | None,
-             hw: Hardware) -> tuple[Format, Format | None]:
+def _formats(
+    i: PlanInputs, model: str, draft: str | None, tspec: ModelSpec, dspec: ModelSpec | None, hw: Hardware
+) -> tuple[Format, Format | None]:
     """The target's and draft's Format from --dtype/--draft-dtype, --quant/--draft-quant and the planned CPU."""
     fmt = weight_format(i.dtype or default_dtype(i.export))
     dfmt = weight_format(i.draft_dtype) if i.draft_dtype else fmt
     runtime = is_runtime_format(fmt)
     if runtime != is_runtime_format(dfmt):
-        raise SpecdecError("--dtype and --draft-dtype must both be specdec runtime dtypes (auto/bf16/fp16/fp32) "
-                           "or both file/GGML types: one engine runs both models")
+        raise SpecdecError(
+            "--dtype and --draft-dtype must both be specdec runtime dtypes (auto/bf16/fp16/fp32) "
+            "or both file/GGML types: one engine runs both models"
+        )
     if not runtime and (i.quant, i.draft_quant) != ("auto", "auto"):
-        raise SpecdecError(f"--quant/--draft-quant plan specdec's runtime; --dtype {fmt} plans the file as llama.cpp "
-                           "loads it (use --dtype auto|bf16|fp16|fp32 with them)")
+        raise SpecdecError(
+            f"--quant/--draft-quant plan specdec's runtime; --dtype {fmt} plans the file as llama.cpp "
+            "loads it (use --dtype auto|bf16|fp16|fp32 with them)"
+        )
     tquant = _runtime_quant(i.quant, model, tspec, "--quant") if runtime else "none"
     tfmt = _format(fmt, i.kv_dtype, tquant, hw)
     if dspec is None or draft is None:
@@ -390,9 +426,10 @@ def _formats(i: PlanInputs, model: str, draft: str | None, tspec: ModelSpec, dsp
 @dataclass
 class _Verdict:
     """Whether the draft model pays at the planned acceptance (all None without a draft model)."""
-    cost: float | None = None        # c = draft step / target step
-    k: int | None = None             # best draft length
-    gain: float | None = None        # its speedup at the bound
+
+    cost: float | None = None  # c = draft step / target step
+    k: int | None = None  # best draft length
+    gain: float | None = None  # its speedup at the bound
     break_even: float | None = None  # acceptance below which drafting k tokens is slower
     pays: bool = False
     why_not: str | None = None
@@ -411,8 +448,9 @@ def _judge_draft(alpha: float, alone: Setup, with_draft: Setup | None, draft_max
         v.why_not = f"x{gain:.2f} at acceptance {alpha:.0%}; it pays above {v.break_even:.0%}"
     elif tps_draft <= tps_alone:
         moved = alone.ngl - with_draft.ngl
-        v.why_not = (f"it pushes {moved} target layers off the GPU: {tps_draft:.1f} tok/s with it vs "
-                     f"{tps_alone:.1f} without")
+        v.why_not = (
+            f"it pushes {moved} target layers off the GPU: {tps_draft:.1f} tok/s with it vs {tps_alone:.1f} without"
+        )
     elif not with_draft.fits and alone.fits:
         v.why_not = f"target + draft do not fit ({with_draft.why})"
     else:
@@ -432,8 +470,9 @@ def _contexts(i: PlanInputs, tspec: ModelSpec, dspec: ModelSpec | None) -> int |
     return dctx
 
 
-def _context_room(pl: _Planner, t: ModelMemory, d: ModelMemory | None) -> tuple[int | None, int | None, int,
-                                                                                 float | None]:
+def _context_room(
+    pl: _Planner, t: ModelMemory, d: ModelMemory | None
+) -> tuple[int | None, int | None, int, float | None]:
     """(largest context all on the GPU, largest that fits, KV bytes of 1k more context, in target layers)."""
     has_gpu = pl.hw.gpu is not None
     max_gpu = pl.largest_context(True) if has_gpu else None
@@ -455,22 +494,32 @@ def _notes(plan: Plan) -> list[str]:
             notes.append(f"{s.label}: architecture {s.dims.arch!r} is not one specdec's runtime runs")
         dense = dense_matrix_types(s, m.fmt)
         if dense:
-            notes.append(f"{s.label}: {'/'.join(dense)} matrices (and a q/k/v or gate/up they are fused with) are "
-                         f"held dense in {m.fmt.weights}: the kernels take Q4_K, Q5_0, Q6_K, Q8_0")
+            notes.append(
+                f"{s.label}: {'/'.join(dense)} matrices (and a q/k/v or gate/up they are fused with) are "
+                f"held dense in {m.fmt.weights}: the kernels take Q4_K, Q5_0, Q6_K, Q8_0"
+            )
     d = plan.draft.spec.dims if plan.draft else None
     if d and d.vocab and plan.target.spec.dims.vocab and abs(d.vocab - plan.target.spec.dims.vocab) > 1024:
-        notes.append(f"the draft's vocabulary ({d.vocab}) is not the target's ({plan.target.spec.dims.vocab}): "
-                     "specdec drafts across tokenizers (drafts re-tokenized through text, docs/cross-tokenizer.md); "
-                     "the --export configurations assume a shared tokenizer")
+        notes.append(
+            f"the draft's vocabulary ({d.vocab}) is not the target's ({plan.target.spec.dims.vocab}): "
+            "specdec drafts across tokenizers (drafts re-tokenized through text, docs/cross-tokenizer.md); "
+            "the --export configurations assume a shared tokenizer"
+        )
     if runtime and drafting and d and plan.draft and plan.draft.head_rows:
-        notes.append(f"the draft computes its logits over its first {plan.draft.head_rows} of {d.vocab} token ids "
-                     "(--draft-vocab); the draft step's bytes count those rows of its LM head")
+        notes.append(
+            f"the draft computes its logits over its first {plan.draft.head_rows} of {d.vocab} token ids "
+            "(--draft-vocab); the draft step's bytes count those rows of its LM head"
+        )
     if runtime and drafting:
-        notes.append("specdec picks each step's draft length itself (--spec-adaptive on, up to --draft-max) "
-                     "from measured costs; the k above is for fixed-length engines (llama.cpp, vLLM)")
+        notes.append(
+            "specdec picks each step's draft length itself (--spec-adaptive on, up to --draft-max) "
+            "from measured costs; the k above is for fixed-length engines (llama.cpp, vLLM)"
+        )
     if runtime and plan.hw.gpu is not None and "gguf" in (plan.target.fmt.quant, plan.draft and plan.draft.fmt.quant):
-        notes.append("specdec's runtime puts -ngl/-ngld layers on the CUDA device dequantized to the compute dtype "
-                     "(the GGUF kernels run on the CPU), so a GGUF model takes its dense size there")
+        notes.append(
+            "specdec's runtime puts -ngl/-ngld layers on the CUDA device dequantized to the compute dtype "
+            "(the GGUF kernels run on the CPU), so a GGUF model takes its dense size there"
+        )
     return notes
 
 
@@ -505,22 +554,55 @@ def make_plan(i: PlanInputs) -> Plan:
     heads = drafter_memory(spec_type, model, tspec, t, i.slots, i.drafter_options)
     parts = {k: v for h in heads for k, v in h.parts.items()}
     rss = runtime_rss(t, d if pl.use_draft else None, parts) if tfmt.runtime else None
-    plan = Plan(i, hw, t, d, with_draft, alone, alpha, alpha_src, v.cost, v.k, v.gain, k, gain, v.break_even, v.pays,
-                v.why_not, rec, spec_type, *_context_room(pl, t, d), rss, heads=parts)
+    plan = Plan(
+        i,
+        hw,
+        t,
+        d,
+        with_draft,
+        alone,
+        alpha,
+        alpha_src,
+        v.cost,
+        v.k,
+        v.gain,
+        k,
+        gain,
+        v.break_even,
+        v.pays,
+        v.why_not,
+        rec,
+        spec_type,
+        *_context_room(pl, t, d),
+        rss,
+        heads=parts,
+    )
     plan.notes = _notes(plan) + [h.note for h in heads]
     return plan
 
 
-def drafter_memory(spec_type: str, model: str, tspec: ModelSpec, t: ModelMemory, slots: int,
-                   options: dict | None = None) -> list[HeadMemory]:
+def drafter_memory(
+    spec_type: str, model: str, tspec: ModelSpec, t: ModelMemory, slots: int, options: dict | None = None
+) -> list[HeadMemory]:
     """The memory of each drafter in the chain that holds its own (a trained head), as the drafter estimates it."""
     from specdec.drafters import REGISTRY, parse_spec_type
     from specdec.drafters.registry import MemoryQuery
 
     d = tspec.dims
-    q = MemoryQuery(model, d.hidden, d.num_layers, d.num_heads, d.num_kv_heads, d.head_dim_k, d.intermediate,
-                    d.vocab, t.context, slots, RUNTIME_DTYPES.get(t.fmt.weights, 4) if t.fmt.quant != "gguf" else 4,
-                    REGISTRY.option_values(options))
+    q = MemoryQuery(
+        model,
+        d.hidden,
+        d.num_layers,
+        d.num_heads,
+        d.num_kv_heads,
+        d.head_dim_k,
+        d.intermediate,
+        d.vocab,
+        t.context,
+        slots,
+        RUNTIME_DTYPES.get(t.fmt.weights, 4) if t.fmt.quant != "gguf" else 4,
+        REGISTRY.option_values(options),
+    )
     kinds = [REGISTRY.get(p) for p in parse_spec_type(spec_type) if p != "none"]
     return [k.memory(q) for k in kinds if k.memory is not None]
 

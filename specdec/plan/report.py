@@ -1,4 +1,5 @@
 """A plan as a human-readable report or as one JSON-able dict."""
+
 from __future__ import annotations
 
 from specdec.plan.memory import GPU_CONTEXT, ModelMemory, RuntimeRSS
@@ -25,57 +26,120 @@ def _n(x: float) -> str:
 def _model_dict(m: ModelMemory) -> dict:
     s, d = m.spec, m.spec.dims
     return {
-        "name": s.label, "kind": s.kind, "path": str(s.path) if s.path else None, "arch": d.arch,
-        "params": s.params, "layers": d.num_layers, "kv_heads": d.num_kv_heads, "head_dim": d.head_dim_k,
-        "hidden": d.hidden, "vocab": d.vocab, "max_context": d.max_ctx, "tied_embeddings": d.tied,
-        "file_bytes": s.file_bytes, "stored_types": s.type_summary(), "runtime_supported": s.runtime_supported,
-        "format": {"engine": m.fmt.style, "path": m.fmt.path, "weights": m.fmt.weights, "kv": m.fmt.kv,
-                   "quant": m.fmt.quant, "x16": m.fmt.x16},
-        "context": m.context, "kv_rows_per_slot": m.kv_rows,
-        "memory": {"weights": m.weights, "per_layer": m.layer_weights, "embeddings": m.embed, "head": m.head,
-                   "other": m.other, "kv": m.kv, "kv_per_layer": m.kv_layer, "kv_per_token": m.kv_per_token,
-                   "compute": m.compute, "compute_note": m.compute_note, "total": m.total},
+        "name": s.label,
+        "kind": s.kind,
+        "path": str(s.path) if s.path else None,
+        "arch": d.arch,
+        "params": s.params,
+        "layers": d.num_layers,
+        "kv_heads": d.num_kv_heads,
+        "head_dim": d.head_dim_k,
+        "hidden": d.hidden,
+        "vocab": d.vocab,
+        "max_context": d.max_ctx,
+        "tied_embeddings": d.tied,
+        "file_bytes": s.file_bytes,
+        "stored_types": s.type_summary(),
+        "runtime_supported": s.runtime_supported,
+        "format": {
+            "engine": m.fmt.style,
+            "path": m.fmt.path,
+            "weights": m.fmt.weights,
+            "kv": m.fmt.kv,
+            "quant": m.fmt.quant,
+            "x16": m.fmt.x16,
+        },
+        "context": m.context,
+        "kv_rows_per_slot": m.kv_rows,
+        "memory": {
+            "weights": m.weights,
+            "per_layer": m.layer_weights,
+            "embeddings": m.embed,
+            "head": m.head,
+            "other": m.other,
+            "kv": m.kv,
+            "kv_per_layer": m.kv_layer,
+            "kv_per_token": m.kv_per_token,
+            "compute": m.compute,
+            "compute_note": m.compute_note,
+            "total": m.total,
+        },
     }
 
 
 def _setup_dict(s: Setup | None) -> dict | None:
     if s is None:
         return None
-    return {"ngl": s.ngl, "ngld": s.ngld, "target_gpu_layers": s.target.gpu_layers,
-            "draft_gpu_layers": s.draft.gpu_layers if s.draft else None, "gpu_bytes": s.gpu_need,
-            "ram_bytes": s.ram_need, "fits": s.fits, "why_not": s.why or None,
-            "target_tps_bound": s.target_step.tokens_per_s, "target_tps_bound_full_context":
-            s.target_step_full.tokens_per_s, "draft_tps_bound": s.draft_step.tokens_per_s if s.draft_step else None,
-            "step_seconds": {"gpu": s.target_step.gpu_s, "cpu": s.target_step.cpu_s, "link": s.target_step.link_s}}
+    return {
+        "ngl": s.ngl,
+        "ngld": s.ngld,
+        "target_gpu_layers": s.target.gpu_layers,
+        "draft_gpu_layers": s.draft.gpu_layers if s.draft else None,
+        "gpu_bytes": s.gpu_need,
+        "ram_bytes": s.ram_need,
+        "fits": s.fits,
+        "why_not": s.why or None,
+        "target_tps_bound": s.target_step.tokens_per_s,
+        "target_tps_bound_full_context": s.target_step_full.tokens_per_s,
+        "draft_tps_bound": s.draft_step.tokens_per_s if s.draft_step else None,
+        "step_seconds": {"gpu": s.target_step.gpu_s, "cpu": s.target_step.cpu_s, "link": s.target_step.link_s},
+    }
 
 
 def to_dict(plan: Plan) -> dict:
     hw = plan.hw
     out = {
-        "hardware": {"gpu": hw.gpu, "unified_memory": hw.unified, "gpu_mem": hw.gpu_mem, "gpu_bw": hw.gpu_bw,
-                     "pcie_bw": hw.pcie_bw, "ram": hw.ram, "ram_bw": hw.ram_bw, "x16": hw.x16,
-                     "sources": hw.sources,
-                     "gpu_overhead": GPU_CONTEXT if hw.gpu else 0},
+        "hardware": {
+            "gpu": hw.gpu,
+            "unified_memory": hw.unified,
+            "gpu_mem": hw.gpu_mem,
+            "gpu_bw": hw.gpu_bw,
+            "pcie_bw": hw.pcie_bw,
+            "ram": hw.ram,
+            "ram_bw": hw.ram_bw,
+            "x16": hw.x16,
+            "sources": hw.sources,
+            "gpu_overhead": GPU_CONTEXT if hw.gpu else 0,
+        },
         "target": _model_dict(plan.target),
         "draft": _model_dict(plan.draft) if plan.draft else None,
         "slots": plan.inputs.slots,
         "setup": _setup_dict(plan.chosen),
         "with_draft": _setup_dict(plan.with_draft),
         "without_draft": _setup_dict(plan.alone),
-        "context": {"target": plan.target.context, "draft": plan.draft.context if plan.draft else None,
-                    "max_all_on_gpu": plan.max_context_gpu, "max_that_fits": plan.max_context,
-                    "per_1k_bytes": plan.per_1k_bytes, "per_1k_target_layers": plan.per_1k_layers},
-        "speculative": {"alpha": plan.alpha, "alpha_source": plan.alpha_source, "cost_ratio": plan.cost_ratio,
-                        "draft_length": plan.draft_k, "speedup": plan.draft_gain, "break_even_alpha": plan.break_even,
-                        "draft_pays": plan.draft_pays, "why_not": plan.why_not,
-                        "table": _table(plan) if plan.cost_ratio is not None else []},
+        "context": {
+            "target": plan.target.context,
+            "draft": plan.draft.context if plan.draft else None,
+            "max_all_on_gpu": plan.max_context_gpu,
+            "max_that_fits": plan.max_context,
+            "per_1k_bytes": plan.per_1k_bytes,
+            "per_1k_target_layers": plan.per_1k_layers,
+        },
+        "speculative": {
+            "alpha": plan.alpha,
+            "alpha_source": plan.alpha_source,
+            "cost_ratio": plan.cost_ratio,
+            "draft_length": plan.draft_k,
+            "speedup": plan.draft_gain,
+            "break_even_alpha": plan.break_even,
+            "draft_pays": plan.draft_pays,
+            "why_not": plan.why_not,
+            "table": _table(plan) if plan.cost_ratio is not None else [],
+        },
         "chosen": {"spec_type": plan.spec_type, "draft_max": plan.k, "speedup": plan.gain},
         "expected_tps": plan.expected_tps,
         "recommendation": plan.recommendation.to_dict(),
         "spec_type": plan.spec_type,
-        "specdec_runtime_rss": None if plan.rss is None else {
-            "steady": plan.rss.steady, "load_peak": plan.rss.load_peak, "peak": plan.rss.peak,
-            "parts": plan.rss.parts, "phases": plan.rss.phases, "load_note": plan.rss.load_note},
+        "specdec_runtime_rss": None
+        if plan.rss is None
+        else {
+            "steady": plan.rss.steady,
+            "load_peak": plan.rss.load_peak,
+            "peak": plan.rss.peak,
+            "parts": plan.rss.parts,
+            "phases": plan.rss.phases,
+            "load_note": plan.rss.load_note,
+        },
         "drafter_memory": plan.heads,
         "notes": plan.notes,
     }
@@ -93,9 +157,14 @@ def _table(plan: Plan) -> list[dict]:
 
 def render(plan: Plan) -> str:
     models = [("target", plan.target)] + ([("draft", plan.draft)] if plan.draft else [])
-    sections = [_header(plan), _models_table(models), _memory_table(models),
-                [_placement_line(plan, plan.chosen), _context_line(plan)], _speed_lines(plan),
-                _recommendation_lines(plan)]
+    sections = [
+        _header(plan),
+        _models_table(models),
+        _memory_table(models),
+        [_placement_line(plan, plan.chosen), _context_line(plan)],
+        _speed_lines(plan),
+        _recommendation_lines(plan),
+    ]
     if plan.rss is not None:
         sections.append(_rss_lines(plan.rss))
     lines = [line for sec in sections for line in sec + [""]][:-1]  # sections apart by a blank line
@@ -106,37 +175,47 @@ def _header(plan: Plan) -> list[str]:
     t, d, hw = plan.target, plan.draft, plan.hw
     engine = "specdec's runtime" if t.fmt.runtime else "llama.cpp"
     if hw.gpu:
-        gpu = (f"GPU {hw.gpu}: {fmt_bytes(hw.gpu_mem or 0)} ({hw.sources.get('gpu_mem')}), "
-               f"{fmt_bw(hw.gpu_bw or 0)}" + (f", link {fmt_bw(hw.pcie_bw)}" if hw.pcie_bw else ", unified"))
+        gpu = f"GPU {hw.gpu}: {fmt_bytes(hw.gpu_mem or 0)} ({hw.sources.get('gpu_mem')}), {fmt_bw(hw.gpu_bw or 0)}" + (
+            f", link {fmt_bw(hw.pcie_bw)}" if hw.pcie_bw else ", unified"
+        )
     else:
         gpu = "no GPU"
-    return [f"specdec plan · {plan.inputs.slots} slot(s) · {engine} · target {_fmt_desc(t)}"
-            + (f" · draft {_fmt_desc(d)}" if d else ""),
-            f"hardware: {gpu} · RAM {fmt_bytes(hw.ram)} ({hw.sources.get('ram')}) at {fmt_bw(hw.ram_bw)} "
-            f"({hw.sources.get('ram_bw')}) · x16 layout {'yes' if hw.x16 else 'no'} ({hw.sources.get('x16')})"]
+    return [
+        f"specdec plan · {plan.inputs.slots} slot(s) · {engine} · target {_fmt_desc(t)}"
+        + (f" · draft {_fmt_desc(d)}" if d else ""),
+        f"hardware: {gpu} · RAM {fmt_bytes(hw.ram)} ({hw.sources.get('ram')}) at {fmt_bw(hw.ram_bw)} "
+        f"({hw.sources.get('ram_bw')}) · x16 layout {'yes' if hw.x16 else 'no'} ({hw.sources.get('x16')})",
+    ]
 
 
 def _models_table(models: list[tuple[str, ModelMemory]]) -> list[str]:
-    L = [f"{'model':24} {'role':6} {'arch':7} {'params':>7} {'layers':>6} {'kv heads x dim':>14} {'max ctx':>7}  "
-         "stored as"]
+    L = [
+        f"{'model':24} {'role':6} {'arch':7} {'params':>7} {'layers':>6} {'kv heads x dim':>14} {'max ctx':>7}  "
+        "stored as"
+    ]
     for role, m in models:
         sp = m.spec
-        L.append(f"{sp.label[:24]:24} {role:6} {sp.dims.arch[:7]:7} {_n(sp.params):>7} {sp.dims.num_layers:>6} "
-                 f"{f'{sp.dims.num_kv_heads} x {sp.dims.head_dim_k}':>14} {sp.dims.max_ctx:>7}  "
-                 f"{sp.type_summary()} ({fmt_bytes(sp.file_bytes)})")
+        L.append(
+            f"{sp.label[:24]:24} {role:6} {sp.dims.arch[:7]:7} {_n(sp.params):>7} {sp.dims.num_layers:>6} "
+            f"{f'{sp.dims.num_kv_heads} x {sp.dims.head_dim_k}':>14} {sp.dims.max_ctx:>7}  "
+            f"{sp.type_summary()} ({fmt_bytes(sp.file_bytes)})"
+        )
     return L
 
 
 def _memory_table(models: list[tuple[str, ModelMemory]]) -> list[str]:
-    rows = [("weights", lambda m: fmt_bytes(m.weights)),
-            ("  per layer", lambda m: _range(m.layer_weights)),
-            ("  embeddings, head", lambda m: f"{fmt_bytes(m.embed)}, {fmt_bytes(m.head)}"),
-            ("KV cache", lambda m: fmt_bytes(m.kv)),
-            ("  rows per slot x slots", lambda m: f"{m.kv_rows} x {m.slots}"),
-            ("compute buffers (estimate)", lambda m: fmt_bytes(m.compute)),
-            ("total", lambda m: fmt_bytes(m.total))]
-    return ([f"{'memory':30}" + "".join(f"{r:>18}" for r, _ in models)]
-            + [f"{label:30}" + "".join(f"{fn(m):>18}" for _, m in models) for label, fn in rows])
+    rows = [
+        ("weights", lambda m: fmt_bytes(m.weights)),
+        ("  per layer", lambda m: _range(m.layer_weights)),
+        ("  embeddings, head", lambda m: f"{fmt_bytes(m.embed)}, {fmt_bytes(m.head)}"),
+        ("KV cache", lambda m: fmt_bytes(m.kv)),
+        ("  rows per slot x slots", lambda m: f"{m.kv_rows} x {m.slots}"),
+        ("compute buffers (estimate)", lambda m: fmt_bytes(m.compute)),
+        ("total", lambda m: fmt_bytes(m.total)),
+    ]
+    return [f"{'memory':30}" + "".join(f"{r:>18}" for r, _ in models)] + [
+        f"{label:30}" + "".join(f"{fn(m):>18}" for _, m in models) for label, fn in rows
+    ]
 
 
 def _context_line(plan: Plan) -> str:
@@ -146,8 +225,9 @@ def _context_line(plan: Plan) -> str:
     elif plan.hw.gpu:
         bits.append("never all on the GPU")
     forced = " with the given -ngl/-ngld" if plan.inputs.ngl is not None or plan.inputs.ngld is not None else ""
-    bits.append(f"fits{forced} up to {plan.max_context}" if plan.max_context
-                else f"does not fit{forced} at any context")
+    bits.append(
+        f"fits{forced} up to {plan.max_context}" if plan.max_context else f"does not fit{forced} at any context"
+    )
     per = f"each +1k context: +{fmt_bytes(plan.per_1k_bytes)}"
     if plan.per_1k_layers is not None:
         per += f" = the GPU room of {plan.per_1k_layers:.2f} target layers"
@@ -157,12 +237,16 @@ def _context_line(plan: Plan) -> str:
 
 def _speed_lines(plan: Plan) -> list[str]:
     s = plan.chosen
-    L = [f"speed bound (decode, bandwidth): target {s.target_step.tokens_per_s:.1f} tok/s at empty context, "
-         f"{s.target_step_full.tokens_per_s:.1f} at {plan.target.context}"
-         + (f"; draft {s.draft_step.tokens_per_s:.1f} tok/s" if s.draft_step else "")]
+    L = [
+        f"speed bound (decode, bandwidth): target {s.target_step.tokens_per_s:.1f} tok/s at empty context, "
+        f"{s.target_step_full.tokens_per_s:.1f} at {plan.target.context}"
+        + (f"; draft {s.draft_step.tokens_per_s:.1f} tok/s" if s.draft_step else "")
+    ]
     if s.target_step.link_s and s.target_step.cpu_s:
-        L.append(f"  split cost per step: GPU {s.target_step.gpu_s * 1e3:.2f} ms + CPU {s.target_step.cpu_s * 1e3:.2f}"
-                 f" ms + link {s.target_step.link_s * 1e3:.3f} ms")
+        L.append(
+            f"  split cost per step: GPU {s.target_step.gpu_s * 1e3:.2f} ms + CPU {s.target_step.cpu_s * 1e3:.2f}"
+            f" ms + link {s.target_step.link_s * 1e3:.3f} ms"
+        )
     if plan.cost_ratio is not None:
         L += _draft_lines(plan, plan.cost_ratio)
     L.append(f"expected: {plan.expected_tps:.1f} tok/s with --spec-type {plan.spec_type} (bound x speedup)")
@@ -173,13 +257,14 @@ def _draft_lines(plan: Plan, c: float) -> list[str]:
     """The draft model's cost ratio, best length, speedup and the table over acceptance rates."""
     k, g = best_k(plan.alpha, c, plan.inputs.draft_max)
     tab = _table(plan)
-    L = [f"speculative, draft model: c = draft/target step = {c:.3f}; acceptance {plan.alpha:.0%} "
-         f"({plan.alpha_source})",
-         f"  best draft length {k}: E[tokens/step] = (1-a^(k+1))/(1-a) = {g * (k * c + 1):.2f}, speedup = "
-         f"E/(k c + 1) = x{g:.2f}; pays above acceptance {plan.break_even:.0%} at this k, above {c:.0%} at k=1",
-         "  acceptance  " + "".join(f"{a:>6.0%}" for a in ALPHAS),
-         "  best k      " + "".join(f"{r['best_k']:>6}" for r in tab),
-         "  speedup     " + "".join(f"{r['speedup']:>6.2f}" for r in tab)]
+    L = [
+        f"speculative, draft model: c = draft/target step = {c:.3f}; acceptance {plan.alpha:.0%} ({plan.alpha_source})",
+        f"  best draft length {k}: E[tokens/step] = (1-a^(k+1))/(1-a) = {g * (k * c + 1):.2f}, speedup = "
+        f"E/(k c + 1) = x{g:.2f}; pays above acceptance {plan.break_even:.0%} at this k, above {c:.0%} at k=1",
+        "  acceptance  " + "".join(f"{a:>6.0%}" for a in ALPHAS),
+        "  best k      " + "".join(f"{r['best_k']:>6}" for r in tab),
+        "  speedup     " + "".join(f"{r['speedup']:>6.2f}" for r in tab),
+    ]
     if plan.why_not:
         L.append(f"  the draft model does not pay: {plan.why_not}")
     return L
@@ -192,10 +277,12 @@ def _recommendation_lines(plan: Plan) -> list[str]:
 
 
 def _rss_lines(rss: RuntimeRSS) -> list[str]:
-    return [f"specdec runtime on the CPU (predicted RSS): steady {fmt_bytes(rss.steady)}, peak {fmt_bytes(rss.peak)} "
-            f"({rss.peak / 1e6:,.0f} MB)",
-            "  " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in rss.phases.items()) + f"; loading holds {rss.load_note}",
-            "  " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in rss.parts.items())]
+    return [
+        f"specdec runtime on the CPU (predicted RSS): steady {fmt_bytes(rss.steady)}, peak {fmt_bytes(rss.peak)} "
+        f"({rss.peak / 1e6:,.0f} MB)",
+        "  " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in rss.phases.items()) + f"; loading holds {rss.load_note}",
+        "  " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in rss.parts.items()),
+    ]
 
 
 def _placement_line(plan: Plan, s: Setup) -> str:

@@ -4,6 +4,7 @@ Read from a model pack name (its GGUF), a GGUF file (tensor list via `gguf.GGUFR
 checkpoint directory (config.json + safetensors headers, no weights loaded) or a bare config.json
 (tensors derived from the config). Architectures our runtime does not run can still be planned.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,12 +20,18 @@ from specdec.models.gguf_convert import meta_number
 from specdec.plan.formats import SAFETENSORS_DTYPES, quant_sizes, type_bytes
 
 # Hugging Face repositories of the packs' models (for exports to engines that load from the hub).
-PACK_HF_REPOS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
-                 "qwen2.5-coder-0.5b": "Qwen/Qwen2.5-Coder-0.5B-Instruct",
-                 "qwen2.5-coder-1.5b": "Qwen/Qwen2.5-Coder-1.5B-Instruct"}
+PACK_HF_REPOS = {
+    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
+    "qwen2.5-coder-0.5b": "Qwen/Qwen2.5-Coder-0.5B-Instruct",
+    "qwen2.5-coder-1.5b": "Qwen/Qwen2.5-Coder-1.5B-Instruct",
+}
 _LAYER = re.compile(r"^(?:blk|model\.layers|layers|model\.language_model\.layers)\.(\d+)\.")
-_EMBED = {"token_embd.weight", "model.embed_tokens.weight", "embed_tokens.weight",
-          "model.language_model.embed_tokens.weight"}
+_EMBED = {
+    "token_embd.weight",
+    "model.embed_tokens.weight",
+    "embed_tokens.weight",
+    "model.language_model.embed_tokens.weight",
+}
 _OUTPUT = {"output.weight", "lm_head.weight"}
 _NORM = {"output_norm.weight", "model.norm.weight", "model.language_model.norm.weight"}
 
@@ -32,13 +39,13 @@ _NORM = {"output_norm.weight", "model.norm.weight", "model.language_model.norm.w
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
-    role: str            # embed | output | norm | layer | other
-    layer: int | None    # block index for role 'layer'
+    role: str  # embed | output | norm | layer | other
+    layer: int | None  # block index for role 'layer'
     n_elements: int
-    rows: int            # output rows (1 for a vector)
-    row_len: int         # elements per row
-    file_type: str       # GGML-style type name as stored (Q4_K, F32, BF16...)
-    file_bytes: int      # bytes as stored
+    rows: int  # output rows (1 for a vector)
+    row_len: int  # elements per row
+    file_type: str  # GGML-style type name as stored (Q4_K, F32, BF16...)
+    file_bytes: int  # bytes as stored
 
 
 @dataclass(frozen=True)
@@ -58,15 +65,15 @@ class Dims:
 
 @dataclass
 class ModelSpec:
-    label: str                  # what the user named (pack, path)
-    kind: str                   # pack | gguf | checkpoint | config
+    label: str  # what the user named (pack, path)
+    kind: str  # pack | gguf | checkpoint | config
     path: Path | None
     dims: Dims
     tensors: list[TensorSpec]
     gguf_path: Path | None = None
     hf_repo: str | None = None
     notes: list[str] = field(default_factory=list)
-    reader_parts: int = 0       # GGUF: numpy views `gguf.GGUFReader` makes of the header (memory.reader_bytes)
+    reader_parts: int = 0  # GGUF: numpy views `gguf.GGUFReader` makes of the header (memory.reader_bytes)
 
     @property
     def params(self) -> int:
@@ -112,8 +119,10 @@ def load_spec(name_or_path: str) -> ModelSpec:
         elif packs.is_pulled(name_or_path):
             spec = read_checkpoint(packs.model_dir(name_or_path))
         else:
-            raise SpecdecError(f"model pack {name_or_path} is not pulled; run `specdec models pull {name_or_path}` "
-                               "(the plan reads its GGUF file)")
+            raise SpecdecError(
+                f"model pack {name_or_path} is not pulled; run `specdec models pull {name_or_path}` "
+                "(the plan reads its GGUF file)"
+            )
         spec.label, spec.kind, spec.hf_repo = name_or_path, "pack", PACK_HF_REPOS.get(name_or_path)
         return spec
     p = packs.local_path(name_or_path)
@@ -128,6 +137,7 @@ def load_spec(name_or_path: str) -> ModelSpec:
 
 # ---------------------------------------------------------------- GGUF
 
+
 def read_gguf(path: Path) -> ModelSpec:
     """Tensor list (name, type, shape, bytes) and metadata of a GGUF file; no tensor data is read."""
     header = read_gguf_header(path)
@@ -136,8 +146,9 @@ def read_gguf(path: Path) -> ModelSpec:
         role, layer = role_of(name)
         n = math.prod(shape)
         row_len = shape[0] if shape else 1
-        tensors.append(TensorSpec(name, role, layer, n, n // max(row_len, 1), row_len, qtype,
-                                  type_bytes(qtype, n, row_len)))
+        tensors.append(
+            TensorSpec(name, role, layer, n, n // max(row_len, 1), row_len, qtype, type_bytes(qtype, n, row_len))
+        )
     dims = _gguf_dims(header.meta, path, tensors)
     return ModelSpec(path.name, "gguf", path, dims, tensors, gguf_path=path, reader_parts=header.reader_parts)
 
@@ -151,7 +162,7 @@ _KEEP_MAX = 4096  # numeric metadata arrays up to this many entries are kept, lo
 class GGUFHeader:
     meta: dict
     tensors: list[tuple[str, list[int], str]]  # (name, shape ne0.., GGML type name)
-    reader_parts: int                          # numpy views `gguf.GGUFReader` makes of the same header
+    reader_parts: int  # numpy views `gguf.GGUFReader` makes of the same header
 
 
 def read_gguf_header(path: Path) -> GGUFHeader:
@@ -210,7 +221,7 @@ class _Cursor:
             raise ValueError("string runs past the end of the file")
         self.off += n
         self.parts += 2
-        return self.mm[self.off - n:self.off].decode("utf-8", "replace")
+        return self.mm[self.off - n : self.off].decode("utf-8", "replace")
 
     def value(self, vtype: int, keep: bool) -> object:
         if vtype in _SCALARS:
@@ -265,11 +276,14 @@ def _type_name(path: Path, tensor: str, raw_type: int) -> str:
     try:
         qtype = gguf.GGMLQuantizationType(raw_type)
     except ValueError:
-        raise SpecdecError(f"{path}: tensor {tensor} has unknown quant type id {raw_type} (the "
-                           "installed gguf package does not know it; upgrade `gguf`)") from None
+        raise SpecdecError(
+            f"{path}: tensor {tensor} has unknown quant type id {raw_type} (the "
+            "installed gguf package does not know it; upgrade `gguf`)"
+        ) from None
     if qtype not in gguf.GGML_QUANT_SIZES:
-        raise SpecdecError(f"{path}: tensor {tensor} has quant type {qtype.name} with no known block "
-                           "size (upgrade `gguf`)")
+        raise SpecdecError(
+            f"{path}: tensor {tensor} has quant type {qtype.name} with no known block size (upgrade `gguf`)"
+        )
     return qtype.name
 
 
@@ -297,27 +311,47 @@ def _gguf_dims(meta: dict, path: Path, tensors: list[TensorSpec]) -> Dims:
     embd = names.get("token_embd.weight")
     vocab = embd.rows if embd else int(g("vocab_size", 0) or 0)
     hd_k = num("attention.key_length", hidden // heads)
-    return Dims(arch=arch, num_layers=layers, num_heads=heads, num_kv_heads=num("attention.head_count_kv", heads),
-                head_dim_k=hd_k, head_dim_v=num("attention.value_length", hd_k), hidden=hidden,
-                intermediate=int(g("feed_forward_length", 0) or 0), vocab=vocab,
-                max_ctx=num("context_length", 4096), tied="output.weight" not in names)
+    return Dims(
+        arch=arch,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=num("attention.head_count_kv", heads),
+        head_dim_k=hd_k,
+        head_dim_v=num("attention.value_length", hd_k),
+        hidden=hidden,
+        intermediate=int(g("feed_forward_length", 0) or 0),
+        vocab=vocab,
+        max_ctx=num("context_length", 4096),
+        tied="output.weight" not in names,
+    )
 
 
 # ---------------------------------------------------------------- Hugging Face
+
 
 def _hf_dims(d: dict, where: Path) -> Dims:
     d = d.get("text_config") or d
     try:
         heads, hidden = int(d["num_attention_heads"]), int(d["hidden_size"])
         hd = int(d.get("head_dim") or hidden // heads)
-        return Dims(arch=d.get("model_type", "?"), num_layers=int(d["num_hidden_layers"]), num_heads=heads,
-                    num_kv_heads=int(d.get("num_key_value_heads") or heads), head_dim_k=hd, head_dim_v=hd,
-                    hidden=hidden, intermediate=int(d.get("intermediate_size") or 4 * hidden),
-                    vocab=int(d["vocab_size"]), max_ctx=int(d.get("max_position_embeddings", 4096)),
-                    tied=bool(d.get("tie_word_embeddings", False)))
+        return Dims(
+            arch=d.get("model_type", "?"),
+            num_layers=int(d["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim_k=hd,
+            head_dim_v=hd,
+            hidden=hidden,
+            intermediate=int(d.get("intermediate_size") or 4 * hidden),
+            vocab=int(d["vocab_size"]),
+            max_ctx=int(d.get("max_position_embeddings", 4096)),
+            tied=bool(d.get("tie_word_embeddings", False)),
+        )
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
-        raise SpecdecError(f"{where}: config lacks or garbles {e} (need num_hidden_layers, num_attention_heads, "
-                           "hidden_size, vocab_size)") from None
+        raise SpecdecError(
+            f"{where}: config lacks or garbles {e} (need num_hidden_layers, num_attention_heads, "
+            "hidden_size, vocab_size)"
+        ) from None
 
 
 def _read_json(path: Path) -> dict:
@@ -337,19 +371,33 @@ def read_config(path: Path) -> ModelSpec:
     dtype = str((d.get("text_config") or d).get("torch_dtype") or d.get("dtype") or "bfloat16")
     ftype, size = {"float32": ("F32", 4), "float16": ("F16", 2)}.get(dtype, ("BF16", 2))
     bias = bool(d.get("attention_bias")) or families.recipe_of(dims.arch).get("attention_bias", False)
-    h, hd, q, kv, inter = dims.hidden, dims.head_dim_k, dims.num_heads * dims.head_dim_k, \
-        dims.num_kv_heads * dims.head_dim_k, dims.intermediate
+    h, hd, q, kv, inter = (
+        dims.hidden,
+        dims.head_dim_k,
+        dims.num_heads * dims.head_dim_k,
+        dims.num_kv_heads * dims.head_dim_k,
+        dims.intermediate,
+    )
     shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (dims.vocab, h))]
     for i in range(dims.num_layers):
         p = f"model.layers.{i}."
-        shapes += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)),
-                   (p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h)),
-                   (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, q)),
-                   (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
-                   (p + "mlp.down_proj.weight", (h, inter))]
+        shapes += [
+            (p + "input_layernorm.weight", (h,)),
+            (p + "post_attention_layernorm.weight", (h,)),
+            (p + "self_attn.q_proj.weight", (q, h)),
+            (p + "self_attn.k_proj.weight", (kv, h)),
+            (p + "self_attn.v_proj.weight", (kv, h)),
+            (p + "self_attn.o_proj.weight", (h, q)),
+            (p + "mlp.gate_proj.weight", (inter, h)),
+            (p + "mlp.up_proj.weight", (inter, h)),
+            (p + "mlp.down_proj.weight", (h, inter)),
+        ]
         if bias:
-            shapes += [(p + "self_attn.q_proj.bias", (q,)), (p + "self_attn.k_proj.bias", (kv,)),
-                       (p + "self_attn.v_proj.bias", (kv,))]
+            shapes += [
+                (p + "self_attn.q_proj.bias", (q,)),
+                (p + "self_attn.k_proj.bias", (kv,)),
+                (p + "self_attn.v_proj.bias", (kv,)),
+            ]
         if families.recipe_of(dims.arch).get("qk_norm"):
             shapes += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
     shapes.append(("model.norm.weight", (h,)))

@@ -9,6 +9,7 @@ and costs k draft steps plus one target forward, so with c = t_draft / t_target
     speedup = E[tokens] / (k c + 1).
 This assumes verifying k+1 tokens costs one forward (true while memory-bound).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -61,8 +62,15 @@ class StepTime:
         return 1 / self.seconds if self.seconds > 0 else float("inf")
 
 
-def step_time(gpu_bytes: int, cpu_bytes: int, crossings: int, hidden_bytes: int, gpu_bw: float | None,
-              ram_bw: float, pcie_bw: float | None) -> StepTime:
+def step_time(
+    gpu_bytes: int,
+    cpu_bytes: int,
+    crossings: int,
+    hidden_bytes: int,
+    gpu_bw: float | None,
+    ram_bw: float,
+    pcie_bw: float | None,
+) -> StepTime:
     gpu_s = gpu_bytes / gpu_bw if gpu_bytes and gpu_bw else 0.0
     cpu_s = cpu_bytes / ram_bw
     link_s = crossings * (hidden_bytes / pcie_bw + PCIE_LATENCY) if crossings and pcie_bw else 0.0

@@ -7,6 +7,7 @@ decoded alone, verified among drafted tokens, or prefilled in a chunk of any siz
 speculative greedy decoding stay token-identical, and so do a prompt asked alone, in a batch or after a cache hit,
 even where int8-quantized activations (the GGUF kernels) would turn last-bit differences into flipped tokens.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,8 +18,14 @@ import torch.nn.functional as F
 from specdec.runtime import kernels as K
 
 
-def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-              scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """q [B, H, T, hd], keys / values [B, kv_heads, S, hd], mask [B, 1, T, S] bool (True = attend) or None (every
     key) -> [B, T, H, hd]. Scores are q.k times `scale` (None: hd ** -0.5), then `softcap * tanh(s / softcap)` where
     a soft cap is given (Gemma 2: torch's own ops, as transformers computes it)."""
@@ -26,13 +33,15 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: t
         return _capped(q, keys, values, mask, q.shape[-1] ** -0.5 if scale is None else scale, softcap)
     out = _kernel(q, keys, values, mask, scale)
     if out is None:
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
-                                             enable_gqa=q.shape[1] != keys.shape[1]).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
+        ).transpose(1, 2)
     return out
 
 
-def _capped(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
-            softcap: float) -> torch.Tensor:
+def _capped(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float
+) -> torch.Tensor:
     """Attention with soft-capped scores, written out: [B, H, T, hd] -> [B, T, H, hd]."""
     group = q.shape[1] // keys.shape[1]
     k = keys.repeat_interleave(group, dim=1) if group > 1 else keys
@@ -44,22 +53,47 @@ def _capped(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: tor
     return torch.matmul(p, v).transpose(1, 2)
 
 
-def _kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-            scale: float | None = None) -> torch.Tensor | None:
+def _kernel(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None
+) -> torch.Tensor | None:
     B, H, T, hd = q.shape
     S, kvh = keys.shape[2], keys.shape[1]
     grad = torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad or values.requires_grad)
-    usable = (K.kernels_take(T) and not grad and q.device.type == "cpu" and keys.device.type == "cpu"
-              and q.dtype == keys.dtype == values.dtype == torch.float32 and keys.stride() == values.stride()
-              and keys.stride(-1) == 1 and keys.stride(-2) == hd and H % kvh == 0)
+    usable = (
+        K.kernels_take(T)
+        and not grad
+        and q.device.type == "cpu"
+        and keys.device.type == "cpu"
+        and q.dtype == keys.dtype == values.dtype == torch.float32
+        and keys.stride() == values.stride()
+        and keys.stride(-1) == 1
+        and keys.stride(-2) == hd
+        and H % kvh == 0
+    )
     lib = K.library() if usable else None
     if lib is None:
         return None
     qc = q if q.stride(-1) == 1 else q.contiguous()
     m = None if mask is None else mask.expand(B, 1, T, S).contiguous()
     out = torch.empty(B, T, H, hd, dtype=torch.float32)
-    rc = lib.gq_attention(qc.data_ptr(), *qc.stride()[:3], keys.data_ptr(), values.data_ptr(), None, keys.stride(0),
-                          keys.stride(1), None if m is None else m.data_ptr(), B, H, kvh, T, S, hd,
-                          1.0 / math.sqrt(hd) if scale is None else scale,
-                          out.data_ptr(), torch.get_num_threads(), K.requested_path())
+    rc = lib.gq_attention(
+        qc.data_ptr(),
+        *qc.stride()[:3],
+        keys.data_ptr(),
+        values.data_ptr(),
+        None,
+        keys.stride(0),
+        keys.stride(1),
+        None if m is None else m.data_ptr(),
+        B,
+        H,
+        kvh,
+        T,
+        S,
+        hd,
+        1.0 / math.sqrt(hd) if scale is None else scale,
+        out.data_ptr(),
+        torch.get_num_threads(),
+        K.requested_path(),
+    )
     return out if rc == 0 else None

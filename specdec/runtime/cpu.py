@@ -1,5 +1,6 @@
 """What this CPU computes natively, read at run time (never assumed, never cached across machines), and handing
 freed heap back to the OS."""
+
 from __future__ import annotations
 
 import ctypes

@@ -12,6 +12,7 @@ Without the compiled library every forward dequantizes through the `gguf` packag
 
 Types: Q4_K, Q5_0, Q6_K, Q8_0 (what Q4_K_M packs hold) and Q4_1 (the SmolLM2-135M pack).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -36,8 +37,9 @@ def for_this_cpu(lin: "GGUFLinear") -> "GGUFLinear":
 
 
 class GGUFLinear(nn.Module):
-    def __init__(self, qweight: torch.Tensor, qtype: int, in_features: int, out_features: int,
-                 bias: torch.Tensor | None = None):
+    def __init__(
+        self, qweight: torch.Tensor, qtype: int, in_features: int, out_features: int, bias: torch.Tensor | None = None
+    ):
         super().__init__()
         if qtype not in K.BLOCK:
             raise ValueError(f"GGML type {qtype} not supported (supported: {', '.join(K.TYPES)})")
@@ -68,8 +70,9 @@ class GGUFLinear(nn.Module):
     def first_outputs(self, n: int) -> "GGUFLinear":
         """This layer's first `n` outputs (rounded up to a multiple of 16 in the x16 layout), sharing its blocks."""
         n = min(self.out_features, -(-n // 16) * 16 if self.qtype & K.X16 else n)
-        return GGUFLinear(self.qweight[:n], self.qtype, self.in_features, n,
-                          None if self.bias is None else self.bias.data[:n])
+        return GGUFLinear(
+            self.qweight[:n], self.qtype, self.in_features, n, None if self.bias is None else self.bias.data[:n]
+        )
 
     def repacked(self) -> "GGUFLinear":
         """This layer with its blocks rearranged for the AVX-512 kernel: 16 outputs interleaved per 256
@@ -78,12 +81,19 @@ class GGUFLinear(nn.Module):
         memory (the file's pages are no longer read)."""
         be, bb = K.BLOCK[self.qtype + K.X16]
         dst = torch.empty(self.out_features, self.in_features // be * bb, dtype=torch.uint8)
-        rc = K.library().gq_repack(self.qtype, self.qweight.data_ptr(), self.out_features, self.in_features,
-                                   dst.data_ptr(), torch.get_num_threads())
+        rc = K.library().gq_repack(
+            self.qtype,
+            self.qweight.data_ptr(),
+            self.out_features,
+            self.in_features,
+            dst.data_ptr(),
+            torch.get_num_threads(),
+        )
         if rc != 0:
             raise ValueError(f"cannot repack {self.type_name} {self.out_features}x{self.in_features} (error {rc})")
-        return GGUFLinear(dst, self.qtype + K.X16, self.in_features, self.out_features,
-                          None if self.bias is None else self.bias.data)
+        return GGUFLinear(
+            dst, self.qtype + K.X16, self.in_features, self.out_features, None if self.bias is None else self.bias.data
+        )
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, type={self.type_name}, bias={self.bias is not None}"
@@ -100,15 +110,27 @@ class GGUFLinear(nn.Module):
         if self._dequantize_c(o0, o1, dst):
             return dst.to(dtype)
         import gguf  # no kernel library (so the file's own layout): the gguf package's dequantizer
+
         w = gguf.quants.dequantize(self.qweight[o0:o1].numpy(), gguf.GGMLQuantizationType(self.qtype))
         return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).reshape(o1 - o0, self.in_features).to(dtype)
 
     def _dequantize_c(self, o0: int, o1: int, dst: torch.Tensor) -> bool:
         """Rows [o0, o1) into dst (float32 or bfloat16, [o1 - o0, in]) through the C library; False without it."""
         lib = K.library()
-        return lib is not None and lib.gq_dequantize(self.qtype, self.qweight.data_ptr(), self.in_features, o0, o1,
-                                                     dst.data_ptr(), int(dst.dtype == torch.bfloat16),
-                                                     torch.get_num_threads()) == 0
+        return (
+            lib is not None
+            and lib.gq_dequantize(
+                self.qtype,
+                self.qweight.data_ptr(),
+                self.in_features,
+                o0,
+                o1,
+                dst.data_ptr(),
+                int(dst.dtype == torch.bfloat16),
+                torch.get_num_threads(),
+            )
+            == 0
+        )
 
     # -- forward -----------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -145,7 +167,7 @@ class GGUFLinear(nn.Module):
     def _dequantize_into(self, buf: torch.Tensor, o0: int, o1: int) -> torch.Tensor:
         """Rows [o0, o1) of the weight, transposed ([in, o1 - o0]), in `buf`: written transposed by the C library
         where it can (x16 Q4_K / Q6_K to bf16 on AVX512-BF16 with VBMI, `gq_dequantize_t`: vectorized, where the
-        row-major writer unpacks element by element; docs/benchmarks.md section 21), else a view of the row-major
+        row-major writer unpacks element by element), else a view of the row-major
         rows."""
         n = o1 - o0
         wt = buf.view(self.in_features, n)
@@ -158,9 +180,21 @@ class GGUFLinear(nn.Module):
         """Rows [o0, o1) into dst (bf16 [in, o1 - o0], rows `dst.stride(0)` apart), transposed, through the C library
         (`gq_dequantize_t`); False where it has no such path. An empty range (o0 == o1) only asks whether it has."""
         lib = K.library()
-        return lib is not None and dst.dtype == torch.bfloat16 and lib.gq_dequantize_t(
-            self.qtype, self.qweight.data_ptr(), self.in_features, o0, o1, dst.data_ptr(), dst.stride(0),
-            torch.get_num_threads()) == 0
+        return (
+            lib is not None
+            and dst.dtype == torch.bfloat16
+            and lib.gq_dequantize_t(
+                self.qtype,
+                self.qweight.data_ptr(),
+                self.in_features,
+                o0,
+                o1,
+                dst.data_ptr(),
+                dst.stride(0),
+                torch.get_num_threads(),
+            )
+            == 0
+        )
 
 
 class GGUFConcatLinear(nn.Module):
@@ -174,8 +208,11 @@ class GGUFConcatLinear(nn.Module):
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
         biases = [p.bias for p in parts]
-        bias = None if all(b is None for b in biases) else torch.cat(
-            [b.data if b is not None else torch.zeros(p.out_features) for b, p in zip(biases, parts)])
+        bias = (
+            None
+            if all(b is None for b in biases)
+            else torch.cat([b.data if b is not None else torch.zeros(p.out_features) for b, p in zip(biases, parts)])
+        )
         self.register_buffer("bias", bias, persistent=False)  # [out] all parts' biases, for the kernel path
 
     @property
@@ -195,7 +232,7 @@ class GGUFConcatLinear(nn.Module):
     def _dequant_matmul(self, x2: torch.Tensor) -> torch.Tensor | None:
         """Above the kernel rows: every part dequantized transposed, side by side, into one bf16 buffer ([in, out]) and
         one matmul, instead of a matmul per part and a concatenation of their float outputs (`torch.cat` took ~0.2 s
-        of a 512-row forward of the 1.5B in torch's profiler, session 16); None where the C library cannot write a
+        of a 512-row forward of the 1.5B in torch's profiler on an Intel Xeon); None where the C library cannot write a
         part so (not AVX512-BF16 with VBMI, not x16 Q4_K / Q6_K): each part on its own then."""
         probe = torch.empty(0, 0, dtype=torch.bfloat16)
         if x2.device.type != "cpu" or not all(p._dequantize_t(probe, 0, 0) for p in self.parts):
@@ -203,7 +240,7 @@ class GGUFConcatLinear(nn.Module):
         w = _scratch(torch.bfloat16, self.in_features * self.out_features).view(self.in_features, self.out_features)
         col = 0
         for p in self.parts:
-            if not p._dequantize_t(w[:, col:col + p.out_features], 0, p.out_features):
+            if not p._dequantize_t(w[:, col : col + p.out_features], 0, p.out_features):
                 return None
             p.last_path, col = "dequant", col + p.out_features
         return (x2.to(torch.bfloat16) @ w).to(x2.dtype)
@@ -218,8 +255,15 @@ def kernel_matmul(parts: list[GGUFLinear], x2: torch.Tensor, path: int | None = 
     args = matmul_args(parts)
     xf = x2.to(torch.float32).contiguous()
     y = torch.empty(x2.shape[0], args[-1], dtype=torch.float32)
-    rc = lib.gq_matmul_parts(*args[:-1], parts[0].in_features, xf.data_ptr(), x2.shape[0], y.data_ptr(),
-                             torch.get_num_threads(), K.requested_path() if path is None else path)
+    rc = lib.gq_matmul_parts(
+        *args[:-1],
+        parts[0].in_features,
+        xf.data_ptr(),
+        x2.shape[0],
+        y.data_ptr(),
+        torch.get_num_threads(),
+        K.requested_path() if path is None else path,
+    )
     if rc < 0:
         return None
     name = K.PATH_NAMES[rc]
@@ -240,9 +284,13 @@ def matmul_args(parts) -> tuple:
     args = _call_args.get(key)
     if args is None:
         n = len(key)
-        args = _call_args[key] = (n, (ctypes.c_int * n)(*[k[1] for k in key]),
-                                  (ctypes.c_void_p * n)(*[k[0] for k in key]),
-                                  (ctypes.c_int64 * n)(*[k[2] for k in key]), sum(k[2] for k in key))
+        args = _call_args[key] = (
+            n,
+            (ctypes.c_int * n)(*[k[1] for k in key]),
+            (ctypes.c_void_p * n)(*[k[0] for k in key]),
+            (ctypes.c_int64 * n)(*[k[2] for k in key]),
+            sum(k[2] for k in key),
+        )
     return args
 
 

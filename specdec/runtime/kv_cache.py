@@ -3,6 +3,7 @@
 Nothing here tracks lengths: a sequence's valid length lives in its `Sequence` and rejecting
 drafts is just moving that pointer back. Entries past it are stale and get overwritten.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,13 +17,23 @@ class KVCache:
     v: list[torch.Tensor]  # per layer [slots, kv_heads, max_len, head_dim]
 
     @classmethod
-    def allocate(cls, num_layers: int, num_slots: int, kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str | list = "cpu") -> "KVCache":
+    def allocate(
+        cls,
+        num_layers: int,
+        num_slots: int,
+        kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str | list = "cpu",
+    ) -> "KVCache":
         """`device`: one for every layer, or a list with each layer's (a model split across devices)."""
         shape = (num_slots, kv_heads, max_len, head_dim)
         devices = device if isinstance(device, list) else [device] * num_layers
-        return cls([torch.zeros(shape, dtype=dtype, device=d) for d in devices],
-                   [torch.zeros(shape, dtype=dtype, device=d) for d in devices])
+        return cls(
+            [torch.zeros(shape, dtype=dtype, device=d) for d in devices],
+            [torch.zeros(shape, dtype=dtype, device=d) for d in devices],
+        )
 
     @property
     def max_len(self) -> int:
@@ -43,8 +54,15 @@ class KVCache:
             return int(slots[0]), int(index[0, 0]), int(index[0, -1]) + 1
         return None
 
-    def write(self, layer: int, slots: torch.Tensor, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              span: tuple[int, int, int] | None = None) -> None:
+    def write(
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        index: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        span: tuple[int, int, int] | None = None,
+    ) -> None:
         """slots [B], index [B, T] cache positions, k/v [B, kv_heads, T, head_dim]; `span` from `KVCache.span`."""
         if span is not None:
             s, start, end = span
@@ -59,19 +77,21 @@ class KVCache:
         """First `length` positions of each slot: k, v [B, kv_heads, length, head_dim]."""
         if slots.shape[0] == 1:
             s = int(slots[0])
-            return self.k[layer][s:s + 1, :, :length], self.v[layer][s:s + 1, :, :length]
+            return self.k[layer][s : s + 1, :, :length], self.v[layer][s : s + 1, :, :length]
         return self.k[layer][slots, :, :length], self.v[layer][slots, :, :length]
 
     def read_span(self, slot: int, start: int, end: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Copies of one slot's positions start..end-1, on the CPU: per layer k, v [kv_heads, end - start, head_dim]."""
-        return ([t[slot, :, start:end].to("cpu", copy=True) for t in self.k],
-                [t[slot, :, start:end].to("cpu", copy=True) for t in self.v])
+        return (
+            [t[slot, :, start:end].to("cpu", copy=True) for t in self.k],
+            [t[slot, :, start:end].to("cpu", copy=True) for t in self.v],
+        )
 
     def write_span(self, slot: int, start: int, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
         """Write per layer k, v [kv_heads, T, head_dim] at positions start..start+T-1 of one slot."""
         for cache, new in ((self.k, k), (self.v, v)):
             for t, x in zip(cache, new):
-                t[slot, :, start:start + x.shape[1]] = x
+                t[slot, :, start : start + x.shape[1]] = x
 
     def move(self, slot: int, src: list[int], dst: list[int]) -> None:
         """Copy entries at positions src -> dst in every layer (KV compaction after a tree verify)."""

@@ -7,6 +7,7 @@ so the result is the same bits; at a few rows the Python between those calls is 
 `LayerKernel.of(...)` describes a layer's weights once (None where the layer cannot run here: not GGUF, qk-norm,
 not on the CPU, no library); `step_args(...)` describes a forward's rows once for every layer; `run(...)` returns the
 layer's output, or None where the C path does not take this step (the caller then runs the Python layer)."""
+
 from __future__ import annotations
 
 import ctypes
@@ -25,14 +26,37 @@ class _Linear(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("hidden", i64), ("heads", i64), ("kv_heads", i64), ("head_dim", i64), ("inter", i64),
-                ("eps", ctypes.c_float), ("norm1", ptr), ("norm2", ptr),
-                ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear)]
+    _fields_ = [
+        ("hidden", i64),
+        ("heads", i64),
+        ("kv_heads", i64),
+        ("head_dim", i64),
+        ("inter", i64),
+        ("eps", ctypes.c_float),
+        ("norm1", ptr),
+        ("norm2", ptr),
+        ("qkv", _Linear),
+        ("o", _Linear),
+        ("gate_up", _Linear),
+        ("down", _Linear),
+    ]
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [("B", i64), ("T", i64), ("S", i64), ("cos", ptr), ("sin", ptr), ("kc", ptr), ("vc", ptr),
-                ("sb", i64), ("sh", i64), ("slots", ptr), ("index", ptr), ("mask", ptr)]
+    _fields_ = [
+        ("B", i64),
+        ("T", i64),
+        ("S", i64),
+        ("cos", ptr),
+        ("sin", ptr),
+        ("kc", ptr),
+        ("vc", ptr),
+        ("sb", i64),
+        ("sh", i64),
+        ("slots", ptr),
+        ("index", ptr),
+        ("mask", ptr),
+    ]
 
 
 def _parts(module) -> tuple[list[GGUFLinear], torch.Tensor | None] | None:
@@ -54,9 +78,14 @@ class LayerKernel:
         """The C layer for these modules, or None where it cannot run them (the caller keeps its Python path)."""
         lins = [_parts(m) for m in (qkv, o, gate_up, down)]
         norms = (norm1.weight, norm2.weight)
-        if (K.library() is None or cfg.qk_norm or any(x is None for x in lins) or cfg.head_dim % 16
-                or any(n.dtype != torch.float32 or not n.is_cpu for n in norms)
-                or any(p.qweight.device.type != "cpu" for ps, _ in lins for p in ps)):
+        if (
+            K.library() is None
+            or cfg.qk_norm
+            or any(x is None for x in lins)
+            or cfg.head_dim % 16
+            or any(n.dtype != torch.float32 or not n.is_cpu for n in norms)
+            or any(p.qweight.device.type != "cpu" for ps, _ in lins for p in ps)
+        ):
             return None
         keep: list = [n.detach().contiguous() for n in norms]
         structs = []
@@ -64,10 +93,20 @@ class LayerKernel:
             n, types, weights, outs, _ = args = matmul_args(ps)
             b = None if bias is None else bias.detach().float().contiguous()
             keep += [args, b]
-            structs.append(_Linear(n, *[ctypes.cast(a, ptr) for a in (types, weights, outs)],
-                                   None if b is None else b.data_ptr()))
-        spec = _Layer(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-                      norm1.eps, keep[0].data_ptr(), keep[1].data_ptr(), *structs)
+            structs.append(
+                _Linear(n, *[ctypes.cast(a, ptr) for a in (types, weights, outs)], None if b is None else b.data_ptr())
+            )
+        spec = _Layer(
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+            norm1.eps,
+            keep[0].data_ptr(),
+            keep[1].data_ptr(),
+            *structs,
+        )
         return cls(spec, keep)
 
     def run(self, x: torch.Tensor, step: "StepArgs | None", layer: int, cache) -> torch.Tensor | None:
@@ -80,8 +119,14 @@ class LayerKernel:
         s = step.spec
         s.kc, s.vc, s.sb, s.sh = kc.data_ptr(), vc.data_ptr(), kc.stride(0), kc.stride(1)
         out = torch.empty_like(x)
-        rc = K.library().gq_decoder_layer(ctypes.byref(self.spec), ctypes.byref(s), x.data_ptr(), out.data_ptr(),
-                                          torch.get_num_threads(), K.requested_path())
+        rc = K.library().gq_decoder_layer(
+            ctypes.byref(self.spec),
+            ctypes.byref(s),
+            x.data_ptr(),
+            out.data_ptr(),
+            torch.get_num_threads(),
+            K.requested_path(),
+        )
         return out if rc >= 0 else None
 
 
@@ -99,16 +144,24 @@ class LayerStack:
     @classmethod
     def of(cls, kernels: list, cache) -> "LayerStack | None":
         k0 = cache.k[0]
-        if (not kernels or any(k is None for k in kernels) or len(cache.k) != len(kernels) or k0.stride(-1) != 1
-                or any(t.dtype != torch.float32 or not t.is_cpu or t.stride() != k0.stride() for t in cache.k + cache.v)):
+        if (
+            not kernels
+            or any(k is None for k in kernels)
+            or len(cache.k) != len(kernels)
+            or k0.stride(-1) != 1
+            or any(t.dtype != torch.float32 or not t.is_cpu or t.stride() != k0.stride() for t in cache.k + cache.v)
+        ):
             return None
         return cls(kernels, cache)
 
     def serves(self, kernels: list, cache) -> bool:
         """Whether this stack was built for these layers and this cache, as they are now."""
-        return (cache is self.cache and len(kernels) == len(self.kernels)
-                and all(a is b for a, b in zip(kernels, self.kernels))
-                and all(t.data_ptr() == p for ts, ps in ((cache.k, self.kc), (cache.v, self.vc)) for t, p in zip(ts, ps)))
+        return (
+            cache is self.cache
+            and len(kernels) == len(self.kernels)
+            and all(a is b for a, b in zip(kernels, self.kernels))
+            and all(t.data_ptr() == p for ts, ps in ((cache.k, self.kc), (cache.v, self.vc)) for t, p in zip(ts, ps))
+        )
 
     def run(self, x: torch.Tensor, step: "StepArgs | None") -> torch.Tensor | None:
         """x [B, T, hidden] -> the last layer's output, every layer's K/V written; None where the C path does not
@@ -118,9 +171,18 @@ class LayerStack:
         s, k0 = step.spec, self.cache.k[0]
         s.sb, s.sh = k0.stride(0), k0.stride(1)
         out, tmp = torch.empty_like(x), torch.empty_like(x)
-        rc = K.library().gq_decoder_stack(self.specs, len(self.kernels), ctypes.byref(s), self.kc, self.vc,
-                                          x.data_ptr(), out.data_ptr(), tmp.data_ptr(), torch.get_num_threads(),
-                                          K.requested_path())
+        rc = K.library().gq_decoder_stack(
+            self.specs,
+            len(self.kernels),
+            ctypes.byref(s),
+            self.kc,
+            self.vc,
+            x.data_ptr(),
+            out.data_ptr(),
+            tmp.data_ptr(),
+            torch.get_num_threads(),
+            K.requested_path(),
+        )
         return out if rc >= 0 else None
 
 
@@ -136,19 +198,41 @@ class StepArgs:
         """Built at the first layer that runs in C (a model whose layers cannot pays nothing)."""
         batch, B, T = self.batch, self.B, self.T
         hd = batch.cos.shape[-1]
-        self.keep = [batch.cos.reshape(B * T, hd).contiguous(), batch.sin.reshape(B * T, hd).contiguous(),
-                     batch.slots.to(torch.int64).contiguous(), batch.cache_index.to(torch.int64).contiguous(),
-                     None if batch.mask is None else batch.mask.expand(B, 1, T, batch.kv_len).contiguous()]
+        self.keep = [
+            batch.cos.reshape(B * T, hd).contiguous(),
+            batch.sin.reshape(B * T, hd).contiguous(),
+            batch.slots.to(torch.int64).contiguous(),
+            batch.cache_index.to(torch.int64).contiguous(),
+            None if batch.mask is None else batch.mask.expand(B, 1, T, batch.kv_len).contiguous(),
+        ]
         c, s, slots, index, mask = self.keep
-        return _Step(B, T, batch.kv_len, c.data_ptr(), s.data_ptr(), None, None, 0, 0, slots.data_ptr(),
-                     index.data_ptr(), None if mask is None else mask.data_ptr())
+        return _Step(
+            B,
+            T,
+            batch.kv_len,
+            c.data_ptr(),
+            s.data_ptr(),
+            None,
+            None,
+            0,
+            0,
+            slots.data_ptr(),
+            index.data_ptr(),
+            None if mask is None else mask.data_ptr(),
+        )
 
 
 def step_args(x: torch.Tensor, batch) -> StepArgs | None:
     """The step's description for the C layers, or None where they cannot take it (not float32 on the CPU,
     gradients wanted, more rows than fast prefill leaves to the kernels)."""
     B, T = x.shape[0], x.shape[1]
-    if (x.dtype != torch.float32 or not x.is_cpu or not K.kernels_take(B * T) or torch.is_grad_enabled()
-            or batch.cos.dtype != torch.float32 or K.library() is None):
+    if (
+        x.dtype != torch.float32
+        or not x.is_cpu
+        or not K.kernels_take(B * T)
+        or torch.is_grad_enabled()
+        or batch.cos.dtype != torch.float32
+        or K.library() is None
+    ):
         return None
     return StepArgs(batch, B, T)

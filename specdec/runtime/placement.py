@@ -7,6 +7,7 @@ Two conventions, both unit-tested:
 - `llama.cpp`: the last N repeating layers on the GPU; token embeddings always on the CPU; the
   output layer (final norm + LM head) on the GPU only when N > number of layers (hence `-ngl 99`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,10 +19,10 @@ ALL_LAYERS = 999  # `-ngl all`
 @dataclass(frozen=True)
 class Placement:
     num_layers: int
-    n_gpu_layers: int           # decoder layers on the GPU (clamped to num_layers)
-    layers: tuple[str, ...]     # "gpu" | "cpu" per decoder layer
-    embed: str                  # token embeddings
-    head: str                   # final norm + LM head
+    n_gpu_layers: int  # decoder layers on the GPU (clamped to num_layers)
+    layers: tuple[str, ...]  # "gpu" | "cpu" per decoder layer
+    embed: str  # token embeddings
+    head: str  # final norm + LM head
     style: str
 
     @property
@@ -73,8 +74,11 @@ def offload_notice(n_gpu_layers: int | None, n_gpu_layers_draft: int | None, cud
         return None
     if cuda is None:
         import torch
+
         cuda = torch.cuda.is_available()
     if not cuda:
         return "specdec: -ngl/-ngld ignored: no CUDA device, every layer runs on the CPU"
-    return (f"specdec: -ngl {n_gpu_layers or 0} / -ngld {n_gpu_layers_draft or 0}: those first layers on the GPU, "
-            "the rest on the CPU (`specdec plan` shows the placement)")
+    return (
+        f"specdec: -ngl {n_gpu_layers or 0} / -ngld {n_gpu_layers_draft or 0}: those first layers on the GPU, "
+        "the rest on the CPU (`specdec plan` shows the placement)"
+    )

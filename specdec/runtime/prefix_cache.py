@@ -10,6 +10,7 @@ a slot's full blocks out (`ModelRunner.keep_prefix`). A block's `refs` counts it
 sequences holding it (the last block of the chain each reused), and only blocks with no refs are evicted, least
 recently used first: a block in use, or the parent of a cached block, is never evicted.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -32,17 +33,18 @@ KV = tuple[list[torch.Tensor], list[torch.Tensor]]  # per layer k, v [kv_heads, 
 class Block:
     key: int
     parent: Block | None
-    tokens: tuple[int, ...]                            # [BLOCK]
-    kv: dict[str, KV] = field(default_factory=dict)   # store name -> this block's K/V in that model
-    refs: int = 0                                      # cached children + sequences holding it
+    tokens: tuple[int, ...]  # [BLOCK]
+    kv: dict[str, KV] = field(default_factory=dict)  # store name -> this block's K/V in that model
+    refs: int = 0  # cached children + sequences holding it
     nbytes: int = 0
 
 
 @dataclass
 class CacheStats:
     """One store's lookups."""
+
     lookups: int = 0
-    hits: int = 0          # lookups that reused at least one block
+    hits: int = 0  # lookups that reused at least one block
     tokens_saved: int = 0  # tokens whose K/V was copied instead of computed
 
 
@@ -64,7 +66,7 @@ class PrefixCache:
         """(key, tokens) of each full block of `tokens`; `salt` starts the chain (caches apart per salt)."""
         out, key = [], hash(("prefix", salt))
         for i in range(len(tokens) // BLOCK):
-            part = tuple(tokens[i * BLOCK:(i + 1) * BLOCK])
+            part = tuple(tokens[i * BLOCK : (i + 1) * BLOCK])
             key = hash((key, part))
             out.append((key, part))
         return out
@@ -160,8 +162,9 @@ class PrefixCache:
 @dataclass
 class PrefixStore:
     """One model's view of a shared `PrefixCache`: reuse into and keep from its KV slots under `name`."""
+
     cache: PrefixCache
-    name: str   # "target", "draft"
+    name: str  # "target", "draft"
     kv: KVCache
 
     def reuse(self, slot: int, tokens: list[int], salt: Hashable = None) -> tuple[int, Block | None]:
@@ -172,8 +175,12 @@ class PrefixStore:
             return 0, None
         parts = [b.kv[self.name] for b in blocks]
         layers = range(len(parts[0][0]))
-        self.kv.write_span(slot, 0, [torch.cat([p[0][i] for p in parts], dim=1) for i in layers],
-                           [torch.cat([p[1][i] for p in parts], dim=1) for i in layers])
+        self.kv.write_span(
+            slot,
+            0,
+            [torch.cat([p[0][i] for p in parts], dim=1) for i in layers],
+            [torch.cat([p[1][i] for p in parts], dim=1) for i in layers],
+        )
         return len(blocks) * BLOCK, blocks[-1]
 
     def keep(self, slot: int, tokens: list[int], salt: Hashable = None) -> int:

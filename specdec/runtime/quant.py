@@ -6,6 +6,7 @@ fp32, scripts/bench_head_step.py; torch's int8 kernel was slower than fp32 there
 Only drafters use this. Drafts are verified by the unquantized target, so the output stays
 exactly the target's; a quantized draft only changes how often it is right.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -76,7 +77,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("nibbles", (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8))  # [out, in / 2]
         self.register_buffer("scales_zeros", sz.contiguous())
         self.register_buffer("scale", scale)  # [out, groups]
-        self.register_buffer("low", low)      # [out, groups]
+        self.register_buffer("low", low)  # [out, groups]
 
     def first_outputs(self, n: int) -> "Int4Linear":
         """The first `n` outputs, rounded up to 16 as the packed kernel needs (a draft's reduced vocabulary,
@@ -129,6 +130,7 @@ def q8_0_(module: nn.Module) -> nn.Module:
         blocks = gguf.quants.quantize(lin.weight.detach().numpy(), gguf.GGMLQuantizationType.Q8_0)
         bias = None if lin.bias is None else lin.bias.detach()
         return for_this_cpu(GGUFLinear.from_blocks(blocks, "Q8_0", tuple(lin.weight.shape), bias))
+
     _replace_linears(module, q8_0)
     return module
 
@@ -137,8 +139,9 @@ def quantize_(model: nn.Module, kind: str) -> nn.Module:
     """Weight-only quantization of every nn.Linear on the CPU in `model`, in place: int8, or int4 where the
     layer allows it (bf16, inputs a multiple of 64; int8 otherwise); `none` leaves the model as it is."""
     if kind != "none":
-        _replace_linears(model, lambda lin: Int4Linear(lin) if kind == "int4" and Int4Linear.supports(lin)
-                         else Int8Linear(lin))
+        _replace_linears(
+            model, lambda lin: Int4Linear(lin) if kind == "int4" and Int4Linear.supports(lin) else Int8Linear(lin)
+        )
         release_free_memory()
     return model
 

@@ -3,6 +3,7 @@
 Drafters that read the target's hidden states (EAGLE-3 heads, DFlash-style block drafters) get them from the
 forwards that run anyway: set `ModelRunner.capture` once, then read `ModelRunner.features` after each call.
 """
+
 from __future__ import annotations
 
 import copy
@@ -35,6 +36,7 @@ class FeatureSpec:
     The final pre-norm hidden state (input of the final norm) is always captured as `Features.final`;
     `model.model.norm(final)` gives the post-norm one (HF's `hidden_states[N]`).
     """
+
     layers: tuple[int, ...] = ()
 
     def union(self, other: "FeatureSpec | None") -> "FeatureSpec":
@@ -51,8 +53,9 @@ class FeatureSpec:
 class Features:
     """Target hidden states of the tokens one call processed, one row per token in input (node) order;
     on the CPU in the model's activation dtype."""
+
     layers: torch.Tensor  # [T, L, H], L = len(FeatureSpec.layers), in that order
-    final: torch.Tensor   # [T, H] input of the final norm
+    final: torch.Tensor  # [T, H] input of the final norm
 
     def __len__(self) -> int:
         return self.final.shape[0]
@@ -92,8 +95,9 @@ class ModelRunner:
         cfg = model.config
         self.model, self.context = model, context
         dtype = model.model.embed_tokens.weight.dtype
-        self.cache = KVCache.allocate(cfg.num_layers, num_slots, cfg.num_kv_heads, context + HEADROOM,
-                                      cfg.head_dim, dtype, model.layer_devices)
+        self.cache = KVCache.allocate(
+            cfg.num_layers, num_slots, cfg.num_kv_heads, context + HEADROOM, cfg.head_dim, dtype, model.layer_devices
+        )
         self.device = model.device  # inputs go here; logits come back on the CPU
         self._capture: FeatureSpec | None = None
         self.features: list[Features] | None = None  # per sequence, from the last forward call (see `capture`)
@@ -130,13 +134,14 @@ class ModelRunner:
         return () if self._capture is None else self._capture.layers + (self.model.config.num_layers,)
 
     def _collect(self, hidden: dict[int, torch.Tensor], where: list[tuple[int, int, int]]) -> list[Features] | None:
-        """Per sequence its rows of the captured states (hidden i: [B, T, H]): where = (entry b, first row t, rows n)."""
+        """Per sequence its rows of the captured states (hidden i: [B, T, H]): where = (entry b, first row t,
+        rows n)."""
         if self._capture is None:
             return None
         final = hidden[self.model.config.num_layers]
         parts = [hidden[i].to(final.device) for i in self._hidden_layers()]
         stacked = torch.stack(parts, dim=2).cpu()  # [B, T, L+1, H]
-        return [Features(stacked[b, t:t + n, :-1], stacked[b, t:t + n, -1]) for b, t, n in where]
+        return [Features(stacked[b, t : t + n, :-1], stacked[b, t : t + n, -1]) for b, t, n in where]
 
     @property
     def head_device(self) -> torch.device:
@@ -148,9 +153,15 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
-    def forward(self, chunks: list[list[int]], starts: list[int], slots: list[int],
-                last_only: bool = False, resume: list[torch.Tensor] | None = None,
-                resume_layer: int = 0) -> list[torch.Tensor]:
+    def forward(
+        self,
+        chunks: list[list[int]],
+        starts: list[int],
+        slots: list[int],
+        last_only: bool = False,
+        resume: list[torch.Tensor] | None = None,
+        resume_layer: int = 0,
+    ) -> list[torch.Tensor]:
         """Feed chunk i of tokens at positions starts[i].. into slot slots[i].
 
         Ragged chunks go one row per entry where the model runs every layer in C (`Transformer.layers_in_c`: no
@@ -169,14 +180,23 @@ class ModelRunner:
         tokens, positions, row_slots, x = (_one_row_each if flat else _padded)(chunks, starts, slots, resume)
         cache_index = positions.clamp(max=self.cache.max_len - 1)  # real positions are below the context
         # where sequence i's rows are: (entry, first row, rows) of the [B, T, ...] outputs
-        where = [(0, off, n) for off, n in zip(_offsets(lens), lens)] if flat else [(b, 0, n) for b, n in enumerate(lens)]
+        where = (
+            [(0, off, n) for off, n in zip(_offsets(lens), lens)] if flat else [(b, 0, n) for b, n in enumerate(lens)]
+        )
         T = tokens.shape[1]
         logits_index = torch.tensor([[b * T + t + n - 1] for b, t, n in where]) if last_only else None  # [B', 1]
         dev = self.device
-        logits, hidden = self.model(tokens.to(dev), positions.to(dev), row_slots.to(dev), self.cache,
-                                    cache_index.to(dev), logits_index=None if logits_index is None else logits_index.to(dev),
-                                    hidden_layers=self._hidden_layers(), resume=None if x is None else x.to(dev),
-                                    resume_layer=resume_layer)
+        logits, hidden = self.model(
+            tokens.to(dev),
+            positions.to(dev),
+            row_slots.to(dev),
+            self.cache,
+            cache_index.to(dev),
+            logits_index=None if logits_index is None else logits_index.to(dev),
+            hidden_layers=self._hidden_layers(),
+            resume=None if x is None else x.to(dev),
+            resume_layer=resume_layer,
+        )
         if flat:  # [N, 1, ...] -> [1, N, ...]
             hidden = {i: h.transpose(0, 1) for i, h in hidden.items()}
             logits = logits if last_only else logits.transpose(0, 1)
@@ -184,14 +204,14 @@ class ModelRunner:
         logits = logits.cpu()
         if last_only:
             return [logits[i] for i in range(len(chunks))]
-        return [logits[b, t:t + n] for b, t, n in where]
+        return [logits[b, t : t + n] for b, t, n in where]
 
     def prefill(self, tokens: list[int], slot: int, start: int = 0) -> torch.Tensor:
         """Feed a long run of tokens in chunks; return the last position's logits [V].
         With `capture`, `features` is one entry with a row per token of the whole run."""
         logits, parts = None, []
         for off in range(0, len(tokens), PREFILL_CHUNK):
-            chunk = tokens[off:off + PREFILL_CHUNK]
+            chunk = tokens[off : off + PREFILL_CHUNK]
             logits = self.forward([chunk], [start + off], [slot], last_only=True)[0]
             if self.features is not None:
                 parts.append(self.features[0])
@@ -218,10 +238,15 @@ class ModelRunner:
         mask = torch.ones(1, 1, n, start + n, dtype=torch.bool)  # [1, 1, N+1, S]
         mask[0, 0, :, start:] = anc
         positions = torch.tensor([start + d for d in depth])[None]  # [1, N+1]
-        logits, hidden = self.model(torch.tensor([tokens], device=self.device), positions.to(self.device),
-                                    torch.tensor([slot], device=self.device), self.cache,
-                                    cache_index=cache_index.to(self.device), mask=mask.to(self.device),
-                                    hidden_layers=self._hidden_layers())
+        logits, hidden = self.model(
+            torch.tensor([tokens], device=self.device),
+            positions.to(self.device),
+            torch.tensor([slot], device=self.device),
+            self.cache,
+            cache_index=cache_index.to(self.device),
+            mask=mask.to(self.device),
+            hidden_layers=self._hidden_layers(),
+        )
         self.features = self._collect(hidden, [(0, 0, n)])
         return logits[0].cpu()
 
@@ -248,18 +273,19 @@ def _padded(chunks: list[list[int]], starts: list[int], slots: list[int], resume
     T = max(len(c) for c in chunks)
     tokens = torch.zeros(len(chunks), T, dtype=torch.long)
     for i, c in enumerate(chunks):
-        tokens[i, :len(c)] = torch.tensor(c)
+        tokens[i, : len(c)] = torch.tensor(c)
     positions = torch.tensor(starts)[:, None] + torch.arange(T)[None, :]
     x = None
     if resume is not None:
         x = resume[0].new_zeros(len(chunks), T, resume[0].shape[-1])
         for i, h in enumerate(resume):
-            x[i, :len(h)] = h
+            x[i, : len(h)] = h
     return tokens, positions, torch.tensor(slots), x
 
 
-def _one_row_each(chunks: list[list[int]], starts: list[int], slots: list[int],
-                  resume: list[torch.Tensor] | None) -> Rows:
+def _one_row_each(
+    chunks: list[list[int]], starts: list[int], slots: list[int], resume: list[torch.Tensor] | None
+) -> Rows:
     """One entry per token, no padding: tokens, positions [N, 1], slots [N], resume [N, 1, H] or None."""
     tokens = torch.tensor([t for c in chunks for t in c])[:, None]
     positions = torch.tensor([s + j for c, s in zip(chunks, starts) for j in range(len(c))])[:, None]

@@ -4,6 +4,7 @@ costs more than their arithmetic). Each returns None (or False) where the C path
 float32 on the CPU, or gradients wanted; the caller then runs torch's operations. And each logit row's best token
 and its lead over the next (`top2`), which runs torch's own where the C path does not apply. A row's result is the
 same bits however many rows share the call."""
+
 from __future__ import annotations
 
 import torch

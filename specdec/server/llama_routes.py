@@ -2,33 +2,62 @@
 request fields, its answer (`content`, `stop`, `tokens_predicted`, `tokens_evaluated`, `stop_type`, `timings`),
 its SSE stream (`data: {"content": ..., "stop": false}` lines, no [DONE]) and its error format; and its
 `/tokenize`, `/detokenize`, `/props` and `/slots`."""
+
 from __future__ import annotations
 
 import json
 import uuid
 from typing import TYPE_CHECKING, Any, Union
 
-from fastapi import Depends, FastAPI, Request as HTTPRequest
+from fastapi import Depends, FastAPI
+from fastapi import Request as HTTPRequest
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
 
 import specdec
-from specdec.server.protocol import (EXTENSIONS, APIError, CompletionRequest, openai_body, refuse_unsupported,
-                                     response_stats, sampling_fields)
+from specdec.server.protocol import (
+    EXTENSIONS,
+    APIError,
+    CompletionRequest,
+    openai_body,
+    refuse_unsupported,
+    response_stats,
+    sampling_fields,
+)
 
 if TYPE_CHECKING:
     from specdec.engine.scheduler import Request
     from specdec.sequence import Sequence
-    from specdec.server.app import _Handler
+    from specdec.server.handler import Handler
 
 PATHS = ("/completion", "/completions")
 # fields that would change the output distribution, with their no-op values (llama-server's defaults)
-NEUTRAL = {"repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "typical_p": 1.0, "mirostat": 0,
-           "dry_multiplier": 0.0, "xtc_probability": 0.0, "top_n_sigma": -1.0, "dynatemp_range": 0.0,
-           "ignore_eos": False, "logit_bias": None, "grammar": None, "json_schema": None}
+NEUTRAL = {
+    "repeat_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "typical_p": 1.0,
+    "mirostat": 0,
+    "dry_multiplier": 0.0,
+    "xtc_probability": 0.0,
+    "top_n_sigma": -1.0,
+    "dynatemp_range": 0.0,
+    "ignore_eos": False,
+    "logit_bias": None,
+    "grammar": None,
+    "json_schema": None,
+}
 NAMES = {"max_tokens": "n_predict"}  # our field -> llama-server's, in errors
 # llama-server's error types by status
-TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-         413: "invalid_request_error", 429: "unavailable_error", 501: "not_supported_error", 503: "unavailable_error"}
+TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "unavailable_error",
+    501: "not_supported_error",
+    503: "unavailable_error",
+}
 
 
 class Tokenize(BaseModel):
@@ -43,13 +72,14 @@ class Detokenize(BaseModel):
 
 class LlamaCompletion(BaseModel):
     """The fields read here; the others (n_predict, temperature, ...) are converted from `model_extra`."""
+
     model_config = ConfigDict(extra="allow")
     prompt: Union[str, list[StrictInt], list[str]]
     stream: StrictBool = False
 
 
-def add_routes(app: FastAPI, h: _Handler) -> None:
-    """llama-server's /completion and its error format on `app`, served by `h` (specdec.server.app._Handler)."""
+def add_routes(app: FastAPI, h: Handler) -> None:
+    """llama-server's /completion and its error format on `app`, served by `h` (specdec.server.handler.Handler)."""
     for path in PATHS:
         app.state.error_bodies[path] = error_body
 
@@ -59,12 +89,20 @@ def add_routes(app: FastAPI, h: _Handler) -> None:
         fields = body.model_extra or {}
         refuse_unsupported(fields, NEUTRAL)
         if fields.get("n_probs"):
-            raise APIError(400, "n_probs is not supported on /completion (ask /v1/completions with logprobs)",
-                           "n_probs")
-        openai = openai_body(CompletionRequest, {
-            **sampling_fields(fields, "n_predict", h.llm.context), "prompt": body.prompt, "stream": body.stream,
-            "cache_prompt": fields.get("cache_prompt", True), **{k: fields[k] for k in EXTENSIONS if k in fields}},
-            NAMES)  # no `model`: llama-server's /completion serves its one model whatever the body says
+            raise APIError(
+                400, "n_probs is not supported on /completion (ask /v1/completions with logprobs)", "n_probs"
+            )
+        openai = openai_body(
+            CompletionRequest,
+            {
+                **sampling_fields(fields, "n_predict", h.llm.context),
+                "prompt": body.prompt,
+                "stream": body.stream,
+                "cache_prompt": fields.get("cache_prompt", True),
+                **{k: fields[k] for k in EXTENSIONS if k in fields},
+            },
+            NAMES,
+        )  # no `model`: llama-server's /completion serves its one model whatever the body says
         return await h.completions(openai, http, scope, _Wire(h.llm.tokenizer.decode, h.cfg.model_id))
 
     @app.post("/tokenize", dependencies=[Depends(h.auth)])
@@ -83,12 +121,25 @@ def add_routes(app: FastAPI, h: _Handler) -> None:
     @app.get("/props", dependencies=[Depends(h.auth)])
     async def props():
         d = h.cfg.defaults
-        return {"default_generation_settings": {"n_ctx": h.llm.context, "params": {
-                    "n_predict": d.max_tokens, "temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p,
-                    "min_p": d.min_p, "speculative.type": h.llm.spec_type,
-                    "speculative.n_max": h.llm.engine.spec.draft_max}},
-                "total_slots": h.llm.parallel, "model_path": h.cfg.model_id, "model_alias": h.cfg.model_id,
-                "chat_template": h.llm.tokenizer.chat_template or "", "build_info": f"specdec {specdec.__version__}"}
+        return {
+            "default_generation_settings": {
+                "n_ctx": h.llm.context,
+                "params": {
+                    "n_predict": d.max_tokens,
+                    "temperature": d.temperature,
+                    "top_k": d.top_k,
+                    "top_p": d.top_p,
+                    "min_p": d.min_p,
+                    "speculative.type": h.llm.spec_type,
+                    "speculative.n_max": h.llm.engine.spec.draft_max,
+                },
+            },
+            "total_slots": h.llm.parallel,
+            "model_path": h.cfg.model_id,
+            "model_alias": h.cfg.model_id,
+            "chat_template": h.llm.tokenizer.chat_template or "",
+            "build_info": f"specdec {specdec.__version__}",
+        }
 
     @app.get("/slots", dependencies=[Depends(h.auth)])
     async def slots():
@@ -105,6 +156,7 @@ def error_body(e: APIError) -> dict:
 class _Wire:
     """llama-server's answer: SSE lines {"content", "stop": false}, then one with stop true and the totals; the
     totals and the whole text in one object when not streamed."""
+
     media_type = "text/event-stream"
 
     def __init__(self, decode, model_id: str):
@@ -126,15 +178,23 @@ class _Wire:
     def _final(self, req: Request, content: str) -> dict:
         seq = req.seq
         stop_type, word = self._stop(seq)
-        return {"content": content, "stop": True, "model": self.model_id, "tokens_predicted": seq.stats.new_tokens,
-                "tokens_evaluated": seq.prompt_len, "stop_type": stop_type, "stopping_word": word, "truncated": False,
-                **response_stats(req)}
+        return {
+            "content": content,
+            "stop": True,
+            "model": self.model_id,
+            "tokens_predicted": seq.stats.new_tokens,
+            "tokens_evaluated": seq.prompt_len,
+            "stop_type": stop_type,
+            "stopping_word": word,
+            "truncated": False,
+            **response_stats(req),
+        }
 
     def _stop(self, seq: Sequence) -> tuple[str, str]:
         """llama-server's stop_type (limit, word, eos) and stopping_word: a stop string is where the text was cut."""
         if seq.finish_reason == "length":
             return "limit", ""
-        rest = self.decode(seq.output_ids)[len(seq.text):]
+        rest = self.decode(seq.output_ids)[len(seq.text) :]
         word = next((s for s in seq.params.stop if rest.startswith(s)), None)
         return ("word", word) if word is not None else ("eos", "")
 

@@ -1,4 +1,5 @@
 """Prometheus text-format metrics for the server."""
+
 from __future__ import annotations
 
 from specdec.engine.scheduler import Request, Scheduler
@@ -65,25 +66,41 @@ class Metrics:
         if store is not None:
             lines += _prefix_cache_lines(store.cache)
         if sch.controller:
-            lines += ["# HELP specdec_goodput_tokens_per_second Load controller: goodput per batch bucket and arm "
-                      "(measured or predicted; an arm due to be run and measured is left out).",
-                      "# TYPE specdec_goodput_tokens_per_second gauge"]
+            lines += [
+                "# HELP specdec_goodput_tokens_per_second Load controller: goodput per batch bucket and arm "
+                "(measured or predicted; an arm due to be run and measured is left out).",
+                "# TYPE specdec_goodput_tokens_per_second gauge",
+            ]
             for b, r in sch.controller.report().items():
-                lines += [f'specdec_goodput_tokens_per_second{{batch="{b}",arm="{a}",chosen="{int(a == r["chosen"])}"}} {v}'
-                          for a, v in r["goodput"].items() if v is not None]
+                lines += [
+                    f'specdec_goodput_tokens_per_second{{batch="{b}",arm="{a}",chosen="{int(a == r["chosen"])}"}} {v}'
+                    for a, v in r["goodput"].items()
+                    if v is not None
+                ]
         return "\n".join(lines) + "\n"
 
 
 def _prefix_cache_lines(cache: PrefixCache) -> list[str]:
     """Per model (target, draft): lookups, hits and prompt tokens saved; the cache's bytes, budget, blocks."""
     lines = []
-    for name, what in (("lookups", "Prompts looked up"), ("hits", "Lookups that reused cached K/V"),
-                       ("tokens_saved", "Prompt tokens whose K/V came from the cache")):
-        lines += [f"# HELP specdec_prefix_cache_{name}_total Prefix cache: {what.lower()}, per model.",
-                  f"# TYPE specdec_prefix_cache_{name}_total counter",
-                  *[f'specdec_prefix_cache_{name}_total{{model="{m}"}} {getattr(st, name)}'
-                    for m, st in sorted(cache.stats.items())]]
-    for name, kind, value in (("bytes", "gauge", cache.used), ("budget_bytes", "gauge", cache.budget),
-                              ("blocks", "gauge", len(cache.blocks)), ("evicted_blocks_total", "counter", cache.evicted)):
+    for name, what in (
+        ("lookups", "Prompts looked up"),
+        ("hits", "Lookups that reused cached K/V"),
+        ("tokens_saved", "Prompt tokens whose K/V came from the cache"),
+    ):
+        lines += [
+            f"# HELP specdec_prefix_cache_{name}_total Prefix cache: {what.lower()}, per model.",
+            f"# TYPE specdec_prefix_cache_{name}_total counter",
+            *[
+                f'specdec_prefix_cache_{name}_total{{model="{m}"}} {getattr(st, name)}'
+                for m, st in sorted(cache.stats.items())
+            ],
+        ]
+    for name, kind, value in (
+        ("bytes", "gauge", cache.used),
+        ("budget_bytes", "gauge", cache.budget),
+        ("blocks", "gauge", len(cache.blocks)),
+        ("evicted_blocks_total", "counter", cache.evicted),
+    ):
         lines += [f"# TYPE specdec_prefix_cache_{name} {kind}", f"specdec_prefix_cache_{name} {value}"]
     return lines

@@ -1,6 +1,7 @@
 """Ollama's API over the same handler as the OpenAI routes: `/api/chat` and `/api/generate` (NDJSON streaming
 by default, `"stream": false` for one object), `/api/tags`, `/api/show`, `/api/version`. Bodies become OpenAI
 ones; answers and errors (`{"error": "..."}`) are Ollama's (docs/compat.md)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,28 +10,56 @@ import uuid
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
-from fastapi import Depends, FastAPI, Request as HTTPRequest
+from fastapi import Depends, FastAPI
+from fastapi import Request as HTTPRequest
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 import specdec
 from specdec.errors import SpecdecError
-from specdec.server.protocol import (EXTENSIONS, APIError, ChatRequest, CompletionRequest, openai_body,
-                                     refuse_unsupported, response_stats, sampling_fields)
+from specdec.server.protocol import (
+    EXTENSIONS,
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    openai_body,
+    refuse_unsupported,
+    response_stats,
+    sampling_fields,
+)
 
 if TYPE_CHECKING:
     from specdec.engine.scheduler import Request
-    from specdec.server.app import _Handler
+    from specdec.server.handler import Handler
 
 # options that would change the output distribution, with their no-op values (others: the OpenAI rule)
-NEUTRAL = {"repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "typical_p": 1.0, "tfs_z": 1.0,
-           "mirostat": 0}
+NEUTRAL = {
+    "repeat_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "typical_p": 1.0,
+    "tfs_z": 1.0,
+    "mirostat": 0,
+}
 # what a request may not ask for (no-op values pass): name -> why
-UNSUPPORTED = {"format": "structured outputs (format)", "images": "images", "tools": "tools", "think": "thinking",
-               "suffix": "fill-in-the-middle (suffix)", "template": "a custom template",
-               "logprobs": "logprobs on /api/* (ask /v1/chat/completions)"}
-NAMES = {"max_tokens": "options.num_predict", "temperature": "options.temperature", "top_p": "options.top_p",
-         "top_k": "options.top_k", "min_p": "options.min_p", "seed": "options.seed", "stop": "options.stop",
-         "prompt": "prompt"}  # our field -> Ollama's, in errors
+UNSUPPORTED = {
+    "format": "structured outputs (format)",
+    "images": "images",
+    "tools": "tools",
+    "think": "thinking",
+    "suffix": "fill-in-the-middle (suffix)",
+    "template": "a custom template",
+    "logprobs": "logprobs on /api/* (ask /v1/chat/completions)",
+}
+NAMES = {
+    "max_tokens": "options.num_predict",
+    "temperature": "options.temperature",
+    "top_p": "options.top_p",
+    "top_k": "options.top_k",
+    "min_p": "options.min_p",
+    "seed": "options.seed",
+    "stop": "options.stop",
+    "prompt": "prompt",
+}  # our field -> Ollama's, in errors
 
 
 class OllamaMessage(BaseModel):
@@ -60,16 +89,15 @@ class OllamaGenerate(_OllamaBody):
     context: list[StrictInt] | None = None  # token ids a previous answer returned
 
 
-def add_routes(app: FastAPI, h: _Handler) -> None:
-    """Ollama's routes and error format on `app`, served by `h` (specdec.server.app._Handler)."""
+def add_routes(app: FastAPI, h: Handler) -> None:
+    """Ollama's routes and error format on `app`, served by `h` (specdec.server.handler.Handler)."""
     app.state.error_bodies["/api/"] = error_body
 
     @app.post("/api/chat")
     async def chat(body: OllamaChat, http: HTTPRequest, scope: int | None = Depends(h.auth)):
         if not body.messages:
             return _loaded(h, body)
-        openai = openai_body(ChatRequest, {**_fields(h, body), "messages": [_message(m) for m in body.messages]},
-                             NAMES)
+        openai = openai_body(ChatRequest, {**_fields(h, body), "messages": [_message(m) for m in body.messages]}, NAMES)
         return await h.chat(openai, http, scope, _Wire(body.model or _tagged(h.cfg.model_id), chat=True))
 
     @app.post("/api/generate")
@@ -84,35 +112,61 @@ def add_routes(app: FastAPI, h: _Handler) -> None:
     @app.get("/api/tags", dependencies=[Depends(h.auth)])
     async def tags():
         name = _tagged(h.cfg.model_id)
-        return {"models": [{"name": name, "model": name, "modified_at": _now(), "size": 0, "digest": "",
-                            "details": _details(h)}]}
+        return {
+            "models": [
+                {"name": name, "model": name, "modified_at": _now(), "size": 0, "digest": "", "details": _details(h)}
+            ]
+        }
 
     @app.get("/api/ps", dependencies=[Depends(h.auth)])
     async def ps():
         """The running model: this server's one, always loaded."""
         name = _tagged(h.cfg.model_id)
-        return {"models": [{"name": name, "model": name, "size": 0, "digest": "", "details": _details(h),
-                            "expires_at": "9999-12-31T23:59:59Z", "size_vram": 0, "context_length": h.llm.context}]}
+        return {
+            "models": [
+                {
+                    "name": name,
+                    "model": name,
+                    "size": 0,
+                    "digest": "",
+                    "details": _details(h),
+                    "expires_at": "9999-12-31T23:59:59Z",
+                    "size_vram": 0,
+                    "context_length": h.llm.context,
+                }
+            ]
+        }
 
     @app.post("/api/show", dependencies=[Depends(h.auth)])
     async def show(body: _OllamaBody):
         """The model's details, chat template and context length (clients read `<arch>.context_length`)."""
         if _model(h, body) != h.cfg.model_id:
-            raise APIError(404, f"model {body.model!r} not found (this server has {_tagged(h.cfg.model_id)!r})",
-                           "model")
+            raise APIError(
+                404, f"model {body.model!r} not found (this server has {_tagged(h.cfg.model_id)!r})", "model"
+            )
         arch = h.llm.runner.model.config.model_type
-        return {"modified_at": _now(), "template": h.llm.tokenizer.chat_template or "", "modelfile": "",
-                "parameters": "", "details": _details(h), "capabilities": ["completion"],
-                "model_info": {"general.architecture": arch, f"{arch}.context_length": h.llm.context}}
+        return {
+            "modified_at": _now(),
+            "template": h.llm.tokenizer.chat_template or "",
+            "modelfile": "",
+            "parameters": "",
+            "details": _details(h),
+            "capabilities": ["completion"],
+            "model_info": {"general.architecture": arch, f"{arch}.context_length": h.llm.context},
+        }
 
     @app.get("/api/version")
     async def version():
         return {"version": specdec.__version__}
 
 
-def _details(h: _Handler) -> dict:
-    return {"format": "specdec", "family": h.llm.runner.model.config.model_type, "parameter_size": "",
-            "quantization_level": h.llm.quant}
+def _details(h: Handler) -> dict:
+    return {
+        "format": "specdec",
+        "family": h.llm.runner.model.config.model_type,
+        "parameter_size": "",
+        "quantization_level": h.llm.quant,
+    }
 
 
 def error_body(e: APIError) -> dict:
@@ -120,7 +174,7 @@ def error_body(e: APIError) -> dict:
     return {"error": e.message}
 
 
-def _fields(h: _Handler, body: _OllamaBody) -> dict[str, Any]:
+def _fields(h: Handler, body: _OllamaBody) -> dict[str, Any]:
     """The OpenAI body's fields from an Ollama body: sampling from `options`, speculation (`speculative`,
     transformers' words) from the body or its options; what we cannot honour is a 400."""
     options = body.options or {}
@@ -131,13 +185,21 @@ def _fields(h: _Handler, body: _OllamaBody) -> dict[str, Any]:
     refuse_unsupported(options, NEUTRAL, "options.")
     num_ctx = options.get("num_ctx")
     if num_ctx is not None and (not isinstance(num_ctx, int) or num_ctx > h.llm.context):
-        raise APIError(400, f"options.num_ctx={num_ctx!r}: this server's context is {h.llm.context} tokens per slot "
-                       "(specdec serve -c); ask for at most that", "options.num_ctx")
-    return {**sampling_fields(options, "num_predict", h.llm.context), "model": _model(h, body),
-            "stream": body.stream, **{k: extra[k] for k in EXTENSIONS if k in extra}}
+        raise APIError(
+            400,
+            f"options.num_ctx={num_ctx!r}: this server's context is {h.llm.context} tokens per slot "
+            "(specdec serve -c); ask for at most that",
+            "options.num_ctx",
+        )
+    return {
+        **sampling_fields(options, "num_predict", h.llm.context),
+        "model": _model(h, body),
+        "stream": body.stream,
+        **{k: extra[k] for k in EXTENSIONS if k in extra},
+    }
 
 
-def _model(h: _Handler, body: _OllamaBody) -> str | None:
+def _model(h: Handler, body: _OllamaBody) -> str | None:
     """The model asked for, with Ollama's default tag `:latest` on our id taken as our id."""
     return h.cfg.model_id if body.model == _tagged(h.cfg.model_id) else body.model
 
@@ -165,7 +227,7 @@ def _generate_ids(llm, body: OllamaGenerate) -> list[int]:
     return list(body.context or []) + ids
 
 
-def _loaded(h: _Handler, body: _OllamaBody) -> dict:
+def _loaded(h: Handler, body: _OllamaBody) -> dict:
     """Ollama answers an empty prompt or conversation by loading the model: here it is loaded already."""
     model = _model(h, body)
     if model is not None and model != h.cfg.model_id:
@@ -185,6 +247,7 @@ def _ns(ms: float) -> int:
 class _Wire:
     """Ollama's answer: NDJSON lines {"model", "created_at", "message" | "response", "done": false}, then one
     with done true, done_reason and the durations (ns); the same fields in one object when not streamed."""
+
     media_type = "application/x-ndjson"
 
     def __init__(self, model: str, chat: bool):
@@ -211,10 +274,16 @@ class _Wire:
         """The last part: why it ended, the counts and durations; /api/generate's `context`; specdec's stats."""
         stats = response_stats(req)
         t = stats["timings"]
-        out = {**self._part(text, True), "done_reason": req.seq.finish_reason,
-               "total_duration": _ns(t["prompt_ms"] + t["predicted_ms"]), "load_duration": 0,
-               "prompt_eval_count": t["prompt_n"], "prompt_eval_duration": _ns(t["prompt_ms"]),
-               "eval_count": t["predicted_n"], "eval_duration": _ns(t["predicted_ms"])}
+        out = {
+            **self._part(text, True),
+            "done_reason": req.seq.finish_reason,
+            "total_duration": _ns(t["prompt_ms"] + t["predicted_ms"]),
+            "load_duration": 0,
+            "prompt_eval_count": t["prompt_n"],
+            "prompt_eval_duration": _ns(t["prompt_ms"]),
+            "eval_count": t["predicted_n"],
+            "eval_duration": _ns(t["predicted_ms"]),
+        }
         if not self.chat:
             out["context"] = req.seq.tokens
         return {**out, **stats}

@@ -1,6 +1,7 @@
 """OpenAI request bodies (the fields we honour; unknown fields are ignored as OpenAI-compatible servers do),
 the OpenAI error format, the stats every response carries, and what the other APIs' routes (Ollama's,
 llama-server's) share to turn their bodies into OpenAI ones."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal, Mapping, Union
@@ -26,16 +27,22 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
-        kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "invalid_request_error", 413: "invalid_request_error",
-                429: "rate_limit_error"}.get(self.status, "server_error")
+        kind = {
+            400: "invalid_request_error",
+            401: "authentication_error",
+            403: "permission_error",
+            404: "invalid_request_error",
+            413: "invalid_request_error",
+            429: "rate_limit_error",
+        }.get(self.status, "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
 class Speculative(BaseModel):
     """Per-request speculation (extension field `speculative`)."""
+
     model_config = ConfigDict(extra="forbid")
-    type: str | None = None                            # a spec type or chain; None: the server's
+    type: str | None = None  # a spec type or chain; None: the server's
     draft_max: StrictInt | None = Field(None, ge=1, le=256)
     accept_threshold: float | None = Field(None, ge=0, le=1)  # opt-in lossy relaxed acceptance (--allow-lossy)
     options: dict[str, Any] | None = None  # model-free drafters' options for this request (Registry.request_options)
@@ -66,7 +73,7 @@ class _Common(BaseModel):
     cache_prompt: StrictBool = True  # llama-server's: reuse (and keep) the prompt's K/V in the prefix cache
     specdec_trace: StrictBool = False  # extension: each output token's origin (`specdec_trace` in the answer)
 
-    def sampling(self, defaults: SamplingParams, max_tokens: int | None) -> SamplingParams:
+    def sampling(self, defaults: SamplingParams) -> SamplingParams:
         """Request fields over the server's defaults; out-of-range values raise APIError 400."""
         if self.presence_penalty or self.frequency_penalty:
             raise APIError(400, "presence_penalty and frequency_penalty are not supported", "presence_penalty")
@@ -74,20 +81,34 @@ class _Common(BaseModel):
             raise APIError(400, "logit_bias is not supported", "logit_bias")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > MAX_STOPS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stops):
-            raise APIError(400, f"stop must be up to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} "
-                           "characters", "stop")
+            raise APIError(
+                400, f"stop must be up to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} characters", "stop"
+            )
         pick = lambda v, d: d if v is None else v  # noqa: E731
         top_k = pick(self.top_k, defaults.top_k)
-        return SamplingParams(temperature=pick(self.temperature, defaults.temperature),
-                              top_k=max(0, top_k), top_p=pick(self.top_p, defaults.top_p),
-                              min_p=pick(self.min_p, defaults.min_p), seed=self.seed,
-                              max_tokens=pick(max_tokens, defaults.max_tokens), stop=stops)
+        return SamplingParams(
+            temperature=pick(self.temperature, defaults.temperature),
+            top_k=max(0, top_k),
+            top_p=pick(self.top_p, defaults.top_p),
+            min_p=pick(self.min_p, defaults.min_p),
+            seed=self.seed,
+            max_tokens=pick(self.token_limit(), defaults.max_tokens),
+            stop=stops,
+        )
+
+    def token_limit(self) -> int | None:
+        """The most tokens to generate (None: the server's default)."""
+        return self.max_tokens
 
 
 class CompletionRequest(_Common):
     prompt: Union[str, list[StrictInt], list[str]]
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
     echo: StrictBool = False
+
+    def logprobs_asked(self) -> tuple[bool, int]:
+        """(whether each token's log-probability is asked for, how many best alternatives with it)."""
+        return self.logprobs is not None, self.logprobs or 0
 
 
 class ContentPart(BaseModel):
@@ -115,6 +136,12 @@ class ChatRequest(_Common):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
 
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def logprobs_asked(self) -> tuple[bool, int]:
+        return self.logprobs, self.top_logprobs or 0
+
     def chat_messages(self) -> list[dict[str, Any]]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
 
@@ -124,15 +151,28 @@ def response_stats(req: Request) -> dict:
     seq, s = req.seq, req.seq.stats
     first = req.first_token_s or 0.0
     decode_s = max((req.finished_s or first) - first, 1e-9)
-    return {"lossless": seq.lossless, "fast_prefill": kernels.fast_prefill(),
-            "speculative": {"type": seq.drafter.name if seq.drafter else "none", "drafted": s.drafted,
-                            "accepted": s.accepted, "relaxed": s.relaxed,
-                            "acceptance_rate": round(s.acceptance_rate, 4),
-                            "mean_accept_len": round(s.mean_accept_len, 4)},
-            "timings": {"prompt_n": seq.prompt_len, "prompt_ms": round(1000 * (req.first_token_s or 0.0), 2),
-                        "predicted_n": s.new_tokens, "predicted_ms": round(1000 * decode_s, 2),
-                        "predicted_per_second": round(max(s.new_tokens - 1, 0) / decode_s, 3),
-                        "draft_n": s.drafted, "draft_n_accepted": s.accepted, "cache_n": seq.cached_tokens}}
+    return {
+        "lossless": seq.lossless,
+        "fast_prefill": kernels.fast_prefill(),
+        "speculative": {
+            "type": seq.drafter.name if seq.drafter else "none",
+            "drafted": s.drafted,
+            "accepted": s.accepted,
+            "relaxed": s.relaxed,
+            "acceptance_rate": round(s.acceptance_rate, 4),
+            "mean_accept_len": round(s.mean_accept_len, 4),
+        },
+        "timings": {
+            "prompt_n": seq.prompt_len,
+            "prompt_ms": round(1000 * (req.first_token_s or 0.0), 2),
+            "predicted_n": s.new_tokens,
+            "predicted_ms": round(1000 * decode_s, 2),
+            "predicted_per_second": round(max(s.new_tokens - 1, 0) / decode_s, 3),
+            "draft_n": s.drafted,
+            "draft_n_accepted": s.accepted,
+            "cache_n": seq.cached_tokens,
+        },
+    }
 
 
 # -- the other APIs' bodies as OpenAI ones ----------------------------------------------------
@@ -145,8 +185,9 @@ def refuse_unsupported(fields: Mapping[str, Any], neutral: Mapping[str, Any], pr
     for key, ok in neutral.items():
         value = fields.get(key)
         if value is not None and (bool(value) if ok is None else value != ok):
-            raise APIError(400, f"{prefix}{key}={value!r} is not supported: it would change the output distribution",
-                           prefix + key)
+            raise APIError(
+                400, f"{prefix}{key}={value!r} is not supported: it would change the output distribution", prefix + key
+            )
 
 
 def sampling_fields(fields: Mapping[str, Any], predict: str, context: int) -> dict[str, Any]:

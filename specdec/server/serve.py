@@ -1,4 +1,5 @@
 """`specdec serve`: flags and running uvicorn (the other engines' flags: specdec.compat)."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,38 +15,78 @@ def add_serve_args(p: argparse.ArgumentParser, positive_int) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8080, help="port (default 8080)")
-    g.add_argument("-np", "--parallel", type=positive_int, default=4,
-                   help="slots: requests decoded together in one batch (default 4); -c is per slot")
-    g.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*, /metrics and /openapi.json "
-                   "(visible in the process list: prefer SPECDEC_API_KEY or --api-key-file)")
-    g.add_argument("--api-key-file", metavar="PATH",
-                   help="API keys, one per line (blank lines and # comments skipped); each key is a separate "
-                   "scope for drafter memory. Adds to --api-key and SPECDEC_API_KEY")
-    g.add_argument("--allow-host", action="append", default=[], metavar="HOST",
-                   help="without an API key, also answer requests whose Host header names HOST (repeatable; '*' "
-                   "for any); by default only the --host address and localhost (DNS rebinding guard)")
-    g.add_argument("--spec-shared-memory", action="store_true",
-                   help="share cross-request drafter memory (suffix, ngram-mod pool) between API keys; by default "
-                   "each key has its own, so one client's text cannot show in another's acceptance or timing")
-    g.add_argument("--max-queue", type=int, default=64,
-                   help="requests that may wait when every slot is busy; beyond them the server answers 429 at once; "
-                   "0: none wait, a request needs a free slot (default 64)")
-    g.add_argument("--max-body", type=positive_int, default=MAX_BODY, metavar="BYTES",
-                   help=f"largest request body; a larger one is answered 413 (default {MAX_BODY}, 4 MiB)")
+    g.add_argument(
+        "-np",
+        "--parallel",
+        type=positive_int,
+        default=4,
+        help="slots: requests decoded together in one batch (default 4); -c is per slot",
+    )
+    g.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' on /v1/*, /metrics and /openapi.json "
+        "(visible in the process list: prefer SPECDEC_API_KEY or --api-key-file)",
+    )
+    g.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        help="API keys, one per line (blank lines and # comments skipped); each key is a separate "
+        "scope for drafter memory. Adds to --api-key and SPECDEC_API_KEY",
+    )
+    g.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="HOST",
+        help="without an API key, also answer requests whose Host header names HOST (repeatable; '*' "
+        "for any); by default only the --host address and localhost (DNS rebinding guard)",
+    )
+    g.add_argument(
+        "--spec-shared-memory",
+        action="store_true",
+        help="share cross-request drafter memory (suffix, ngram-mod pool) between API keys; by default "
+        "each key has its own, so one client's text cannot show in another's acceptance or timing",
+    )
+    g.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        help="requests that may wait when every slot is busy; beyond them the server answers 429 at once; "
+        "0: none wait, a request needs a free slot (default 64)",
+    )
+    g.add_argument(
+        "--max-body",
+        type=positive_int,
+        default=MAX_BODY,
+        metavar="BYTES",
+        help=f"largest request body; a larger one is answered 413 (default {MAX_BODY}, 4 MiB)",
+    )
     g.add_argument("--alias", help="model id clients use (default: the model's name)")
-    g.add_argument("--cache-mb", type=int, default=SERVE_BUDGET_MB, metavar="MIB",
-                   help="prefix cache: keep the K/V of recent prompts (target and draft model, 16-token blocks, "
-                   "least recently used evicted) within MIB and reuse the longest cached prefix of a new prompt "
-                   "(the same tokens as a fresh prefill); a request opts out with \"cache_prompt\": false; 0 = off "
-                   f"(default {SERVE_BUDGET_MB})")
-    g.add_argument("--allow-lossy", action="store_true",
-                   help="let requests ask for relaxed acceptance (speculative.accept_threshold), which changes the "
-                   "output; their responses say \"lossless\": false (default: refused with 400)")
-    g.add_argument("--spec-load-control", choices=["on", "off"], default="on",
-                   help="on: measure goodput with and without speculation at each batch size and use the best of "
-                   "off, a cap of 4, adaptive lengths and light (only model-free drafters, e.g. a chain's suffix tree "
-                   "without its draft model) (turns speculation down or off under load); off: speculate at any load "
-                   "(default on)")
+    g.add_argument(
+        "--cache-mb",
+        type=int,
+        default=SERVE_BUDGET_MB,
+        metavar="MIB",
+        help="prefix cache: keep the K/V of recent prompts (target and draft model, 16-token blocks, "
+        "least recently used evicted) within MIB and reuse the longest cached prefix of a new prompt "
+        '(the same tokens as a fresh prefill); a request opts out with "cache_prompt": false; 0 = off '
+        f"(default {SERVE_BUDGET_MB})",
+    )
+    g.add_argument(
+        "--allow-lossy",
+        action="store_true",
+        help="let requests ask for relaxed acceptance (speculative.accept_threshold), which changes the "
+        'output; their responses say "lossless": false (default: refused with 400)',
+    )
+    g.add_argument(
+        "--spec-load-control",
+        choices=["on", "off"],
+        default="on",
+        help="on: measure goodput with and without speculation at each batch size and use the best of "
+        "off, a cap of 4, adaptive lengths and light (only model-free drafters, e.g. a chain's suffix tree "
+        "without its draft model) (turns speculation down or off under load); off: speculate at any load "
+        "(default on)",
+    )
 
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
@@ -94,14 +135,26 @@ def run_server(args: argparse.Namespace) -> int:
     name = args.alias or _model_id(args.model)
     controller = LoadController(args.draft_max) if args.spec_load_control == "on" else None
     scheduler = Scheduler(llm.engine, llm.parallel, args.max_queue, controller)
-    cfg = ServerConfig(name, defaults, keys, host=args.host, allowed_hosts=tuple(args.allow_host),
-                       shared_memory=args.spec_shared_memory, max_body=args.max_body, allow_lossy=args.allow_lossy)
+    cfg = ServerConfig(
+        name,
+        defaults,
+        keys,
+        host=args.host,
+        allowed_hosts=tuple(args.allow_host),
+        shared_memory=args.spec_shared_memory,
+        max_body=args.max_body,
+        allow_lossy=args.allow_lossy,
+    )
     app = create_app(llm, scheduler, cfg)
-    print(f"specdec: serving {name} [{llm.spec_type}] on http://{args.host}:{args.port}/v1 with {llm.parallel} slots "
-          f"of {llm.context} tokens; playground at http://{args.host}:{args.port}/", file=sys.stderr)
+    print(
+        f"specdec: serving {name} [{llm.spec_type}] on http://{args.host}:{args.port}/v1 with {llm.parallel} slots "
+        f"of {llm.context} tokens; playground at http://{args.host}:{args.port}/",
+        file=sys.stderr,
+    )
     _log_requests()
-    server = _server_class()(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                            timeout_graceful_shutdown=30))
+    server = _server_class()(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
+    )
     scheduler.on_fatal = lambda: setattr(server, "should_exit", True)  # the engine thread died: stop serving
     server.run()
     if scheduler.fatal:
@@ -120,6 +173,7 @@ def _server_class():
         def handle_exit(self, sig, frame) -> None:
             super().handle_exit(sig, frame)
             self._captured_signals.clear()
+
     return Server
 
 
@@ -156,4 +210,5 @@ def _model_id(model: str | None) -> str:
     from pathlib import Path
 
     from specdec.models import packs
+
     return Path(model).stem if model else packs.DEFAULT_TARGET

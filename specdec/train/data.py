@@ -21,6 +21,7 @@ writes them in shards under `out`:
 
 `FeatureCache(out)` reads a finished cache back.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -44,19 +45,27 @@ from specdec.errors import SpecdecError
 from specdec.models.packs import PACKS
 from specdec.runtime.runner import FeatureSpec, ModelRunner
 from specdec.sampling import SEED_LIMIT, SamplingParams
-from specdec.train.sources import (FORBIDDEN_PACKAGES, SHAREGPT, Prompt, Selection, WheelSource, load_prompts,
-                                   stable_fraction)
+from specdec.train.sources import (
+    FORBIDDEN_PACKAGES,
+    SHAREGPT,
+    Prompt,
+    Selection,
+    WheelSource,
+    load_prompts,
+    stable_fraction,
+)
 
 FORMAT = "specdec-features/1"
 RESPONSES = ("target", "data")
 BATCH_CANDIDATES = (1, 4, 8, 16, 32)  # batch sizes `batch="auto"` measures
 CALIBRATION_PROMPT, CALIBRATION_TOKENS = 16, 32  # prompt cut and new tokens when measuring a batch size
-SHARD_TOKENS = 16384              # a shard is written once it holds this many tokens
+SHARD_TOKENS = 16384  # a shard is written once it holds this many tokens
 
 
 @dataclass(frozen=True)
 class Settings:
     """What decides a cache's content: a rerun continues an unfinished cache only with equal settings."""
+
     target: str
     source: dict
     responses: str
@@ -74,18 +83,20 @@ class Settings:
 @dataclass
 class Item:
     """A prompt chosen for the cache."""
-    index: int        # position in the shuffled eligible prompts
+
+    index: int  # position in the shuffled eligible prompts
     prompt: Prompt
-    ids: list[int]    # the prompt in the chat template, ready for the assistant's turn
-    sampled: bool     # answered by sampling (else greedy)
+    ids: list[int]  # the prompt in the chat template, ready for the assistant's turn
+    sampled: bool  # answered by sampling (else greedy)
 
 
 @dataclass
 class Conversation:
     """A finished conversation with its features, waiting for its shard."""
+
     item: Item
-    tokens: list[int]    # prompt + response [T]
-    aux: torch.Tensor    # [T, L, H] bfloat16
+    tokens: list[int]  # prompt + response [T]
+    aux: torch.Tensor  # [T, L, H] bfloat16
     final: torch.Tensor  # [T, H] bfloat16
 
     @property
@@ -93,13 +104,30 @@ class Conversation:
         return len(self.tokens) - len(self.item.ids)
 
 
-def build_cache(target: str, out: Path | str, n_prompts: int, *, source: WheelSource = SHAREGPT,
-                responses: str = "target", max_new_tokens: int = 128, max_prompt_tokens: int = 512, turns: int = 1,
-                sample_share: float = 0.0, temperature: float = 0.7, seed: int = 0, batch: int | str = "auto",
-                aux_layers: tuple[int, ...] | None = None, shard_tokens: int = SHARD_TOKENS,
-                deny_list: Path | None = None, spec_bench_dir: Path | None = None, dtype: str = "auto",
-                quant: str = "auto", threads: int | None = None, progress: bool = True,
-                command: str | None = None) -> Path:
+def build_cache(
+    target: str,
+    out: Path | str,
+    n_prompts: int,
+    *,
+    source: WheelSource = SHAREGPT,
+    responses: str = "target",
+    max_new_tokens: int = 128,
+    max_prompt_tokens: int = 512,
+    turns: int = 1,
+    sample_share: float = 0.0,
+    temperature: float = 0.7,
+    seed: int = 0,
+    batch: int | str = "auto",
+    aux_layers: tuple[int, ...] | None = None,
+    shard_tokens: int = SHARD_TOKENS,
+    deny_list: Path | None = None,
+    spec_bench_dir: Path | None = None,
+    dtype: str = "auto",
+    quant: str = "auto",
+    threads: int | None = None,
+    progress: bool = True,
+    command: str | None = None,
+) -> Path:
     """Build (or continue) a feature cache of `n_prompts` conversations in `out`; returns `out`.
 
     target: pack name, GGUF file or checkpoint dir. responses: "target" (regenerated, up to `max_new_tokens`)
@@ -114,16 +142,35 @@ def build_cache(target: str, out: Path | str, n_prompts: int, *, source: WheelSo
     out = Path(out)
     selection = load_prompts(source, seed, turns, responses == "data", deny_list, spec_bench_dir, progress)
     batches = (batch,) if isinstance(batch, int) else BATCH_CANDIDATES
-    llm = LLM(target, spec_type="none", parallel=1 if responses == "data" else max(batches) + 1,
-              context=max_prompt_tokens + max_new_tokens + 1, dtype=dtype, quant=quant, threads=threads,
-              progress=progress)
+    llm = LLM(
+        target,
+        spec_type="none",
+        parallel=1 if responses == "data" else max(batches) + 1,
+        context=max_prompt_tokens + max_new_tokens + 1,
+        dtype=dtype,
+        quant=quant,
+        threads=threads,
+        progress=progress,
+    )
     if llm.context < max_prompt_tokens + max_new_tokens + 1:
-        raise SpecdecError(f"{target} holds {llm.context} positions; max_prompt_tokens + max_new_tokens must be "
-                           "below that")
+        raise SpecdecError(
+            f"{target} holds {llm.context} positions; max_prompt_tokens + max_new_tokens must be below that"
+        )
     spec = FeatureSpec(tuple(aux_layers)) if aux_layers else FeatureSpec.eagle3(llm.runner.model.config.num_layers)
-    settings = Settings(target, source.describe(), responses, max_new_tokens, max_prompt_tokens, turns,
-                        sample_share, temperature, seed, list(spec.layers), selection.deny_sha256,
-                        selection.spec_bench_sha256)
+    settings = Settings(
+        target,
+        source.describe(),
+        responses,
+        max_new_tokens,
+        max_prompt_tokens,
+        turns,
+        sample_share,
+        temperature,
+        seed,
+        list(spec.layers),
+        selection.deny_sha256,
+        selection.spec_bench_sha256,
+    )
     out.mkdir(parents=True, exist_ok=True)
     state = Progress(out, settings)
     items, too_long = choose(llm, selection.prompts, n_prompts, max_prompt_tokens, seed, sample_share)
@@ -137,8 +184,14 @@ def build_cache(target: str, out: Path | str, n_prompts: int, *, source: WheelSo
     return out
 
 
-def respond(llm: LLM, todo: list[Item], settings: Settings, batches: tuple[int, ...],
-            record: Callable[[Item, list[int]], None], state: Progress) -> None:
+def respond(
+    llm: LLM,
+    todo: list[Item],
+    settings: Settings,
+    batches: tuple[int, ...],
+    record: Callable[[Item, list[int]], None],
+    state: Progress,
+) -> None:
     """Record every item with its response: the data's, or the target's generated `batches[0]` at a time
     (the fastest of `batches` when there are several)."""
     if settings.responses == "data":
@@ -150,8 +203,15 @@ def respond(llm: LLM, todo: list[Item], settings: Settings, batches: tuple[int, 
         generate(llm, todo, size, settings, record, state)
 
 
-def _check_args(responses: str, n_prompts: int, max_new_tokens: int, max_prompt_tokens: int, turns: int,
-                sample_share: float, batch: int | str) -> None:
+def _check_args(
+    responses: str,
+    n_prompts: int,
+    max_new_tokens: int,
+    max_prompt_tokens: int,
+    turns: int,
+    sample_share: float,
+    batch: int | str,
+) -> None:
     if responses not in RESPONSES:
         raise SpecdecError(f"responses must be one of {', '.join(RESPONSES)} (got {responses!r})")
     if min(n_prompts, max_new_tokens, max_prompt_tokens, turns) < 1:
@@ -164,8 +224,9 @@ def _check_args(responses: str, n_prompts: int, max_new_tokens: int, max_prompt_
         raise SpecdecError(f"batch must be >= 1 or 'auto' (got {batch!r})")
 
 
-def choose(llm: LLM, prompts: list[Prompt], n: int, max_prompt_tokens: int, seed: int,
-           sample_share: float) -> tuple[list[Item], int]:
+def choose(
+    llm: LLM, prompts: list[Prompt], n: int, max_prompt_tokens: int, seed: int, sample_share: float
+) -> tuple[list[Item], int]:
     """The first `n` prompts that fit `max_prompt_tokens` in the chat template, and how many did not fit."""
     items, too_long = [], 0
     for index, prompt in enumerate(prompts):
@@ -182,9 +243,10 @@ def choose(llm: LLM, prompts: list[Prompt], n: int, max_prompt_tokens: int, seed
 def end_of_turn(llm: LLM) -> int:
     """The stop token the chat template closes an assistant turn with: appended to responses that stopped."""
     marker = "REPLY"
-    text = llm.tokenizer.apply_chat_template([{"role": "user", "content": "x"},
-                                              {"role": "assistant", "content": marker}], add_generation_prompt=False)
-    tail = llm.tokenizer.encode(text[text.rindex(marker) + len(marker):], add_special_tokens=False)
+    text = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}], add_generation_prompt=False
+    )
+    tail = llm.tokenizer.encode(text[text.rindex(marker) + len(marker) :], add_special_tokens=False)
     found = next((t for t in tail if t in llm.engine.stop_ids), None)
     if found is None:
         raise SpecdecError("the chat template ends an assistant turn with no stop token")
@@ -205,8 +267,14 @@ def params_for(item: Item, settings: Settings) -> SamplingParams:
     return SamplingParams(temperature=settings.temperature, seed=seed, max_tokens=settings.max_new_tokens)
 
 
-def run_requests(llm: LLM, items: list[Item], batch: int, params: Callable[[Item], SamplingParams],
-                 on_done: Callable[[Item, list[int]], None], on_time: Callable[[float], None]) -> None:
+def run_requests(
+    llm: LLM,
+    items: list[Item],
+    batch: int,
+    params: Callable[[Item], SamplingParams],
+    on_done: Callable[[Item, list[int]], None],
+    on_time: Callable[[float], None],
+) -> None:
     """Generate for every item, `batch` at a time (continuous batching); on_done(item, response) as each
     finishes, the end-of-turn token appended when it stopped; on_time(seconds) after each engine iteration."""
     sched = Scheduler(llm.engine, batch, max_queue=batch)  # slots 0..batch-1; the last slot is teacher forcing's
@@ -243,20 +311,29 @@ def pick_batch(llm: LLM, items: list[Item], candidates: tuple[int, ...], state: 
     return int(max(state.batch_tok_s, key=state.batch_tok_s.get))
 
 
-def generate(llm: LLM, items: list[Item], batch: int, settings: Settings,
-             record: Callable[[Item, list[int]], None], state: Progress) -> None:
+def generate(
+    llm: LLM,
+    items: list[Item],
+    batch: int,
+    settings: Settings,
+    record: Callable[[Item, list[int]], None],
+    state: Progress,
+) -> None:
     """The target's responses to `items`, `batch` at a time, each recorded as it finishes."""
     state.batch = batch
 
     def done(item: Item, response: list[int]) -> None:
         state.add("tokens", "generated", len(response))
         record(item, response)
-    run_requests(llm, items, batch, lambda it: params_for(it, settings), done,
-                 lambda dt: state.add("seconds", "generate", dt))
+
+    run_requests(
+        llm, items, batch, lambda it: params_for(it, settings), done, lambda dt: state.add("seconds", "generate", dt)
+    )
 
 
-def teacher_features(runner: ModelRunner, spec: FeatureSpec, tokens: list[int], slot: int) -> tuple[torch.Tensor,
-                                                                                                       torch.Tensor]:
+def teacher_features(
+    runner: ModelRunner, spec: FeatureSpec, tokens: list[int], slot: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One prefill over `tokens` in `slot` capturing `spec`: (aux [T, L, H], final [T, H]) in bfloat16."""
     runner.capture = spec
     try:
@@ -267,8 +344,9 @@ def teacher_features(runner: ModelRunner, spec: FeatureSpec, tokens: list[int], 
     return f.layers.to(torch.bfloat16).contiguous(), f.final.to(torch.bfloat16).contiguous()
 
 
-def _recorder(llm: LLM, spec: FeatureSpec, writer: ShardWriter, state: Progress,
-              bar) -> Callable[[Item, list[int]], None]:
+def _recorder(
+    llm: LLM, spec: FeatureSpec, writer: ShardWriter, state: Progress, bar
+) -> Callable[[Item, list[int]], None]:
     """record(item, response): teacher-force prompt + response in the last KV slot, hand it to the writer."""
     slot = llm.parallel - 1
 
@@ -281,6 +359,7 @@ def _recorder(llm: LLM, spec: FeatureSpec, writer: ShardWriter, state: Progress,
         writer.add(Conversation(item, tokens, aux, final))
         bar.update(1)
         bar.set_postfix(tokens=writer.tokens_total, tok_s=f"{state.rate('generated', 'generate'):.1f}")
+
     return record
 
 
@@ -293,8 +372,10 @@ class Progress:
         state = json.loads(self.path.read_text()) if self.path.exists() else {"settings": self.settings}
         if state["settings"] != self.settings:
             changed = sorted(k for k in self.settings if state["settings"].get(k) != self.settings[k])
-            raise SpecdecError(f"{out} holds a cache built with other settings ({', '.join(changed)}); "
-                               "use another directory or delete it")
+            raise SpecdecError(
+                f"{out} holds a cache built with other settings ({', '.join(changed)}); "
+                "use another directory or delete it"
+            )
         self.done: set[int] = set(state.get("done", []))
         self.shards: list[dict] = state.get("shards", [])
         self.seconds: dict[str, float] = state.get("seconds", {})
@@ -319,8 +400,15 @@ class Progress:
         now = time.perf_counter()
         self.seconds["total"] = self.seconds.get("total", 0.0) + now - self._mark
         self._mark = now
-        state = {"settings": self.settings, "done": sorted(self.done), "shards": self.shards,
-                 "seconds": self.seconds, "tokens": self.tokens, "batch": self.batch, "batch_tok_s": self.batch_tok_s}
+        state = {
+            "settings": self.settings,
+            "done": sorted(self.done),
+            "shards": self.shards,
+            "seconds": self.seconds,
+            "tokens": self.tokens,
+            "batch": self.batch,
+            "batch_tok_s": self.batch_tok_s,
+        }
         _write_atomic(self.path, json.dumps(state))
 
 
@@ -342,14 +430,25 @@ class ShardWriter:
         if self.buffer:
             name = f"shard-{len(self.state.shards):05d}.safetensors"
             tmp = self.out / f"{name}.tmp-{uuid.uuid4().hex}"
-            save_file(shard_tensors(self.buffer), str(tmp), metadata={
-                "format": FORMAT, "aux_layers": json.dumps(list(self.aux_layers)),
-                "ids": json.dumps([c.item.prompt.id for c in self.buffer])})
+            save_file(
+                shard_tensors(self.buffer),
+                str(tmp),
+                metadata={
+                    "format": FORMAT,
+                    "aux_layers": json.dumps(list(self.aux_layers)),
+                    "ids": json.dumps([c.item.prompt.id for c in self.buffer]),
+                },
+            )
             os.replace(tmp, self.out / name)
-            self.state.shards.append({"file": name, "conversations": len(self.buffer),
-                                      "tokens": sum(len(c.tokens) for c in self.buffer),
-                                      "response_tokens": sum(c.response_tokens for c in self.buffer),
-                                      "sampled": sum(c.item.sampled for c in self.buffer)})
+            self.state.shards.append(
+                {
+                    "file": name,
+                    "conversations": len(self.buffer),
+                    "tokens": sum(len(c.tokens) for c in self.buffer),
+                    "response_tokens": sum(c.response_tokens for c in self.buffer),
+                    "sampled": sum(c.item.sampled for c in self.buffer),
+                }
+            )
             self.state.done.update(c.item.index for c in self.buffer)
             self.buffer = []
         self.state.save()
@@ -359,18 +458,19 @@ def shard_tensors(convs: list[Conversation]) -> dict[str, torch.Tensor]:
     """The tensors of one shard (see the module docstring)."""
     lens = [len(c.tokens) for c in convs]
     return {
-        "tokens": torch.tensor([t for c in convs for t in c.tokens], dtype=torch.int32),                # [N]
-        "offsets": torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64),                   # [C+1]
+        "tokens": torch.tensor([t for c in convs for t in c.tokens], dtype=torch.int32),  # [N]
+        "offsets": torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64),  # [C+1]
         "loss_mask": torch.cat([torch.arange(n) >= len(c.item.ids) for c, n in zip(convs, lens)]).to(torch.uint8),
-        "aux": torch.cat([c.aux for c in convs]),                                                       # [N, L, H]
-        "final": torch.cat([c.final for c in convs]),                                                   # [N, H]
-        "index": torch.tensor([c.item.index for c in convs], dtype=torch.int64),                        # [C]
-        "sampled": torch.tensor([c.item.sampled for c in convs], dtype=torch.uint8),                    # [C]
+        "aux": torch.cat([c.aux for c in convs]),  # [N, L, H]
+        "final": torch.cat([c.final for c in convs]),  # [N, H]
+        "index": torch.tensor([c.item.index for c in convs], dtype=torch.int64),  # [C]
+        "sampled": torch.tensor([c.item.sampled for c in convs], dtype=torch.uint8),  # [C]
     }
 
 
-def make_manifest(llm: LLM, settings: Settings, selection: Selection, too_long: int, state: Progress,
-                  command: str | None) -> dict:
+def make_manifest(
+    llm: LLM, settings: Settings, selection: Selection, too_long: int, state: Progress, command: str | None
+) -> dict:
     """What the cache holds and how it was made (shared/training/README.md asks for sources, counts, deny-list)."""
     cfg = llm.runner.model.config
     shards = state.shards
@@ -378,26 +478,56 @@ def make_manifest(llm: LLM, settings: Settings, selection: Selection, too_long: 
     seconds = {k: round(v, 2) for k, v in state.seconds.items()}
     return {
         "format": FORMAT,
-        "target": {"name": settings.target, "gguf_sha256": PACKS[settings.target].sha256
-                   if settings.target in PACKS else None, "num_layers": cfg.num_layers,
-                   "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "runtime": llm.quant_info},
-        "features": {"aux_layers": settings.aux_layers, "hidden_size": cfg.hidden_size, "dtype": "bfloat16",
-                     "aux": "hidden state entering each decoder layer (HF hidden_states[i])",
-                     "final": "input of the final norm (pre-norm)"},
-        "sources": [{**settings.source, "read": selection.read, "truncated_last_record": selection.truncated,
-                     "excluded": {**selection.excluded, "prompt_too_long": too_long},
-                     "eligible": len(selection.prompts), **counts}],
-        "rules": {"deny_list_sha256": settings.deny_list_sha256, "spec_bench_sha256": settings.spec_bench_sha256,
-                  "forbidden_packages": list(FORBIDDEN_PACKAGES)},
-        "generation": {"responses": settings.responses, "greedy_share": round(1 - settings.sample_share, 4),
-                       "sample_share": settings.sample_share, "temperature": settings.temperature,
-                       "max_new_tokens": settings.max_new_tokens, "max_prompt_tokens": settings.max_prompt_tokens,
-                       "turns": settings.turns, "seed": settings.seed, "batch": state.batch,
-                       "batch_tok_s": state.batch_tok_s, "end_of_turn_token": end_of_turn(llm)},
-        "throughput": {"generate_tok_s": round(state.rate("generated", "generate"), 2),
-                       "teacher_tok_s": round(state.rate("teacher", "teacher"), 2),
-                       "seconds": seconds, "hours": round(state.seconds.get("total", 0.0) / 3600, 3),
-                       "tokens": state.tokens},
+        "target": {
+            "name": settings.target,
+            "gguf_sha256": PACKS[settings.target].sha256 if settings.target in PACKS else None,
+            "num_layers": cfg.num_layers,
+            "hidden_size": cfg.hidden_size,
+            "vocab_size": cfg.vocab_size,
+            "runtime": llm.quant_info,
+        },
+        "features": {
+            "aux_layers": settings.aux_layers,
+            "hidden_size": cfg.hidden_size,
+            "dtype": "bfloat16",
+            "aux": "hidden state entering each decoder layer (HF hidden_states[i])",
+            "final": "input of the final norm (pre-norm)",
+        },
+        "sources": [
+            {
+                **settings.source,
+                "read": selection.read,
+                "truncated_last_record": selection.truncated,
+                "excluded": {**selection.excluded, "prompt_too_long": too_long},
+                "eligible": len(selection.prompts),
+                **counts,
+            }
+        ],
+        "rules": {
+            "deny_list_sha256": settings.deny_list_sha256,
+            "spec_bench_sha256": settings.spec_bench_sha256,
+            "forbidden_packages": list(FORBIDDEN_PACKAGES),
+        },
+        "generation": {
+            "responses": settings.responses,
+            "greedy_share": round(1 - settings.sample_share, 4),
+            "sample_share": settings.sample_share,
+            "temperature": settings.temperature,
+            "max_new_tokens": settings.max_new_tokens,
+            "max_prompt_tokens": settings.max_prompt_tokens,
+            "turns": settings.turns,
+            "seed": settings.seed,
+            "batch": state.batch,
+            "batch_tok_s": state.batch_tok_s,
+            "end_of_turn_token": end_of_turn(llm),
+        },
+        "throughput": {
+            "generate_tok_s": round(state.rate("generated", "generate"), 2),
+            "teacher_tok_s": round(state.rate("teacher", "teacher"), 2),
+            "seconds": seconds,
+            "hours": round(state.seconds.get("total", 0.0) / 3600, 3),
+            "tokens": state.tokens,
+        },
         "counts": counts,
         "command": command if command is not None else " ".join(sys.argv),
         "shards": shards,
@@ -412,13 +542,22 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def _bar(total: int, initial: int, progress: bool):
     from tqdm import tqdm
-    return tqdm(total=total, initial=initial, unit="conv", desc="features", file=sys.stderr, dynamic_ncols=True,
-                disable=not progress)
+
+    return tqdm(
+        total=total,
+        initial=initial,
+        unit="conv",
+        desc="features",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        disable=not progress,
+    )
 
 
 @dataclass(frozen=True)
 class Row:
     """Where one conversation lies."""
+
     shard: int
     start: int
     end: int
@@ -436,8 +575,10 @@ class FeatureCache:
         self.dir = Path(directory)
         path = self.dir / "manifest.json"
         if not path.is_file():
-            raise SpecdecError(f"{self.dir}: no manifest.json (not a finished feature cache; build_cache with the "
-                               "same settings continues an unfinished one)")
+            raise SpecdecError(
+                f"{self.dir}: no manifest.json (not a finished feature cache; build_cache with the "
+                "same settings continues an unfinished one)"
+            )
         self.manifest = json.loads(path.read_text())
         self.aux_layers = tuple(self.manifest["features"]["aux_layers"])
         self.files = [self.dir / s["file"] for s in self.manifest["shards"]]
@@ -453,16 +594,25 @@ class FeatureCache:
     def __getitem__(self, i: int) -> dict:
         row = self.rows[i]
         f = self._handle(row.shard)
-        part = {name: f.get_slice(name)[row.start:row.end] for name in ("tokens", "loss_mask", "aux", "final")}
-        return {"tokens": part["tokens"].long(), "loss_mask": part["loss_mask"].bool(), "aux": part["aux"],
-                "final": part["final"], "index": row.index, "id": row.id, "sampled": row.sampled}
+        part = {name: f.get_slice(name)[row.start : row.end] for name in ("tokens", "loss_mask", "aux", "final")}
+        return {
+            "tokens": part["tokens"].long(),
+            "loss_mask": part["loss_mask"].bool(),
+            "aux": part["aux"],
+            "final": part["final"],
+            "index": row.index,
+            "id": row.id,
+            "sampled": row.sampled,
+        }
 
     def split(self, val_share: float = 0.05, seed: int = 0) -> tuple["FeatureCache", "FeatureCache"]:
         """(train, validation) by conversation: a conversation is in validation by a hash of (seed, its prompt
         index), so the split does not depend on shards and stays put as a cache grows."""
         val = [stable_fraction("val", seed, r.index) < val_share for r in self.rows]
-        return (self._view([r for r, v in zip(self.rows, val) if not v]),
-                self._view([r for r, v in zip(self.rows, val) if v]))
+        return (
+            self._view([r for r, v in zip(self.rows, val) if not v]),
+            self._view([r for r, v in zip(self.rows, val) if v]),
+        )
 
     def token_counts(self) -> torch.Tensor:
         """[V] int64: how often each token is a prediction target (loss mask 1) in these conversations."""
@@ -472,7 +622,7 @@ class FeatureCache:
             tokens, mask = f.get_tensor("tokens").long(), f.get_tensor("loss_mask").bool()  # [N]
             keep = torch.zeros_like(mask)
             for r in rows:
-                keep[r.start:r.end] = True
+                keep[r.start : r.end] = True
             counts += torch.bincount(tokens[mask & keep], minlength=counts.numel())
         return counts
 

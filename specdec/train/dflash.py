@@ -13,6 +13,7 @@ weights, times `confidence_alpha`. The feature layers are the cache's; embedding
 blocks drafted as the drafter does (the Markov bias from the previous draft), acceptance length against the data
 tokens = the target's greedy choices; tau = 1 + its mean.
 """
+
 from __future__ import annotations
 
 import math
@@ -33,13 +34,13 @@ from specdec.train.loop import Batch, Loss, TrainSettings
 @dataclass(frozen=True)
 class TrainConfig(TrainSettings):
     draft_vocab: int | None = None  # the drafter shares the target's LM head: its whole vocabulary
-    num_layers: int = 2             # draft layers
-    block_size: int | None = None   # None: 8 for DFlash (7 drafts), 7 for DSpark (7 drafts)
-    anchors: int = 32               # blocks per packed row
-    gamma: float | None = None      # loss decay over draft positions; None: 7 for blocks of 16+, else 4
-    mask_token: int | None = None   # None: the last vocabulary id
-    markov_rank: int = 256          # DSpark
-    confidence_alpha: float = 1.0   # DSpark
+    num_layers: int = 2  # draft layers
+    block_size: int | None = None  # None: 8 for DFlash (7 drafts), 7 for DSpark (7 drafts)
+    anchors: int = 32  # blocks per packed row
+    gamma: float | None = None  # loss decay over draft positions; None: 7 for blocks of 16+, else 4
+    mask_token: int | None = None  # None: the last vocabulary id
+    markov_rank: int = 256  # DSpark
+    confidence_alpha: float = 1.0  # DSpark
     intermediate: int | None = None  # the draft layers' MLP width; None = the target's
     epochs: int = 3
     lr: float = 6e-4
@@ -51,7 +52,8 @@ class TrainConfig(TrainSettings):
             raise SpecdecError("--draft-vocab: a block drafter shares the target's LM head and its whole vocabulary")
         super().check()
         if min(self.num_layers, self.anchors, self.markov_rank, self.intermediate or 1) < 1 or (
-                self.block_size is not None and self.block_size < 2):
+            self.block_size is not None and self.block_size < 2
+        ):
             raise SpecdecError("layers, anchors, Markov rank and intermediate must be >= 1, the block size >= 2")
 
 
@@ -63,9 +65,10 @@ def default_out(target: str, kind: str) -> Path:
 @dataclass
 class Blocks:
     """The anchored blocks of one packed row (n blocks of B slots, D drafts each)."""
+
     anchor: torch.Tensor  # [n] row index of each anchor
-    label: torch.Tensor   # [n, D] row index of draft i's label token (a + 1 + i, clamped)
-    valid: torch.Tensor   # [n, D] bool: that token is a response token of the anchor's conversation
+    label: torch.Tensor  # [n, D] row index of draft i's label token (a + 1 + i, clamped)
+    valid: torch.Tensor  # [n, D] bool: that token is a response token of the anchor's conversation
 
 
 def anchored(p: Packed, b: int, drafts: int, limit: int, generator: torch.Generator | None) -> Blocks:
@@ -77,8 +80,11 @@ def anchored(p: Packed, b: int, drafts: int, limit: int, generator: torch.Genera
     valid &= (torch.arange(R)[:, None] + 1 + torch.arange(drafts)) < R
     candidates = valid[:, 0].nonzero().flatten()
     if len(candidates) > limit:
-        pick = (torch.randperm(len(candidates), generator=generator)[:limit] if generator is not None
-                else torch.linspace(0, len(candidates) - 1, limit).long())
+        pick = (
+            torch.randperm(len(candidates), generator=generator)[:limit]
+            if generator is not None
+            else torch.linspace(0, len(candidates) - 1, limit).long()
+        )
         candidates = candidates[pick.sort().values]
     return Blocks(candidates, label[candidates], valid[candidates])
 
@@ -97,7 +103,7 @@ def block_states(net: BlockDraft, embed: nn.Embedding, p: Packed, b: int, blk: B
     own = torch.arange(M, device=dev) // B
     mask = torch.cat([ctx, own[:, None] == own[None, :]], dim=1)[None, None]  # [1, 1, M, R + M]
     h = net.packed(net.context(p.aux[b])[None], p.position[b][None], embed(tokens.reshape(1, M)), positions, mask)
-    return h[0].reshape(len(anchor), B, -1)[:, c.first_slot:]
+    return h[0].reshape(len(anchor), B, -1)[:, c.first_slot :]
 
 
 class DFlashTrainer(Eagle3Trainer):
@@ -116,10 +122,19 @@ class DFlashTrainer(Eagle3Trainer):
         self.convs = self._targets(model)
         self.t2d = torch.ones(model.config.vocab_size, dtype=torch.bool)
         cfg, t = self.cfg, model.config
-        c = BlockConfig.for_target(t, cfg.num_layers, self.block, t.vocab_size - 1 if cfg.mask_token is None
-                                   else cfg.mask_token, self.dspark, cfg.markov_rank)
-        c = replace(c, feature_layers=self.cache.aux_layers,
-                    layer=replace(c.layer, intermediate_size=cfg.intermediate or t.intermediate_size))
+        c = BlockConfig.for_target(
+            t,
+            cfg.num_layers,
+            self.block,
+            t.vocab_size - 1 if cfg.mask_token is None else cfg.mask_token,
+            self.dspark,
+            cfg.markov_rank,
+        )
+        c = replace(
+            c,
+            feature_layers=self.cache.aux_layers,
+            layer=replace(c.layer, intermediate_size=cfg.intermediate or t.intermediate_size),
+        )
         net = BlockDraft(c)
         with torch.no_grad():
             net.norm.weight.copy_(self.teacher.norm.weight)  # warm start: the target's final norm
@@ -150,18 +165,19 @@ class DFlashTrainer(Eagle3Trainer):
             blk = anchored(p, b, D, self.cfg.anchors, g)
             if not len(blk.anchor):
                 continue
-            h = block_states(self.head, self.teacher.embed, p, b, blk)      # [n, D, H]
+            h = block_states(self.head, self.teacher.embed, p, b, blk)  # [n, D, H]
             label = blk.label.to(self.device)
             prev = torch.cat([blk.anchor[:, None].to(self.device), label[:, :-1]], dim=1)  # [n, D] row indices
-            logits = self._logits(h, p.tokens[b][prev])                     # [n, D, V]
-            target = self.teacher.probs(p.final[b][label - 1])              # [n, D, V] the target at a + i
-            w = decay * blk.valid.to(self.device)                           # [n, D]
-            ce = -(target * logits.log_softmax(-1)).sum(-1)                 # [n, D]
+            logits = self._logits(h, p.tokens[b][prev])  # [n, D, V]
+            target = self.teacher.probs(p.final[b][label - 1])  # [n, D, V] the target at a + i
+            w = decay * blk.valid.to(self.device)  # [n, D]
+            ce = -(target * logits.log_softmax(-1)).sum(-1)  # [n, D]
             loss = (ce * w).sum()
             if self.head.confidence_head is not None:
                 accept = torch.minimum(logits.detach().softmax(-1), target).sum(-1)  # [n, D] 1 - TV(q, p)
-                bce = F.binary_cross_entropy_with_logits(self.head.confidence(h, p.tokens[b][prev]), accept,
-                                                         reduction="none")
+                bce = F.binary_cross_entropy_with_logits(
+                    self.head.confidence(h, p.tokens[b][prev]), accept, reduction="none"
+                )
                 loss = loss + self.cfg.confidence_alpha * (bce * w).sum()
             total, weight_sum = (loss if total is None else total + loss), weight_sum + float(blk.valid.sum())
         value = total / weight_sum if total is not None else None
@@ -186,14 +202,18 @@ class DFlashTrainer(Eagle3Trainer):
                 hits += run.long().cumprod(-1).sum(0).cpu()
                 counted += len(blk.anchor)
         accept = (hits.double() / max(counted, 1)).tolist()
-        return {"blocks": counted, "drafts": D, "accept": [round(a, 4) for a in accept],
-                "tau": round(1 + sum(accept), 4)}
+        return {
+            "blocks": counted,
+            "drafts": D,
+            "accept": [round(a, 4) for a in accept],
+            "tau": round(1 + sum(accept), 4),
+        }
 
     def _greedy(self, h: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
         """The drafter's greedy blocks [n, D] from draft states h [n, D, H] after the anchors [n]."""
         prev, out = anchor, []
         for i in range(h.shape[1]):
-            prev = self._logits(h[:, i:i + 1], prev[:, None])[:, 0].argmax(-1)
+            prev = self._logits(h[:, i : i + 1], prev[:, None])[:, 0].argmax(-1)
             out.append(prev)
         return torch.stack(out, dim=1)
 
@@ -209,14 +229,25 @@ class DFlashTrainer(Eagle3Trainer):
 
     def describe(self) -> dict:
         c = self.head.config
-        return {"head": {"layers": c.layer.num_layers, "block_size": c.block_size, "drafts": c.drafts,
-                         "feature_layers": list(c.feature_layers), "mask_token_id": c.mask_token_id,
-                         "intermediate_size": c.layer.intermediate_size, "markov_rank": c.markov_rank,
-                         "confidence": c.confidence,
-                         "shared": ["embed_tokens and lm_head: the target's (not stored)"],
-                         "warm_start": ["norm <- target final norm"]},
-                "training": {"anchors": self.cfg.anchors, "gamma": self.gamma,
-                             "loss_weights": [round(math.exp(-i / self.gamma), 4) for i in range(c.drafts)]}}
+        return {
+            "head": {
+                "layers": c.layer.num_layers,
+                "block_size": c.block_size,
+                "drafts": c.drafts,
+                "feature_layers": list(c.feature_layers),
+                "mask_token_id": c.mask_token_id,
+                "intermediate_size": c.layer.intermediate_size,
+                "markov_rank": c.markov_rank,
+                "confidence": c.confidence,
+                "shared": ["embed_tokens and lm_head: the target's (not stored)"],
+                "warm_start": ["norm <- target final norm"],
+            },
+            "training": {
+                "anchors": self.cfg.anchors,
+                "gamma": self.gamma,
+                "loss_weights": [round(math.exp(-i / self.gamma), 4) for i in range(c.drafts)],
+            },
+        }
 
 
 class DSparkTrainer(DFlashTrainer):
@@ -224,8 +255,15 @@ class DSparkTrainer(DFlashTrainer):
     dspark = True
 
 
-def train(target: str, cache_dir: Path | str, out: Path | str | None = None, cfg: TrainConfig = TrainConfig(),
-          resume: bool = False, command: str | None = None, kind: str = "dflash") -> dict:
+def train(
+    target: str,
+    cache_dir: Path | str,
+    out: Path | str | None = None,
+    cfg: TrainConfig = TrainConfig(),
+    resume: bool = False,
+    command: str | None = None,
+    kind: str = "dflash",
+) -> dict:
     """Train (or continue, `resume`) a `kind` (dflash | dspark) block drafter for `target` on a feature cache; it
     goes to `out` (default `default_out(target, kind)`), loadable by `--spec-type kind`. Returns its manifest."""
     trainer = {"dflash": DFlashTrainer, "dspark": DSparkTrainer}[kind]

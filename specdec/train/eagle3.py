@@ -14,6 +14,7 @@ Validation (conversations answered greedily): per-step greedy acceptance (step j
 matched the data token, the target's greedy one, at steps 0..j) and the mean acceptance length
 tau = 1 + sum_j P(steps 0..j accepted).
 """
+
 from __future__ import annotations
 
 import sys
@@ -28,16 +29,15 @@ from specdec.errors import SpecdecError
 from specdec.models.eagle3 import Eagle3Config, Eagle3Head, save_head
 from specdec.paths import home
 from specdec.train.data import FeatureCache
-from specdec.train.loop import (Batch, HeadTrainer, Loss, Segment, Teacher, TrainSettings, cut, save_atomic,
-                                segment_mask)
+from specdec.train.loop import Batch, HeadTrainer, Loss, Segment, Teacher, TrainSettings, cut, save_atomic, segment_mask
 
-STEP_WEIGHT = 0.8        # loss weight of TTT step j: STEP_WEIGHT ** j
+STEP_WEIGHT = 0.8  # loss weight of TTT step j: STEP_WEIGHT ** j
 
 
 @dataclass(frozen=True)
 class TrainConfig(TrainSettings):
     intermediate: int | None = None  # the head's MLP width; None = the target's
-    ttt: int = 7                     # unrolled steps (training-time test)
+    ttt: int = 7  # unrolled steps (training-time test)
 
     def check(self) -> None:
         super().check()
@@ -52,8 +52,10 @@ def default_out(target: str) -> Path:
 
 # -- the head ----------------------------------------------------------------------------------------------------
 
-def init_head(target: nn.Module, ids: torch.Tensor, teacher: Teacher, intermediate: int | None,
-              aux_layers: tuple[int, ...]) -> Eagle3Head:
+
+def init_head(
+    target: nn.Module, ids: torch.Tensor, teacher: Teacher, intermediate: int | None, aux_layers: tuple[int, ...]
+) -> Eagle3Head:
     """A head shaped for the target, vocabulary `ids`, warm-started: lm_head <- the target's rows at `ids`,
     norm <- the target's final norm."""
     head = Eagle3Head(Eagle3Config.for_target(target.config, len(ids), intermediate, aux_layers))
@@ -66,11 +68,13 @@ def init_head(target: nn.Module, ids: torch.Tensor, teacher: Teacher, intermedia
 
 # -- what each conversation teaches ------------------------------------------------------------------------------
 
+
 @dataclass
 class Conv:
     """One conversation's labels beyond its tokens."""
+
     response: torch.Tensor  # bool [T]: response tokens (the loss mask)
-    argmax: torch.Tensor    # long [T]: the target's greedy token for position n (from final[n-1]); -1 off the response
+    argmax: torch.Tensor  # long [T]: the target's greedy token for position n (from final[n-1]); -1 off the response
 
 
 @torch.inference_mode()
@@ -79,8 +83,15 @@ def scan(target: nn.Module, cache: FeatureCache, progress: bool) -> dict[int, Co
     from tqdm import tqdm
 
     out: dict[int, Conv] = {}
-    for item in tqdm(cache, total=len(cache), unit="conv", desc="target argmax", file=sys.stderr,
-                     dynamic_ncols=True, disable=not progress):
+    for item in tqdm(
+        cache,
+        total=len(cache),
+        unit="conv",
+        desc="target argmax",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        disable=not progress,
+    ):
         response = item["loss_mask"]
         argmax = torch.full(response.shape, -1, dtype=torch.long)
         at = response.nonzero().flatten()
@@ -98,21 +109,27 @@ def segments(view: FeatureCache, convs: dict[int, Conv], max_len: int, greedy: b
     rows = list(enumerate(view.rows))
     if greedy:
         rows = [(i, r) for i, r in rows if not r.sampled] or rows
-    return [s for i, row in rows for s in cut(i, row.end - row.start, max_len)
-            if convs[row.index].response[s.start + 2:s.end].any()]
+    return [
+        s
+        for i, row in rows
+        for s in cut(i, row.end - row.start, max_len)
+        if convs[row.index].response[s.start + 2 : s.end].any()
+    ]
 
 
 # -- packed batches and the unrolled steps -----------------------------------------------------------------------
 
+
 @dataclass
 class Packed:
     """A batch of rows, segments laid one after another (R = the longest row; S = steps)."""
-    tokens: torch.Tensor     # [B, R + S] long, data tokens (0 past a row's end)
-    aux: torch.Tensor        # [B, R, L, Ht] the target's features
-    final: torch.Tensor      # [B, R, Ht] the target's pre-norm final state
-    segment: torch.Tensor    # [B, R] long, segment number (-1 past a row's end)
-    position: torch.Tensor   # [B, R] long, position within the segment
-    response: torch.Tensor   # [B, R] bool, a response token
+
+    tokens: torch.Tensor  # [B, R + S] long, data tokens (0 past a row's end)
+    aux: torch.Tensor  # [B, R, L, Ht] the target's features
+    final: torch.Tensor  # [B, R, Ht] the target's pre-norm final state
+    segment: torch.Tensor  # [B, R] long, segment number (-1 past a row's end)
+    position: torch.Tensor  # [B, R] long, position within the segment
+    response: torch.Tensor  # [B, R] bool, a response token
     trainable: torch.Tensor  # [B, R] bool, a response token whose target argmax is in the draft vocabulary
 
     @property
@@ -120,8 +137,9 @@ class Packed:
         return int((self.segment >= 0).sum())
 
 
-def assemble(view: FeatureCache, convs: dict[int, Conv], batch: Batch, steps: int, t2d: torch.Tensor,
-             device: torch.device) -> Packed:
+def assemble(
+    view: FeatureCache, convs: dict[int, Conv], batch: Batch, steps: int, t2d: torch.Tensor, device: torch.device
+) -> Packed:
     """The tensors of one batch of rows, on `device`; t2d [V] bool (CPU): the draft vocabulary."""
     B, R = len(batch), max(sum(map(len, row)) for row in batch)
     hidden = view.manifest["features"]["hidden_size"]
@@ -138,12 +156,12 @@ def assemble(view: FeatureCache, convs: dict[int, Conv], batch: Batch, steps: in
         for s in row:
             item = view[s.conv]
             conv, span, n = convs[item["index"]], slice(s.start, s.end), len(s)
-            tokens[b, at:at + n] = item["tokens"][span]
-            aux[b, at:at + n] = item["aux"][span]
-            final[b, at:at + n] = item["final"][span]
-            segment[b, at:at + n], position[b, at:at + n] = number, torch.arange(n)
-            response[b, at:at + n] = conv.response[span]
-            trainable[b, at:at + n] = conv.response[span] & t2d[conv.argmax[span].clamp(min=0)]
+            tokens[b, at : at + n] = item["tokens"][span]
+            aux[b, at : at + n] = item["aux"][span]
+            final[b, at : at + n] = item["final"][span]
+            segment[b, at : at + n], position[b, at : at + n] = number, torch.arange(n)
+            response[b, at : at + n] = conv.response[span]
+            trainable[b, at : at + n] = conv.response[span] & t2d[conv.argmax[span].clamp(min=0)]
             at, number = at + n, number + 1
     move = lambda t: t.to(device)  # noqa: E731
     return Packed(*map(move, (tokens, aux, final, segment, position, response, trainable)))
@@ -157,8 +175,14 @@ def reach(p: Packed, j: int, mask: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, mask0: torch.Tensor,
-                  kd: list[torch.Tensor], vd: list[torch.Tensor]) -> torch.Tensor:
+def ttt_attention(
+    q: torch.Tensor,
+    k0: torch.Tensor,
+    v0: torch.Tensor,
+    mask0: torch.Tensor,
+    kd: list[torch.Tensor],
+    vd: list[torch.Tensor],
+) -> torch.Tensor:
     """Attention of TTT step j = len(kd): row t attends to the step-0 keys `mask0` allows and to the keys of steps
     1..j at row t itself. q [B, heads, R, hd]; k0, v0 and kd[i], vd[i] [B, kv_heads, R, hd]; mask0 [B, 1, R, R]
     -> [B, R, heads * hd]. Query head h reads KV head h // (heads / kv_heads), as grouped attention does. On the
@@ -174,17 +198,23 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, mask0: to
     return out.transpose(1, 2).reshape(B, R, heads * hd)
 
 
-def dense_ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, mask0: torch.Tensor,
-                        kd: list[torch.Tensor], vd: list[torch.Tensor]) -> torch.Tensor:
+def dense_ttt_attention(
+    q: torch.Tensor,
+    k0: torch.Tensor,
+    v0: torch.Tensor,
+    mask0: torch.Tensor,
+    kd: list[torch.Tensor],
+    vd: list[torch.Tensor],
+) -> torch.Tensor:
     """`ttt_attention` with every score materialised; k/v already expanded to the query heads."""
     B, heads, R, hd = q.shape
-    scale = hd ** -0.5
-    s0 = (q @ k0.transpose(-1, -2)).float() * scale                                  # [B, heads, R, R]
-    diag = [(q * k).sum(-1, keepdim=True).float() * scale for k in kd]               # [B, heads, R, 1] each
+    scale = hd**-0.5
+    s0 = (q @ k0.transpose(-1, -2)).float() * scale  # [B, heads, R, R]
+    diag = [(q * k).sum(-1, keepdim=True).float() * scale for k in kd]  # [B, heads, R, 1] each
     p = torch.softmax(torch.cat([s0.masked_fill(~mask0, float("-inf")), *diag], dim=-1), dim=-1)
-    out = p[..., :R] @ v0.float()                                                     # [B, heads, R, hd]
+    out = p[..., :R] @ v0.float()  # [B, heads, R, hd]
     for i, v in enumerate(vd):
-        out = out + p[..., R + i:R + i + 1] * v
+        out = out + p[..., R + i : R + i + 1] * v
     return out.transpose(1, 2).reshape(B, R, heads * hd).to(q.dtype)
 
 
@@ -197,11 +227,12 @@ class _DiagonalFlash(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k0, v0, bias0, kd, vd):
         scale = q.shape[-1] ** -0.5
-        out0, lse0 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k0, v0, attn_mask=bias0,
-                                                                                 scale=scale)  # lse0 [B, heads, R]
-        sd = (q.float() * kd.float()).sum(-1) * scale                               # [j, B, heads, R]
-        lse = torch.logsumexp(torch.cat([lse0[None], sd]), dim=0)                   # [B, heads, R]
-        pd = (sd - lse).exp()                                                       # [j, B, heads, R]
+        out0, lse0 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k0, v0, attn_mask=bias0, scale=scale
+        )  # lse0 [B, heads, R]
+        sd = (q.float() * kd.float()).sum(-1) * scale  # [j, B, heads, R]
+        lse = torch.logsumexp(torch.cat([lse0[None], sd]), dim=0)  # [B, heads, R]
+        pd = (sd - lse).exp()  # [j, B, heads, R]
         out = (lse0 - lse).exp()[..., None] * out0.float() + (pd[..., None] * vd.float()).sum(0)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k0, v0, bias0, kd, vd, out, lse, pd)
@@ -213,9 +244,10 @@ class _DiagonalFlash(torch.autograd.Function):
         scale = q.shape[-1] ** -0.5
         grad = grad.to(q.dtype).contiguous()
         dq, dk0, dv0 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad, q, k0, v0, out, lse, 0.0, False, attn_mask=bias0, scale=scale)
+            grad, q, k0, v0, out, lse, 0.0, False, attn_mask=bias0, scale=scale
+        )
         g = grad.float()
-        ds = pd * ((g * vd.float()).sum(-1) - (g * out.float()).sum(-1))            # [j, B, heads, R]
+        ds = pd * ((g * vd.float()).sum(-1) - (g * out.float()).sum(-1))  # [j, B, heads, R]
         dq = dq.float() + (ds[..., None] * kd.float()).sum(0) * scale
         dkd = ds[..., None] * q.float() * scale
         dvd = pd[..., None] * g
@@ -227,12 +259,12 @@ def unroll(head: Eagle3Head, embed: nn.Embedding, p: Packed, steps: int) -> list
     layer, attn = head.midlayer, head.midlayer.self_attn
     R = p.segment.shape[1]
     mask0 = segment_mask(p.segment)
-    g = head.fuse(p.aux)                                                # [B, R, H]
+    g = head.fuse(p.aux)  # [B, R, H]
     kd: list[torch.Tensor] = []
     vd: list[torch.Tensor] = []
     hs: list[torch.Tensor] = []
     for j in range(steps):
-        emb = embed(p.tokens[:, 1 + j:1 + j + R])                       # [B, R, H] token[t+1+j]
+        emb = embed(p.tokens[:, 1 + j : 1 + j + R])  # [B, R, H] token[t+1+j]
         cos, sin = head.rotary.tables(p.position + j, torch.float32)
         q, k, v = attn.project(layer.inputs(emb, g), cos, sin)
         q, k = q.to(v.dtype), k.to(v.dtype)  # RoPE in fp32; attention in the autocast dtype
@@ -246,23 +278,24 @@ def unroll(head: Eagle3Head, embed: nn.Embedding, p: Packed, steps: int) -> list
     return hs
 
 
-def ttt_loss(head: Eagle3Head, teacher: Teacher, p: Packed, hs: list[torch.Tensor]) -> tuple[torch.Tensor | None,
-                                                                                             float]:
+def ttt_loss(
+    head: Eagle3Head, teacher: Teacher, p: Packed, hs: list[torch.Tensor]
+) -> tuple[torch.Tensor | None, float]:
     """Weighted soft-label cross-entropy over the steps (None when the batch has no label) and step 0's top-1
     accuracy against the data token."""
-    src = torch.zeros_like(p.trainable)     # rows whose next token is a label: the teacher's rows
+    src = torch.zeros_like(p.trainable)  # rows whose next token is a label: the teacher's rows
     src[:, :-1] = p.trainable[:, 1:]
     slot = torch.full(src.shape, -1, dtype=torch.long, device=src.device)
     slot[src] = torch.arange(int(src.sum()), device=src.device)
-    probs = teacher.probs(p.final[src])     # [M, Vd]
+    probs = teacher.probs(p.final[src])  # [M, Vd]
     total, acc0 = None, float("nan")
     for j, h in enumerate(hs):
         b, t = reach(p, j, p.trainable).nonzero(as_tuple=True)
         if not len(b):
             continue
-        logits = head.lm_head(head.norm(h[b, t])).float()                  # [M_j, Vd]
-        loss = F.cross_entropy(logits, probs[slot[b, t + 1 + j]])           # soft labels
-        total = loss * STEP_WEIGHT ** j if total is None else total + loss * STEP_WEIGHT ** j
+        logits = head.lm_head(head.norm(h[b, t])).float()  # [M_j, Vd]
+        loss = F.cross_entropy(logits, probs[slot[b, t + 1 + j]])  # soft labels
+        total = loss * STEP_WEIGHT**j if total is None else total + loss * STEP_WEIGHT**j
         if j == 0:
             acc0 = float((head.draft_to_target[logits.argmax(-1)] == p.tokens[b, t + 2]).float().mean())
     return total, acc0
@@ -286,6 +319,7 @@ def acceptance(head: Eagle3Head, embed: nn.Embedding, p: Packed, steps: int) -> 
 
 
 # -- the run -----------------------------------------------------------------------------------------------------
+
 
 class Eagle3Trainer(HeadTrainer):
     """One training run: `Eagle3Trainer(target, cache, out, cfg, resume).run()` -> the head's manifest."""
@@ -332,22 +366,38 @@ class Eagle3Trainer(HeadTrainer):
             h, n = acceptance(self.head, self.teacher.embed, self._packed(self.val_view, batch), self.cfg.ttt)
             hits, counted = hits + h, counted + n
         accept = (hits.double() / max(counted, 1)).tolist()
-        return {"conversations": self.val_conversations, "positions": counted, "depth": self.cfg.ttt,
-                "accept": [round(a, 4) for a in accept], "tau": round(1 + sum(accept), 4)}
+        return {
+            "conversations": self.val_conversations,
+            "positions": counted,
+            "depth": self.cfg.ttt,
+            "accept": [round(a, 4) for a in accept],
+            "tau": round(1 + sum(accept), 4),
+        }
 
     def save_head(self, head: nn.Module, out: Path, manifest: dict) -> None:
         save_head(head, out, manifest)
 
     def describe(self) -> dict:
         c = self.head.config
-        return {"head": {"hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
-                         "aux_layers": list(c.aux_layers),
-                         "warm_start": ["lm_head <- target LM-head rows", "norm <- target final norm"]},
-                "training": {"ttt": self.cfg.ttt}}
+        return {
+            "head": {
+                "hidden_size": c.hidden_size,
+                "intermediate_size": c.intermediate_size,
+                "aux_layers": list(c.aux_layers),
+                "warm_start": ["lm_head <- target LM-head rows", "norm <- target final norm"],
+            },
+            "training": {"ttt": self.cfg.ttt},
+        }
 
 
-def train(target: str, cache_dir: Path | str, out: Path | str | None = None, cfg: TrainConfig = TrainConfig(),
-          resume: bool = False, command: str | None = None) -> dict:
+def train(
+    target: str,
+    cache_dir: Path | str,
+    out: Path | str | None = None,
+    cfg: TrainConfig = TrainConfig(),
+    resume: bool = False,
+    command: str | None = None,
+) -> dict:
     """Train (or continue, `resume`) an EAGLE-3 head for `target` on a feature cache; the head, loadable by
     `--spec-type eagle3`, goes to `out` (default `default_out(target)`). Returns its manifest."""
     return Eagle3Trainer(target, cache_dir, out or default_out(target), cfg, resume, command).run()

@@ -1,6 +1,7 @@
 """What head trainers share: conversations cut and packed into batches, the learning-rate schedule, the
 autocast choice, atomic checkpoint files, the draft vocabulary, the frozen teacher, and the run itself
 (`HeadTrainer`: resume, schedule, validation, checkpoints, the manifest)."""
+
 from __future__ import annotations
 
 import copy
@@ -29,6 +30,7 @@ HEAD_FILES = ("model.safetensors", "config.json", "manifest.json")  # replaced i
 @dataclass(frozen=True)
 class Segment:
     """Tokens [start, end) of conversation `conv` (an index into a `FeatureCache` view)."""
+
     conv: int
     start: int
     end: int
@@ -37,7 +39,7 @@ class Segment:
         return self.end - self.start
 
 
-Row = list[Segment]    # segments laid one after another in one batch row
+Row = list[Segment]  # segments laid one after another in one batch row
 Batch = list[Row]
 
 
@@ -58,7 +60,7 @@ def pack(segments: list[Segment], max_len: int, rows_per_batch: int, seed: int |
             rows[-1].append(s)
         else:
             rows.append([s])
-    return [rows[i:i + rows_per_batch] for i in range(0, len(rows), rows_per_batch)]
+    return [rows[i : i + rows_per_batch] for i in range(0, len(rows), rows_per_batch)]
 
 
 def segment_mask(segment: torch.Tensor) -> torch.Tensor:
@@ -92,6 +94,7 @@ def save_atomic(obj: object, path: Path) -> None:
 
 # -- what every head learns from ---------------------------------------------------------------------------------
 
+
 def choose_vocab(counts: torch.Tensor, size: int) -> torch.Tensor:
     """The `size` most frequent prediction targets (counts [V]), as sorted target ids [size]."""
     return counts.topk(min(size, counts.numel())).indices.sort().values
@@ -122,7 +125,7 @@ class Teacher(nn.Module):
         super().__init__()
         self.embed = nn.Embedding.from_pretrained(dense_weight(target.model.embed_tokens)) if embed else None  # [V, H]
         self.norm = copy.deepcopy(target.model.norm).float().requires_grad_(False)
-        self.register_buffer("rows", dense_weight(target.lm_head)[ids])                                   # [Vd, H]
+        self.register_buffer("rows", dense_weight(target.lm_head)[ids])  # [Vd, H]
 
     @torch.no_grad()
     def probs(self, final: torch.Tensor) -> torch.Tensor:
@@ -134,29 +137,33 @@ def check_cache(cache: FeatureCache, model: nn.Module, target: str) -> None:
     """The cache must come from a model shaped like `target`."""
     c, t = model.config, cache.manifest["target"]
     if (t["vocab_size"], t["hidden_size"], t["num_layers"]) != (c.vocab_size, c.hidden_size, c.num_layers):
-        raise SpecdecError(f"the feature cache was made from {t['name']} (vocabulary {t['vocab_size']}, hidden "
-                           f"{t['hidden_size']}, {t['num_layers']} layers), not {target}")
+        raise SpecdecError(
+            f"the feature cache was made from {t['name']} (vocabulary {t['vocab_size']}, hidden "
+            f"{t['hidden_size']}, {t['num_layers']} layers), not {target}"
+        )
 
 
 # -- one training run --------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class TrainSettings:
     """What every head trainer takes; a trainer's own config adds its shape and may change these defaults."""
+
     draft_vocab: int | None = 16384  # None: the target's whole vocabulary
     epochs: int = 3
     lr: float = 3e-4
     warmup: float = 0.03
     clip: float = 0.5
-    max_len: int = 1024              # tokens per packed row
-    batch_tokens: int = 2048         # tokens per optimizer step (rows of max_len)
-    max_hours: float | None = None   # over every run of this checkpoint; the schedule decays to zero by then
+    max_len: int = 1024  # tokens per packed row
+    batch_tokens: int = 2048  # tokens per optimizer step (rows of max_len)
+    max_hours: float | None = None  # over every run of this checkpoint; the schedule decays to zero by then
     device: str = "cpu"
-    autocast: str = "auto"           # auto | bf16 | fp32
+    autocast: str = "auto"  # auto | bf16 | fp32
     val_share: float = 0.05
     seed: int = 0
     checkpoint_minutes: float = 10.0
-    save_dtype: str = "fp32"         # the saved head's weights: fp32 | bf16 | int8 (per-row scales)
+    save_dtype: str = "fp32"  # the saved head's weights: fp32 | bf16 | int8 (per-row scales)
     progress: bool = True
 
     def check(self) -> None:
@@ -175,12 +182,13 @@ class TrainSettings:
 @dataclass
 class Progress:
     """Where training stands (saved in checkpoints)."""
+
     step: int = 0
-    epoch: int = 0                 # epochs finished
-    batch: int = 0                 # batches of the current epoch done
-    tokens: int = 0                # row tokens trained on, every step counted (padding not)
-    seconds: float = 0.0           # wall time over every run, evaluation included
-    train_seconds: float = 0.0     # optimizer steps only
+    epoch: int = 0  # epochs finished
+    batch: int = 0  # batches of the current epoch done
+    tokens: int = 0  # row tokens trained on, every step counted (padding not)
+    seconds: float = 0.0  # wall time over every run, evaluation included
+    train_seconds: float = 0.0  # optimizer steps only
     curve: list[list[float]] = field(default_factory=list)  # [tokens, validation tau]
     validation: dict | None = None
 
@@ -188,6 +196,7 @@ class Progress:
 @dataclass
 class Loss:
     """One batch's result: the loss to backpropagate (None: the batch has no label), what the bar shows, tokens."""
+
     value: torch.Tensor | None
     shown: dict[str, float]
     tokens: int
@@ -204,8 +213,15 @@ class HeadTrainer:
     betas = (0.9, 0.999)
     embed = True
 
-    def __init__(self, target: str, cache_dir: Path | str, out: Path | str, cfg: TrainSettings, resume: bool = False,
-                 command: str | None = None):
+    def __init__(
+        self,
+        target: str,
+        cache_dir: Path | str,
+        out: Path | str,
+        cfg: TrainSettings,
+        resume: bool = False,
+        command: str | None = None,
+    ):
         from specdec.api import load_model
 
         cfg.check()
@@ -213,20 +229,29 @@ class HeadTrainer:
         self.state_dir = self.out / STATE_DIR
         saved = self._saved(resume)
         if saved is not None:  # the checkpoint's shape and recipe; this call's budget and placement
-            cfg = replace(type(cfg)(**saved["config"]), epochs=cfg.epochs, max_hours=cfg.max_hours,
-                          device=cfg.device, progress=cfg.progress, checkpoint_minutes=cfg.checkpoint_minutes)
+            cfg = replace(
+                type(cfg)(**saved["config"]),
+                epochs=cfg.epochs,
+                max_hours=cfg.max_hours,
+                device=cfg.device,
+                progress=cfg.progress,
+                checkpoint_minutes=cfg.checkpoint_minutes,
+            )
         self.cfg, self.device = cfg, torch.device(cfg.device)
         self.cache = FeatureCache(cache_dir)
         self.train_view, self.val_view = self.cache.split(cfg.val_share, cfg.seed)
         if not len(self.train_view) or not len(self.val_view):
-            raise SpecdecError(f"{cache_dir}: {len(self.cache)} conversations are too few for a training and a "
-                               "validation split")
+            raise SpecdecError(
+                f"{cache_dir}: {len(self.cache)} conversations are too few for a training and a validation split"
+            )
         model = load_model(target, "auto", "fp32", progress=cfg.progress)[0]
         check_cache(self.cache, model, target)
         counts = self.train_view.token_counts()
         self.vocab = saved["vocab"] if saved is not None else choose_vocab(counts, cfg.draft_vocab or len(counts))
-        self.coverage = {"train": coverage(counts, self.vocab),
-                         "validation": coverage(self.val_view.token_counts(), self.vocab)}
+        self.coverage = {
+            "train": coverage(counts, self.vocab),
+            "validation": coverage(self.val_view.token_counts(), self.vocab),
+        }
         self.teacher = Teacher(model, self.vocab, self.embed)
         self.head = self.build(model)
         del model
@@ -294,16 +319,24 @@ class HeadTrainer:
         start, last_save = time.perf_counter() - pr.seconds, time.perf_counter()
         if not pr.curve:
             self._validate()
-        bar = tqdm(total=self.total_steps, initial=pr.step, unit="step", desc=self.kind, file=sys.stderr,
-                   dynamic_ncols=True, disable=not cfg.progress)
+        bar = tqdm(
+            total=self.total_steps,
+            initial=pr.step,
+            unit="step",
+            desc=self.kind,
+            file=sys.stderr,
+            dynamic_ncols=True,
+            disable=not cfg.progress,
+        )
         while pr.epoch < cfg.epochs and not self._time_up(start):
             batches = self.plan[pr.epoch]
             while pr.batch < len(batches) and not self._time_up(start):
                 shown = self._step(batches[pr.batch], start)
                 pr.step, pr.batch = pr.step + 1, pr.batch + 1
                 bar.update(1)
-                bar.set_postfix(**{k: f"{v:.3f}" for k, v in shown.items()},
-                                tok_s=f"{pr.tokens / pr.train_seconds:.0f}")
+                bar.set_postfix(
+                    **{k: f"{v:.3f}" for k, v in shown.items()}, tok_s=f"{pr.tokens / pr.train_seconds:.0f}"
+                )
                 if time.perf_counter() - last_save > 60 * cfg.checkpoint_minutes:
                     pr.seconds = time.perf_counter() - start
                     self._validate()
@@ -349,9 +382,16 @@ class HeadTrainer:
     def _save(self, finished: bool) -> dict:
         """The checkpoint, then the head and its manifest (each file replaced atomically, the manifest last)."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        save_atomic({"config": asdict(self.cfg), "vocab": self.vocab, "head": self.head.state_dict(),
-                     "optimizer": self.opt.state_dict(), "progress": asdict(self.progress)},
-                    self.state_dir / "checkpoint.pt")
+        save_atomic(
+            {
+                "config": asdict(self.cfg),
+                "vocab": self.vocab,
+                "head": self.head.state_dict(),
+                "optimizer": self.opt.state_dict(),
+                "progress": asdict(self.progress),
+            },
+            self.state_dir / "checkpoint.pt",
+        )
         manifest = self.manifest(finished)
         dtype = torch.bfloat16 if self.cfg.save_dtype == "bf16" else torch.float32
         tmp = self.state_dir / f"head.tmp-{os.getpid()}"
@@ -368,21 +408,43 @@ class HeadTrainer:
         epochs = pr.epoch + (pr.batch / len(self.plan[pr.epoch]) if pr.epoch < cfg.epochs else 0)
         own = self.describe()
         return {
-            "kind": self.kind, "target": self.target, "finished": finished,
-            "head": {**own["head"], "storage": cfg.save_dtype,
-                     "parameters": sum(p.numel() for p in self.head.parameters())},
+            "kind": self.kind,
+            "target": self.target,
+            "finished": finished,
+            "head": {
+                **own["head"],
+                "storage": cfg.save_dtype,
+                "parameters": sum(p.numel() for p in self.head.parameters()),
+            },
             "draft_vocab": {"size": len(self.vocab), "coverage": {k: round(v, 4) for k, v in self.coverage.items()}},
-            "data": {"cache": str(self.cache.dir), "cache_command": m.get("command"),
-                     "cache_hours": m.get("throughput", {}).get("hours"), "sources": m["sources"],
-                     "counts": m["counts"], "rules": m["rules"], "generation": m["generation"],
-                     "target_runtime": m["target"]["runtime"],
-                     "conversations": {"train": len(self.train_view), "validation": len(self.val_view)}},
-            "training": {"tokens": pr.tokens, "epochs": round(epochs, 3), "epochs_planned": cfg.epochs,
-                         "steps": pr.step, "hours": round(pr.seconds / 3600, 4),
-                         "tok_s": round(pr.tokens / max(pr.train_seconds, 1e-9), 1), **own["training"], "lr": cfg.lr,
-                         "warmup": cfg.warmup, "max_len": cfg.max_len, "batch_tokens": cfg.batch_tokens,
-                         "device": cfg.device, "autocast": str(self.amp).removeprefix("torch.") if self.amp else "fp32",
-                         "threads": torch.get_num_threads(), "max_hours": cfg.max_hours},
+            "data": {
+                "cache": str(self.cache.dir),
+                "cache_command": m.get("command"),
+                "cache_hours": m.get("throughput", {}).get("hours"),
+                "sources": m["sources"],
+                "counts": m["counts"],
+                "rules": m["rules"],
+                "generation": m["generation"],
+                "target_runtime": m["target"]["runtime"],
+                "conversations": {"train": len(self.train_view), "validation": len(self.val_view)},
+            },
+            "training": {
+                "tokens": pr.tokens,
+                "epochs": round(epochs, 3),
+                "epochs_planned": cfg.epochs,
+                "steps": pr.step,
+                "hours": round(pr.seconds / 3600, 4),
+                "tok_s": round(pr.tokens / max(pr.train_seconds, 1e-9), 1),
+                **own["training"],
+                "lr": cfg.lr,
+                "warmup": cfg.warmup,
+                "max_len": cfg.max_len,
+                "batch_tokens": cfg.batch_tokens,
+                "device": cfg.device,
+                "autocast": str(self.amp).removeprefix("torch.") if self.amp else "fp32",
+                "threads": torch.get_num_threads(),
+                "max_hours": cfg.max_hours,
+            },
             "validation": pr.validation,
             "learning_curve": pr.curve,  # [tokens, validation tau]
             "command": self.command,

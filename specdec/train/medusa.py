@@ -9,6 +9,7 @@ nothing, so their losses are summed unweighted (under Adam a per-head weight wou
 Validation on a held-out split: per-head top-1 accuracy against the data token (every response label counted),
 greedy chain acceptance P(heads 1..k all right) and tau = 1 + sum_k of it, and the mean soft loss.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,8 +30,8 @@ LABELS = ("soft", "hard")
 @dataclass(frozen=True)
 class TrainConfig(TrainSettings):
     num_heads: int = 3
-    num_layers: int = 1              # residual blocks per head
-    labels: str = "soft"             # soft | hard
+    num_layers: int = 1  # residual blocks per head
+    labels: str = "soft"  # soft | hard
     epochs: int = 2
     lr: float = 1e-3
     warmup: float = 0.1
@@ -60,24 +61,26 @@ def init_heads(target: nn.Module, ids: torch.Tensor, teacher: Teacher, cfg: Trai
 
 # -- batches -----------------------------------------------------------------------------------------------------
 
+
 def segments(view: FeatureCache, num_heads: int, max_len: int) -> list[Segment]:
     """The view's conversations cut to `max_len`, pieces with no response label for any head left out."""
     out = []
     for i, row in enumerate(view.rows):
         mask = view[i]["loss_mask"]
-        out += [s for s in cut(i, row.end - row.start, max_len) if mask[s.start + 2:s.end + num_heads].any()]
+        out += [s for s in cut(i, row.end - row.start, max_len) if mask[s.start + 2 : s.end + num_heads].any()]
     return out
 
 
 @dataclass
 class Rows:
     """A batch flattened: per segment, its rows followed by up to K + 1 rows past its end (labels only)."""
-    final: torch.Tensor   # [M, H] the target's pre-norm final state
+
+    final: torch.Tensor  # [M, H] the target's pre-norm final state
     tokens: torch.Tensor  # [M] long, data tokens
-    label: torch.Tensor   # [M] bool, a response token
-    draft: torch.Tensor   # [M] long, the token's draft-vocabulary index (-1 outside)
+    label: torch.Tensor  # [M] bool, a response token
+    draft: torch.Tensor  # [M] long, the token's draft-vocabulary index (-1 outside)
     source: torch.Tensor  # [M] bool, a row the heads read (inside its segment)
-    end: torch.Tensor     # [M] long, where the row's window ends (exclusive, flat index)
+    end: torch.Tensor  # [M] long, where the row's window ends (exclusive, flat index)
 
     @property
     def real_tokens(self) -> int:
@@ -103,19 +106,28 @@ def gather(view: FeatureCache, batch: Batch, num_heads: int, index: torch.Tensor
         for s in row:
             item = view[s.conv]
             e = min(s.end + num_heads + 1, len(item["tokens"]))
-            n, tokens = e - s.start, item["tokens"][s.start:e]
+            n, tokens = e - s.start, item["tokens"][s.start : e]
             source = torch.arange(n) < len(s)
-            parts.append((item["final"][s.start:e], tokens, item["loss_mask"][s.start:e], index[tokens], source,
-                          torch.full((n,), at + n)))
+            parts.append(
+                (
+                    item["final"][s.start : e],
+                    tokens,
+                    item["loss_mask"][s.start : e],
+                    index[tokens],
+                    source,
+                    torch.full((n,), at + n),
+                )
+            )
             at += n
     return Rows(*(torch.cat(col).to(device) for col in zip(*parts)))
 
 
 # -- losses and metrics ------------------------------------------------------------------------------------------
 
+
 def head_losses(heads: MedusaHeads, teacher: Teacher, r: Rows, labels: str) -> list[torch.Tensor | None]:
     """Per head, the mean cross-entropy over its labels (None where it has none)."""
-    x = teacher.norm(r.final.float())                        # [M, H] the heads' input
+    x = teacher.norm(r.final.float())  # [M, H] the heads' input
     pairs = [r.pairs(k, in_vocab=True) for k in range(heads.config.num_heads)]
     if labels == "soft":  # the target's distribution of token u + 1 from row u, for the rows some label needs
         need = torch.zeros(len(x), dtype=torch.bool, device=x.device)
@@ -123,7 +135,7 @@ def head_losses(heads: MedusaHeads, teacher: Teacher, r: Rows, labels: str) -> l
             need[dst - 1] = True
         slot = torch.full((len(x),), -1, dtype=torch.long, device=x.device)
         slot[need] = torch.arange(int(need.sum()), device=x.device)
-        probs = teacher.probs(r.final[need])                 # [n, Vd]
+        probs = teacher.probs(r.final[need])  # [n, Vd]
     out: list[torch.Tensor | None] = []
     for k, (src, dst) in enumerate(pairs):
         if not len(src):
@@ -159,6 +171,7 @@ def chain_hits(heads: MedusaHeads, teacher: Teacher, r: Rows) -> tuple[torch.Ten
 
 # -- the run -----------------------------------------------------------------------------------------------------
 
+
 class MedusaTrainer(HeadTrainer):
     """One training run: `MedusaTrainer(target, cache, out, cfg, resume).run()` -> the heads' manifest."""
 
@@ -173,8 +186,9 @@ class MedusaTrainer(HeadTrainer):
 
     def batches(self) -> tuple[list[list[Batch]], list[Batch]]:
         cfg = self.cfg
-        return self.pack_epochs(segments(self.train_view, cfg.num_heads, cfg.max_len),
-                                segments(self.val_view, cfg.num_heads, cfg.max_len))
+        return self.pack_epochs(
+            segments(self.train_view, cfg.num_heads, cfg.max_len), segments(self.val_view, cfg.num_heads, cfg.max_len)
+        )
 
     def _rows(self, view: FeatureCache, batch: Batch) -> Rows:
         return gather(view, batch, self.cfg.num_heads, self.index, self.device)
@@ -200,23 +214,42 @@ class MedusaTrainer(HeadTrainer):
                 loss, batches = loss + float(sum(losses)) / len(losses), batches + 1
         accept = (chain.double() / max(counted, 1)).tolist()
         top1 = (hits.double() / labels.clamp(min=1)).tolist()
-        return {"positions": counted, "heads": K, "top1": [round(a, 4) for a in top1],
-                "accept": [round(a, 4) for a in accept], "tau": round(1 + sum(accept), 4),
-                "loss": round(loss / max(batches, 1), 4)}
+        return {
+            "positions": counted,
+            "heads": K,
+            "top1": [round(a, 4) for a in top1],
+            "accept": [round(a, 4) for a in accept],
+            "tau": round(1 + sum(accept), 4),
+            "loss": round(loss / max(batches, 1), 4),
+        }
 
     def save_head(self, head: nn.Module, out: Path, manifest: dict) -> None:
         save_heads(head, out, manifest)
 
     def describe(self) -> dict:
         c = self.head.config
-        return {"head": {"num_heads": c.num_heads, "num_layers": c.num_layers, "hidden_size": c.hidden_size,
-                         "warm_start": ["blocks <- identity (zero weights and biases)",
-                                        "lm_heads <- target LM-head rows at token_map"]},
-                "training": {"labels": self.cfg.labels}}
+        return {
+            "head": {
+                "num_heads": c.num_heads,
+                "num_layers": c.num_layers,
+                "hidden_size": c.hidden_size,
+                "warm_start": [
+                    "blocks <- identity (zero weights and biases)",
+                    "lm_heads <- target LM-head rows at token_map",
+                ],
+            },
+            "training": {"labels": self.cfg.labels},
+        }
 
 
-def train(target: str, cache_dir: Path | str, out: Path | str | None = None, cfg: TrainConfig = TrainConfig(),
-          resume: bool = False, command: str | None = None) -> dict:
+def train(
+    target: str,
+    cache_dir: Path | str,
+    out: Path | str | None = None,
+    cfg: TrainConfig = TrainConfig(),
+    resume: bool = False,
+    command: str | None = None,
+) -> dict:
     """Train (or continue, `resume`) Medusa heads for `target` on a feature cache; the heads, loadable by
     `--spec-type medusa`, go to `out` (default `default_out(target)`). Returns their manifest."""
     return MedusaTrainer(target, cache_dir, out or default_out(target), cfg, resume, command).run()

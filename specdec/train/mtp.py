@@ -9,6 +9,7 @@ block on its own output; only its first step is trained here (the recursion is w
 adds). Validation (conversations answered greedily): top-1 accuracy against the data token, the target's greedy
 choice, which is the first draft token's acceptance; tau = 1 + it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from specdec.train.loop import Batch, HeadTrainer, Loss, Segment, TrainSettings,
 
 @dataclass(frozen=True)
 class TrainConfig(TrainSettings):
-    draft_vocab: int | None = None   # the block shares the target's LM head: its whole vocabulary
+    draft_vocab: int | None = None  # the block shares the target's LM head: its whole vocabulary
     intermediate: int | None = None  # the block's MLP width; None = the target's
     epochs: int = 3
     lr: float = 3e-4
@@ -63,19 +64,21 @@ class SharedHead(nn.Module):
 @dataclass
 class Row:
     """One packed row (R tokens, segments one after another)."""
-    tokens: torch.Tensor    # [R + 1] long: data tokens, one past the row (0 there)
-    final: torch.Tensor     # [R, H] the target's pre-norm final state
-    segment: torch.Tensor   # [R] long, segment number
+
+    tokens: torch.Tensor  # [R + 1] long: data tokens, one past the row (0 there)
+    final: torch.Tensor  # [R, H] the target's pre-norm final state
+    segment: torch.Tensor  # [R] long, segment number
     position: torch.Tensor  # [R] long, position within the segment
-    label: torch.Tensor     # [R] bool: token[t+2] is a response token of t's segment
+    label: torch.Tensor  # [R] bool: token[t+2] is a response token of t's segment
 
 
 def segments(view: FeatureCache, max_len: int, greedy: bool = False) -> list[Segment]:
     """The view's conversations (`greedy`: only those with greedy responses, when there are any) cut to `max_len`,
     pieces with no response token to predict left out."""
     rows = [(i, r) for i, r in enumerate(view.rows) if not (greedy and r.sampled)] or list(enumerate(view.rows))
-    return [s for i, r in rows for s in cut(i, r.end - r.start, max_len)
-            if view[i]["loss_mask"][s.start + 2:s.end].any()]
+    return [
+        s for i, r in rows for s in cut(i, r.end - r.start, max_len) if view[i]["loss_mask"][s.start + 2 : s.end].any()
+    ]
 
 
 def assemble(view: FeatureCache, row: list[Segment], device: torch.device) -> Row:
@@ -83,11 +86,18 @@ def assemble(view: FeatureCache, row: list[Segment], device: torch.device) -> Ro
     for number, s in enumerate(row):
         item = view[s.conv]
         n = len(s)
-        response = item["loss_mask"][s.start:s.end]
+        response = item["loss_mask"][s.start : s.end]
         label = torch.zeros(n, dtype=torch.bool)
         label[:-2] = response[2:]
-        parts.append((item["tokens"][s.start:s.end], item["final"][s.start:s.end], torch.full((n,), number),
-                      torch.arange(n), label))
+        parts.append(
+            (
+                item["tokens"][s.start : s.end],
+                item["final"][s.start : s.end],
+                torch.full((n,), number),
+                torch.arange(n),
+                label,
+            )
+        )
     tokens, final, segment, position, label = (torch.cat(col) for col in zip(*parts))
     tokens = torch.cat([tokens, tokens.new_zeros(1)])
     return Row(*(t.to(device) for t in (tokens, final, segment, position, label)))
@@ -105,13 +115,14 @@ class MtpTrainer(HeadTrainer):
         return head.share(SharedHead(self.teacher))
 
     def batches(self) -> tuple[list[list[Batch]], list[Batch]]:
-        return self.pack_epochs(segments(self.train_view, self.cfg.max_len),
-                                segments(self.val_view, self.cfg.max_len, greedy=True))
+        return self.pack_epochs(
+            segments(self.train_view, self.cfg.max_len), segments(self.val_view, self.cfg.max_len, greedy=True)
+        )
 
     def _logits(self, r: Row) -> torch.Tensor:
         """The block's logits for every row of `r` [R, V] (fp32)."""
-        emb = self.teacher.embed(r.tokens[1:])[None]              # [1, R, H] token[t+1]
-        g = self.teacher.norm(r.final.float())[None]              # [1, R, H] post-norm state of t
+        emb = self.teacher.embed(r.tokens[1:])[None]  # [1, R, H] token[t+1]
+        g = self.teacher.norm(r.final.float())[None]  # [1, R, H] post-norm state of t
         return self.head.packed(emb, g, r.position[None], segment_mask(r.segment[None]))[0][0]
 
     def loss(self, batch: Batch) -> Loss:
@@ -145,15 +156,26 @@ class MtpTrainer(HeadTrainer):
 
     def describe(self) -> dict:
         c = self.head.config
-        return {"head": {"blocks": c.num_blocks, "hidden_size": c.hidden_size,
-                         "intermediate_size": c.layer.intermediate_size,
-                         "shared": ["embed_tokens and lm_head: the target's (not stored)"],
-                         "warm_start": ["norm <- target final norm"]},
-                "training": {"steps_trained": 1}}
+        return {
+            "head": {
+                "blocks": c.num_blocks,
+                "hidden_size": c.hidden_size,
+                "intermediate_size": c.layer.intermediate_size,
+                "shared": ["embed_tokens and lm_head: the target's (not stored)"],
+                "warm_start": ["norm <- target final norm"],
+            },
+            "training": {"steps_trained": 1},
+        }
 
 
-def train(target: str, cache_dir: Path | str, out: Path | str | None = None, cfg: TrainConfig = TrainConfig(),
-          resume: bool = False, command: str | None = None) -> dict:
+def train(
+    target: str,
+    cache_dir: Path | str,
+    out: Path | str | None = None,
+    cfg: TrainConfig = TrainConfig(),
+    resume: bool = False,
+    command: str | None = None,
+) -> dict:
     """Train (or continue, `resume`) a post-hoc MTP block for `target` on a feature cache; the block, loadable by
     `--spec-type mtp`, goes to `out` (default `default_out(target)`). Returns its manifest."""
     return MtpTrainer(target, cache_dir, out or default_out(target), cfg, resume, command).run()

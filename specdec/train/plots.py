@@ -1,5 +1,6 @@
 """Learning curves of trained heads: validation mean acceptance length (tau) against training tokens, and the
 per-step acceptance at the end, from their manifests (matplotlib, Agg)."""
+
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ def plot_heads(manifests: list[Path], out: Path) -> Path:
     """One PNG: left, tau against row tokens per head; right, P(steps 0..j accepted) of each head's last
     validation."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -17,16 +19,21 @@ def plot_heads(manifests: list[Path], out: Path) -> Path:
     for path in manifests:
         m = json.loads(Path(path).read_text())
         data = m.get("data", {}).get("counts", {}).get("response_tokens")
-        label = (f"{m['kind']} {m['target']} (" + (f"{data / 1e3:.0f}K response tokens, " if data else "")
-                 + f"{m['training']['hours']:.2f} h)")
+        label = (
+            f"{m['kind']} {m['target']} ("
+            + (f"{data / 1e3:.0f}K response tokens, " if data else "")
+            + f"{m['training']['hours']:.2f} h)"
+        )
         tokens, tau = zip(*[(p[0], p[1]) for p in m["learning_curve"]])
         curve.plot([t / 1e3 for t in tokens], tau, marker="o", label=label)
         accept = m["validation"]["accept"]
         steps.plot(range(1, len(accept) + 1), accept, marker="o", label=label)
-    curve.set(xlabel="training tokens (thousands)", ylabel="validation mean acceptance length (tau)",
-              title="learning curve")
-    steps.set(xlabel="draft position", ylabel="P(positions 1..j accepted)", title="per-position acceptance",
-              ylim=(0, 1))
+    curve.set(
+        xlabel="training tokens (thousands)", ylabel="validation mean acceptance length (tau)", title="learning curve"
+    )
+    steps.set(
+        xlabel="draft position", ylabel="P(positions 1..j accepted)", title="per-position acceptance", ylim=(0, 1)
+    )
     for ax in (curve, steps):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

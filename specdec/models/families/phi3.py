@@ -2,11 +2,18 @@
 (as our layers hold them), longrope scaling (short factors: sequences within the original context), a sliding
 window where the config sets one; from a GGUF none (llama.cpp runs Phi-3 without its window: `src/models/phi3.cpp`).
 transformers: models/phi3."""
+
 from specdec.errors import SpecdecError
 from specdec.models.family import Family
 
-PHI3_LAYER = ("input_layernorm", "self_attn.qkv_proj", "self_attn.o_proj", "post_attention_layernorm",
-              "mlp.gate_up_proj", "mlp.down_proj")
+PHI3_LAYER = (
+    "input_layernorm",
+    "self_attn.qkv_proj",
+    "self_attn.o_proj",
+    "post_attention_layernorm",
+    "mlp.gate_up_proj",
+    "mlp.down_proj",
+)
 
 
 def _hf(d: dict) -> dict:

@@ -1,5 +1,6 @@
 """Qwen2 / Qwen2.5 (and MiMo's Qwen2 body): the Llama recipe with q/k/v biases, no o_proj bias.
 transformers: models/qwen2."""
+
 from specdec.models.family import Family
 
 FAMILY = Family(

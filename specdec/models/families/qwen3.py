@@ -1,4 +1,5 @@
 """Qwen3: the Llama recipe with an RMS norm over each head of q and k before rotary. transformers: models/qwen3."""
+
 from specdec.models.family import LLAMA_LAYER, QK_NORMS, Family
 
 FAMILY = Family(

@@ -1,5 +1,6 @@
 """SmolLM3: the Llama recipe with rotary embeddings left out of some layers (every fourth: `no_rope_layers`).
 transformers: models/smollm3."""
+
 from specdec.models.family import Family, Meta
 
 NO_ROPE_STEP = 4  # llama.cpp's n_no_rope_layer_step for smollm3; HF's default no_rope_layer_interval

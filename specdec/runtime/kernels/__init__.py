@@ -12,6 +12,7 @@ to dequantize + torch matmul.
 Env: SPECDEC_KERNELS=off disables the library; SPECDEC_KERNEL_PATH=scalar|avx2|avx512bw|avx512 caps the
 instruction set the kernels use (a path the CPU lacks is lowered to the best one it has).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -29,7 +30,9 @@ from pathlib import Path
 from specdec.paths import home
 
 SOURCES = [Path(__file__).with_name(f) for f in ("ggml_q.c", "attention.c", "small_ops.c", "layer.c")]
-HEADERS = [Path(__file__).with_name(f) for f in ("x16_kernels.h", "x16_avx2.h", "attention_body.h", "vec_exp.h")]  # included: part of the hash
+HEADERS = [
+    Path(__file__).with_name(f) for f in ("x16_kernels.h", "x16_avx2.h", "attention_body.h", "vec_exp.h")
+]  # included: part of the hash
 CFLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno"]
 PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512bw": 3, "avx512": 4}  # avx512bw: AVX-512 without VNNI
 PATH_NAMES = {v: k for k, v in PATHS.items()}
@@ -39,9 +42,18 @@ Q4_1, Q5_0, Q8_0, Q4_K, Q6_K = 3, 6, 8, 12, 14
 TYPES = {"Q4_1": Q4_1, "Q5_0": Q5_0, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q6_K": Q6_K}
 X16 = 256  # added to a type: its blocks repacked 16 outputs at a time (`gq_repack`; AVX2 / AVX-512 kernels)
 REPACKABLE = (Q4_K, Q6_K, Q8_0, Q5_0, Q4_1)
-BLOCK = {Q4_1: (32, 20), Q5_0: (32, 22), Q8_0: (32, 34), Q4_K: (256, 144), Q6_K: (256, 210),  # type -> (elements,
-         X16 + Q4_1: (32, 20), X16 + Q5_0: (32, 22), X16 + Q8_0: (32, 34), X16 + Q4_K: (256, 148),  # bytes/output)
-         X16 + Q6_K: (256, 210)}
+BLOCK = {
+    Q4_1: (32, 20),
+    Q5_0: (32, 22),
+    Q8_0: (32, 34),
+    Q4_K: (256, 144),
+    Q6_K: (256, 210),  # type -> (elements,
+    X16 + Q4_1: (32, 20),
+    X16 + Q5_0: (32, 22),
+    X16 + Q8_0: (32, 34),
+    X16 + Q4_K: (256, 148),  # bytes/output)
+    X16 + Q6_K: (256, 210),
+}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -75,8 +87,13 @@ def _cc_version(cc: str) -> str:
 
 def lib_path(cc: str, flags: list[str] | None = None) -> Path:
     h = hashlib.sha256()
-    for part in (*(f.read_bytes() for f in SOURCES + HEADERS), _cc_version(cc).encode(), " ".join(flags or CFLAGS).encode(),
-                 _cpu_signature().encode(), platform.machine().encode()):
+    for part in (
+        *(f.read_bytes() for f in SOURCES + HEADERS),
+        _cc_version(cc).encode(),
+        " ".join(flags or CFLAGS).encode(),
+        _cpu_signature().encode(),
+        platform.machine().encode(),
+    ):
         h.update(part)
         h.update(b"\0")
     return home() / "kernels" / f"ggml_q-{h.hexdigest()[:20]}.so"
@@ -125,8 +142,28 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gq_dequantize_t.restype = i32
     lib.gq_repack.argtypes = [i32, p, i64, i64, p, i32]
     lib.gq_repack.restype = i32
-    lib.gq_attention.argtypes = [p, i64, i64, i64, p, p, p, i64, i64, p, i64, i64, i64, i64, i64, i64, ctypes.c_float,
-                                 p, i32, i32]
+    lib.gq_attention.argtypes = [
+        p,
+        i64,
+        i64,
+        i64,
+        p,
+        p,
+        p,
+        i64,
+        i64,
+        p,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        ctypes.c_float,
+        p,
+        i32,
+        i32,
+    ]
     lib.gq_attention.restype = i32
     lib.gq_rmsnorm.argtypes = [p, p, ctypes.c_float, i64, i64, p]
     lib.gq_rope.argtypes = [p, i64, p, p, i64, i64, i64]
@@ -161,8 +198,9 @@ def library() -> ctypes.CDLL | None:
         except Exception as e:  # any failure: fall back, never crash
             build_error = f"{type(e).__name__}: {e}"
             if "SPECDEC_KERNELS" not in build_error:
-                print(f"specdec: GGUF CPU kernels unavailable ({build_error}); using dequantize + matmul",
-                      file=sys.stderr)
+                print(
+                    f"specdec: GGUF CPU kernels unavailable ({build_error}); using dequantize + matmul", file=sys.stderr
+                )
             _lib = None
         _tried = True
     return _lib

@@ -355,7 +355,7 @@ INL void prefetch_weights(const uint8_t *p, int n) {
 
 /* share g (of ngr) of the cache lines PREFETCH_AHEAD bytes past the superblock at P (n bytes): spread over the
  * superblock's groups, the prefetches leave the loads room, where all at its start they stalled them (Zen 3, AVX2, one
- * row, Q4_K 17920x1536: 17.9 -> 19.6 GB/s, Q6_K 1536x8960: 15.6 -> 19.0; docs/benchmarks.md section 29) */
+ * row, Q4_K 17920x1536: 17.9 -> 19.6 GB/s, Q6_K 1536x8960: 15.6 -> 19.0; python scripts/bench_kernels.py) */
 INL void prefetch_share(const uint8_t *P, int n, int g, int ngr) {
     const int lines = (n + 63) / 64;
     for (int k = g * lines / ngr; k < (g + 1) * lines / ngr; k++) _mm_prefetch((const char *)P + PREFETCH_AHEAD + 64 * k, _MM_HINT_T0);

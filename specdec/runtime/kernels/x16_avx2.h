@@ -10,7 +10,7 @@
  *     (prefetch_share), except Q4_K at X2_UNPACK_ROWS rows and more (compute-bound: all at the superblock's start).
  * A row's arithmetic is the same for every tile size and either source (integer sums, then the same float steps in
  * the same order), so its result does not depend on how many rows share the call. On AMD Zen 3 (2 threads,
- * python scripts/bench_kernels.py; docs/benchmarks.md section 19) Q4_K 8960x1536 went from 76.1 to 35.9 ms at 512 rows
+ * python scripts/bench_kernels.py) Q4_K 8960x1536 went from 76.1 to 35.9 ms at 512 rows
  * and from 1.80 to 0.82 ms at 8. Q4_K's group sums stay in range before widening (8 lines x 2 x 15 x 127 < 2^15);
  * Q6_K's take the -32 in 16 bits (x2_group), so they too widen once per group and need no float offsets. */
 

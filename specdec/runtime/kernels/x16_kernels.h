@@ -12,7 +12,7 @@
  * nibbles of lines 8j ..), Q6_K 4h + j and 8 + 4h + j; their quants are unpacked into registers once for all rows.
  * Per row and group: the integer dot, then bacc += dot x the group's scale (s) and acc += its offset (o) x the row's
  * activation sum over the group, group by group (both groups' dots first, then their float steps, took Q4_K
- * 1.08-1.24x the time from 4 rows on and Q6_K up to 1.05x: AVX-512 VNNI, Zen 5, docs/benchmarks.md section 35). A
+ * 1.08-1.24x the time from 4 rows on and Q6_K up to 1.05x: AVX-512 VNNI, Zen 5, python scripts/bench_kernels.py). A
  * row's float steps are the same, in the same order, however many rows share the call, so its result does not depend
  * on how the call was split. */
 X16_T static inline __attribute__((always_inline)) void X16_FN(body)(int type, const uint8_t *W, const act_t *A,
