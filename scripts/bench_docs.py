@@ -19,6 +19,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from specdec.bench.constrained import report_table
 from specdec.bench.plots import ALL, PLAIN
 from specdec.bench.serve_bench import render, render_engine
 
@@ -225,7 +226,9 @@ def entry(cpu: dict, run: dict) -> list[str]:
         lines += [f"{stamps[0]} · {', '.join(links)}", ""]
     else:
         lines += [line for s, link in zip(stamps, links) for line in (f"{s} · {link}", "")]
-    if "summary" in datas[0]:
+    if "constrained" in datas[0]:
+        lines += report_table(datas[0])
+    elif "summary" in datas[0]:
         categories = {c for per in datas[0]["summary"].values() for c in per if c != ALL}
         keys = run.get("categories", ["speedup"] if len(datas) == 1 and len(categories) > 1 else [])
         lines += bench_tables(datas, labels, run.get("times", False), keys)

@@ -12,6 +12,7 @@ import torch
 
 from specdec import compat
 from specdec.config import Config
+from specdec.constraint import Grammar
 from specdec.drafters import REGISTRY, BuildContext, Drafter, parse_spec_type
 from specdec.drafters.chain import assemble
 from specdec.engine.engine import Engine
@@ -27,6 +28,7 @@ from specdec.runtime.runner import ModelRunner
 from specdec.sampling import SamplingParams
 from specdec.sequence import RequestOptions, StreamCallback
 from specdec.stats import Stats
+from specdec.tools import render_messages
 
 OPTION_DRAFTERS = 32  # drafters made for per-request options that an LLM keeps (the newest)
 
@@ -171,9 +173,12 @@ class LLM:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         return self.encode_chat(messages)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """A conversation (`[{"role", "content"}, ...]`) in the chat template, ready for the assistant's turn."""
-        return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """A conversation (`[{"role", "content"}, ...]`, OpenAI's tool calls and results included) in the chat
+        template, ready for the assistant's turn; `tools`: OpenAI-style function tools offered to the model."""
+        messages, tools = render_messages(messages, tools, self.tokenizer.chat_template or "")
+        text = self.tokenizer.apply_chat_template(messages, tools=tools)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def generate(
         self,
@@ -189,9 +194,11 @@ class LLM:
         system: str | None = None,
         on_text: StreamCallback | None = None,
         spec_type: str | None = None,
+        grammar: Grammar | None = None,
         **words: Any,
     ) -> Result:
-        """Generate from a prompt (text, or token ids); `spec_type` overrides the LLM's for this call. `words`:
+        """Generate from a prompt (text, or token ids); `spec_type` overrides the LLM's for this call; `grammar`
+        (`Grammar.json_schema(...)`, `.lark`, `.regex`, `.gbnf`) constrains the output. `words`:
         transformers' assisted-generation arguments (`compat.HF_WORDS`) for this call: they may pick the spec type
         and the draft length; what else they imply must already be this LLM's setting."""
         compat.refuse_other_names(words, "generate()")
@@ -202,6 +209,7 @@ class LLM:
             SamplingParams(temperature, top_k, top_p, min_p, seed, max_tokens, list(stop or [])),
             self.drafter if spec_type is None else self.drafter_for(spec_type),
             draft_max=asked.get("draft_max"),
+            grammar=grammar,
         )
         seq = self.engine.generate(ids, options, on_text)
         return Result(

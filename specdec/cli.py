@@ -220,9 +220,65 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
+def add_grammar_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("constrained output (as llama-cli's)")
+    g.add_argument(
+        "-j", "--json-schema", help="the output is JSON valid under this schema (JSON text; {} = any object)"
+    )
+    g.add_argument("--grammar", help="the output matches this GBNF grammar (llama.cpp's format)")
+    g.add_argument("--grammar-file", help="read the GBNF grammar from a file")
+
+
+def grammar_of(args: argparse.Namespace):
+    """The Grammar the flags ask for (at most one of them), or None."""
+    from specdec.constraint import Grammar, schema_text
+
+    given = [k for k in ("json_schema", "grammar", "grammar_file") if getattr(args, k) is not None]
+    if len(given) > 1:
+        raise SpecdecError("give one of --json-schema, --grammar, --grammar-file")
+    if args.json_schema is not None:
+        schema = schema_text(args.json_schema)
+        return Grammar.json_schema(schema or None)
+    if args.grammar_file is not None:
+        try:
+            return Grammar.gbnf(Path(args.grammar_file).read_text())
+        except OSError as e:
+            raise SpecdecError(f"cannot read grammar file {args.grammar_file}: {e.strerror}") from None
+    return None if args.grammar is None else Grammar.gbnf(args.grammar)
+
+
+def sampling_of(args: argparse.Namespace) -> dict:
+    """LLM.generate's sampling keywords from the flags."""
+    return dict(
+        max_tokens=args.max_tokens,
+        temperature=args.temp,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        stop=args.stop,
+        grammar=grammar_of(args),
+    )
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """A conversation on stdin/stdout; earlier turns' K/V kept in the prompt cache."""
+    from specdec.api import build_llm
+    from specdec.chat import run
+    from specdec.runtime.prefix_cache import SERVE_BUDGET_MB
+
+    sampling = sampling_of(args)
+    llm = build_llm(args, cache_mb=SERVE_BUDGET_MB)
+    if args.ignore_eos:
+        llm.engine.stop_ids = set()
+    return run(llm, args.system, **sampling)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.chat and args.prompt is None and args.file is None:
+        return cmd_chat(args)  # as llama-cli -cnv: a conversation
     if (args.prompt is None) == (args.file is None):
-        raise SpecdecError("give exactly one of -p PROMPT or -f FILE")
+        raise SpecdecError("give exactly one of -p PROMPT or -f FILE (or -cnv alone for a conversation)")
     if args.file == "-":
         prompt = sys.stdin.read()
     elif args.file is not None:
@@ -233,24 +289,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         prompt = args.prompt
     from specdec.api import build_llm
+    from specdec.chat import footer
 
+    sampling = sampling_of(args)
     llm = build_llm(args, progress=not args.json)
     if args.ignore_eos:
         llm.engine.stop_ids = set()
     stream = None if args.json else lambda s: print(s, end="", flush=True)
-    r = llm.generate(
-        prompt,
-        max_tokens=args.max_tokens,
-        temperature=args.temp,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        seed=args.seed,
-        stop=args.stop,
-        chat=args.chat,
-        system=args.system,
-        on_text=stream,
-    )
+    r = llm.generate(prompt, chat=args.chat, system=args.system, on_text=stream, **sampling)
     if args.json:
         keys = (
             "new_tokens",
@@ -281,20 +327,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             )
         )
     else:
-        s = r.stats
-        print(
-            f"\n\n[{llm.spec_type}] {s.new_tokens} tokens in {s.total_s:.2f} s = {s.tokens_per_s:.2f} tok/s | "
-            f"target forwards {s.target_forwards} | drafted {s.drafted} accepted {s.accepted} "
-            f"({s.acceptance_rate:.0%}) | mean accept len {s.mean_accept_len:.2f}"
-            + (" | SYNTHETIC drafts: not the target's text" if r.synthetic else "")
-            + (" | FAST PREFILL: tokens may differ with chunking" if llm.config.fast_prefill else "")
-            + (
-                f" | LOSSY: {s.relaxed} drafts accepted by --spec-accept-threshold"
-                if llm.config.accept_threshold
-                else ""
-            ),
-            file=sys.stderr,
-        )
+        print("\n\n" + footer(llm, r), file=sys.stderr)
     return 0
 
 
@@ -684,7 +717,12 @@ def make_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text from a prompt")
     g.add_argument("-p", "--prompt", help="prompt text")
     g.add_argument("-f", "--file", help="read the prompt from a file (- = standard input)")
-    g.add_argument("-cnv", "--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument(
+        "-cnv",
+        "--chat",
+        action="store_true",
+        help="wrap the prompt in the model's chat template; without -p/-f: a conversation, as `specdec chat`",
+    )
     g.add_argument("--system", help="system message (with --chat)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument(
@@ -693,8 +731,22 @@ def make_parser() -> argparse.ArgumentParser:
         help="go on past end-of-text tokens, to -n tokens (as llama.cpp's --ignore-eos)",
     )
     add_sampling_args(g)  # the common flags first in --help, drafter options after
+    add_grammar_args(g)
     add_model_args(g)
     g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser(
+        "chat",
+        help="a conversation on standard input (/bye or Ctrl-D to leave, /clear to start over)",
+        description="Answer each line typed (or piped) in the model's chat template, keeping the conversation; "
+        "earlier turns stay in the prompt cache. " + "/bye or Ctrl-D: leave; /clear: forget the conversation.",
+    )
+    c.add_argument("--system", help="system message")
+    c.add_argument("--ignore-eos", action="store_true", help="go on past end-of-text tokens, to -n tokens")
+    add_sampling_args(c)
+    add_grammar_args(c)
+    add_model_args(c)
+    c.set_defaults(func=cmd_chat)
 
     m = sub.add_parser("models", help="list or pull model packs")
     m.add_argument("action", choices=["list", "pull"])

@@ -7,7 +7,7 @@ on it and it on none of them."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Hashable, TypeVar
 
 import torch
@@ -17,6 +17,7 @@ from specdec.sampling import SamplingParams
 from specdec.stats import Stats
 
 if TYPE_CHECKING:
+    from specdec.constraint import Constraint, Grammar
     from specdec.models.tokenizer import Detokenizer
     from specdec.runtime.prefix_cache import Block
     from specdec.runtime.runner import Features, FeatureSpec
@@ -59,6 +60,30 @@ class Draft:
         for p in self.parents:
             depth.append(1 + (depth[p] if p >= 0 else 0))
         return max(depth, default=0)
+
+    def paths(self) -> list[list[int]]:
+        """The tokens leading to each verify row: [] (the last committed token's row), then node j's path."""
+        paths: list[list[int]] = [[]]
+        for j, t in enumerate(self.tokens):
+            paths.append(paths[(j - 1 if self.parents is None else self.parents[j]) + 1] + [t])
+        return paths
+
+    def subset(self, keep: list[int]) -> Draft:
+        """The draft of nodes `keep` (ascending, each with its parent: a chain's first n), renumbered."""
+        if self.parents is None:
+            n = len(keep)
+            extra = 0 if self.resume is None else len(self.resume) - len(self.tokens)
+            resume = None if self.resume is None else self.resume[: n + extra]
+            return replace(
+                self, tokens=self.tokens[:n], probs=None if self.probs is None else self.probs[:n], resume=resume
+            )
+        new = {old: i for i, old in enumerate(keep)}
+        return replace(
+            self,
+            tokens=[self.tokens[j] for j in keep],
+            probs=None if self.probs is None else self.probs[keep],
+            parents=[new.get(self.parents[j], -1) for j in keep],
+        )
 
 
 @dataclass
@@ -156,6 +181,7 @@ class RequestOptions:
     trace: bool = False  # keep each output token's origin (`Sequence.trace`)
     cache_prompt: bool = True  # reuse and keep prompt K/V in the prefix cache (when the engine has one)
     cache_salt: Hashable = None  # prefix-cache scope: sequences see only K/V kept under the same salt
+    grammar: Grammar | None = None  # constrained decoding: what the output must match (specdec/constraint.py)
 
     @classmethod
     def of(
@@ -198,6 +224,7 @@ class Sequence:
     started: float = 0.0  # perf_counter at admission
     cached_tokens: int = 0  # prompt tokens whose target K/V came from the prefix cache
     prefix_held: Block | None = None  # the target's prefix-cache block this sequence holds until it ends
+    constraint: Constraint | None = None  # where the output is in `options.grammar`
 
     def __post_init__(self) -> None:
         self.options = RequestOptions.of(self.options)

@@ -5,6 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def mean_accept_len(accepted: int, steps: int) -> float:
+    """Tokens a verify step commits on average: the target's own token plus the drafted ones it accepted (vLLM's
+    mean acceptance length), over `steps` verifying forwards; 1.0 without drafts. (Tokens per forward would count the
+    prefill's forward and the forward whose token was the end-of-text, and fall below 1 with no drafter.)"""
+    return 1.0 + accepted / steps if steps > 0 else 1.0
+
+
 @dataclass
 class Stats:
     new_tokens: int = 0
@@ -40,11 +47,7 @@ class Stats:
 
     @property
     def mean_accept_len(self) -> float:
-        """Tokens a verify step commits on average: the target's own token plus the drafted ones it accepted (vLLM's
-        mean acceptance length); 1.0 without drafts. (Tokens per forward would count the prefill's forward and the
-        forward whose token was the end-of-text, and fall below 1 with no drafter.)"""
-        steps = self.target_forwards - 1  # the prefill's forward verifies nothing
-        return 1.0 + self.accepted / steps if steps > 0 else 1.0
+        return mean_accept_len(self.accepted, self.target_forwards - 1)  # the prefill's forward verifies nothing
 
     @property
     def tokens_per_s(self) -> float:

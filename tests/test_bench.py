@@ -27,6 +27,7 @@ RUN_KEYS = {
     "seconds",
     "tokens_per_s",
     "target_forwards",
+    "verify_steps",
     "drafted",
     "accepted",
     "mean_accept_len",
@@ -277,6 +278,7 @@ def _run(method, pid, cat, tps, repeat=0, first_seen=True, **kw):
         "drafted": kw.get("drafted"),
         "accepted": kw.get("accepted"),
         "target_forwards": kw.get("forwards"),
+        "verify_steps": None if kw.get("forwards") is None else kw["forwards"] - 1,  # one turn: one prefill
         "drafted_at": kw.get("drafted_at"),
         "accepted_at": kw.get("accepted_at"),
         "matches_baseline": True,
@@ -336,7 +338,8 @@ def test_summary_spec_bench_style():
     assert s["draft"]["all"]["speedup"] == round(25 / 15, 4)  # ratio of mean tok/s on the same prompts
     assert s["draft"]["qa"]["speedup"] == 2.0 and s["draft"]["qa"]["speedup_vs_hf_plain"] == 4.0
     assert s["draft"]["all"]["speedup_vs_hf_plain"] == 4.0  # only prompt 1 has an hf-plain run
-    assert s["draft"]["all"]["acceptance_rate"] == 0.5 and s["draft"]["all"]["mean_accept_len"] == 2.0
+    # mean acceptance length: 1 + 10 accepted / 8 verify steps
+    assert s["draft"]["all"]["acceptance_rate"] == 0.5 and s["draft"]["all"]["mean_accept_len"] == 2.25
     assert s["draft"]["all"]["per_position_acceptance"] == [0.8, 0.2]
     assert s["none"]["all"]["acceptance_rate"] is None and s["hf-plain"]["all"]["mean_accept_len"] is None
     assert set(s["hf-plain"]) == {"qa", "all"}

@@ -116,7 +116,7 @@ def test_ollama_without_stream_field_streams_ndjson_with_specdecs_stats(tiny):
         ({"options": {"num_ctx": 65}}, 400, "context is 64"),
         ({"model": "nope"}, 404, "nope"),
         ({"options": {"repeat_penalty": 1.3}}, 400, "repeat_penalty"),
-        ({"format": "json"}, 400, "format"),
+        ({"think": True}, 400, "think"),
         ({"options": {"temperature": "hot"}}, 400, "options.temperature"),
         ({"options": {"num_predict": 0}}, 400, "options.num_predict"),
         ({"options": {"seed": 2**63}}, 400, "options.seed"),

@@ -168,7 +168,7 @@ def test_internal_errors_are_logged_with_a_request_id_not_returned(llm, monkeypa
         rid = _request_id(err)
         assert rid.startswith("cmpl-") and any(rid in m and "secret-internal-detail" in m for m in caplog.messages)
         body = {"messages": [{"role": "user", "content": "t1"}], "max_tokens": 8, "stream": True, "speculative": boom}
-        monkeypatch.setattr(llm, "encode_chat", lambda _messages: [5, 9, 13])
+        monkeypatch.setattr(llm, "encode_chat", lambda _messages, _tools=None: [5, 9, 13])
         with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=60) as s:
             events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
         err = events[-1]["error"]

@@ -21,6 +21,7 @@ from typing import TypeVar
 
 from specdec.bench.plots import ALL, categories, write_plots
 from specdec.errors import SpecdecError
+from specdec.stats import mean_accept_len
 
 LIKELY_BUG_GAP = 0.5  # a divergence where the plain run's top-2 logit gap is at least this is not rounding
 T = TypeVar("T")
@@ -79,7 +80,7 @@ def bench_meta(args, llm, prompts) -> dict:
 
     return {
         **run_stamp(),
-        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "platform": platform.platform()},
+        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "platform": platform.platform()},
         "versions": {
             "python": platform.python_version(),
             "torch": torch.__version__,
@@ -106,7 +107,7 @@ def run_stamp() -> dict:
     return {"command": shlex.join(["specdec", *sys.argv[1:]]), "date": datetime.now().isoformat(timespec="seconds")}
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -163,7 +164,7 @@ def _entry(rs: list[dict], ids: list[str], m: str, baseline: str, tps: dict, dec
         vals = [r[key] for r in rs]
         return None if any(v is None for v in vals) else sum(vals)
 
-    drafted, accepted, forwards = total("drafted"), total("accepted"), total("target_forwards")
+    drafted, accepted, steps = total("drafted"), total("accepted"), total("verify_steps")
     compared = [r["matches_baseline"] for r in rs if r["matches_baseline"] is not None]
     r4 = lambda x: None if x is None else round(x, 4)  # noqa: E731
     return {
@@ -179,7 +180,7 @@ def _entry(rs: list[dict], ids: list[str], m: str, baseline: str, tps: dict, dec
         if all((m, p) in ceil for p in ids)
         else None,
         "acceptance_rate": r4(accepted / drafted) if drafted and accepted is not None else None,
-        "mean_accept_len": r4(sum(r["new_tokens"] for r in rs) / forwards) if forwards else None,
+        "mean_accept_len": r4(mean_accept_len(accepted or 0, steps)) if steps is not None else None,
         "per_position_acceptance": _per_position(rs),
         "matched": sum(compared),
         "compared": len(compared),

@@ -14,7 +14,7 @@ from specdec.bench.report import LIKELY_BUG_GAP, Outcomes, bench_meta, report_ta
 from specdec.bench.workloads import Prompt, load_workload
 from specdec.drafters import REGISTRY, spec_types
 from specdec.errors import SpecdecError
-from specdec.stats import first_divergence
+from specdec.stats import first_divergence, mean_accept_len
 
 WARMUP = Prompt("warmup", "warmup", ("Say hello in one short sentence.",), max_tokens=16)
 PEERS_NEEDING_DRAFT = ("hf-assisted", "llama-draft")
@@ -203,6 +203,7 @@ def record(p: Prompt, m: Method, repeat: int, out: Output, draft_max: int) -> di
         else [r4(acc / d if d else 0.0) for acc, d in zip(out.accepted_at, out.drafted_at)]
     )
     decode_s = None if out.prefill_s is None else out.seconds - out.prefill_s
+    steps = None if out.target_forwards is None else out.target_forwards - len(p.turns)  # a prefill per turn
     return {
         "id": p.id,
         "category": p.category,
@@ -217,7 +218,8 @@ def record(p: Prompt, m: Method, repeat: int, out: Output, draft_max: int) -> di
         "target_forwards": out.target_forwards,
         "drafted": out.drafted,
         "accepted": out.accepted,
-        "mean_accept_len": r4(n / out.target_forwards) if out.target_forwards else None,
+        "verify_steps": steps,
+        "mean_accept_len": r4(mean_accept_len(out.accepted or 0, steps)) if steps is not None else None,
         "per_position_acceptance": ppa,
         "drafted_at": out.drafted_at,
         "accepted_at": out.accepted_at,

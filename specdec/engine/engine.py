@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 import torch
 
+from specdec.constraint import Constraint
 from specdec.drafters.registry import VerifyHook
 from specdec.engine.adaptive import CostModel
 from specdec.engine.planner import DraftPlanner, Proposal, SpecConfig, source
@@ -105,6 +106,8 @@ class Engine:
             options = replace(options, accept_threshold=self.spec.accept_threshold)
         params = options.params
         unseeded = not params.greedy and params.seed is None  # the only sequences that draw from a generator
+        grammar = options.grammar
+        vocab = self.target.vocab_size
         return Sequence(
             list(prompt_ids),
             len(prompt_ids),
@@ -114,6 +117,7 @@ class Engine:
             on_text=on_text,
             detok=Detokenizer(self.tokenizer),
             started=self.clock(),
+            constraint=None if grammar is None else Constraint(grammar, self.tokenizer, vocab, self.stop_ids),
         )
 
     def generate(
@@ -176,6 +180,8 @@ class Engine:
             return False
         self._keep_prefix(seq, end)
         seq.stats.target_forwards = 1
+        if seq.constraint is not None:
+            logits = seq.constraint.mask(logits, [[]])
         self._commit(seq, [self._sample(logits, seq)], logits)
         return True
 
@@ -192,7 +198,7 @@ class Engine:
         # 1. propose: each sequence's drafter drafts (timed; its catch-up on a new prompt counted apart)
         proposals = DraftPlanner(self.spec, self.cost, self.target.context, self.clock).propose(seqs, draft_cap, light)
         seqs = [s for s in seqs if s.error is None]
-        props = [proposals[id(s)] for s in seqs]
+        props = [_constrained(s, proposals[id(s)]) for s in seqs]
         before = sum(len(s.tokens) for s in seqs)
         t1 = self.clock()
         # 2. forward: one target pass over every sequence's last token + draft
@@ -292,6 +298,8 @@ class Engine:
         """Which draft nodes the target accepts and what to commit, from its logits [N+1, V] (lossless; an opt-in
         lossy drafter's hook may decide instead)."""
         t = self.clock()
+        if seq.constraint is not None:
+            logits = seq.constraint.mask(logits, draft.paths())
         decided = next((d for d in (h(seq, draft, logits) for h in self.verify_hooks.values()) if d is not None), None)
         parents = chain(len(draft.tokens)) if draft.parents is None else draft.parents
         threshold = seq.options.accept_threshold
@@ -376,6 +384,8 @@ class Engine:
             if len(seq.output_ids) >= seq.params.max_tokens or len(seq.tokens) >= self.target.context:
                 seq.finish_reason = "length"
                 break
+        if seq.constraint is not None:
+            seq.constraint.commit(seq.tokens[before:], self.stop_ids)
         if seq.trace is not None:
             who = (draft.source if draft else None) or (seq.drafter.name if seq.drafter else None)
             seq.trace += step_trace(
@@ -398,6 +408,16 @@ class Engine:
         if seq.on_text and end > seq.streamed:
             seq.on_text(seq.text[seq.streamed : end])
         seq.streamed = max(seq.streamed, end)
+
+
+def _constrained(seq: Sequence, prop: Proposal) -> Proposal:
+    """The proposal without the drafted tokens the sequence's grammar rejects, where cutting them keeps the output
+    distribution: greedy, seeded, or one-hot drafts (a sampled draft's rejections need its probabilities)."""
+    draft = prop.draft
+    if seq.constraint is None or not draft.tokens or not (seq.params.greedy or seq.seeded or draft.probs is None):
+        return prop
+    keep = seq.constraint.valid(draft.paths()[1:])
+    return prop if len(keep) == len(draft.tokens) else replace(prop, draft=draft.subset(keep))
 
 
 def _no_bonus_row(logits: torch.Tensor, k: int) -> torch.Tensor:

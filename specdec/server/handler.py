@@ -19,7 +19,8 @@ from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from specdec import compat
+from specdec import compat, tools
+from specdec.constraint import Grammar, GrammarError, check, schema_text
 from specdec.drafters import REGISTRY, Drafter, is_lossy
 from specdec.engine.engine import PromptTooLong
 from specdec.engine.scheduler import EngineStopped, QueueFull, Request, Scheduler
@@ -169,12 +170,17 @@ class Handler:
     async def chat(
         self, body: ChatRequest, http: HTTPRequest, scope: int | None, wire: Wire | None = None
     ) -> dict | StreamingResponse:
-        """A chat completion, answered in OpenAI's format or `wire`'s."""
+        """A chat completion, answered in OpenAI's format or `wire`'s; `tools` rendered into the prompt."""
         try:
-            ids = await asyncio.to_thread(self.llm.encode_chat, body.chat_messages())
+            names = tools.names(body.tools or [])
+        except GrammarError as e:
+            raise APIError(400, str(e), "tools") from None
+        try:
+            ids = await asyncio.to_thread(self.llm.encode_chat, body.chat_messages(), body.offered_tools())
         except SpecdecError as e:
             raise APIError(400, str(e), "messages") from None
-        return await self._serve(http, body, ids, chat=True, scope=scope, wire=wire)
+        called = names if body.offered_tools() else []
+        return await self._serve(http, body, ids, chat=True, scope=scope, wire=wire, tool_names=called)
 
     def _prompt_ids(self, prompt: str | list[int] | list[str]) -> list[int]:
         """A completion's prompt (text, a one-element list of text, or token ids) as token ids."""
@@ -209,7 +215,36 @@ class Handler:
             trace=body.specdec_trace,
             cache_prompt=body.cache_prompt,
             cache_salt=scope,
+            grammar=self._grammar(body),
         )
+
+    def _grammar(self, body: _Body) -> Grammar | None:
+        """What the output must match: `response_format`, llama-server's `json_schema` or `grammar`, or a tool call
+        (`tool_choice` "required" or a named function); at most one of them, compiled against the tokenizer."""
+        asked: dict[str, Callable[[], Grammar | None]] = {}
+        form = body.response_format
+        if form is not None and form.type == "json_object":
+            asked["response_format"] = Grammar.json_schema
+        if form is not None and form.type == "json_schema":
+            if form.json_schema is None:
+                raise APIError(400, "response_format json_schema needs its json_schema.schema", "response_format")
+            asked["response_format"] = lambda: Grammar.json_schema(form.json_schema.json_schema)
+        if body.json_schema is not None:
+            asked["json_schema"] = lambda: Grammar.json_schema(schema_text(body.json_schema))
+        if body.grammar:
+            asked["grammar"] = lambda: Grammar.gbnf(body.grammar)
+        if isinstance(body, ChatRequest) and body.tools and body.tool_choice not in (None, "auto", "none"):
+            asked["tool_choice"] = lambda: tools.grammar(body.tools, body.tool_choice, self.llm.tokenizer)
+        if len(asked) > 1:
+            raise APIError(400, f"give one of {', '.join(asked)}, not several", next(iter(asked)))
+        for field, build in asked.items():
+            try:
+                grammar = build()
+                check(grammar, self.llm.tokenizer, self.llm.runner.vocab_size, self.llm.engine.stop_ids)
+            except GrammarError as e:
+                raise APIError(400, str(e), field) from None
+            return grammar
+        return None
 
     def _params(self, body: _Body, ids: list[int], chat: bool) -> SamplingParams:
         """The request's sampling parameters, once its model, parameters and prompt length are known good."""
@@ -291,15 +326,23 @@ class Handler:
 
     # -- serving ----------------------------------------------------------------------------
     async def _serve(
-        self, http: HTTPRequest, body: _Body, ids: list[int], chat: bool, scope: int | None, wire: Wire | None
+        self,
+        http: HTTPRequest,
+        body: _Body,
+        ids: list[int],
+        chat: bool,
+        scope: int | None,
+        wire: Wire | None,
+        tool_names: list[str] | None = None,
     ) -> dict | StreamingResponse:
-        """Queue the request and answer it, streamed or whole, in `wire`'s format (None: OpenAI's)."""
+        """Queue the request and answer it, streamed or whole, in `wire`'s format (None: OpenAI's); `tool_names`: the
+        names of the functions its answer may call (parsed into `tool_calls`)."""
         req = Request(ids, await self._options(body, ids, chat, scope))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         events = _Events(req, lambda r: self._finished(r, rid, http.url.path))
         self._submit(req)
         usage = body.stream_options is not None and body.stream_options.include_usage
-        fmt = wire or _Formatter(self.llm, self.cfg.model_id, rid, chat, usage)
+        fmt = wire or _Formatter(self.llm, self.cfg.model_id, rid, chat, usage, tool_names)
         if body.stream:
             return StreamingResponse(self._stream(req, events, fmt), media_type=fmt.media_type)
         return await self._respond(http, req, events, fmt)
@@ -432,23 +475,36 @@ class _Formatter:
 
     media_type = "text/event-stream"
 
-    def __init__(self, llm, model_id: str, rid: str, chat: bool, usage: bool = False):
+    def __init__(
+        self, llm, model_id: str, rid: str, chat: bool, usage: bool = False, tool_names: list[str] | None = None
+    ):
         self.llm, self.model_id, self.rid, self.chat = llm, model_id, rid, chat
         self.usage_chunk = usage  # stream_options.include_usage
+        self.tools = tool_names or []  # functions the answer may call: its text is parsed once whole, not streamed
         self.created = int(time.time())
 
     def opening(self) -> list[str]:
         return [_data(self.chunk({"role": "assistant", "content": ""}, [], [], None))] if self.chat else []
 
     def piece(self, delta: str, toks: list[int], lps: list, trace: list[TokenTrace] | None) -> str:
+        if self.tools:
+            return ""  # the answer may be a call: sent whole by `closing`
         return _data(self.chunk({"content": delta} if self.chat else delta, toks, lps, None, trace))
 
     def closing(self, req: Request, events: _Events, err: APIError | None) -> list[str]:
-        """The last chunk with the stats (and a usage chunk), or the error; then [DONE]."""
+        """The last chunk with the stats (and a usage chunk), or the error; then [DONE]. With tools, the answer
+        first: its text or its calls."""
         if err:
             return [_data(err.body()), "data: [DONE]\n\n"]
-        last = self.chunk({} if self.chat else "", [], [], req.seq.finish_reason, events.rest_of_trace())
-        lines = [_data({**last, **self.stats(req)})]
+        lines = []
+        if self.tools:
+            message, _ = self._message(req.seq.text)
+            calls = [{"index": i, **c} for i, c in enumerate(message.pop("tool_calls", []))]
+            delta = {"content": message["content"]} | ({"tool_calls": calls} if calls else {})
+            lines.append(_data(self.chunk(delta, [], [], None)))
+        finish = self._finish(req)
+        last = self.chunk({} if self.chat else "", [], [], finish, events.rest_of_trace())
+        lines.append(_data({**last, **self.stats(req)}))
         if self.usage_chunk:
             lines.append(_data({**self.head(), "choices": [], "usage": self.usage(req)}))
         return lines + ["data: [DONE]\n\n"]
@@ -528,8 +584,22 @@ class _Formatter:
             "logprobs": self._logprobs(seq.output_ids[: len(lps)], lps),
             "finish_reason": seq.finish_reason,
         }
-        choice.update({"message": {"role": "assistant", "content": seq.text}} if self.chat else {"text": seq.text})
+        choice["finish_reason"] = self._finish(req)
+        choice.update({"message": self._message(seq.text)[0]} if self.chat else {"text": seq.text})
         head = {**self.head(), "object": "chat.completion" if self.chat else "text_completion"}
         return {**head, "choices": [choice], "usage": self.usage(req), **self.stats(req), **self._trace(seq.trace)}
+
+    def _message(self, text: str) -> tuple[dict, bool]:
+        """The assistant message of an answer, its tool calls parsed out where tools were offered; whether it has
+        any."""
+        content, calls = tools.parse(text, self.tools) if self.tools else (text, [])
+        message = {"role": "assistant", "content": content}
+        return (message | {"tool_calls": [c.openai() for c in calls]} if calls else message), bool(calls)
+
+    def _finish(self, req: Request) -> str | None:
+        """Why it ended: "tool_calls" where a finished answer is calls."""
+        reason = req.seq.finish_reason
+        called = self.tools and reason == "stop" and self._message(req.seq.text)[1]
+        return "tool_calls" if called else reason
 
     stats = staticmethod(response_stats)

@@ -43,8 +43,6 @@ NEUTRAL = {
     "dynatemp_range": 0.0,
     "ignore_eos": False,
     "logit_bias": None,
-    "grammar": None,
-    "json_schema": None,
 }
 NAMES = {"max_tokens": "n_predict"}  # our field -> llama-server's, in errors
 # llama-server's error types by status
@@ -99,6 +97,7 @@ def add_routes(app: FastAPI, h: Handler) -> None:
                 "prompt": body.prompt,
                 "stream": body.stream,
                 "cache_prompt": fields.get("cache_prompt", True),
+                **{k: fields[k] for k in ("grammar", "json_schema", "response_format") if fields.get(k) is not None},
                 **{k: fields[k] for k in EXTENSIONS if k in fields},
             },
             NAMES,

@@ -15,6 +15,8 @@ from fastapi import Request as HTTPRequest
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 import specdec
+from specdec import tools
+from specdec.constraint import GrammarError
 from specdec.errors import SpecdecError
 from specdec.server.protocol import (
     EXTENSIONS,
@@ -42,9 +44,7 @@ NEUTRAL = {
 }
 # what a request may not ask for (no-op values pass): name -> why
 UNSUPPORTED = {
-    "format": "structured outputs (format)",
     "images": "images",
-    "tools": "tools",
     "think": "thinking",
     "suffix": "fill-in-the-middle (suffix)",
     "template": "a custom template",
@@ -97,8 +97,16 @@ def add_routes(app: FastAPI, h: Handler) -> None:
     async def chat(body: OllamaChat, http: HTTPRequest, scope: int | None = Depends(h.auth)):
         if not body.messages:
             return _loaded(h, body)
-        openai = openai_body(ChatRequest, {**_fields(h, body), "messages": [_message(m) for m in body.messages]}, NAMES)
-        return await h.chat(openai, http, scope, _Wire(body.model or _tagged(h.cfg.model_id), chat=True))
+        extra = {**(body.model_extra or {}), **(body.options or {})}
+        offered, choice = extra.get("tools"), extra.get("tool_choice")  # tool_choice: OpenAI's, an extension here
+        fields = {**_fields(h, body), "messages": [_message(m) for m in body.messages], "tools": offered}
+        fields.update({"tool_choice": choice} if choice is not None else {})
+        openai = openai_body(ChatRequest, fields, NAMES)
+        try:
+            names = tools.names(offered or [])
+        except GrammarError as e:
+            raise APIError(400, str(e), "tools") from None
+        return await h.chat(openai, http, scope, _Wire(body.model or _tagged(h.cfg.model_id), chat=True, tools=names))
 
     @app.post("/api/generate")
     async def generate(body: OllamaGenerate, http: HTTPRequest, scope: int | None = Depends(h.auth)):
@@ -193,10 +201,22 @@ def _fields(h: Handler, body: _OllamaBody) -> dict[str, Any]:
         )
     return {
         **sampling_fields(options, "num_predict", h.llm.context),
+        **_format(extra.get("format")),
         "model": _model(h, body),
         "stream": body.stream,
         **{k: extra[k] for k in EXTENSIONS if k in extra},
     }
+
+
+def _format(value: Any) -> dict[str, Any]:
+    """Ollama's `format` ("json", or a JSON schema) as OpenAI's `response_format`."""
+    if not value:
+        return {}
+    if value == "json":
+        return {"response_format": {"type": "json_object"}}
+    if isinstance(value, dict):
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "format", "schema": value}}}
+    raise APIError(400, 'format must be "json" or a JSON schema', "format")
 
 
 def _model(h: Handler, body: _OllamaBody) -> str | None:
@@ -209,9 +229,20 @@ def _tagged(model_id: str) -> str:
 
 
 def _message(m: OllamaMessage) -> dict[str, Any]:
-    if m.images or m.tool_calls:
-        raise APIError(400, "images and tool calls are not supported by specdec", "messages")
-    return {"role": m.role, "content": m.content}
+    """An Ollama message as OpenAI's: its tool calls' arguments (objects) as JSON strings."""
+    if m.images:
+        raise APIError(400, "images are not supported by specdec", "messages")
+    calls = [
+        {
+            "type": "function",
+            "function": {"name": c["function"]["name"], "arguments": json.dumps(c["function"].get("arguments") or {})},
+        }
+        for c in m.tool_calls or []
+        if isinstance(c, dict) and isinstance(c.get("function"), dict) and "name" in c["function"]
+    ]
+    if len(calls) != len(m.tool_calls or []):
+        raise APIError(400, 'each tool call must be {"function": {"name": ..., "arguments": {...}}}', "messages")
+    return {"role": m.role, "content": m.content} | ({"tool_calls": calls} if calls else {})
 
 
 def _generate_ids(llm, body: OllamaGenerate) -> list[int]:
@@ -250,22 +281,31 @@ class _Wire:
 
     media_type = "application/x-ndjson"
 
-    def __init__(self, model: str, chat: bool):
+    def __init__(self, model: str, chat: bool, tools: list[str] | None = None):
         self.model, self.chat = model, chat
+        self.tools = tools or []  # functions the answer may call: its text is parsed once whole, not streamed
         self.rid = "ollama-" + uuid.uuid4().hex[:24]
 
     def _part(self, text: str, done: bool) -> dict:
-        body = {"message": {"role": "assistant", "content": text}} if self.chat else {"response": text}
+        body = {"message": self._message(text)} if self.chat else {"response": text}
         return {"model": self.model, "created_at": _now(), **body, "done": done}
+
+    def _message(self, text: str) -> dict:
+        """The assistant message, its tool calls parsed out (arguments as objects) where tools were offered."""
+        content, calls = tools.parse(text, self.tools) if self.tools and text else (text, [])
+        message = {"role": "assistant", "content": content or ""}
+        if calls:
+            message["tool_calls"] = [{"function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+        return message
 
     def opening(self) -> list[str]:
         return []
 
     def piece(self, delta: str, toks: list[int], lps: list, trace: Any) -> str:
-        return _line(self._part(delta, False))
+        return "" if self.tools else _line(self._part(delta, False))  # with tools: the whole answer at the end
 
     def closing(self, req: Request, events: Any, err: APIError | None) -> list[str]:
-        return [_line(error_body(err) if err else self._final(req, ""))]
+        return [_line(error_body(err) if err else self._final(req, req.seq.text if self.tools else ""))]
 
     def response(self, req: Request) -> dict:
         return self._final(req, req.seq.text)

@@ -52,6 +52,20 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`: the schema the answer must be valid under (`name`, `strict`: accepted)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str | None = None
@@ -72,6 +86,9 @@ class _Common(BaseModel):
     speculative: Union[StrictBool, Speculative, None] = None
     cache_prompt: StrictBool = True  # llama-server's: reuse (and keep) the prompt's K/V in the prefix cache
     specdec_trace: StrictBool = False  # extension: each output token's origin (`specdec_trace` in the answer)
+    response_format: ResponseFormat | None = None  # JSON output: any object, or valid under a schema
+    json_schema: Union[dict[str, Any], str, None] = None  # llama-server's: the same as a json_schema response_format
+    grammar: str | None = None  # llama-server's: a GBNF grammar the output must match
 
     def sampling(self, defaults: SamplingParams) -> SamplingParams:
         """Request fields over the server's defaults; out-of-range values raise APIError 400."""
@@ -121,6 +138,8 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[ContentPart], None] = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result's call
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -135,6 +154,8 @@ class ChatRequest(_Common):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None  # functions the model may call (OpenAI's `tools`)
+    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -143,7 +164,17 @@ class ChatRequest(_Common):
         return self.logprobs, self.top_logprobs or 0
 
     def chat_messages(self) -> list[dict[str, Any]]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        """The conversation as the chat template takes it (tool calls and results included)."""
+        out = []
+        for m in self.messages:
+            msg = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            extra = {"tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id}
+            out.append(msg | {k: v for k, v in extra.items() if v is not None})
+        return out
+
+    def offered_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the prompt offers: none where `tool_choice` is "none"."""
+        return None if self.tool_choice == "none" else self.tools or None
 
 
 def response_stats(req: Request) -> dict:
