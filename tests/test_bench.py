@@ -107,6 +107,7 @@ def test_bench_end_to_end(smollm_dir, tmp_path, capsys):
     assert res["summary"]["hf-plain"]["all"]["speedup"] == res["summary"]["hf-plain"]["all"]["speedup_vs_hf_plain"] == 1
     assert res["summary"]["draft"]["all"]["mean_accept_len"] >= 1
     assert {"command", "date", "machine", "versions", "dtype", "threads", "models"} <= set(res["meta"])
+    assert res["meta"]["cache_mb"] == 0  # no prefix cache: a later method would skip the prefill of a prompt
     report = (out / "report.md").read_text()
     assert "## All prompts" in report and "| ngram-simple |" in report
     page = (out / "report.html").read_text()

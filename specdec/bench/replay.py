@@ -75,7 +75,7 @@ def record_plain(args: argparse.Namespace) -> None:
     args.model = args.model or DEFAULT_TARGET
     model_path = resolve_model(args.model)
     args.threads = args.threads or torch.get_num_threads()
-    llm = build_llm(args, spec_type="none")
+    llm = build_llm(args, spec_type="none", cache_mb=0)  # the recorded prefill costs are fresh prefills
     out = []
     for i, p in enumerate(prompts, 1):
         messages, turns = [], []

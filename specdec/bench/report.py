@@ -99,6 +99,7 @@ def bench_meta(args, llm, prompts) -> dict:
         "unseeded": getattr(args, "unseeded", False),
         "draft_max": args.draft_max,
         "context": llm.context,
+        "cache_mb": llm.config.cache_mb,  # 0: every method prefills every prompt
     }
 
 

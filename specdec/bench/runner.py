@@ -81,7 +81,7 @@ def run_bench(args: argparse.Namespace) -> Path:
     out_dir = Path(args.out or Path("bench-out") / datetime.now().strftime("%Y%m%d-%H%M%S"))
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    llm = build_llm(args, spec_type="none")
+    llm = build_llm(args, spec_type="none", cache_mb=0)  # no prefix cache: each method prefills every prompt
     stop_ids = llm.engine.stop_ids
     outcomes = Outcomes(errors_log=out_dir / "errors.log")
     meta = bench_meta(args, llm, prompts)
