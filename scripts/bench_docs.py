@@ -21,6 +21,7 @@ from pathlib import Path
 
 from specdec.bench.constrained import report_table
 from specdec.bench.plots import ALL, PLAIN
+from specdec.bench.report import fmt
 from specdec.bench.serve_bench import render, render_engine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,11 +67,6 @@ CATEGORY_TABLES = {  # summary key -> (caption, number format, suffix)
     "mean_accept_len": ("Mean acceptance length by category", ".2f", ""),
     "acceptance_rate": ("Acceptance by category", ".2f", ""),
 }
-
-
-def fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:
-    """A number as a table cell; "-" where there is none."""
-    return "-" if x is None else format(x, spec) + suffix
 
 
 def table(head: list[str], rows: list[list[str]]) -> list[str]:

@@ -48,7 +48,7 @@ def time_llguidance(tok: Tokenizer, ids: list[int], vocab: int, stop: set[int]) 
         times.append(time.perf_counter() - t0)
         c.mask(logits, [[]])
         masked.append(time.perf_counter() - t0 - times[-1])
-        c.commit([t], stop)
+        c.commit([t])
     return f"llguidance: build {build:.2f} s (tokenizer included), mask {_ms(times)}; a logit row masked {_ms(masked)}"
 
 

@@ -46,9 +46,12 @@ def run(
         if not line or line.strip() == "/bye":
             return 0
         text = line.strip()
-        if text in ("/clear", "/help"):
-            messages = list(start) if text == "/clear" else messages
-            print("conversation cleared" if text == "/clear" else HELP, file=err)
+        if text == "/clear":
+            messages = list(start)
+            print("conversation cleared", file=err)
+            continue
+        if text == "/help":
+            print(HELP, file=err)
             continue
         if not text:
             continue

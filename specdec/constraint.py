@@ -68,18 +68,21 @@ class Grammar:
 
 
 @functools.lru_cache(maxsize=4)
-def _ll_tokenizer(tokenizer: Tokenizer, vocab: int, stop: tuple[int, ...]):
+def _ll_tokenizer(tokenizer: Tokenizer, vocab: int, stop: frozenset[int]):
     """llguidance's view of a tokenizer (building it reads every token: 0.2-0.9 s, so one per tokenizer)."""
     from llguidance import LLTokenizer
 
-    return LLTokenizer(tokenizer.fast.to_str(), n_vocab=vocab, eos_token=list(stop) or None)
+    try:
+        return LLTokenizer(tokenizer.fast.to_str(), n_vocab=vocab, eos_token=sorted(stop) or None)
+    except ValueError as e:  # a tokenizer whose bytes llguidance cannot tell (WordPiece)
+        raise GrammarError(f"constrained output is not supported with this model's tokenizer: {e}") from None
 
 
 def check(grammar: Grammar, tokenizer: Tokenizer, vocab: int, stop: set[int]) -> None:
     """Raise GrammarError where the grammar does not compile (before a request is admitted)."""
     from llguidance import LLMatcher
 
-    error = LLMatcher.validate_grammar(grammar.text, _ll_tokenizer(tokenizer, vocab, tuple(sorted(stop))))
+    error = LLMatcher.validate_grammar(grammar.text, _ll_tokenizer(tokenizer, vocab, frozenset(stop)))
     if error:
         raise GrammarError(f"invalid grammar: {error}")
 
@@ -91,7 +94,7 @@ class Constraint:
         from llguidance import LLMatcher
 
         self.vocab = vocab
-        self.matcher = LLMatcher(_ll_tokenizer(tokenizer, vocab, tuple(sorted(stop))), grammar.text, log_level=0)
+        self.matcher = LLMatcher(_ll_tokenizer(tokenizer, vocab, frozenset(stop)), grammar.text, log_level=0)
         if self.matcher.is_error():
             raise GrammarError(f"invalid grammar: {self.matcher.get_error()}")
         self.bits = np.zeros((vocab + 31) // 32, dtype=np.int32)
@@ -118,9 +121,8 @@ class Constraint:
         """The indices of the paths the grammar takes whole after the committed text."""
         return [i for i, path in enumerate(paths) if self.matcher.validate_tokens(path) == len(path)]
 
-    def commit(self, tokens: list[int], stop: set[int]) -> None:
-        """Advance past committed tokens (a stop token ends the text, the grammar is not asked)."""
-        tokens = [t for t in tokens if t not in stop]
+    def commit(self, tokens: list[int]) -> None:
+        """Advance past committed tokens (never a stop token: the engine ends a sequence there, uncommitted)."""
         if tokens and not self.matcher.consume_tokens(tokens):
             raise GrammarError(f"constrained output left its grammar: {self.matcher.get_error()}")
 

@@ -40,7 +40,7 @@ def test_mask_follows_the_schema_and_ends_with_eos_only(tok):
     for t in ids:
         allowed = c.allowed()
         assert allowed[t] and 0 < int(allowed.sum()) < tok.vocab_size
-        c.commit([t], stop)
+        c.commit([t])
     assert c.allowed().nonzero().flatten().tolist() == sorted(stop)
 
 
@@ -80,12 +80,18 @@ def test_bad_schemas_and_grammars_are_clear_errors(tok):
         Grammar.gbnf("root ::= (")
 
 
+def test_a_tokenizer_llguidance_cannot_read_is_a_clear_error(tiny_dir):
+    word = Tokenizer(tiny_dir("llama"))  # WordPiece: llguidance cannot tell its tokens' bytes
+    with pytest.raises(GrammarError, match="not supported with this model's tokenizer"):
+        check(Grammar.json_schema({}), word, word.vocab_size, set())
+
+
 def test_gbnf_and_regex_grammars(tok):
     for grammar, text in ((Grammar.gbnf('root ::= "yes" | "no"'), "no"), (Grammar.regex(r"[0-9]{3}"), "123")):
-        c, stop = _constraint(tok, grammar)
+        c, _ = _constraint(tok, grammar)
         ids = tok.encode(text, add_special_tokens=False)
         assert _cut(c, Draft(ids)).tokens == ids
-        c.commit(ids, stop)
+        c.commit(ids)
         assert c.matcher.is_accepting()
 
 
@@ -127,7 +133,7 @@ def test_tools_reach_a_template_without_tool_support_and_earlier_calls_render(to
 
 
 def test_a_required_call_grammar_takes_only_a_call_of_the_named_tool(tok):
-    c, stop = _constraint(tok, tools.grammar(WEATHER, "required", tok))
+    c, _ = _constraint(tok, tools.grammar(WEATHER, "required", tok))
     good = tok.encode(
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', add_special_tokens=False
     )

@@ -206,7 +206,8 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
-def _fmt(x, spec: str = ".2f", suffix: str = "") -> str:
+def fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:
+    """A number as a table cell; "-" where there is none."""
     return "-" if x is None else format(x, spec) + suffix
 
 
@@ -214,7 +215,7 @@ def _by_category(summary: dict, key: str, spec: str, suffix: str = "") -> list[s
     cats = categories(summary)
     rows = [f"| method | {' | '.join(cats)} |", "|---" * (len(cats) + 1) + "|"]
     for m, per in summary.items():
-        rows.append(f"| {m} | " + " | ".join(_fmt(per.get(c, {}).get(key), spec, suffix) for c in cats) + " |")
+        rows.append(f"| {m} | " + " | ".join(fmt(per.get(c, {}).get(key), spec, suffix) for c in cats) + " |")
     return rows
 
 
@@ -232,10 +233,10 @@ def report_tables(summary: dict, records: list[dict], outcomes: Outcomes) -> str
         ident = f"{s['matched']}/{s['compared']}" if s["compared"] else "-"
         lines.append(
             f"| {m} | {s['prompts']} | {s['tokens_per_s']:.2f} ({s['tokens_per_s_min']:.2f}-"
-            f"{s['tokens_per_s_max']:.2f}) | {_fmt(s['speedup'], '.2f', 'x')} | "
-            f"{_fmt(s.get('decode_speedup'), '.2f', 'x')} | "
-            f"{_fmt(s['speedup_vs_hf_plain'], '.2f', 'x')} | {_fmt(s['acceptance_rate'], '.0%')} | "
-            f"{_fmt(s['mean_accept_len'])} | {ident} |"
+            f"{s['tokens_per_s_max']:.2f}) | {fmt(s['speedup'], '.2f', 'x')} | "
+            f"{fmt(s.get('decode_speedup'), '.2f', 'x')} | "
+            f"{fmt(s['speedup_vs_hf_plain'], '.2f', 'x')} | {fmt(s['acceptance_rate'], '.0%')} | "
+            f"{fmt(s['mean_accept_len'])} | {ident} |"
         )
     lines += _not_run(outcomes)
     for title, key, spec, suffix in (
@@ -250,7 +251,7 @@ def report_tables(summary: dict, records: list[dict], outcomes: Outcomes) -> str
             cats = categories(summary)
             lines.append(
                 "| ceiling: every draft accepted | "
-                + " | ".join(_fmt(summary["none"].get(c, {}).get("speedup_ceiling"), ".2f", "x") for c in cats)
+                + " | ".join(fmt(summary["none"].get(c, {}).get("speedup_ceiling"), ".2f", "x") for c in cats)
                 + " |"
             )
     diffs = [r for r in records if r["matches_baseline"] is False]
@@ -258,7 +259,7 @@ def report_tables(summary: dict, records: list[dict], outcomes: Outcomes) -> str
         lines += ["", "## Outputs that differ from their baseline", ""]
         for r in diffs:
             d = r["first_divergence"]
-            where = "" if d is None else f" at output token {d['index']} (top-2 gap {_fmt(d['top2_gap'])})"
+            where = "" if d is None else f" at output token {d['index']} (top-2 gap {fmt(d['top2_gap'])})"
             bug = d is not None and (d["top2_gap"] is None or d["top2_gap"] >= LIKELY_BUG_GAP)
             lines.append(f"- {r['method']} on {r['id']} (repeat {r['repeat']}){where}" + (" **LIKELY BUG**" * bug))
     if outcomes.notes:

@@ -385,7 +385,7 @@ class Engine:
                 seq.finish_reason = "length"
                 break
         if seq.constraint is not None:
-            seq.constraint.commit(seq.tokens[before:], self.stop_ids)
+            seq.constraint.commit(seq.tokens[before:])
         if seq.trace is not None:
             who = (draft.source if draft else None) or (seq.drafter.name if seq.drafter else None)
             seq.trace += step_trace(

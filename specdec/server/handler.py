@@ -497,12 +497,11 @@ class _Formatter:
         if err:
             return [_data(err.body()), "data: [DONE]\n\n"]
         lines = []
+        message, finish = self._answer(req)
         if self.tools:
-            message, _ = self._message(req.seq.text)
-            calls = [{"index": i, **c} for i, c in enumerate(message.pop("tool_calls", []))]
+            calls = [{"index": i, **c} for i, c in enumerate(message.get("tool_calls", []))]
             delta = {"content": message["content"]} | ({"tool_calls": calls} if calls else {})
             lines.append(_data(self.chunk(delta, [], [], None)))
-        finish = self._finish(req)
         last = self.chunk({} if self.chat else "", [], [], finish, events.rest_of_trace())
         lines.append(_data({**last, **self.stats(req)}))
         if self.usage_chunk:
@@ -579,27 +578,21 @@ class _Formatter:
     def response(self, req: Request) -> dict:
         seq = req.seq
         lps = seq.logprobs or []
-        choice = {
-            "index": 0,
-            "logprobs": self._logprobs(seq.output_ids[: len(lps)], lps),
-            "finish_reason": seq.finish_reason,
-        }
-        choice["finish_reason"] = self._finish(req)
-        choice.update({"message": self._message(seq.text)[0]} if self.chat else {"text": seq.text})
+        message, finish = self._answer(req)
+        choice = {"index": 0, "logprobs": self._logprobs(seq.output_ids[: len(lps)], lps), "finish_reason": finish}
+        choice.update({"message": message} if self.chat else {"text": seq.text})
         head = {**self.head(), "object": "chat.completion" if self.chat else "text_completion"}
         return {**head, "choices": [choice], "usage": self.usage(req), **self.stats(req), **self._trace(seq.trace)}
 
-    def _message(self, text: str) -> tuple[dict, bool]:
-        """The assistant message of an answer, its tool calls parsed out where tools were offered; whether it has
-        any."""
-        content, calls = tools.parse(text, self.tools) if self.tools else (text, [])
+    def _answer(self, req: Request) -> tuple[dict, str | None]:
+        """The assistant message, its tool calls parsed out where tools were offered, and why it ended
+        ("tool_calls" where a finished answer is calls)."""
+        seq = req.seq
+        content, calls = tools.parse(seq.text, self.tools) if self.tools else (seq.text, [])
         message = {"role": "assistant", "content": content}
-        return (message | {"tool_calls": [c.openai() for c in calls]} if calls else message), bool(calls)
-
-    def _finish(self, req: Request) -> str | None:
-        """Why it ended: "tool_calls" where a finished answer is calls."""
-        reason = req.seq.finish_reason
-        called = self.tools and reason == "stop" and self._message(req.seq.text)[1]
-        return "tool_calls" if called else reason
+        if not calls:
+            return message, seq.finish_reason
+        reason = "tool_calls" if seq.finish_reason == "stop" else seq.finish_reason
+        return message | {"tool_calls": [c.openai() for c in calls]}, reason
 
     stats = staticmethod(response_stats)
