@@ -40,6 +40,21 @@ SHAPES = {  # config.json values of the released models (sizes, attention layout
             },
         ),
     ),
+    "qwen3-0.6b": (
+        "qwen3",
+        dict(
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            tie_word_embeddings=True,
+            max_position_embeddings=40960,
+            rope_theta=1_000_000.0,
+        ),
+    ),
     "gemma-3-1b": (
         "gemma3_text",
         dict(

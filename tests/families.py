@@ -56,7 +56,7 @@ TINY: dict[str, dict[str, Any]] = {
     },
     "mistral": {"model_type": "mistral", "sliding_window": 8},
     "qwen2": {"model_type": "qwen2", "tie_word_embeddings": True},  # q/k/v biases; tied like Qwen2.5-0.5B
-    "qwen3": {"model_type": "qwen3", "head_dim": 24},  # head_dim != hidden / heads
+    "qwen3": {"model_type": "qwen3", "head_dim": 32},  # head_dim != hidden / heads; a multiple of 16: the C layer
     # layers [sliding, full]; caps small enough to bind on these logits
     "gemma2": {
         "model_type": "gemma2",
@@ -89,6 +89,19 @@ TINY: dict[str, dict[str, Any]] = {
             "rope_type": "longrope",
             "short_factor": [1.0 + 0.05 * i for i in range(8)],
             "long_factor": [1.0 + 0.9 * i for i in range(8)],
+        },
+    },
+    # Phi-4-mini's partial rotary (half of each head), and a context past the original one: the long factors
+    "phi4-mini": {
+        "model_type": "phi3",
+        "partial_rotary_factor": 0.5,
+        "original_max_position_embeddings": 16,
+        "max_position_embeddings": 512,
+        "sliding_window": None,
+        "rope_scaling": {
+            "rope_type": "longrope",
+            "short_factor": [1.0 + 0.05 * i for i in range(4)],
+            "long_factor": [1.0 + 2.5 * i for i in range(4)],
         },
     },
     "granite": {

@@ -49,6 +49,7 @@ class ModelConfig:
     rope_local_theta: float | None = None  # rope base of sliding layers where it differs (Gemma 3), unscaled
     no_rope_layers: tuple[int, ...] = ()  # layers without rotary embeddings (SmolLM3)
     rope_freq_factors: tuple[float, ...] | None = None  # divide each inverse frequency (GGUF rope_freqs, longrope)
+    rotary_dim: int | None = None  # channels of a head that rotate, where fewer than head_dim (Phi-4-mini)
 
     def __post_init__(self):
         if self.qk_norm is True or self.qk_norm is False:  # the older boolean form: per-head norms or none
@@ -64,11 +65,12 @@ class ModelConfig:
 
     @property
     def plain_layers(self) -> bool:
-        """Whether every layer is the Llama recipe the C layer kernel runs (`runtime/layer_kernel.py`)."""
+        """Whether every layer is the Llama recipe (with or without Qwen3's per-head q/k norms) the C layer kernel
+        runs (`runtime/layer_kernel.py`)."""
         return (
             self.norms == "pre"
             and self.hidden_act == "silu"
-            and not self.qk_norm
+            and self.qk_norm != "full"
             and self.attn_scale is None
             and self.attn_softcap is None
             and self.residual_scale == 1.0
@@ -76,7 +78,13 @@ class ModelConfig:
             and self.layer_types is None
             and not self.no_rope_layers
             and self.rope_local_theta is None
+            and self.rotary_dim is None
         )
+
+    @property
+    def rope_dim(self) -> int:
+        """Channels of each head that rotary embeddings rotate (the first ones)."""
+        return self.rotary_dim or self.head_dim
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "ModelConfig":

@@ -134,6 +134,7 @@ def config_from_gguf(reader, path: Path) -> ModelConfig:
         rope_theta=num("rope.freq_base", 10000.0, float),
         rope_scaling=_rope_scaling(g, names, f"{arch}.", path),
         rope_freq_factors=_factors(names.get("rope_freqs.weight")),
+        rotary_dim=_rotary_dim(g("rope.dimension_count"), g("attention.key_length", hidden // heads)),
         attention_bias="blk.0.attn_q.bias" in names or "blk.0.attn_qkv.bias" in names,
         o_bias="blk.0.attn_output.bias" in names,
         mlp_bias="blk.0.ffn_down.bias" in names,
@@ -144,6 +145,11 @@ def config_from_gguf(reader, path: Path) -> ModelConfig:
     fields.update(fam.recipe)
     fields.update(fam.gguf_fields(g))
     return ModelConfig(**fields)
+
+
+def _rotary_dim(dims, head_dim) -> int | None:
+    """`rope.dimension_count` where it is fewer than a head's channels (partial rotary), else None."""
+    return int(dims) if dims is not None and 0 < int(dims) < int(head_dim) else None
 
 
 def _factors(t) -> tuple[float, ...] | None:

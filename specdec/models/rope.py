@@ -49,21 +49,29 @@ def _yarn(base: float, dim: int, p: dict, max_pos: int) -> tuple[torch.Tensor, f
     return inv, float(attn)
 
 
-def _longrope(inv: torch.Tensor, p: dict, max_pos: int) -> tuple[torch.Tensor, float]:
-    """Phi-3's longrope with its short factors (HF's choice for sequences within the original context; llama.cpp's
-    at its default context)."""
+def _longrope(inv: torch.Tensor, p: dict, max_pos: int, context: int) -> tuple[torch.Tensor, float]:
+    """Phi-3's longrope: the long factors where the context exceeds the original one, else the short ones
+    (llama.cpp's rule, `llama_model::get_rope_factors`; transformers decides by each forward's last position, so a
+    token's logits there depend on how far that forward reaches)."""
     orig = p["original_max_position_embeddings"]
     factor = p.get("factor") or max_pos / orig
     attn = p.get("attention_factor") or (1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig)))
-    return inv / torch.tensor(p["short_factor"], dtype=torch.float32), float(attn)
+    factors = p["long_factor"] if context > orig else p["short_factor"]
+    return inv / torch.tensor(factors, dtype=torch.float32), float(attn)
 
 
 def inv_freq_and_scale(
-    head_dim: int, theta: float, scaling: dict | None, max_pos: int, factors: tuple[float, ...] | None = None
+    dim: int,
+    theta: float,
+    scaling: dict | None,
+    max_pos: int,
+    factors: tuple[float, ...] | None = None,
+    context: int | None = None,
 ) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim/2] and the attention scale applied to cos/sin; `factors` divide the inverse
-    frequencies (a GGUF's `rope_freqs`, llama.cpp's form of llama3 scaling)."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    """Inverse frequencies [dim/2] of the `dim` rotated channels of a head and the attention scale applied to
+    cos/sin; `factors` divide the inverse frequencies (a GGUF's `rope_freqs`, llama.cpp's form of llama3 scaling);
+    `context` (default `max_pos`): the context the model runs at, which picks longrope's factors."""
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if factors is not None:
         inv = inv / torch.tensor(factors, dtype=torch.float32)
     if not scaling:
@@ -74,30 +82,37 @@ def inv_freq_and_scale(
     if kind == "llama3":
         return _llama3(inv, scaling), 1.0
     if kind == "yarn":
-        return _yarn(theta, head_dim, scaling, max_pos)
+        return _yarn(theta, dim, scaling, max_pos)
     if kind == "longrope":
-        return _longrope(inv, scaling, max_pos)
+        return _longrope(inv, scaling, max_pos, max_pos if context is None else context)
     raise SpecdecError(f"unsupported rope scaling {kind!r} (supported: linear, llama3, yarn, longrope)")
 
 
 class Rotary:
-    """cos/sin tables, grown on demand, indexed by absolute position."""
+    """cos/sin tables of the `dim` rotated channels of a head (all of them, or the first ones: partial rotary),
+    grown on demand, indexed by absolute position."""
 
     def __init__(
-        self, head_dim: int, theta: float, scaling: dict | None, max_pos: int, factors: tuple[float, ...] | None = None
+        self,
+        dim: int,
+        theta: float,
+        scaling: dict | None,
+        max_pos: int,
+        factors: tuple[float, ...] | None = None,
+        context: int | None = None,
     ):
-        self.inv_freq, self.scale = inv_freq_and_scale(head_dim, theta, scaling, max_pos, factors)
-        self.cos = self.sin = torch.empty(0, head_dim)
+        self.inv_freq, self.scale = inv_freq_and_scale(dim, theta, scaling, max_pos, factors, context)
+        self.cos = self.sin = torch.empty(0, dim)
 
     def _grow(self, n: int, device: torch.device) -> None:
         t = torch.arange(n, dtype=torch.float32)
         freqs = torch.outer(t, self.inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)  # [n, head_dim]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [n, dim]
         self.cos = (emb.cos() * self.scale).to(device)
         self.sin = (emb.sin() * self.scale).to(device)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] -> cos, sin [B, 1, T, head_dim] in `dtype`."""
+        """positions [B, T] -> cos, sin [B, 1, T, dim] in `dtype`."""
         need = int(positions.max()) + 1
         if need > self.cos.shape[0]:
             self._grow(max(need, 2 * self.cos.shape[0], 256), positions.device)
@@ -110,5 +125,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, D], cos/sin [B, 1, T, D]."""
+    """x [B, H, T, D], cos/sin [B, 1, T, R], R <= D: the first R channels rotated, the rest passed through."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat([apply_rotary(x[..., :r], cos, sin), x[..., r:]], dim=-1)
     return x * cos + rotate_half(x) * sin

@@ -62,16 +62,18 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         c, hd = self.cfg, self.cfg.head_dim
         qkv = self.qkv_proj(x)  # [B, T, q + 2 kv]
+        if c.qk_norm == "head":  # each head of q and k before rotary, as the C layer (`runtime/layer_kernel.py`)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q, k = self.q_norm(q.unflatten(-1, (-1, hd))), self.k_norm(k.unflatten(-1, (-1, hd)))
+            qkv = torch.cat([q.flatten(-2), k.flatten(-2), v], dim=-1)  # (not in place: heads train through it)
         cos, sin = batch.rotary(self.sliding)
-        roped = self.rope and not c.qk_norm and small_ops.rope_(qkv, c.num_heads + c.num_kv_heads, hd, cos, sin)
+        roped = self.rope and c.qk_norm != "full" and small_ops.rope_(qkv, c.num_heads + c.num_kv_heads, hd, cos, sin)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if c.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(B, T, c.num_heads, hd)
         k = k.reshape(B, T, c.num_kv_heads, hd)
         v = v.reshape(B, T, c.num_kv_heads, hd)
-        if c.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
         if self.rope and not roped:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -156,6 +158,8 @@ class DecoderLayer(nn.Module):
             a.o_proj,
             m.gate_up_proj,
             m.down_proj,
+            getattr(a, "q_norm", None),
+            getattr(a, "k_norm", None),
         )
         built = self._layer_kernel  # (the modules it was built from, the C form or None)
         if built is None or any(x is not y for x, y in zip(built[0], modules)):  # first use, or a module replaced
@@ -238,16 +242,25 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.use_context(cfg.max_position_embeddings)
         with torch.device("cpu"):  # tables are built on the host even when the model is created on meta
-            self.rotary = Rotary(
-                cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, cfg.rope_freq_factors
-            )
             self.rotary_local = (
                 None
                 if cfg.rope_local_theta is None
-                else Rotary(cfg.head_dim, cfg.rope_local_theta, None, cfg.max_position_embeddings)
+                else Rotary(cfg.rope_dim, cfg.rope_local_theta, None, cfg.max_position_embeddings)
             )
         self.split = False  # layers on more than one device (`place`)
+
+    def use_context(self, context: int) -> None:
+        """Rotary tables for a model that runs at `context` tokens (longrope picks its factors by it)."""
+        c = self.config
+        with torch.device("cpu"):
+            rotary = Rotary(
+                c.rope_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings, c.rope_freq_factors, context
+            )
+        old = getattr(self, "rotary", None)
+        if old is None or not torch.equal(rotary.inv_freq, old.inv_freq):
+            self.rotary = rotary
 
     def keep_head_rows(self, n: int) -> None:
         """Compute logits for the first `n` token ids only, 0: all of them again (a draft model's reduced

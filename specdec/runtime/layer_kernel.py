@@ -1,12 +1,13 @@
 """A decoder layer in one C call (`kernels/layer.c`) for decode and verification steps: float32 activations on the
 CPU, GGUF weights through the kernels. It runs the same C functions in the same order as the layer's Python code
-(norm, q/k/v + bias, rotary, K/V write, attention, o_proj + residual, norm, gate/up, SiLU * up, down + residual),
-so the result is the same bits; at a few rows the Python between those calls is a large share of a step (Zen 3:
-~0.5 ms of a layer's ~4 ms).
+(norm, q/k/v + bias, per-head q/k norms, rotary, K/V write, attention, o_proj + residual, norm, gate/up, SiLU * up,
+down + residual), so the result is the same bits; at a few rows the Python between those calls is a large share of a
+step (Zen 3: ~0.5 ms of a layer's ~4 ms).
 
-`LayerKernel.of(...)` describes a layer's weights once (None where the layer cannot run here: not GGUF, qk-norm,
-not on the CPU, no library); `step_args(...)` describes a forward's rows once for every layer; `run(...)` returns the
-layer's output, or None where the C path does not take this step (the caller then runs the Python layer)."""
+`LayerKernel.of(...)` describes a layer's weights once (None where the layer cannot run here: not GGUF, OLMo 2's q/k
+norms, not on the CPU, no library); `step_args(...)` describes a forward's rows once for every layer; `run(...)`
+returns the layer's output, or None where the C path does not take this step (the caller then runs the Python
+layer)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ class _Layer(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("norm1", ptr),
         ("norm2", ptr),
+        ("q_norm", ptr),
+        ("k_norm", ptr),
         ("qkv", _Linear),
         ("o", _Linear),
         ("gate_up", _Linear),
@@ -74,13 +77,15 @@ class LayerKernel:
         self.spec, self.keep = spec, keep
 
     @classmethod
-    def of(cls, cfg, norm1, norm2, qkv, o, gate_up, down) -> "LayerKernel | None":
-        """The C layer for these modules, or None where it cannot run them (the caller keeps its Python path)."""
+    def of(cls, cfg, norm1, norm2, qkv, o, gate_up, down, q_norm=None, k_norm=None) -> "LayerKernel | None":
+        """The C layer for these modules (q_norm, k_norm: per-head norms or None), or None where it cannot run them
+        (the caller keeps its Python path)."""
         lins = [_parts(m) for m in (qkv, o, gate_up, down)]
-        norms = (norm1.weight, norm2.weight)
+        norms = tuple(n.weight for n in (norm1, norm2, q_norm, k_norm) if n is not None)
         if (
             K.library() is None
-            or cfg.qk_norm
+            or cfg.qk_norm not in ("", "head")
+            or (cfg.qk_norm == "head") != (len(norms) == 4)
             or any(x is None for x in lins)
             or cfg.head_dim % 16
             or any(n.dtype != torch.float32 or not n.is_cpu for n in norms)
@@ -88,6 +93,7 @@ class LayerKernel:
         ):
             return None
         keep: list = [n.detach().contiguous() for n in norms]
+        qk = [n.data_ptr() for n in keep[2:]] or [None, None]
         structs = []
         for ps, bias in lins:
             n, types, weights, outs, _ = args = matmul_args(ps)
@@ -105,6 +111,7 @@ class LayerKernel:
             norm1.eps,
             keep[0].data_ptr(),
             keep[1].data_ptr(),
+            *qk,
             *structs,
         )
         return cls(spec, keep)

@@ -94,6 +94,7 @@ class ModelRunner:
     def __init__(self, model: Transformer, num_slots: int, context: int):
         cfg = model.config
         self.model, self.context = model, context
+        model.use_context(context)
         dtype = model.model.embed_tokens.weight.dtype
         self.cache = KVCache.allocate(
             cfg.num_layers, num_slots, cfg.num_kv_heads, context + HEADROOM, cfg.head_dim, dtype, model.layer_devices

@@ -33,7 +33,7 @@ def rope_(qkv: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: 
     """Rotate the first `heads` heads of each row of qkv [B, T, width] (q's heads then k's) in place by cos, sin
     [B, 1, T, head_dim]; False (nothing done) where the C path does not apply."""
     B, T, width = qkv.shape
-    lib = K.library() if _usable(qkv, cos, sin) and qkv.is_contiguous() else None
+    lib = K.library() if _usable(qkv, cos, sin) and qkv.is_contiguous() and cos.shape[-1] == head_dim else None
     if lib is None:
         return False
     c, s = cos.reshape(B * T, head_dim).contiguous(), sin.reshape(B * T, head_dim).contiguous()

@@ -1,6 +1,6 @@
-/* One decoder layer of a Llama / Qwen2 / Mistral model in one call, for decode and verification steps on the CPU
- * (float32 activations, GGUF weights): RMS norm, q/k/v, rotary, K/V written to the cache, attention, o_proj and the
- * residual, RMS norm, gate/up, SiLU * up, down and the residual. The same functions in the same order as the
+/* One decoder layer of a Llama / Qwen2 / Qwen3 / Mistral model in one call, for decode and verification steps on the
+ * CPU (float32 activations, GGUF weights): RMS norm, q/k/v, per-head q/k norms (Qwen3), rotary, K/V written to the
+ * cache, attention, o_proj and the residual, RMS norm, gate/up, SiLU * up, down and the residual. The same functions in the same order as the
  * layer's Python code (models/transformer.py) runs them one by one, so the two give the same bits; at a few rows the
  * Python between those calls costs more than the arithmetic. Written for specdec.
  */
@@ -30,6 +30,7 @@ typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter;
     float eps;
     const float *norm1, *norm2; /* [hidden]: before attention, before the MLP */
+    const float *q_norm, *k_norm; /* [head_dim]: each head of q / k normed (Qwen3), or NULL */
     lin_t qkv, o, gate_up, down;
 } layer_t;
 
@@ -63,6 +64,11 @@ int gq_decoder_layer(const layer_t *L, const step_t *s, const float *x, float *o
     float *h = buf, *qkv = h + rows * H, *att = qkv + rows * W, *gu = att + rows * q, *act = gu + rows * 2 * I;
     int rc = gq_rmsnorm(x, L->norm1, L->eps, rows, H, h);
     if (rc >= 0) rc = linear(&L->qkv, h, rows, H, qkv, nthreads, path);
+    for (int64_t r = 0; L->q_norm && rc >= 0 && r < rows; r++) { /* in place: q's heads, then k's */
+        float *row = qkv + r * W;
+        rc = gq_rmsnorm(row, L->q_norm, L->eps, L->heads, hd, row);
+        if (rc >= 0) rc = gq_rmsnorm(row + q, L->k_norm, L->eps, L->kv_heads, hd, row + q);
+    }
     if (rc >= 0 && (rc = gq_rope(qkv, W, s->cos, s->sin, rows, L->heads + L->kv_heads, hd)) >= 0) {
         for (int64_t b = 0; b < s->B; b++)
             for (int64_t t = 0; t < s->T; t++) {
