@@ -54,7 +54,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that loads models."""
     from specdec import compat
     from specdec.config import DTYPES, Config
-    from specdec.drafters import DEFAULT_WITH_DRAFT_MODEL, REGISTRY, spec_types
+    from specdec.drafters import DEFAULT_MODEL_FREE, DEFAULT_WITH_DRAFT_MODEL, REGISTRY, spec_types
     from specdec.drafters.chain import CHAIN_MODES
     from specdec.models.loader import QUANT_CHOICES
 
@@ -135,7 +135,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         type=_spec_type,
         metavar="TYPE[,TYPE...]",
         help=f"drafter: {' | '.join(spec_types())}; a comma list is a chain, the first that drafts wins "
-        f"(default: {DEFAULT_WITH_DRAFT_MODEL} with -md or no -m, else none)",
+        f"(default: {DEFAULT_WITH_DRAFT_MODEL} with -md or no -m, else {DEFAULT_MODEL_FREE})",
     )
     s.add_argument(
         "--spec-chain",

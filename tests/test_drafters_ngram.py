@@ -8,7 +8,15 @@ import pytest
 from specdec.drafters import parse_spec_type
 from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.chain import ChainDrafter
-from specdec.drafters.ngram_index import ContinuationCounts, ranked, suffix_hashes, tree_lookups, window_hashes
+from specdec.drafters.ngram_index import (
+    MATCH_PRIOR,
+    ContinuationCounts,
+    MatchAcceptance,
+    ranked,
+    suffix_hashes,
+    tree_lookups,
+    window_hashes,
+)
 from specdec.drafters.ngram_map_k import NgramMapK4VDrafter, NgramMapKDrafter, NgramMapKTreeDrafter
 from specdec.drafters.ngram_mod import NgramModDrafter
 from specdec.drafters.suffix import MAX_ORDER, SuffixDrafter, SuffixTreeDrafter
@@ -197,6 +205,42 @@ def test_suffix_min_prob():
     toks = [1, 2, 3, 4] * 3 + [1, 2, 3, 5, 8, 1, 2, 3]  # (1,2,3) -> 4 three times, 5 once
     assert SuffixDrafter(min_prob=0.7).propose(seq(toks), 1).tokens == [4]  # p = 0.75
     assert SuffixDrafter(min_prob=0.8).propose(seq(toks), 1).tokens == []
+
+
+def test_match_acceptance_scores_what_was_committed():
+    acc = MatchAcceptance()
+    # a chain of match lengths 1, 4, 4: 5 and 7 accepted, 1 rejected (the target's token was 2), the bonus 9 ignored
+    hits, expected = acc.score(Draft([5, 7, 1]), [1, 4, 4], [5, 7, 2, 9])
+    assert hits == 2 and MATCH_PRIOR[0] + 2 * MATCH_PRIOR[3] < expected < 2  # each rate as it stood
+    assert (acc.seen, acc.hits) == ([1, 0, 0, 2], [1, 0, 0, 1])
+    assert acc.rate(1) > MATCH_PRIOR[0] and acc.rate(4) < MATCH_PRIOR[3]
+    # a tree, roots 5 and 4, 5 -> 7, 4 -> 9; committed 4 then 8: 4 accepted, 5 and 9 rejected, 7 unknown (under 5)
+    acc = MatchAcceptance()
+    acc.score(Draft([5, 4, 7, 9], parents=[-1, -1, 0, 1]), [2, 2, 3, 3], [4, 8])
+    assert (acc.seen, acc.hits) == ([0, 2, 1, 0], [0, 1, 0, 0])
+    acc = MatchAcceptance()
+    acc.score(Draft([5, 7]), [1, 1], [5])  # past the committed tokens: nothing said
+    assert (acc.seen, acc.hits) == ([1, 0, 0, 0], [1, 0, 0, 0])
+    # a request whose drafts failed trusts the rates less; one that did well no more than they say
+    assert MatchAcceptance.trust(0, 6) == pytest.approx(0.25) and MatchAcceptance.trust(5, 1) == 1.0
+
+
+def test_suffix_stops_where_the_path_probability_falls_below_the_engines_stop():
+    toks = [1, 2, 3, 4, 9, 8, 1, 2, 3, 4, 9, 8, 1, 2, 3]  # (1, 2, 3) -> 4 -> 9 -> 8, every context seen twice
+    d = SuffixDrafter(factor=4)
+    assert d.confidence_stop
+    full = d.propose(seq(toks), 6).tokens
+    assert full == [4, 9, 8, 1, 2, 3]
+    assert d.propose(seq(toks), 6, min_path_prob=0.5).tokens == full[:3]  # 5+ tokens matched: 0.8, 0.64, 0.51
+    assert d.propose(seq(toks), 6, min_path_prob=0.9).tokens == []
+    s = seq(toks)
+    d.propose(s, 6)
+    s.tokens += [4, 7]  # the target took 4, then 7 where the draft said 9
+    d.update(s, 6, 1)
+    assert (d.accepted.seen, d.accepted.hits) == ([0, 0, 0, 2], [0, 0, 0, 1])
+    for _ in range(40):  # long matches keep failing: their rate falls below the stop
+        d.accepted.observe(5, False)
+    assert d.propose(seq(toks), 6, min_path_prob=0.5).tokens == []
 
 
 def test_suffix_global_memory_and_eviction():

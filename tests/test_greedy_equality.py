@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 import specdec
-from specdec.drafters import DEFAULT_WITH_DRAFT_MODEL, REGISTRY
+from specdec.drafters import DEFAULT_MODEL_FREE, DEFAULT_WITH_DRAFT_MODEL, REGISTRY
 
 PROMPTS_TINY = ["t5 t9 t12 t5 t9 t12 t5 t9", "t33 t2 t71", "t8 " * 20 + "t4", "t60"]
 MODEL_FREE = tuple(n for n, t in REGISTRY.types.items() if t.model_free)
@@ -189,6 +189,21 @@ def test_smollm_greedy_equality(smollm_dir):
             branched += r.stats.drafted - sum(r.stats.drafted_at)  # tree nodes beyond one per depth
     _assert_drafted_and_accepted(stats)  # the shallow draft and the n-gram lookup do get tokens accepted
     assert branched > 0  # draft trees (branch_p 0.6) were built and verified
+
+
+@pytest.mark.real
+def test_smollm_speculates_by_default(smollm_dir):
+    """The model alone drafts with the model-free default (no flags), and equals plain decoding; adaptive length off,
+    so that the drafts are made whatever this machine's timings."""
+    llm = specdec.LLM(str(smollm_dir), dtype="fp32", context=256, adaptive=False, progress=False)
+    assert llm.config.spec_type == DEFAULT_MODEL_FREE
+    stats = {}
+    for prompt in REAL_PROMPTS:
+        base = llm.generate(prompt, max_tokens=48, chat=True, spec_type="none")
+        r = llm.generate(prompt, max_tokens=48, chat=True)
+        assert r.token_ids == base.token_ids, prompt
+        _count(stats, "default", r)
+    _assert_drafted_and_accepted(stats)
 
 
 @pytest.mark.real

@@ -23,6 +23,9 @@ from specdec.errors import SpecdecError
 # model where the suffix tree has nothing (Spec-Bench decode, 0.5B draft for the 1.5B, AMD EPYC Zen 3: 1.18x plain,
 # the draft model alone 1.01x; `specdec bench --workload spec_bench --methods none,draft,suffix-tree,draft`).
 DEFAULT_WITH_DRAFT_MODEL = "suffix-tree,draft"
+# The spec type when none is given and the model comes alone (`-m` without `-md`): model-free drafting, whose
+# drafts stop where another token is expected to cost more than it saves (`ngram_index.MatchAcceptance`).
+DEFAULT_MODEL_FREE = "suffix"
 
 for _module in (
     draft_model,

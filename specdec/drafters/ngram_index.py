@@ -179,6 +179,64 @@ class ContinuationCounts:
                     del self.table[h]
 
 
+# P(a model-free draft token is accepted | the tokens before it were) by the length of the context match that proposed
+# it, 1, 2, 3 and 4 or more tokens, before any is observed: measured over 24 Spec-Bench questions with
+# qwen2.5-coder-1.5b's greedy answers (every output position with an earlier match of its context: 0.24, 0.49, 0.69,
+# 0.81; by category the 1-token rate ran from 0.11 (translation) to 0.38 (summarization)).
+MATCH_PRIOR = (0.25, 0.5, 0.7, 0.8)
+PRIOR_WEIGHT = 8.0  # the prior counts as this many observations
+KEEP = 512.0  # observations of one match length past which older ones fade (its counts are halved)
+SEQ_WEIGHT = 2.0  # `MatchAcceptance.trust`: a request's own record counts once its drafts expected this many
+
+
+class MatchAcceptance:
+    """How often draft tokens of each match length were accepted, over every request a drafter served: the
+    probability a model-free drafter gives its draft tokens, so that the engine's path-probability stop
+    (`Drafter.confidence_stop`) cuts its drafts where another token is expected to cost more than it saves."""
+
+    def __init__(self):
+        self.seen = [0.0] * len(MATCH_PRIOR)
+        self.hits = [0.0] * len(MATCH_PRIOR)
+
+    def rate(self, match_len: int) -> float:
+        i = min(max(match_len, 1), len(MATCH_PRIOR)) - 1
+        return (self.hits[i] + PRIOR_WEIGHT * MATCH_PRIOR[i]) / (self.seen[i] + PRIOR_WEIGHT)
+
+    @staticmethod
+    def trust(accepted: float, expected: float) -> float:
+        """A request's own factor on the rates, at most 1: its accepted draft tokens over those expected, shrunk
+        toward 1 (in a request whose drafts keep failing, the rates fall for it alone)."""
+        return min(1.0, (accepted + SEQ_WEIGHT) / (expected + SEQ_WEIGHT))
+
+    def observe(self, match_len: int, accepted: bool) -> None:
+        i = min(max(match_len, 1), len(MATCH_PRIOR)) - 1
+        self.seen[i] += 1
+        self.hits[i] += accepted
+        if self.seen[i] > KEEP:
+            self.seen[i] /= 2
+            self.hits[i] /= 2
+
+    def score(self, draft: Draft, match_lens: list[int], committed: list[int]) -> tuple[float, float]:
+        """Observe each node of `draft` (its match length) against the tokens committed after it was drafted:
+        a node whose path is committed is accepted if its token comes next, rejected if not; nodes past the
+        committed tokens, or under a rejected node, say nothing. (Greedy: also right for a draft the engine did
+        not verify, a chain's other member having drafted.) Returns (accepted, expected): the nodes observed that
+        were accepted, and the sum of their rates before."""
+        hits = expected = 0.0
+        depth: list[int] = []
+        on_path: list[bool] = []
+        for j, tok in enumerate(draft.tokens):
+            parent = j - 1 if draft.parents is None else draft.parents[j]
+            depth.append(1 + (depth[parent] if parent >= 0 else 0))
+            known = (parent < 0 or on_path[parent]) and depth[j] <= len(committed)
+            on_path.append(known and committed[depth[j] - 1] == tok)
+            if known:
+                expected += self.rate(match_lens[j])
+                hits += on_path[j]
+                self.observe(match_lens[j], on_path[j])
+        return hits, expected
+
+
 @dataclass
 class SeqIndex:
     owner: Sequence  # the sequence this state belongs to (a slot reused without release starts afresh)
