@@ -42,6 +42,7 @@ from specdec.engine.engine import StepInfo
 EMA = 0.25
 SETUP_EMA = 0.05  # catch-up seconds per committed token: its average spreads one catch-up over ~20 steps
 TTL = 48  # steps of a bucket before a losing arm's measurement expires (doubles per loss)
+LIGHT_TTL = 16  # the same for LIGHT, which never doubles: its drafts stop where they do not pay, so a re-run is cheap
 MAX_TTL = 1536
 MIN_OBS = 2  # observations before a measured goodput replaces the prediction
 EXPLORE_LOAD = 2  # the highest load at which speculation with every drafter part is tried before it was measured
@@ -199,13 +200,15 @@ class LoadController:
         m.avg.add(info.committed, info.seconds)
         m.at_step, m.at_admitted = step, self.admitted
         # A re-examined arm that still loses is left alone twice as long next time; LIGHT, cheap to try, is re-run
-        # every TTL steps (two steps' averages decide it, and it loses to plain decoding's ever-fresh ones by noise).
+        # every LIGHT_TTL steps (two steps' averages decide it, and it loses to plain decoding's ever-fresh ones by
+        # noise: a batch of code edits ran plain for 49 steps at 90 tok/s after two light steps at 71, where light
+        # ran at 119-180 tok/s at other loads; `specdec bench serve`, 8 clients).
         others = [g for g in (self.goodput(a, load) for a in self.arms if a != arm) if g != float("inf")]
         key = (b, arm)
         if m.avg.n >= MIN_OBS and others and self._measured(arm, b) < max(others) and arm != LIGHT:
             self.ttl[key] = min(MAX_TTL, 2 * self.ttl.get(key, TTL // 2))
         elif m.avg.n >= MIN_OBS:
-            self.ttl[key] = TTL
+            self.ttl[key] = LIGHT_TTL if arm == LIGHT else TTL
 
     def report(self) -> dict:
         """Per bucket: the last chosen arm and each arm's current goodput (measured or predicted)."""
