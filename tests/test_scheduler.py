@@ -288,6 +288,21 @@ def test_under_load_the_controller_tries_only_the_light_arm_until_speculation_wa
     assert LoadController(draft_max=8).choose(1) is None  # at low load: every part
 
 
+def test_low_load_tries_every_part_only_on_new_requests():
+    """Before speculation with every part was measured, a low load tries it only within EXPLORE_FRESH steps of an
+    admission: the tail of a wave (sequences near their ends) cannot repay a draft model's catch-up."""
+    from specdec.engine.load_control import EXPLORE_FRESH, LIGHT
+
+    c = LoadController(draft_max=8)
+    c.admit()
+    assert c.choose(1) is None
+    for _ in range(EXPLORE_FRESH + 1):
+        c.observe(0, _step(1, 1, 0, 0.0, 0.02))
+    assert c.choose(1) in (0, LIGHT)
+    c.admit()
+    assert c.choose(1) is None
+
+
 def test_light_steps_draft_with_model_free_parts_only(tiny_dir):
     """The light arm asks only a chain's model-free members: the draft model never drafts nor catches up, and the
     output is the target's own."""

@@ -29,7 +29,8 @@ decides by throughput, never by acceptance rate alone:
                                                    + b * tokens_per_seq(arm) * setup_per_token)   (0 for off)
   An arm is run only when its (measured or predicted) goodput is the best, so a hopeless arm at
   high load costs nothing to rule out. Before speculation was ever measured, the uncapped arm is tried at low load
-  (up to EXPLORE_LOAD) and only LIGHT above it; LIGHT, until measured, is predicted to win (it is tried).
+  (up to EXPLORE_LOAD) on requests just admitted (EXPLORE_FRESH) and only LIGHT otherwise; LIGHT, until measured, is
+  predicted to win (it is tried).
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ LIGHT_TTL = 16  # the same for LIGHT, which never doubles: its drafts stop where
 MAX_TTL = 1536
 MIN_OBS = 2  # observations before a measured goodput replaces the prediction
 EXPLORE_LOAD = 2  # the highest load at which speculation with every drafter part is tried before it was measured
+# ... and only within this many steps of a request's admission: the tail of a wave of requests (a few sequences near
+# their ends) explored it with a draft model catching up on long prompts, 0.2 s for 8 tokens, never repaid
+# (`specdec bench serve ... --concurrency 8 --requests 8`: the controller's steps logged)
+EXPLORE_FRESH = 8
 LIGHT = "light"  # the arm where only model-free drafter parts draft (`Engine.step(light=True)`)
 Arm = int | str | None  # a draft cap (0: off; None: no cap) or LIGHT
 
@@ -115,17 +120,19 @@ class LoadController:
         self.chosen: dict[int, Arm] = {}  # bucket -> arm of the last step (for reports)
         self.setup = 0.0  # drafters' catch-up seconds per committed token, over every step (SETUP_EMA)
         self.admitted = 0  # requests admitted so far (`admit`)
+        self.since_admit = 0  # steps since the last admission
 
     def admit(self) -> None:
         """A request joined the batch: once a bucket's worth have, its measurements describe other requests."""
         self.admitted += 1
+        self.since_admit = 0
 
     def choose(self, batch: int) -> Arm:
         """The arm for the next step at load `batch`."""
         b = bucket(batch)
         unknown = None in self.arms and self.parts[None].n == 0
-        if unknown and batch <= EXPLORE_LOAD:
-            return None  # nothing known about speculation yet: at low load, try it with every drafter part
+        if unknown and batch <= EXPLORE_LOAD and self.since_admit <= EXPLORE_FRESH:
+            return None  # nothing known about speculation yet: at low load, on new requests, try every drafter part
         # Under load, before speculation with every part was measured: plain decoding or the light arm only,
         # until a quieter moment shows what the rest does.
         arms = [a for a in self.arms if not unknown or a in (0, LIGHT)]
@@ -190,6 +197,7 @@ class LoadController:
             return
         load = load or info.batch
         b = bucket(load)
+        self.since_admit += 1
         self.steps[b] = step = self.steps.get(b, 0) + 1
         self.forward.observe_verify(info.forward_tokens, info.forward_s)
         self.setup += SETUP_EMA * (info.setup_s / max(1, info.committed) - self.setup)
