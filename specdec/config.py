@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from specdec import compat
-from specdec.drafters import DEFAULT_MODEL_FREE, DEFAULT_WITH_DRAFT_MODEL, REGISTRY, parse_spec_type
+from specdec.drafters import REGISTRY, default_spec_type, parse_spec_type
 from specdec.drafters.chain import CHAIN_MODES
 from specdec.engine.planner import SpecConfig
 from specdec.errors import SpecdecError
@@ -28,7 +28,7 @@ DTYPES = ("auto", "bf16", "fp16", "fp32")
 class Config:
     model: str | None = None  # target: pack name, GGUF file or checkpoint dir; None = the default pair
     draft: str | None = None  # draft model (spec types that need one)
-    spec_type: str | None = None  # a spec type or chain; None: DEFAULT_WITH_DRAFT_MODEL, alone DEFAULT_MODEL_FREE
+    spec_type: str | None = None  # a spec type or chain; None: `drafters.default_spec_type`
     context: int = 4096
     dtype: str = "auto"  # auto | bf16 | fp16 | fp32
     quant: str = "auto"  # target weights: auto | gguf | int8 | int4 | none
@@ -64,7 +64,7 @@ class Config:
             raise SpecdecError(f"unknown dtype {self.dtype!r} (choose {', '.join(DTYPES)})")
         if self.chain_mode not in CHAIN_MODES:
             raise SpecdecError(f"unknown chain mode {self.chain_mode!r} (choose {', '.join(CHAIN_MODES)})")
-        spec = self.spec_type or (DEFAULT_WITH_DRAFT_MODEL if self.draft or self.model is None else DEFAULT_MODEL_FREE)
+        spec = self.spec_type or default_spec_type(self.model, self.draft)
         parts = parse_spec_type(spec)
         object.__setattr__(self, "spec_type", ",".join(parts))
         object.__setattr__(self, "drafter", REGISTRY.option_values(self.drafter))

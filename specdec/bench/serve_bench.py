@@ -52,7 +52,7 @@ def run_serve_bench(args: argparse.Namespace) -> Path:
     import torch
 
     from specdec.api import build_llm
-    from specdec.drafters import DEFAULT_MODEL_FREE, DEFAULT_WITH_DRAFT_MODEL
+    from specdec.drafters import default_spec_type
     from specdec.engine.adaptive import CostModel
     from specdec.models.packs import DEFAULT_DRAFT, DEFAULT_TARGET
 
@@ -63,8 +63,7 @@ def run_serve_bench(args: argparse.Namespace) -> Path:
     if len(set(modes)) < len(modes):
         raise SpecdecError("--modes: each mode once (--passes repeats them)")
     prompts = load_workload(args.workload, args.workload_dir, args.per_category, args.seed, args.categories)
-    # what `specdec serve` runs without --spec-type: with a draft model (or the default pair), else the model alone
-    spec = args.spec_type or (DEFAULT_WITH_DRAFT_MODEL if args.draft or args.model is None else DEFAULT_MODEL_FREE)
+    spec = args.spec_type or default_spec_type(args.model, args.draft)  # what `specdec serve` runs without --spec-type
     if args.model is None:
         args.model, args.draft = DEFAULT_TARGET, args.draft or DEFAULT_DRAFT
     if "draft" in spec.split(",") and args.draft is None:

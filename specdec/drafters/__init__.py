@@ -27,6 +27,12 @@ DEFAULT_WITH_DRAFT_MODEL = "suffix-tree,draft"
 # drafts stop where another token is expected to cost more than it saves (`ngram_index.MatchAcceptance`).
 DEFAULT_MODEL_FREE = "suffix"
 
+
+def default_spec_type(model: str | None, draft: str | None) -> str:
+    """The spec type when none is given: with a draft model or none named (the default pair), else the model alone."""
+    return DEFAULT_WITH_DRAFT_MODEL if draft or model is None else DEFAULT_MODEL_FREE
+
+
 for _module in (
     draft_model,
     ngram_simple,

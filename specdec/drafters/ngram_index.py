@@ -198,9 +198,10 @@ class MatchAcceptance:
         self.seen = [0.0] * len(MATCH_PRIOR)
         self.hits = [0.0] * len(MATCH_PRIOR)
 
-    def rate(self, match_len: int) -> float:
-        i = min(max(match_len, 1), len(MATCH_PRIOR)) - 1
-        return (self.hits[i] + PRIOR_WEIGHT * MATCH_PRIOR[i]) / (self.seen[i] + PRIOR_WEIGHT)
+    def rate(self, match_len: int, trust: float = 1.0) -> float:
+        """The acceptance of a token drafted from a match of `match_len` tokens, times a request's `trust`."""
+        i = _match_bucket(match_len)
+        return min(1.0, trust * (self.hits[i] + PRIOR_WEIGHT * MATCH_PRIOR[i]) / (self.seen[i] + PRIOR_WEIGHT))
 
     @staticmethod
     def trust(accepted: float, expected: float) -> float:
@@ -209,7 +210,7 @@ class MatchAcceptance:
         return min(1.0, (accepted + SEQ_WEIGHT) / (expected + SEQ_WEIGHT))
 
     def observe(self, match_len: int, accepted: bool) -> None:
-        i = min(max(match_len, 1), len(MATCH_PRIOR)) - 1
+        i = _match_bucket(match_len)
         self.seen[i] += 1
         self.hits[i] += accepted
         if self.seen[i] > KEEP:
@@ -235,6 +236,11 @@ class MatchAcceptance:
                 hits += on_path[j]
                 self.observe(match_lens[j], on_path[j])
         return hits, expected
+
+
+def _match_bucket(match_len: int) -> int:
+    """The index of `match_len` in MATCH_PRIOR (the last holds every longer match)."""
+    return min(max(match_len, 1), len(MATCH_PRIOR)) - 1
 
 
 @dataclass

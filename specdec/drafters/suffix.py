@@ -151,7 +151,7 @@ class SuffixDrafter(IncrementalDrafter):
             if not counts:
                 return None
             tok, hits, _, total = top(counts)
-            p = path * min(1.0, self.accepted.rate(order) * trust) * hits / total
+            p = path * self.accepted.rate(order, trust) * hits / total
             if hits / total < self.min_prob or p < stop:
                 return None
             path = p
@@ -163,7 +163,7 @@ class SuffixDrafter(IncrementalDrafter):
     def update(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """Score the last draft against the tokens committed since (`MatchAcceptance.score`)."""
         state = self._seqs.get(seq.slot)
-        if isinstance(state, _RequestState) and state.owner is seq and state.last is not None:
+        if state is not None and state.owner is seq and state.last is not None:
             start, draft, orders = state.last
             hits, expected = self.accepted.score(draft, orders, seq.tokens[start:])
             state.accepted, state.expected, state.last = state.accepted + hits, state.expected + expected, None
@@ -208,7 +208,7 @@ class SuffixTreeDrafter(SuffixDrafter):
         def candidates(ctx: list[int]) -> list[tuple[int, float]]:
             order, counts = self._lookup(state, ctx)
             order_at[tuple(ctx)] = order
-            rate = min(1.0, self.accepted.rate(order) * trust)
+            rate = self.accepted.rate(order, trust)
             return [(tok, share * rate) for tok, share in ranked(counts)]
 
         draft = tree_lookups(context, want, candidates, max(self.min_prob, stop))

@@ -1,8 +1,8 @@
 /* One decoder layer of a Llama / Qwen2 / Qwen3 / Mistral model in one call, for decode and verification steps on the
  * CPU (float32 activations, GGUF weights): RMS norm, q/k/v, per-head q/k norms (Qwen3), rotary, K/V written to the
- * cache, attention, o_proj and the residual, RMS norm, gate/up, SiLU * up, down and the residual. The same functions in the same order as the
- * layer's Python code (models/transformer.py) runs them one by one, so the two give the same bits; at a few rows the
- * Python between those calls costs more than the arithmetic. Written for specdec.
+ * cache, attention, o_proj and the residual, RMS norm, gate/up, SiLU * up, down and the residual. The same functions
+ * in the same order as the layer's Python code (models/transformer.py) runs them one by one, so the two give the
+ * same bits; at a few rows the Python between those calls costs more than the arithmetic. Written for specdec.
  */
 #include <math.h>
 #include <stdint.h>
