@@ -118,6 +118,62 @@ def parse(text: str, known: list[str]) -> tuple[str | None, list[ToolCall]]:
     return (None, calls) if calls else (text, [])
 
 
+class CallStream:
+    """An answer as it streams, split into content to send now and tool calls as each one closes. Text that may still
+    become a call is held: a partial `<tool_call>` tag, an open block, or an answer that opens like a bare call
+    object (`{`, `[`, a code fence), which `parse` reads whole at the end."""
+
+    def __init__(self, known: list[str]):
+        self.known = known
+        self.held = ""  # text not sent yet
+        self.whole: bool | None = None  # the answer opens like a bare call; None until its first visible character
+        self.called = False  # a call was sent
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        """(content to send, calls completed) after `text`."""
+        self.held += text
+        return self._drain(final=False)
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """(content, calls) of what is still held when the answer ends."""
+        return self._drain(final=True)
+
+    def _drain(self, final: bool) -> tuple[str, list[ToolCall]]:
+        head = self.held.lstrip()
+        if self.whole is None and head:
+            self.whole = head[0] in "{[`"
+        if self.whole or (self.whole is None and not final):
+            if not final:
+                return "", []
+            content, calls = parse(self.held, self.known) if head else (self.held, [])
+            return self._sent(content or "", calls)
+        out, calls = "", []
+        while True:
+            start = self.held.find(OPEN)
+            if start < 0:
+                keep = 0 if final else _tag_prefix(self.held, OPEN)
+                out, self.held = out + self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
+                return self._sent(out, calls)
+            stop = self.held.find(CLOSE, start)
+            if stop < 0 and not final:
+                out, self.held = out + self.held[:start], self.held[start:]
+                return self._sent(out, calls)
+            end = len(self.held) if stop < 0 else stop + len(CLOSE)
+            found = _calls(self.held[start + len(OPEN) : end - (0 if stop < 0 else len(CLOSE))].strip(), self.known)
+            out += self.held[:start] + ("" if found else self.held[start:end])
+            calls += found
+            self.held = self.held[end:]
+
+    def _sent(self, content: str, calls: list[ToolCall]) -> tuple[str, list[ToolCall]]:
+        self.called = self.called or bool(calls)
+        return content, calls
+
+
+def _tag_prefix(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag` (a tag still arriving)."""
+    return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-n:])), 0)
+
+
 def _calls(body: str, known: list[str]) -> list[ToolCall]:
     try:
         value = json.loads(body)

@@ -115,6 +115,30 @@ def test_tool_calls_are_parsed_in_every_format():
     assert entry["type"] == "function" and json.loads(entry["function"]["arguments"]) == {"city": "Paris"}
 
 
+def _streamed(text: str, step: int) -> tuple[list[str], list[tools.ToolCall]]:
+    """What a `CallStream` sends when `text` arrives `step` characters at a time: the content pieces and the calls."""
+    stream, pieces, calls = tools.CallStream(["get_weather"]), [], []
+    for i in range(0, len(text), step):
+        piece, found = stream.feed(text[i : i + step])
+        pieces, calls = pieces + [piece], calls + found
+    piece, found = stream.finish()
+    return pieces + [piece], calls + found
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_a_streamed_answer_sends_its_text_early_and_each_call_as_it_closes(step):
+    call = tools.ToolCall("get_weather", {"city": "Paris"})
+    block = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    pieces, calls = _streamed("Let me check. " + block + "\n" + block + " Done <tool", step)
+    assert "".join(pieces) == "Let me check. \n Done <tool" and calls == [call, call]
+    if step == 1:  # the text before the tag went out before the call closed
+        assert pieces.index("L") < len("Let me check. ")
+    bare = '  {"name": "get_weather", "arguments": {"city": "Paris"}}'  # held whole, parsed at the end
+    assert ("".join(_streamed(bare, step)[0]), _streamed(bare, step)[1]) == ("", [call])
+    broken = "<tool_call>\nnot json\n</tool_call> after"  # not a call: sent as text
+    assert ("".join(_streamed(broken, step)[0]), _streamed(broken, step)[1]) == (broken, [])
+
+
 def test_tools_reach_a_template_without_tool_support_and_earlier_calls_render(tok):
     msgs = [
         {"role": "user", "content": "Weather in Paris?"},

@@ -104,8 +104,9 @@ def test_json_modes_and_tool_calls_through_the_openai_client(server):
         assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
         assert isinstance(json.loads(call.function.arguments)["city"], str)
     stream = client.chat.completions.create(messages=ASK, tools=[WEATHER], tool_choice="required", stream=True, **ask)
-    calls = [c for chunk in stream if chunk.choices for c in chunk.choices[0].delta.tool_calls or []]
-    assert calls[0].function.name == "get_weather"
+    chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
+    calls = [c for choice in chunks for c in choice.delta.tool_calls or []]
+    assert calls[0].function.name == "get_weather" and chunks[-1].finish_reason == "tool_calls"
     # the call and its result go back in: the conversation renders and is answered
     history = ASK + [
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
@@ -128,6 +129,13 @@ def test_json_modes_and_tool_calls_through_the_ollama_client(server):
     r = client.chat("smollm2-135m", messages=ASK, tools=[WEATHER], options={**opts, "tool_choice": "required"})
     assert r.message.tool_calls[0].function.name == "get_weather"
     assert isinstance(r.message.tool_calls[0].function.arguments["city"], str)
+    parts = list(
+        client.chat(
+            "smollm2-135m", messages=ASK, tools=[WEATHER], stream=True, options={**opts, "tool_choice": "required"}
+        )
+    )
+    streamed = [c for part in parts for c in part.message.tool_calls or []]
+    assert streamed[0].function.name == "get_weather" and parts[-1].done
 
 
 @pytest.mark.parametrize(

@@ -480,7 +480,9 @@ class _Formatter:
     ):
         self.llm, self.model_id, self.rid, self.chat = llm, model_id, rid, chat
         self.usage_chunk = usage  # stream_options.include_usage
-        self.tools = tool_names or []  # functions the answer may call: its text is parsed once whole, not streamed
+        self.tools = tool_names or []  # functions the answer may call: parsed into `tool_calls`
+        self.calls = tools.CallStream(self.tools)  # a streamed answer's calls, each sent as it closes
+        self.sent_calls = 0
         self.created = int(time.time())
 
     def opening(self) -> list[str]:
@@ -488,20 +490,26 @@ class _Formatter:
 
     def piece(self, delta: str, toks: list[int], lps: list, trace: list[TokenTrace] | None) -> str:
         if self.tools:
-            return ""  # the answer may be a call: sent whole by `closing`
+            return self._tool_piece(*self.calls.feed(delta), toks, lps)
         return _data(self.chunk({"content": delta} if self.chat else delta, toks, lps, None, trace))
+
+    def _tool_piece(self, text: str, calls: list[tools.ToolCall], toks: list[int], lps: list) -> str:
+        """Content as it is known not to be a call, and each call once it closes (OpenAI's streamed `tool_calls`)."""
+        out = _data(self.chunk({"content": text}, toks, lps, None)) if text else ""
+        for call in calls:
+            entry = {"index": self.sent_calls, **call.openai()}
+            self.sent_calls += 1
+            out += _data(self.chunk({"tool_calls": [entry]}, [], [], None))
+        return out
 
     def closing(self, req: Request, events: _Events, err: APIError | None) -> list[str]:
         """The last chunk with the stats (and a usage chunk), or the error; then [DONE]. With tools, the answer
         first: its text or its calls."""
         if err:
             return [_data(err.body()), "data: [DONE]\n\n"]
-        lines = []
-        message, finish = self._answer(req)
-        if self.tools:
-            calls = [{"index": i, **c} for i, c in enumerate(message.get("tool_calls", []))]
-            delta = {"content": message["content"]} | ({"tool_calls": calls} if calls else {})
-            lines.append(_data(self.chunk(delta, [], [], None)))
+        lines = [self._tool_piece(*self.calls.finish(), [], [])] if self.tools else []
+        finish = req.seq.finish_reason
+        finish = "tool_calls" if self.calls.called and finish == "stop" else finish
         last = self.chunk({} if self.chat else "", [], [], finish, events.rest_of_trace())
         lines.append(_data({**last, **self.stats(req)}))
         if self.usage_chunk:

@@ -106,7 +106,9 @@ def add_routes(app: FastAPI, h: Handler) -> None:
             names = tools.names(offered or [])
         except GrammarError as e:
             raise APIError(400, str(e), "tools") from None
-        return await h.chat(openai, http, scope, _Wire(body.model or _tagged(h.cfg.model_id), chat=True, tools=names))
+        return await h.chat(
+            openai, http, scope, _Wire(body.model or _tagged(h.cfg.model_id), chat=True, tool_names=names)
+        )
 
     @app.post("/api/generate")
     async def generate(body: OllamaGenerate, http: HTTPRequest, scope: int | None = Depends(h.auth)):
@@ -281,19 +283,20 @@ class _Wire:
 
     media_type = "application/x-ndjson"
 
-    def __init__(self, model: str, chat: bool, tools: list[str] | None = None):
+    def __init__(self, model: str, chat: bool, tool_names: list[str] | None = None):
         self.model, self.chat = model, chat
-        self.tools = tools or []  # functions the answer may call: its text is parsed once whole, not streamed
+        self.tools = tool_names or []  # functions the answer may call: parsed into `tool_calls`
+        self.calls = tools.CallStream(self.tools)  # a streamed answer's calls, each sent as it closes
         self.rid = "ollama-" + uuid.uuid4().hex[:24]
 
-    def _part(self, text: str, done: bool) -> dict:
-        body = {"message": self._message(text)} if self.chat else {"response": text}
+    def _part(self, text: str, done: bool, calls: list[tools.ToolCall] | None = None) -> dict:
+        body = {"message": self._assistant(text, calls or [])} if self.chat else {"response": text}
         return {"model": self.model, "created_at": _now(), **body, "done": done}
 
-    def _message(self, text: str) -> dict:
-        """The assistant message, its tool calls parsed out (arguments as objects) where tools were offered."""
-        content, calls = tools.parse(text, self.tools) if self.tools and text else (text, [])
-        message = {"role": "assistant", "content": content or ""}
+    @staticmethod
+    def _assistant(content: str, calls: list[tools.ToolCall]) -> dict:
+        """The assistant message with its tool calls (arguments as objects)."""
+        message = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [{"function": {"name": c.name, "arguments": c.arguments}} for c in calls]
         return message
@@ -302,20 +305,26 @@ class _Wire:
         return []
 
     def piece(self, delta: str, toks: list[int], lps: list, trace: Any) -> str:
-        return "" if self.tools else _line(self._part(delta, False))  # with tools: the whole answer at the end
+        if not self.tools:
+            return _line(self._part(delta, False))
+        text, calls = self.calls.feed(delta)  # content once it cannot be a call; each call as it closes
+        return _line(self._part(text, False, calls)) if text or calls else ""
 
     def closing(self, req: Request, events: Any, err: APIError | None) -> list[str]:
-        return [_line(error_body(err) if err else self._final(req, req.seq.text if self.tools else ""))]
+        if err:
+            return [_line(error_body(err))]
+        return [_line(self._final(req, *self.calls.finish()) if self.tools else self._final(req, ""))]
 
     def response(self, req: Request) -> dict:
-        return self._final(req, req.seq.text)
+        content, calls = tools.parse(req.seq.text, self.tools) if self.tools else (req.seq.text, [])
+        return self._final(req, content or "", calls)
 
-    def _final(self, req: Request, text: str) -> dict:
+    def _final(self, req: Request, text: str, calls: list[tools.ToolCall] | None = None) -> dict:
         """The last part: why it ended, the counts and durations; /api/generate's `context`; specdec's stats."""
         stats = response_stats(req)
         t = stats["timings"]
         out = {
-            **self._part(text, True),
+            **self._part(text, True, calls),
             "done_reason": req.seq.finish_reason,
             "total_duration": _ns(t["prompt_ms"] + t["predicted_ms"]),
             "load_duration": 0,
