@@ -8,8 +8,9 @@ decides by throughput, never by acceptance rate alone:
   sequence's own adaptive length); LIGHT = no cap, but only drafter parts that run no model draft (a chain's
   suffix tree or n-grams without its draft model: no catch-ups, no draft forwards, so cheap to try under load).
 - Load: the batch the engine is heading for, i.e. running plus admitted-but-prefilling plus waiting
-  requests (at most the slots). Keying by load instead of the current batch keeps a filling server
-  from speculating through its ramp-up at high concurrency.
+  requests (at most the slots); measurements are kept per load up to EXACT_LOADS, per power-of-two bucket above.
+  Keying by load instead of the current batch keeps a filling server from speculating through its ramp-up at high
+  concurrency.
 - Measured goodput: per load bucket and arm, committed tokens per second over all sequences
   (running averages of tokens and of step seconds), plus, for the arms that draft, the drafters'
   catch-up on new prompts (a draft model prefilling them, one-off per sequence) as seconds per
@@ -51,13 +52,17 @@ EXPLORE_LOAD = 2  # the highest load at which speculation with every drafter par
 # their ends) explored it with a draft model catching up on long prompts, 0.2 s for 8 tokens, never repaid
 # (`specdec bench serve ... --concurrency 8 --requests 8`: the controller's steps logged)
 EXPLORE_FRESH = 8
+# Loads up to this are measured each on its own: a bucket of 5-8 compared plain decoding measured at 8 (188 tok/s)
+# with the light arm measured at 5 (102-153 tok/s, where plain made 134-148) and ran plain for 17 steps
+# (`specdec bench serve ... --concurrency 8 --requests 8`, the controller's steps logged)
+EXACT_LOADS = 8
 LIGHT = "light"  # the arm where only model-free drafter parts draft (`Engine.step(light=True)`)
 Arm = int | str | None  # a draft cap (0: off; None: no cap) or LIGHT
 
 
 def bucket(batch: int) -> int:
-    """Batch sizes 1, 2, 3-4, 5-8, 9-16, ... -> 1, 2, 4, 8, 16, ..."""
-    return 1 << (batch - 1).bit_length()
+    """Batch sizes 1 to EXACT_LOADS are their own buckets; above, 9-16, 17-32, ... -> 16, 32, ..."""
+    return batch if batch <= EXACT_LOADS else 1 << (batch - 1).bit_length()
 
 
 @dataclass
