@@ -57,6 +57,17 @@ TINY: dict[str, dict[str, Any]] = {
     "mistral": {"model_type": "mistral", "sliding_window": 8},
     "qwen2": {"model_type": "qwen2", "tie_word_embeddings": True},  # q/k/v biases; tied like Qwen2.5-0.5B
     "qwen3": {"model_type": "qwen3", "head_dim": 32},  # head_dim != hidden / heads; a multiple of 16: the C layer
+    # 8 experts of width 32, 2 per token, renormalised (llama.cpp always renormalises qwen3moe's); Qwen2's BPE (the
+    # converter takes no SentencePiece model for it), tied as in the smaller Qwen3 models
+    "qwen3_moe": {
+        "model_type": "qwen3_moe",
+        "tie_word_embeddings": True,
+        "head_dim": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+    },
     # layers [sliding, full]; caps small enough to bind on these logits
     "gemma2": {
         "model_type": "gemma2",
@@ -117,10 +128,8 @@ TINY: dict[str, dict[str, Any]] = {
 }
 
 # case -> tokenizer kind: "llama", "gemma" (SentencePiece, SPM_VOCAB) or "gpt2", "qwen2" (real byte-level BPE)
-TOKENIZER: dict[str, str] = {
-    case: {"gemma2": "gemma", "gemma3_text": "gemma", "olmo2": "gpt2", "qwen2": "qwen2"}.get(case, "llama")
-    for case in TINY
-}
+_KINDS = {"gemma2": "gemma", "gemma3_text": "gemma", "olmo2": "gpt2", "qwen2": "qwen2", "qwen3_moe": "qwen2"}
+TOKENIZER: dict[str, str] = {case: _KINDS.get(case, "llama") for case in TINY}
 
 SPM_VOCAB = 768
 MATRIX_STD, VECTOR_STD = 0.3, 0.1  # 2-D weights ~ N(0, 0.3^2) (peaked logits); 1-D ones get N(0, 0.1^2) added

@@ -108,6 +108,22 @@ def test_c_layer_takes_qwen3(family_files, monkeypatch):
     _compare(model, monkeypatch)
 
 
+def test_experts_give_each_row_the_same_bits_at_any_batch(family_files):
+    """A mixture of experts groups rows by expert: a token's logits are the same bits alone, in a prefill chunk, and
+    beside another sequence (Q8_0 experts through the block kernels, the router one row at a time)."""
+    from specdec.models.gguf_quantized import load_gguf_quantized
+    from specdec.runtime.runner import ModelRunner
+
+    need_converter()
+    model, _ = load_gguf_quantized(family_files("qwen3_moe").gguf("q8_0"), torch.float32)
+    runner = ModelRunner(model, num_slots=2, context=64)
+    ids = prompt_ids(family_files("qwen3_moe").gguf_hf)[:12]
+    chunk = runner.forward([ids], [0], [0])[0]  # [12, V]
+    alone = torch.cat([runner.forward([[t]], [i], [0])[0] for i, t in enumerate(ids)])
+    beside = runner.forward([ids[-1:], ids[:5]], [11, 0], [0, 1])[0]
+    assert torch.equal(chunk, alone) and torch.equal(beside[0], chunk[-1])
+
+
 def test_unsupported_recipes_are_one_line_errors():
     from specdec.errors import SpecdecError
     from specdec.models.config import ModelConfig

@@ -9,6 +9,8 @@ without one.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,11 @@ GENERATED, SERVER_CONTEXT = 64, 128
 # weights, where both quantize activations to 8 bits (its Q8_0 activation scales in fp16), from ours by up to ~0.35;
 # gemma3-270m (Q4_K_M) median 0.002-0.04, max 0.32 over three prompts (measured on Zen 5)
 LOGPROB_TOL = {"f32": 0.05, "q8_0": 0.4, "q4_k_m": 0.5, "real": 0.5}
+# A mixture of experts routes each token to its top-k experts: where the k-th and the next expert's router logits are
+# this close in any layer, the two arithmetics may choose differently, and the token's logits differ by far more
+# than the tolerance (qwen3_moe, F32: a logit gap of 3e-5 flipped; Q4_K_M, Q5_0 blocks: a gap of 0.035 flipped, and
+# with llama.cpp's choice forced our logprob came within 0.08 of its own). Those positions are excused.
+ROUTE_TIE = {"f32": 1e-3, "q8_0": 0.05, "q4_k_m": 0.1, "real": 0.1}
 
 
 def _llama_greedy(gguf: Path, ids: list[int], n: int) -> list[tuple[int, list[tuple[int, float]]]]:
@@ -73,7 +80,7 @@ def test_gguf_greedy_equals_llama_cpp(family_files, family_home, case, kind):
     if path is None:
         pytest.skip("no llama-quantize built for this CPU (bash scripts/conformance.sh builds it)")
     llm = specdec.LLM(str(path), spec_type="none", context=SERVER_CONTEXT, progress=False)
-    _check_against_llama(llm, path, prompt_ids(f.gguf_hf)[:8], GENERATED, LOGPROB_TOL[kind])
+    _check_against_llama(llm, path, prompt_ids(f.gguf_hf)[:8], GENERATED, LOGPROB_TOL[kind], ROUTE_TIE[kind])
 
 
 @pytest.mark.real
@@ -88,17 +95,44 @@ def test_gemma3_270m_greedy_equals_llama_cpp():
         _check_against_llama(llm, path, llm.encode(text), 128, LOGPROB_TOL["real"])
 
 
-def _check_against_llama(llm, path: Path, prompt: list[int], n: int, tol: float) -> None:
+def _check_against_llama(
+    llm, path: Path, prompt: list[int], n: int, tol: float, route_tie: float = ROUTE_TIE["real"]
+) -> None:
     """On llama-server's greedy tokens for `prompt` (teacher-forced), our logprob of each is within `tol` of its own,
-    and our greedy tokens equal its own up to a near-tie (its top two closer than 2 `tol`)."""
+    and our greedy tokens equal its own up to a near-tie (its top two closer than 2 `tol`, or a routing tie)."""
     theirs = _llama_greedy(path, prompt, n)
     llm.engine.stop_ids = set()
     tokens = [t for t, _ in theirs]
-    logprobs = torch.log_softmax(llm.runner.forward([prompt + tokens], [0], [0])[0], -1)[len(prompt) - 1 :]
-    worst = max((abs(float(logprobs[i, top[0][0]]) - top[0][1]), i) for i, (_, top) in enumerate(theirs) if top)
+    with _routing_ties(llm, route_tie) as ties:
+        logprobs = torch.log_softmax(llm.runner.forward([prompt + tokens], [0], [0])[0], -1)[len(prompt) - 1 :]
+    tied = {p - len(prompt) + 1 for p in ties}
+    checked = [(i, top) for i, (_, top) in enumerate(theirs) if top and i not in tied]
+    assert len(checked) >= n // 2, (path.name, "routing ties at", sorted(tied))
+    worst = max((abs(float(logprobs[i, top[0][0]]) - top[0][1]), i) for i, top in checked)
     assert worst[0] <= tol, (path.name, "position", worst[1], worst[0])
     ours = llm.generate(prompt, max_tokens=n).token_ids
     split = next((i for i, (a, b) in enumerate(zip(ours, tokens)) if a != b), None)
-    if split is not None:  # a near-tie by llama.cpp's logprobs, or ours where it left them out
+    if split is not None and split not in tied:  # a near-tie by llama.cpp's logprobs, or ours where it left them out
         top = theirs[split][1] or [(t, float(logprobs[split, t])) for t in (ours[split], tokens[split])]
         assert abs(top[0][1] - top[1][1]) < 2 * tol, (path.name, split, top)
+
+
+@contextmanager
+def _routing_ties(llm, gap: float) -> Iterator[set[int]]:
+    """Positions of the next forward (its only sequence) where a mixture-of-experts layer's k-th and next router
+    logits are within `gap`; empty for a dense model."""
+    from specdec.models.transformer import MoE
+
+    ties: set[int] = set()
+
+    def hook(moe: MoE, inputs: tuple, _out) -> None:
+        rows = inputs[0].reshape(-1, inputs[0].shape[-1])
+        logits = torch.stack([torch.mv(moe.gate.weight, r) for r in rows]).sort(-1, descending=True).values
+        ties.update((logits[:, moe.top_k - 1] - logits[:, moe.top_k] < gap).nonzero()[:, 0].tolist())
+
+    hooks = [m.register_forward_hook(hook) for m in llm.runner.model.modules() if isinstance(m, MoE)]
+    try:
+        yield ties
+    finally:
+        for h in hooks:
+            h.remove()

@@ -819,3 +819,35 @@ def test_draft_with_another_vocabulary_is_planned_with_a_note(tiny_dir, tmp_path
     )
     assert res.returncode == 0, res.stderr
     assert any("drafts across tokenizers" in n for n in json.loads(res.stdout)["notes"])
+
+
+# Qwen3-30B-A3B's config.json (its released shapes)
+QWEN3_MOE = {
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_a_mixture_of_experts_plans_active_parameters_and_verify_reads(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(QWEN3_MOE))
+    p = plan(model=str(cfg), ram="128GiB")
+    spec, m = p.target.spec, p.target
+    assert round(spec.params / 1e9, 1) == 30.5 and 3.3e9 < spec.active_params < 3.4e9  # "30.5B, 3.3B activated"
+    # one token reads 8 of 128 experts; 16 rows read at most 1 - (120/128)^16 = 64% of them
+    assert m.forward_read(1) < 0.15 * m.weights
+    assert 1 < m.verify_cost(2) < m.verify_cost(4) < m.verify_cost(16) < 0.7 * m.weights / m.forward_read(1)
+    assert p.recommendation.draft_max < 16  # verifying 16 drafts reads ~6.5x the weights: the planner drafts fewer
+    text = render(p)
+    assert "128 experts per layer, 8 per token; 3.35B of 30.53B parameters active" in text

@@ -50,6 +50,11 @@ class ModelConfig:
     no_rope_layers: tuple[int, ...] = ()  # layers without rotary embeddings (SmolLM3)
     rope_freq_factors: tuple[float, ...] | None = None  # divide each inverse frequency (GGUF rope_freqs, longrope)
     rotary_dim: int | None = None  # channels of a head that rotate, where fewer than head_dim (Phi-4-mini)
+    num_experts: int = 0  # mixture-of-experts MLPs (Qwen3-MoE): experts per layer, 0 for a dense model
+    experts_per_token: int = 0  # experts each token is routed to (top-k of the router's softmax)
+    expert_intermediate_size: int = 0  # each expert's MLP width
+    norm_topk: bool = True  # the top-k routing weights renormalised to sum to 1
+    dense_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense MLP (`intermediate_size`) instead
 
     def __post_init__(self):
         if self.qk_norm is True or self.qk_norm is False:  # the older boolean form: per-head norms or none
@@ -59,6 +64,7 @@ class ModelConfig:
         if self.rope_freq_factors is not None:
             self.rope_freq_factors = tuple(self.rope_freq_factors)
         self.no_rope_layers = tuple(self.no_rope_layers)
+        self.dense_layers = tuple(self.dense_layers)
 
     def sliding(self, layer: int) -> bool:
         return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
@@ -79,7 +85,12 @@ class ModelConfig:
             and not self.no_rope_layers
             and self.rope_local_theta is None
             and self.rotary_dim is None
+            and not self.num_experts
         )
+
+    def moe(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
     def rope_dim(self) -> int:

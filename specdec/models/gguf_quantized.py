@@ -26,7 +26,7 @@ from torch import nn
 from specdec.errors import SpecdecError
 from specdec.models.config import ModelConfig
 from specdec.models.gguf_convert import config_from_gguf, hf_names, open_gguf, permuted, unpermute
-from specdec.models.transformer import FUSED, Transformer
+from specdec.models.transformer import FUSED, Experts, Transformer, gated
 from specdec.runtime import kernels as K
 from specdec.runtime.gguf_linear import GGUFConcatLinear, GGUFLinear, for_this_cpu
 
@@ -45,16 +45,57 @@ class GGUFEmbedding(nn.Module):
         return torch.cat(rows).reshape(*tokens.shape, self.table.in_features)
 
 
+class GGUFExperts(nn.Module):
+    """A layer's experts kept as GGUF blocks (the file's 3-D gate/up/down tensors, one 2-D slice per expert): each
+    expert's gate and up in one `GGUFConcatLinear`; `forward` as `transformer.Experts`'."""
+
+    def __init__(self, gate_up: list[GGUFConcatLinear], down: list[GGUFLinear]):
+        super().__init__()
+        self.gate_up, self.down = nn.ModuleList(gate_up), nn.ModuleList(down)
+
+    def forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert `expert`'s SwiGLU MLP over rows x [n, H] -> [n, H]."""
+        return self.down[expert](gated(self.gate_up[expert](x)))
+
+
 def _linear(t, cfg: ModelConfig, reader, bias: torch.Tensor | None = None) -> GGUFLinear:
     out, inp = int(t.shape[1]), int(t.shape[0])  # GGUF lists ne0 (the row length) first
     data = t.data.reshape(out, -1)
     if permuted(t.name, cfg):
         data = np.ascontiguousarray(unpermute(data, cfg.num_heads if "attn_q" in t.name else cfg.num_kv_heads))
-    blocks = torch.from_numpy(data) if data.flags.writeable else _readonly_view(data)
-    lin = for_this_cpu(GGUFLinear(blocks, int(t.tensor_type), inp, out, bias))
-    if lin.qweight.data_ptr() != blocks.data_ptr():
+    lin, copied = _blocks(data, int(t.tensor_type), inp, out, bias)
+    if copied:
         _release(reader, t)
     return lin
+
+
+def _blocks(data: np.ndarray, qtype: int, inp: int, out: int, bias: torch.Tensor | None) -> tuple[GGUFLinear, bool]:
+    """A `GGUFLinear` over `data` ([out, bytes per row] of the file's blocks) and whether it copied them (a layout
+    repacked for this CPU)."""
+    blocks = torch.from_numpy(data) if data.flags.writeable else _readonly_view(data)
+    lin = for_this_cpu(GGUFLinear(blocks, qtype, inp, out, bias))
+    return lin, lin.qweight.data_ptr() != blocks.data_ptr()
+
+
+def _experts(gate, up, down, reader) -> GGUFExperts:
+    """`GGUFExperts` from a layer's 3-D expert tensors (GGUF ne: gate/up [H, F, E], down [F, H, E])."""
+    h, f, n = (int(x) for x in gate.shape)
+    copied = False
+    gate_up, downs = [], []
+    for e in range(n):
+        parts = []
+        for t in (gate, up):
+            lin, c = _blocks(t.data[e].reshape(f, -1), int(t.tensor_type), h, f, None)
+            parts.append(lin)
+            copied |= c
+        lin, c = _blocks(down.data[e].reshape(h, -1), int(down.tensor_type), f, h, None)
+        gate_up.append(GGUFConcatLinear(parts))
+        downs.append(lin)
+        copied |= c
+    if copied:
+        for t in (gate, up, down):
+            _release(reader, t)
+    return GGUFExperts(gate_up, downs)
 
 
 def _release(reader, t) -> None:
@@ -122,6 +163,16 @@ def quantize_from_gguf(
         state[f"{name}.weight"] = torch.cat([dense(f"{p}.weight") for p in parts])
         if biases:
             state[f"{name}.bias"] = torch.cat([dense(b) for b in biases])
+    for i in range(cfg.num_layers):  # experts: blocks where the kernels take them, else dense as `Experts` holds them
+        pre = f"model.layers.{i}.mlp.experts."
+        parts = [f"{pre}{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+        if not all(p in tensors for p in parts):
+            continue
+        if all(quantized(p) for p in parts):
+            model.model.layers[i].mlp.experts = _experts(*(tensors[p] for p in parts), reader)
+        else:
+            state[f"{pre}gate_up_proj"] = torch.cat([dense(parts[0]), dense(parts[1])], dim=1)
+            state[f"{pre}down_proj"] = dense(parts[2])
     for name in tensors:  # norms
         if name.startswith("model.layers.") and "norm" in name:
             state[name] = dense(name)
@@ -166,6 +217,9 @@ def densify(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     dequantized once on the host: for the parts `-ngl` places on a GPU, where the C kernels do not run."""
     if isinstance(module, GGUFEmbedding):
         return nn.Embedding.from_pretrained(module.table.dequantize(dtype), freeze=True)
+    if isinstance(module, GGUFExperts):
+        gate_up = [torch.cat([p.dequantize(dtype) for p in m.parts]) for m in module.gate_up]
+        return Experts(torch.stack(gate_up), torch.stack([m.dequantize(dtype) for m in module.down]))
     if isinstance(module, (GGUFLinear, GGUFConcatLinear)):
         parts = list(module.parts) if isinstance(module, GGUFConcatLinear) else [module]
         dense = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")

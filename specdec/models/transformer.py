@@ -93,12 +93,65 @@ class MLP(nn.Module):
         self.gelu = cfg.hidden_act == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        act = None if self.gelu else small_ops.silu_mul(gate_up)
-        if act is None:
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
-        return self.down_proj(act)
+        return self.down_proj(gated(self.gate_up_proj(x), self.gelu))
+
+
+def gated(gate_up: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    """act(gate) * up of a fused [..., 2F] gate/up projection: SiLU (SwiGLU), or tanh-GELU (Gemma's GeGLU)."""
+    act = None if gelu else small_ops.silu_mul(gate_up)
+    if act is None:
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
+    return act
+
+
+class Experts(nn.Module):
+    """A layer's experts as 3-D weights, transformers' layout: gate_up_proj [E, 2F, H], down_proj [E, H, F]."""
+
+    def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(gate_up_proj, requires_grad=False)
+        self.down_proj = nn.Parameter(down_proj, requires_grad=False)
+
+    def forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert `expert`'s SwiGLU MLP over rows x [n, H] -> [n, H]."""
+        return F.linear(gated(F.linear(x, self.gate_up_proj[expert])), self.down_proj[expert])
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts MLP (Qwen3-MoE): the router `gate` scores the experts of each token, the top
+    `experts_per_token` of the softmax run, weighted (renormalised to 1 with `norm_topk`). Each chosen expert runs
+    once over the rows that chose it, experts nobody chose are not touched, and each token sums its experts' outputs
+    in expert order: its result does not depend on the rows beside it."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        e, f, h = cfg.num_experts, cfg.expert_intermediate_size, cfg.hidden_size
+        self.experts = Experts(torch.empty(e, 2 * f, h), torch.empty(e, h, f))
+        self.top_k, self.norm_topk = cfg.experts_per_token, cfg.norm_topk
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])  # [N, H]
+        weights, chosen = self.route(rows)  # [N, k] each
+        out = torch.zeros_like(rows)
+        for e in chosen.unique().tolist():  # ascending
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            out.index_add_(0, token, self.experts(e, rows[token]) * weights[token, slot, None])
+        return out.reshape(x.shape)
+
+    def route(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [N, k] in the rows' dtype, expert ids [N, k]) of each row's top-k experts."""
+        w = self.gate.weight
+        if isinstance(w, torch.Tensor) and w.dim() == 2:  # a dense router: one matrix-vector product per row, so a
+            logits = torch.stack([torch.mv(w, r) for r in rows]) if len(rows) else rows.new_zeros(0, w.shape[0])
+        else:  # (row counts can change a matrix product's bits); a GGUF router goes through the block kernels
+            logits = self.gate(rows)
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(rows.dtype), chosen
 
 
 class DecoderLayer(nn.Module):
@@ -110,7 +163,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.moe(layer) else MLP(cfg)
         norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)  # noqa: E731
         if cfg.norms != "post":
             self.input_layernorm = norm()
@@ -231,7 +284,26 @@ def fuse_projections(state: dict[str, torch.Tensor], num_layers: int) -> dict[st
                 names = [f"model.layers.{i}.{p}.{kind}" for p in parts]
                 if all(n in state for n in names):
                     state[f"model.layers.{i}.{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
+        _fuse_experts(state, f"model.layers.{i}.mlp.experts.")
     return state
+
+
+def _fuse_experts(state: dict[str, torch.Tensor], prefix: str) -> None:
+    """Experts as `Experts` holds them: per-expert matrices (`experts.{e}.gate_proj.weight`, checkpoints on the hub)
+    or 3-D ones (`experts.gate_proj.weight`, a GGUF's) -> `experts.gate_up_proj` [E, 2F, H], `experts.down_proj`."""
+    for part in ("gate_proj", "up_proj", "down_proj"):
+        ends = f".{part}.weight"
+        per = sorted(
+            (int(e), k)
+            for k in state
+            if k.startswith(prefix) and k.endswith(ends) and (e := k[len(prefix) : -len(ends)]).isdigit()
+        )
+        if per:
+            state[f"{prefix}{part}.weight"] = torch.stack([state.pop(k) for _, k in per])
+    if f"{prefix}gate_proj.weight" in state:
+        gate, up = state.pop(f"{prefix}gate_proj.weight"), state.pop(f"{prefix}up_proj.weight")
+        state[f"{prefix}gate_up_proj"] = torch.cat([gate, up], dim=1)
+        state[f"{prefix}down_proj"] = state.pop(f"{prefix}down_proj.weight")
 
 
 class Transformer(nn.Module):

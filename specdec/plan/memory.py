@@ -17,7 +17,7 @@ from typing import Callable
 
 from specdec.errors import SpecdecError
 from specdec.plan.formats import RUNTIME_DTYPES, type_bytes
-from specdec.plan.specs import ModelSpec, TensorSpec
+from specdec.plan.specs import ModelSpec, TensorSpec, is_expert
 from specdec.runtime.placement import Placement
 
 # Stated overheads (bytes). specdec figures were measured on this repo's machine (docs/planning.md, "specdec's own
@@ -113,6 +113,24 @@ class ModelMemory:
     compute_note: str
     head_rows: int = 0  # LM-head rows a decode step reads (a draft's `--draft-vocab`); 0 = all
     dense_gpu: DenseOnGpu | None = None  # gguf runtime: what goes to the GPU instead of the blocks
+    expert_bytes: int = 0  # mixture of experts: all layers' experts, read in full (`layer_reads` holds one token's)
+
+    def forward_read(self, rows: int) -> int:
+        """Weight bytes a forward of `rows` tokens reads (layers and head): a dense model's whatever the rows; a
+        mixture of experts reads the union of the experts its rows choose (`experts_read`)."""
+        one = sum(self.layer_reads) + self.head_read
+        d = self.spec.dims
+        return one + round(self.expert_bytes * (experts_read(d.experts, d.experts_used, rows) - self.routed))
+
+    def verify_cost(self, rows: int) -> float:
+        """A forward of `rows` tokens' weight reads over one token's (1.0 for a dense model)."""
+        return self.forward_read(rows) / self.forward_read(1)
+
+    @property
+    def routed(self) -> float:
+        """The fraction of the experts one token reads."""
+        d = self.spec.dims
+        return experts_read(d.experts, d.experts_used, 1)
 
     @property
     def weights(self) -> int:
@@ -163,6 +181,13 @@ class ModelMemory:
         else:
             cpu += self.head_read
         return gpu, cpu
+
+
+def experts_read(experts: int, used: int, rows: int) -> float:
+    """The fraction of a layer's experts a forward of `rows` tokens reads, each token routed to `used` of `experts`
+    uniformly and independently of the others: 1 - (1 - used/experts)^rows (1.0 for a dense layer). Routers are
+    skewed and a sequence's tokens share experts, so real steps read less: an upper bound."""
+    return 1.0 if not experts else 1 - (1 - used / experts) ** rows
 
 
 INT4_GROUP = 64  # specdec.runtime.quant.Int4Linear.GROUP
@@ -315,7 +340,9 @@ def model_memory(
     both = _sizes(spec, fmt)
     sizes = {k: v[0] for k, v in both.items()}
     layers, embed, head, other = _by_part(spec, lambda t: sizes[t.name])
-    reads, _, head_read, _ = _by_part(spec, lambda t: both[t.name][1])
+    routed = experts_read(d.experts, d.experts_used, 1)
+    reads, _, head_read, _ = _by_part(spec, lambda t: round(both[t.name][1] * (routed if is_expert(t.name) else 1)))
+    expert_bytes = sum(both[t.name][1] for t in spec.tensors if is_expert(t.name))
     emb = next((t for t in spec.tensors if t.role == "embed"), None)
     head_gpu_extra = 0
     if d.tied and emb is not None:
@@ -352,6 +379,7 @@ def model_memory(
         note,
         head_rows,
         _dense_on_gpu(spec, RUNTIME_DTYPES[fmt.weights]) if fmt.quant == "gguf" else None,
+        expert_bytes,
     )
 
 

@@ -22,7 +22,7 @@ from specdec.plan.memory import (
 )
 from specdec.plan.recommend import Recommendation, recommend, task
 from specdec.plan.specs import ModelSpec, load_spec
-from specdec.plan.speed import StepTime, best_k, break_even_alpha, step_time
+from specdec.plan.speed import StepTime, Verify, best_k, break_even_alpha, step_time
 from specdec.plan.units import parse_bandwidth, parse_size
 from specdec.runtime.placement import ALL_LAYERS, Placement, place_layers
 
@@ -435,13 +435,14 @@ class _Verdict:
     why_not: str | None = None
 
 
-def _judge_draft(alpha: float, alone: Setup, with_draft: Setup | None, draft_max: int) -> _Verdict:
-    """The draft model against the target alone with all the GPU memory."""
+def _judge_draft(alpha: float, alone: Setup, with_draft: Setup | None, draft_max: int, verify: Verify) -> _Verdict:
+    """The draft model against the target alone with all the GPU memory (`verify`: the target forward's cost by its
+    rows)."""
     if with_draft is None or with_draft.draft_step is None:
         return _Verdict()
     cost = with_draft.draft_step.seconds / with_draft.target_step.seconds
-    k, gain = best_k(alpha, cost, draft_max)
-    v = _Verdict(cost, k, gain, break_even_alpha(cost, k))
+    k, gain = best_k(alpha, cost, draft_max, verify)
+    v = _Verdict(cost, k, gain, break_even_alpha(cost, k, verify))
     tps_draft = with_draft.target_step.tokens_per_s * gain
     tps_alone = alone.target_step.tokens_per_s
     if gain <= 1:
@@ -543,8 +544,9 @@ def make_plan(i: PlanInputs) -> Plan:
     with_draft = pl.setup(t, d, i.ngl, i.ngld) if d is not None else None
     alpha = i.accept if i.accept is not None else t_task.alpha
     alpha_src = "--accept" if i.accept is not None else f"assumed for --task {t_task.name}"
-    v = _judge_draft(alpha, alone, with_draft, i.draft_max)
-    rec = recommend(t_task, d is not None, v.pays, v.k or i.draft_max, v.gain or 1.0, i.draft_max, v.why_not)
+    v = _judge_draft(alpha, alone, with_draft, i.draft_max, t.verify_cost)
+    free_k = best_k(alpha, 0.0, i.draft_max, t.verify_cost)[0]  # model-free drafts: the most that pays to verify
+    rec = recommend(t_task, d is not None, v.pays, v.k or free_k, v.gain or 1.0, free_k, v.why_not)
     spec_type = i.spec_type or rec.spec_type
     drafting = "draft" in spec_type.split(",")
     if drafting and d is None:

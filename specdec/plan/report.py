@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from specdec.plan.memory import GPU_CONTEXT, ModelMemory, RuntimeRSS
 from specdec.plan.planner import Plan, Setup
-from specdec.plan.speed import best_k, speedup
+from specdec.plan.speed import best_k, expected_tokens, speedup
 from specdec.plan.units import fmt_bw, fmt_bytes
 
 ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -31,6 +31,9 @@ def _model_dict(m: ModelMemory) -> dict:
         "path": str(s.path) if s.path else None,
         "arch": d.arch,
         "params": s.params,
+        "active_params": s.active_params,
+        "experts": {"count": d.experts, "per_token": d.experts_used} if d.experts else None,
+        "forward_read_bytes": {str(r): m.forward_read(r) for r in VERIFY_ROWS},
         "layers": d.num_layers,
         "kv_heads": d.num_kv_heads,
         "head_dim": d.head_dim_k,
@@ -150,8 +153,9 @@ def _table(plan: Plan) -> list[dict]:
     c = plan.cost_ratio or 0.0
     rows = []
     for a in ALPHAS:
-        k, g = best_k(a, c, plan.inputs.draft_max)
-        rows.append({"alpha": a, "best_k": k, "speedup": g, "speedup_at_k": speedup(a, plan.draft_k or k, c)})
+        v = plan.target.verify_cost
+        k, g = best_k(a, c, plan.inputs.draft_max, v)
+        rows.append({"alpha": a, "best_k": k, "speedup": g, "speedup_at_k": speedup(a, plan.draft_k or k, c, v)})
     return rows
 
 
@@ -159,7 +163,7 @@ def render(plan: Plan) -> str:
     models = [("target", plan.target)] + ([("draft", plan.draft)] if plan.draft else [])
     sections = [
         _header(plan),
-        _models_table(models),
+        _models_table(models) + _experts_lines(plan.target),
         _memory_table(models),
         [_placement_line(plan, plan.chosen), _context_line(plan)],
         _speed_lines(plan),
@@ -201,6 +205,25 @@ def _models_table(models: list[tuple[str, ModelMemory]]) -> list[str]:
             f"{sp.type_summary()} ({fmt_bytes(sp.file_bytes)})"
         )
     return L
+
+
+VERIFY_ROWS = (1, 2, 4, 8, 16)
+
+
+def _experts_lines(m: ModelMemory) -> list[str]:
+    """A mixture of experts: active parameters, and the weight bytes a forward of more rows reads (a verify step of
+    k drafted tokens has k + 1) against one token's, by `memory.experts_read`'s uniform-routing bound."""
+    d = m.spec.dims
+    if not d.experts:
+        return []
+    one = m.forward_read(1)
+    ratios = ", ".join(f"{r} {m.forward_read(r) / one:.2f}x" for r in VERIFY_ROWS[1:])
+    return [
+        f"mixture of experts: {d.experts} experts per layer, {d.experts_used} per token; "
+        f"{_n(m.spec.active_params)} of {_n(m.spec.params)} parameters active per token",
+        f"  weights a forward reads by its rows, against one token's {fmt_bytes(one)} (uniform routing, an upper "
+        f"bound): {ratios}",
+    ]
 
 
 def _memory_table(models: list[tuple[str, ModelMemory]]) -> list[str]:
@@ -255,12 +278,13 @@ def _speed_lines(plan: Plan) -> list[str]:
 
 def _draft_lines(plan: Plan, c: float) -> list[str]:
     """The draft model's cost ratio, best length, speedup and the table over acceptance rates."""
-    k, g = best_k(plan.alpha, c, plan.inputs.draft_max)
+    k, g = best_k(plan.alpha, c, plan.inputs.draft_max, plan.target.verify_cost)
     tab = _table(plan)
     L = [
         f"speculative, draft model: c = draft/target step = {c:.3f}; acceptance {plan.alpha:.0%} ({plan.alpha_source})",
-        f"  best draft length {k}: E[tokens/step] = (1-a^(k+1))/(1-a) = {g * (k * c + 1):.2f}, speedup = "
-        f"E/(k c + 1) = x{g:.2f}; pays above acceptance {plan.break_even:.0%} at this k, above {c:.0%} at k=1",
+        f"  best draft length {k}: E[tokens/step] = (1-a^(k+1))/(1-a) = {expected_tokens(plan.alpha, k):.2f}, "
+        f"speedup = E/(k c + v) = x{g:.2f} (v: the verify forward's cost, {plan.target.verify_cost(k + 1):.2f}); "
+        f"pays above acceptance {plan.break_even:.0%} at this k",
         "  acceptance  " + "".join(f"{a:>6.0%}" for a in ALPHAS),
         "  best k      " + "".join(f"{r['best_k']:>6}" for r in tab),
         "  speedup     " + "".join(f"{r['speedup']:>6.2f}" for r in tab),

@@ -61,6 +61,9 @@ class Dims:
     vocab: int
     max_ctx: int
     tied: bool
+    experts: int = 0  # mixture of experts: experts per layer (0: dense)
+    experts_used: int = 0  # experts each token is routed to
+    expert_intermediate: int = 0
 
 
 @dataclass
@@ -78,6 +81,13 @@ class ModelSpec:
     @property
     def params(self) -> int:
         return sum(t.n_elements for t in self.tensors)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token computes with: of each layer's experts, only the `experts_used` it is routed to."""
+        d = self.dims
+        experts = sum(t.n_elements for t in self.tensors if is_expert(t.name))
+        return self.params - (experts - experts * d.experts_used // d.experts if d.experts else 0)
 
     @property
     def file_bytes(self) -> int:
@@ -323,6 +333,9 @@ def _gguf_dims(meta: dict, path: Path, tensors: list[TensorSpec]) -> Dims:
         vocab=vocab,
         max_ctx=num("context_length", 4096),
         tied="output.weight" not in names,
+        experts=int(g("expert_count", 0) or 0),
+        experts_used=int(g("expert_used_count", 0) or 0),
+        expert_intermediate=int(g("expert_feed_forward_length", 0) or 0),
     )
 
 
@@ -346,6 +359,9 @@ def _hf_dims(d: dict, where: Path) -> Dims:
             vocab=int(d["vocab_size"]),
             max_ctx=int(d.get("max_position_embeddings", 4096)),
             tied=bool(d.get("tie_word_embeddings", False)),
+            experts=int(d.get("num_experts") or d.get("num_local_experts") or 0),
+            experts_used=int(d.get("num_experts_per_tok") or 0),
+            expert_intermediate=int(d.get("moe_intermediate_size") or 0),
         )
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
         raise SpecdecError(
@@ -388,10 +404,21 @@ def read_config(path: Path) -> ModelSpec:
             (p + "self_attn.k_proj.weight", (kv, h)),
             (p + "self_attn.v_proj.weight", (kv, h)),
             (p + "self_attn.o_proj.weight", (h, q)),
-            (p + "mlp.gate_proj.weight", (inter, h)),
-            (p + "mlp.up_proj.weight", (inter, h)),
-            (p + "mlp.down_proj.weight", (h, inter)),
         ]
+        if dims.experts:  # every layer a mixture of experts (Qwen3-MoE's released configs)
+            e, f = dims.experts, dims.expert_intermediate
+            shapes += [
+                (p + "mlp.gate.weight", (e, h)),
+                (p + "mlp.experts.gate_proj.weight", (e, f, h)),
+                (p + "mlp.experts.up_proj.weight", (e, f, h)),
+                (p + "mlp.experts.down_proj.weight", (e, h, f)),
+            ]
+        else:
+            shapes += [
+                (p + "mlp.gate_proj.weight", (inter, h)),
+                (p + "mlp.up_proj.weight", (inter, h)),
+                (p + "mlp.down_proj.weight", (h, inter)),
+            ]
         if bias:
             shapes += [
                 (p + "self_attn.q_proj.bias", (q,)),
@@ -407,6 +434,11 @@ def read_config(path: Path) -> ModelSpec:
     spec = ModelSpec(str(path), "config", path, dims, tensors)
     spec.notes.append(f"tensors derived from {path.name} (stored as {ftype}); exact sizes need the weights file")
     return spec
+
+
+def is_expert(name: str) -> bool:
+    """Whether a tensor holds a mixture-of-experts layer's experts (GGUF `ffn_*_exps`, HF `mlp.experts.*`)."""
+    return "_exps." in name or ".experts." in name
 
 
 def _hf_tensor(name: str, shape: tuple[int, ...], ftype: str, size: int) -> TensorSpec:

@@ -7,11 +7,14 @@ target forward yields on average (Leviathan et al. 2023)
     E[tokens] = (1 - a^(k+1)) / (1 - a)
 and costs k draft steps plus one target forward, so with c = t_draft / t_target
     speedup = E[tokens] / (k c + 1).
-This assumes verifying k+1 tokens costs one forward (true while memory-bound).
+This assumes verifying k+1 tokens costs one forward (true while memory-bound) unless a `verify` cost of a forward
+by its rows says otherwise: a mixture of experts reads more experts as the rows grow (`memory.experts_read`), so
+    speedup = E[tokens] / (k c + verify(k + 1)).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 PCIE_LATENCY = 10e-6  # seconds per device crossing per step (launch + sync), approximate
@@ -26,24 +29,31 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
-def speedup(alpha: float, k: int, c: float) -> float:
+Verify = Callable[[int], float]  # a target forward's cost by its rows, one row = 1.0
+
+
+def _flat(rows: int) -> float:
+    return 1.0
+
+
+def speedup(alpha: float, k: int, c: float, verify: Verify = _flat) -> float:
     """Expected speedup over plain decoding (1.0 = no gain)."""
-    return expected_tokens(alpha, k) / (k * c + 1)
+    return expected_tokens(alpha, k) / (k * c + verify(k + 1))
 
 
-def best_k(alpha: float, c: float, k_max: int = 16) -> tuple[int, float]:
+def best_k(alpha: float, c: float, k_max: int = 16, verify: Verify = _flat) -> tuple[int, float]:
     """(k, speedup) maximising the speedup for k in 1..k_max."""
-    return max(((k, speedup(alpha, k, c)) for k in range(1, k_max + 1)), key=lambda ks: ks[1])
+    return max(((k, speedup(alpha, k, c, verify)) for k in range(1, k_max + 1)), key=lambda ks: ks[1])
 
 
-def break_even_alpha(c: float, k: int) -> float:
+def break_even_alpha(c: float, k: int, verify: Verify = _flat) -> float:
     """The acceptance rate below which drafting k tokens is slower than plain decoding."""
-    if k * c >= k:  # a draft step as slow as a target step never pays
+    if speedup(1.0, k, c, verify) < 1:  # slower even when every draft is accepted
         return 1.0
     lo, hi = 0.0, 1.0
     for _ in range(60):
         mid = (lo + hi) / 2
-        if speedup(mid, k, c) < 1:
+        if speedup(mid, k, c, verify) < 1:
             lo = mid
         else:
             hi = mid

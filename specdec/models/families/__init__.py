@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from specdec.errors import SpecdecError
-from specdec.models.families import gemma2, gemma3, granite, llama, olmo2, phi3, qwen2, qwen3, smollm3
+from specdec.models.families import gemma2, gemma3, granite, llama, olmo2, phi3, qwen2, qwen3, qwen3_moe, smollm3
 from specdec.models.family import Family
 
 ALL: tuple[Family, ...] = (
     llama.FAMILY,
     qwen2.FAMILY,
     qwen3.FAMILY,
+    qwen3_moe.FAMILY,
     gemma2.FAMILY,
     gemma3.FAMILY,
     phi3.FAMILY,
