@@ -28,7 +28,7 @@ from specdec.models.config import ModelConfig
 from specdec.models.gguf_convert import config_from_gguf, hf_names, open_gguf, permuted, unpermute
 from specdec.models.transformer import FUSED, Experts, Transformer, gated
 from specdec.runtime import kernels as K
-from specdec.runtime.gguf_linear import GGUFConcatLinear, GGUFLinear, for_this_cpu
+from specdec.runtime.gguf_linear import GGUFConcatLinear, GGUFLinear, for_this_cpu, kernel_matmul
 
 
 class GGUFEmbedding(nn.Module):
@@ -56,6 +56,17 @@ class GGUFExperts(nn.Module):
     def forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """Expert `expert`'s SwiGLU MLP over rows x [n, H] -> [n, H]."""
         return self.down[expert](gated(self.gate_up[expert](x)))
+
+    def shared(self, experts: list[int], x: torch.Tensor) -> list[torch.Tensor]:
+        """Each of `experts` over the same rows x [n, H] -> [n, H] each: their gate/up in one kernel call (the
+        activations quantized once; each part's outputs the bits a call of its own gives), then each one's down."""
+        gate_up = kernel_matmul([p for e in experts for p in self.gate_up[e].parts], x, keep=False)
+        if gate_up is None:
+            return [self(e, x) for e in experts]
+        width = gate_up.shape[-1] // len(experts)
+        return [
+            self.down[e](gated(gate_up[:, j * width : (j + 1) * width].contiguous())) for j, e in enumerate(experts)
+        ]
 
 
 def _linear(t, cfg: ModelConfig, reader, bias: torch.Tensor | None = None) -> GGUFLinear:

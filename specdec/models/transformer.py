@@ -117,6 +117,10 @@ class Experts(nn.Module):
         """Expert `expert`'s SwiGLU MLP over rows x [n, H] -> [n, H]."""
         return F.linear(gated(F.linear(x, self.gate_up_proj[expert])), self.down_proj[expert])
 
+    def shared(self, experts: list[int], x: torch.Tensor) -> list[torch.Tensor]:
+        """Each of `experts` over the same rows x [n, H] -> [n, H] each."""
+        return [self(e, x) for e in experts]
+
 
 class MoE(nn.Module):
     """A mixture-of-experts MLP (Qwen3-MoE): the router `gate` scores the experts of each token, the top
@@ -135,6 +139,11 @@ class MoE(nn.Module):
         rows = x.reshape(-1, x.shape[-1])  # [N, H]
         weights, chosen = self.route(rows)  # [N, k] each
         out = torch.zeros_like(rows)
+        if len(rows) == 1:  # a decode step: every chosen expert takes the one row (GGUF: their gate/up in one call)
+            order = chosen[0].argsort()
+            for y, w in zip(self.experts.shared(chosen[0, order].tolist(), rows), weights[0, order]):
+                out += y * w
+            return out.reshape(x.shape)
         for e in chosen.unique().tolist():  # ascending
             token, slot = (chosen == e).nonzero(as_tuple=True)
             out.index_add_(0, token, self.experts(e, rows[token]) * weights[token, slot, None])

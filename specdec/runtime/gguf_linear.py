@@ -246,13 +246,16 @@ class GGUFConcatLinear(nn.Module):
         return (x2.to(torch.bfloat16) @ w).to(x2.dtype)
 
 
-def kernel_matmul(parts: list[GGUFLinear], x2: torch.Tensor, path: int | None = None) -> torch.Tensor | None:
+def kernel_matmul(
+    parts: list[GGUFLinear], x2: torch.Tensor, path: int | None = None, keep: bool = True
+) -> torch.Tensor | None:
     """x2 [rows, in] @ the parts' weights -> [rows, sum of outs] in x2's dtype (no bias), in one call of the C
-    kernels; None where they cannot run (no library, not on the CPU)."""
+    kernels; None where they cannot run (no library, not on the CPU). `keep`: keep the call's arrays for the next
+    call with these parts (not for sets that seldom recur, such as the experts a token chose)."""
     lib = K.library()
     if lib is None or not x2.is_cpu or not all(p.qweight.is_cpu for p in parts):
         return None
-    args = matmul_args(parts)
+    args = matmul_args(parts, keep)
     xf = x2.to(torch.float32).contiguous()
     y = torch.empty(x2.shape[0], args[-1], dtype=torch.float32)
     rc = lib.gq_matmul_parts(
@@ -276,21 +279,23 @@ def kernel_matmul(parts: list[GGUFLinear], x2: torch.Tensor, path: int | None = 
 _call_args: dict[tuple, tuple] = {}  # the parts' (weight address, type, outputs) -> gq_matmul_parts' arrays
 
 
-def matmul_args(parts) -> tuple:
+def matmul_args(parts, keep: bool = True) -> tuple:
     """(n, types, weights, outputs, total outputs): the arrays gq_matmul_parts takes for these parts, built once per
-    set of weights (ctypes arrays cost more than the call at one row); keyed by address, type and outputs, so a
-    weight moved or replaced gets its own."""
+    set of weights (ctypes arrays cost more than the call at one row) where `keep`; keyed by address, type and
+    outputs, so a weight moved or replaced gets its own."""
     key = tuple((p.qweight.data_ptr(), p.qtype, p.out_features) for p in parts)
     args = _call_args.get(key)
     if args is None:
         n = len(key)
-        args = _call_args[key] = (
+        args = (
             n,
             (ctypes.c_int * n)(*[k[1] for k in key]),
             (ctypes.c_void_p * n)(*[k[0] for k in key]),
             (ctypes.c_int64 * n)(*[k[2] for k in key]),
             sum(k[2] for k in key),
         )
+        if keep:
+            _call_args[key] = args
     return args
 
 

@@ -821,7 +821,7 @@ int gq_best_path(void) {
 }
 
 
-#define MAXPARTS 8
+#define MAXPARTS 64
 #define ROW_GROUP 128 /* rows through every task at a time: a group's activations (x 2048 bytes) stay in L2 */
 
 static void act_free(act_t *A) { free(A->q); free(A->d); free(A->s); free(A->p); }
