@@ -42,6 +42,20 @@ SHAPES = {  # config.json values of the released models
     ),
 }
 MOSTLY_Q4_K_M = 15  # llama_ftype LLAMA_FTYPE_MOSTLY_Q4_K_M
+META = {  # shape key -> the GGUFWriter method (add_...) that writes its metadata, as the converter does
+    "layers": "block_count",
+    "context": "context_length",
+    "hidden": "embedding_length",
+    "ff": "feed_forward_length",
+    "heads": "head_count",
+    "kv_heads": "head_count_kv",
+    "head_dim": "key_length",
+    "rope_theta": "rope_freq_base",
+    "eps": "layer_norm_rms_eps",
+    "experts": "expert_count",
+    "used": "expert_used_count",
+    "expert_ff": "expert_feed_forward_length",
+}
 
 
 def use_more_bits(i: int, n: int) -> bool:
@@ -118,19 +132,9 @@ def write(shape: str, out: Path, layers: int | None, seed: int = 0) -> Path:
     arch = gguf.MODEL_ARCH_NAMES[s["arch"]]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"{shape} shape, random weights, {s['layers']} layers")
-    w.add_block_count(s["layers"])
-    w.add_context_length(s["context"])
-    w.add_embedding_length(s["hidden"])
-    w.add_feed_forward_length(s["ff"])
-    w.add_head_count(s["heads"])
-    w.add_head_count_kv(s["kv_heads"])
-    w.add_key_length(s["head_dim"])
+    for key, add in META.items():
+        getattr(w, f"add_{add}")(s[key])
     w.add_value_length(s["head_dim"])
-    w.add_rope_freq_base(s["rope_theta"])
-    w.add_layer_norm_rms_eps(s["eps"])
-    w.add_expert_count(s["experts"])
-    w.add_expert_used_count(s["used"])
-    w.add_expert_feed_forward_length(s["expert_ff"])
     w.add_file_type(MOSTLY_Q4_K_M)
     vocab = copy_tokenizer(w, source() / "models" / "ggml-vocab-qwen2.gguf")
     todo = tensors(s, vocab)

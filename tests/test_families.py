@@ -108,6 +108,21 @@ def test_c_layer_takes_qwen3(family_files, monkeypatch):
     _compare(model, monkeypatch)
 
 
+def test_c_layer_takes_qwen3_moe(family_files, monkeypatch):
+    """A mixture-of-experts layer runs its attention half and its experts in C around the Python router: the same
+    bits as its Python path (decode, chains, a ragged batch, a tree)."""
+    from test_layer_kernel import _compare
+
+    from specdec.models.gguf_quantized import load_gguf_quantized
+    from specdec.runtime import kernels
+
+    need_converter()
+    if kernels.library() is None:
+        pytest.skip(f"kernel library not built here: {kernels.build_error}")
+    model, _ = load_gguf_quantized(family_files("qwen3_moe").gguf("q8_0"), torch.float32)
+    _compare(model, monkeypatch)
+
+
 def test_experts_give_each_row_the_same_bits_at_any_batch(family_files):
     """A mixture of experts groups rows by expert: a token's logits are the same bits alone, in a prefill chunk, and
     beside another sequence (Q8_0 experts through the block kernels, the router one row at a time)."""

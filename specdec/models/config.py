@@ -71,8 +71,8 @@ class ModelConfig:
 
     @property
     def plain_layers(self) -> bool:
-        """Whether every layer is the Llama recipe (with or without Qwen3's per-head q/k norms) the C layer kernel
-        runs (`runtime/layer_kernel.py`)."""
+        """Whether every layer is the Llama recipe (with or without Qwen3's per-head q/k norms, with dense or
+        mixture-of-experts MLPs) the C layer kernel runs (`runtime/layer_kernel.py`)."""
         return (
             self.norms == "pre"
             and self.hidden_act == "silu"
@@ -85,7 +85,6 @@ class ModelConfig:
             and not self.no_rope_layers
             and self.rope_local_theta is None
             and self.rotary_dim is None
-            and not self.num_experts
         )
 
     def moe(self, layer: int) -> bool:

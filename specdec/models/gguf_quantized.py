@@ -57,6 +57,10 @@ class GGUFExperts(nn.Module):
         """Expert `expert`'s SwiGLU MLP over rows x [n, H] -> [n, H]."""
         return self.down[expert](gated(self.gate_up[expert](x)))
 
+    def kernel_parts(self) -> tuple[list[list[GGUFLinear]], list[GGUFLinear]]:
+        """Each expert's [gate, up] and each one's down, as the C layer kernel takes them."""
+        return [list(gu.parts) for gu in self.gate_up], list(self.down)
+
     def shared(self, experts: list[int], x: torch.Tensor) -> list[torch.Tensor]:
         """Each of `experts` over the same rows x [n, H] -> [n, H] each: their gate/up in one kernel call (the
         activations quantized once; each part's outputs the bits a call of its own gives), then each one's down."""

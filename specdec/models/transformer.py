@@ -121,6 +121,10 @@ class Experts(nn.Module):
         """Each of `experts` over the same rows x [n, H] -> [n, H] each."""
         return [self(e, x) for e in experts]
 
+    def kernel_parts(self) -> None:
+        """Dense experts: none for the C layer kernel (GGUF ones: `GGUFExperts.kernel_parts`)."""
+        return None
+
 
 class MoE(nn.Module):
     """A mixture-of-experts MLP (Qwen3-MoE): the router `gate` scores the experts of each token, the top
@@ -188,7 +192,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, batch: "Batch", cache: KVCache) -> torch.Tensor:
         if batch.fast is not None and self.plain:  # float32 on the CPU, any row count: the layer in one C call
             lk = self._kernel()
-            out = None if lk is None else lk.run(x, batch.fast, self.self_attn.layer, cache)
+            route = self.mlp.route if isinstance(self.mlp, MoE) else None
+            out = None if lk is None else lk.run(x, batch.fast, self.self_attn.layer, cache, route)
             if out is not None:
                 return out
         get = lambda name: getattr(self, name, None)  # noqa: E731
@@ -213,19 +218,23 @@ class DecoderLayer(nn.Module):
         if not self.plain:
             return None
         a, m = self.self_attn, self.mlp
+        moe = isinstance(m, MoE)
         modules = (
             self.input_layernorm,
             self.post_attention_layernorm,
             a.qkv_proj,
             a.o_proj,
-            m.gate_up_proj,
-            m.down_proj,
+            None if moe else m.gate_up_proj,
+            None if moe else m.down_proj,
             getattr(a, "q_norm", None),
             getattr(a, "k_norm", None),
+            m.experts if moe else None,
         )
         built = self._layer_kernel  # (the modules it was built from, the C form or None)
         if built is None or any(x is not y for x, y in zip(built[0], modules)):  # first use, or a module replaced
-            built = self._layer_kernel = (modules, LayerKernel.of(a.cfg, *modules))
+            experts = m.experts.kernel_parts() if moe else None
+            kernel = None if moe and experts is None else LayerKernel.of(a.cfg, *modules[:-1], experts=experts)
+            built = self._layer_kernel = (modules, kernel)
         return built[1]
 
     def _apply(self, fn, recurse=True):  # weights moved or converted: describe them again at the next step

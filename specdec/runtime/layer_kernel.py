@@ -12,6 +12,7 @@ layer)."""
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from functools import cached_property
 
 import torch
@@ -20,10 +21,22 @@ from specdec.runtime import kernels as K
 from specdec.runtime.gguf_linear import GGUFConcatLinear, GGUFLinear, matmul_args
 
 i64, ptr = ctypes.c_int64, ctypes.c_void_p
+Route = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # rows [N, H] -> (weights, experts) [N, k] each
 
 
 class _Linear(ctypes.Structure):
     _fields_ = [("n", ctypes.c_int), ("types", ptr), ("w", ptr), ("outs", ptr), ("bias", ptr)]
+
+
+class _Moe(ctypes.Structure):
+    _fields_ = [
+        ("n", i64),
+        ("inter", i64),
+        ("gate_up_types", ptr),
+        ("gate_up_w", ptr),
+        ("down_types", ptr),
+        ("down_w", ptr),
+    ]
 
 
 class _Layer(ctypes.Structure):
@@ -42,6 +55,7 @@ class _Layer(ctypes.Structure):
         ("o", _Linear),
         ("gate_up", _Linear),
         ("down", _Linear),
+        ("moe", _Moe),
     ]
 
 
@@ -70,17 +84,28 @@ def _parts(module) -> tuple[list[GGUFLinear], torch.Tensor | None] | None:
     return None
 
 
+Experts = tuple[list[list[GGUFLinear]], list[GGUFLinear]]  # each expert's [gate, up], each one's down
+
+
 class LayerKernel:
     """One decoder layer's weights as `gq_decoder_layer` takes them (the tensors and arrays kept alive here)."""
 
     def __init__(self, spec: _Layer, keep: list):
         self.spec, self.keep = spec, keep
 
+    @property
+    def moe(self) -> bool:
+        return self.spec.moe.n > 0
+
     @classmethod
-    def of(cls, cfg, norm1, norm2, qkv, o, gate_up, down, q_norm=None, k_norm=None) -> "LayerKernel | None":
-        """The C layer for these modules (q_norm, k_norm: per-head norms or None), or None where it cannot run them
-        (the caller keeps its Python path)."""
-        lins = [_parts(m) for m in (qkv, o, gate_up, down)]
+    def of(
+        cls, cfg, norm1, norm2, qkv, o, gate_up, down, q_norm=None, k_norm=None, experts: Experts | None = None
+    ) -> "LayerKernel | None":
+        """The C layer for these modules (q_norm, k_norm: per-head norms or None; experts: a mixture of experts'
+        GGUF matrices in place of gate_up and down), or None where it cannot run them (the caller keeps its Python
+        path)."""
+        mlp = [] if experts is not None else [gate_up, down]
+        lins = [_parts(m) for m in [qkv, o, *mlp]]
         norms = tuple(n.weight for n in (norm1, norm2, q_norm, k_norm) if n is not None)
         if (
             K.library() is None
@@ -90,12 +115,13 @@ class LayerKernel:
             or cfg.head_dim % 16
             or any(n.dtype != torch.float32 or not n.is_cpu for n in norms)
             or any(p.qweight.device.type != "cpu" for ps, _ in lins for p in ps)
+            or (experts is not None and not _experts_run(experts))
         ):
             return None
         keep: list = [n.detach().contiguous() for n in norms]
         qk = [n.data_ptr() for n in keep[2:]] or [None, None]
         structs = []
-        for ps, bias in lins:
+        for ps, bias in lins + [([], None)] * (2 - len(mlp)):  # a mixture of experts: no dense gate_up, down
             n, types, weights, outs, _ = args = matmul_args(ps)
             b = None if bias is None else bias.detach().float().contiguous()
             keep += [args, b]
@@ -113,11 +139,16 @@ class LayerKernel:
             keep[1].data_ptr(),
             *qk,
             *structs,
+            _Moe() if experts is None else _moe(experts, keep),
         )
         return cls(spec, keep)
 
-    def run(self, x: torch.Tensor, step: "StepArgs | None", layer: int, cache) -> torch.Tensor | None:
-        """x [B, T, hidden] -> the layer's output, its K/V written to `cache`; None where the C path does not apply."""
+    def run(
+        self, x: torch.Tensor, step: "StepArgs | None", layer: int, cache, route: Route | None = None
+    ) -> torch.Tensor | None:
+        """x [B, T, hidden] -> the layer's output, its K/V written to `cache`; None where the C path does not apply.
+        A mixture of experts: the attention half in C, `route` (the layer's router, in Python) on its MLP input,
+        then the experts in C."""
         if step is None or not x.is_contiguous():  # step: None where the kernels do not take these rows
             return None
         kc, vc = cache.k[layer], cache.v[layer]
@@ -125,16 +156,58 @@ class LayerKernel:
             return None
         s = step.spec
         s.kc, s.vc, s.sb, s.sh = kc.data_ptr(), vc.data_ptr(), kc.stride(0), kc.stride(1)
-        out = torch.empty_like(x)
-        rc = K.library().gq_decoder_layer(
-            ctypes.byref(self.spec),
-            ctypes.byref(s),
-            x.data_ptr(),
+        out, lib, threads, path = torch.empty_like(x), K.library(), torch.get_num_threads(), K.requested_path()
+        spec, step_spec = ctypes.byref(self.spec), ctypes.byref(s)
+        if not self.moe:
+            rc = lib.gq_decoder_layer(spec, step_spec, x.data_ptr(), out.data_ptr(), threads, path)
+            return out if rc >= 0 else None
+        h = torch.empty_like(x)
+        if (
+            route is None
+            or lib.gq_attention_half(spec, step_spec, x.data_ptr(), out.data_ptr(), h.data_ptr(), threads, path) < 0
+        ):
+            return None
+        rows = h.reshape(-1, h.shape[-1])
+        weights, chosen = route(rows)  # [rows, k] each
+        w, idx = weights.float().contiguous(), chosen.to(torch.int64).contiguous()
+        rc = lib.gq_moe_experts(
+            spec,
+            rows.data_ptr(),
+            rows.shape[0],
+            idx.shape[1],
+            idx.data_ptr(),
+            w.data_ptr(),
             out.data_ptr(),
-            torch.get_num_threads(),
-            K.requested_path(),
+            threads,
+            path,
         )
         return out if rc >= 0 else None
+
+
+def _experts_run(experts: Experts) -> bool:
+    """Whether the C layer takes these experts: GGUF matrices on the CPU, widths its SiLU kernel takes (as
+    `small_ops.silu_mul`, whose bits the Python path has)."""
+    gate_ups, downs = experts
+    parts = [p for gu in gate_ups for p in gu] + list(downs)
+    return (
+        all(len(gu) == 2 for gu in gate_ups)
+        and all(p.qweight.device.type == "cpu" and p.bias is None for p in parts)
+        and gate_ups[0][0].out_features % 8 == 0
+    )
+
+
+def _moe(experts: Experts, keep: list) -> _Moe:
+    """The experts as `moe_t`: arrays of each one's gate and up, and of each one's down (kept alive in `keep`)."""
+    gate_ups, downs = experts
+    flat = [p for gu in gate_ups for p in gu]
+    arrays = [
+        (ctypes.c_int * len(flat))(*[p.qtype for p in flat]),
+        (ptr * len(flat))(*[p.qweight.data_ptr() for p in flat]),
+        (ctypes.c_int * len(downs))(*[p.qtype for p in downs]),
+        (ptr * len(downs))(*[p.qweight.data_ptr() for p in downs]),
+    ]
+    keep += arrays
+    return _Moe(len(downs), flat[0].out_features, *[ctypes.cast(a, ptr) for a in arrays])
 
 
 class LayerStack:
@@ -153,7 +226,7 @@ class LayerStack:
         k0 = cache.k[0]
         if (
             not kernels
-            or any(k is None for k in kernels)
+            or any(k is None or k.moe for k in kernels)  # experts: routed in Python between two calls
             or len(cache.k) != len(kernels)
             or k0.stride(-1) != 1
             or any(t.dtype != torch.float32 or not t.is_cpu or t.stride() != k0.stride() for t in cache.k + cache.v)

@@ -175,6 +175,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gq_decoder_layer.restype = i32
     lib.gq_decoder_stack.argtypes = [p, i32, p, p, p, p, p, p, i32, i32]
     lib.gq_decoder_stack.restype = i32
+    lib.gq_attention_half.argtypes = [p, p, p, p, p, i32, i32]
+    lib.gq_attention_half.restype = i32
+    lib.gq_moe_experts.argtypes = [p, p, i64, i64, p, p, p, i32, i32]
+    lib.gq_moe_experts.restype = i32
     lib.gq_best_path.argtypes = []
     lib.gq_best_path.restype = i32
     return lib

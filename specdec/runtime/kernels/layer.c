@@ -26,12 +26,21 @@ typedef struct { /* a linear layer: GGUF matrices side by side (as gq_matmul_par
     const float *bias;
 } lin_t;
 
+typedef struct { /* a mixture-of-experts MLP's experts (Qwen3-MoE); n = 0 for a dense MLP */
+    int64_t n, inter;                /* experts, each one's width */
+    const int *gate_up_types;        /* [2n]: expert e's gate at 2e, its up at 2e + 1 */
+    const uint8_t *const *gate_up_w; /* [2n] */
+    const int *down_types;           /* [n] */
+    const uint8_t *const *down_w;    /* [n] */
+} moe_t;
+
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter;
     float eps;
     const float *norm1, *norm2; /* [hidden]: before attention, before the MLP */
     const float *q_norm, *k_norm; /* [head_dim]: each head of q / k normed (Qwen3), or NULL */
     lin_t qkv, o, gate_up, down;
+    moe_t moe;
 } layer_t;
 
 typedef struct {
@@ -54,14 +63,15 @@ static int linear(const lin_t *l, const float *x, int64_t rows, int64_t in, floa
     return rc;
 }
 
-/* out [B * T][hidden] = the layer applied to x [B * T][hidden]. path as gq_matmul_parts (0 auto). Returns the
- * kernels' path, or a negative error (then nothing but the cache rows of this step may have been written). */
-int gq_decoder_layer(const layer_t *L, const step_t *s, const float *x, float *out, int nthreads, int path) {
+/* The attention half of a layer: out [B * T][hidden] = x + attention(norm1(x)), its K/V written to the cache, and
+ * h = norm2(out), the MLP's input. Returns as gq_decoder_layer. */
+int gq_attention_half(const layer_t *L, const step_t *s, const float *x, float *out, float *h, int nthreads,
+                      int path) {
     const int64_t rows = s->B * s->T, H = L->hidden, hd = L->head_dim, q = L->heads * hd, kv = L->kv_heads * hd;
-    const int64_t W = q + 2 * kv, I = L->inter;
-    float *buf = (float *)malloc(sizeof(float) * (size_t)(rows * (H + W + q + 3 * I)));
+    const int64_t W = q + 2 * kv;
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(rows * (W + q)));
     if (!buf) return -3;
-    float *h = buf, *qkv = h + rows * H, *att = qkv + rows * W, *gu = att + rows * q, *act = gu + rows * 2 * I;
+    float *qkv = buf, *att = qkv + rows * W;
     int rc = gq_rmsnorm(x, L->norm1, L->eps, rows, H, h);
     if (rc >= 0) rc = linear(&L->qkv, h, rows, H, qkv, nthreads, path);
     for (int64_t r = 0; L->q_norm && rc >= 0 && r < rows; r++) { /* in place: q's heads, then k's */
@@ -82,11 +92,110 @@ int gq_decoder_layer(const layer_t *L, const step_t *s, const float *x, float *o
         rc = gq_attention(qkv, s->T * W, hd, W, s->kc, s->vc, s->slots, s->sb, s->sh, s->mask, s->B, L->heads,
                           L->kv_heads, s->T, s->S, hd, (float)(1.0 / sqrt((double)hd)), att, nthreads, path);
     }
-    if (rc >= 0) rc = linear(&L->o, att, rows, q, out, nthreads, path);
+    int used = 0;
+    if (rc >= 0) rc = used = linear(&L->o, att, rows, q, out, nthreads, path);
     if (rc >= 0) {
         for (int64_t i = 0; i < rows * H; i++) out[i] = x[i] + out[i];
         rc = gq_rmsnorm(out, L->norm2, L->eps, rows, H, h);
     }
+    free(buf);
+    return rc < 0 ? rc : used;
+}
+
+/* One expert over m rows: y [m][hidden] = down(silu(gate) * up)(x [m][hidden]); gu [m][2 inter], act [m][inter]. */
+static int expert(const layer_t *L, int64_t e, const float *x, int64_t m, float *gu, float *act, float *y,
+                  int nthreads, int path) {
+    const moe_t *M = &L->moe;
+    const int64_t gu_outs[2] = {M->inter, M->inter}, down_outs[1] = {L->hidden};
+    int rc = gq_matmul_parts(2, M->gate_up_types + 2 * e, M->gate_up_w + 2 * e, gu_outs, L->hidden, x, m, gu,
+                             nthreads, path);
+    if (rc >= 0) rc = gq_silu_mul(gu, m, M->inter, act);
+    if (rc >= 0) rc = gq_matmul_parts(1, M->down_types + e, M->down_w + e, down_outs, M->inter, act, m, y, nthreads,
+                                      path);
+    return rc;
+}
+
+/* acc[r] += y[j] * w, the product stored before the sum (no fused multiply-add: the bits of the Python path's
+ * `y * w` then `index_add_`); tmp [hidden] scratch. */
+static void add_scaled(float *acc, const float *y, float w, float *tmp, int64_t H) {
+    for (int64_t i = 0; i < H; i++) tmp[i] = y[i] * w;
+    for (int64_t i = 0; i < H; i++) acc[i] = acc[i] + tmp[i];
+}
+
+/* out [rows][hidden] += the experts' output for h [rows][hidden]: row r's k experts idx[r k + j] weighted w[r k + j],
+ * summed into zeros in ascending expert order, as `transformer.MoE` does (one row: every chosen expert's gate/up in
+ * one call; more: each expert once over the rows that chose it). Returns the kernels' path or a negative error. */
+int gq_moe_experts(const layer_t *L, const float *h, int64_t rows, int64_t k, const int64_t *idx, const float *w,
+                   float *out, int nthreads, int path) {
+    const moe_t *M = &L->moe;
+    const int64_t H = L->hidden, I = M->inter;
+    if (M->n <= 0 || k <= 0 || k > 32) return -2;
+    float *buf = (float *)calloc((size_t)(rows * (3 * H + 3 * I) + 2 * k * I + H), sizeof(float));
+    int64_t *sel = (int64_t *)malloc(sizeof(int64_t) * (size_t)(rows > k ? rows : k));
+    if (!buf || !sel) {
+        free(buf);
+        free(sel);
+        return -3;
+    }
+    float *acc = buf, *xg = acc + rows * H, *gu = xg + rows * H, *act = gu + rows * 2 * I + 2 * k * I;
+    float *y = act + rows * I, *tmp = y + rows * H;
+    int rc = 0;
+    if (rows == 1) { /* sel: the k slots in ascending expert order */
+        for (int64_t j = 0; j < k; j++) sel[j] = j;
+        for (int64_t a = 1; a < k; a++)
+            for (int64_t b = a; b > 0 && idx[sel[b]] < idx[sel[b - 1]]; b--) {
+                const int64_t t = sel[b];
+                sel[b] = sel[b - 1];
+                sel[b - 1] = t;
+            }
+        int types[64];
+        const uint8_t *ws[64];
+        int64_t outs[64];
+        for (int64_t j = 0; j < 2 * k; j++) {
+            const int64_t e = idx[sel[j / 2]];
+            types[j] = M->gate_up_types[2 * e + j % 2];
+            ws[j] = M->gate_up_w[2 * e + j % 2];
+            outs[j] = I;
+        }
+        const int64_t down_outs[1] = {H};
+        rc = gq_matmul_parts((int)(2 * k), types, ws, outs, H, h, 1, gu, nthreads, path);
+        for (int64_t j = 0; j < k && rc >= 0; j++) {
+            const int64_t e = idx[sel[j]];
+            rc = gq_silu_mul(gu + j * 2 * I, 1, I, act);
+            if (rc >= 0) rc = gq_matmul_parts(1, M->down_types + e, M->down_w + e, down_outs, I, act, 1, y, nthreads,
+                                              path);
+            if (rc >= 0) add_scaled(acc, y, w[sel[j]], tmp, H);
+        }
+    }
+    for (int64_t e = 0; rows > 1 && e < M->n && rc >= 0; e++) {
+        int64_t m = 0;
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t j = 0; j < k; j++)
+                if (idx[r * k + j] == e) {
+                    sel[m] = r * k + j;
+                    memcpy(xg + m * H, h + r * H, sizeof(float) * (size_t)H);
+                    m++;
+                }
+        if (m == 0) continue;
+        rc = expert(L, e, xg, m, gu, act, y, nthreads, path);
+        for (int64_t j = 0; j < m && rc >= 0; j++) add_scaled(acc + sel[j] / k * H, y + j * H, w[sel[j]], tmp, H);
+    }
+    if (rc >= 0)
+        for (int64_t i = 0; i < rows * H; i++) out[i] = out[i] + acc[i];
+    free(buf);
+    free(sel);
+    return rc;
+}
+
+/* out [B * T][hidden] = the layer applied to x [B * T][hidden]. path as gq_matmul_parts (0 auto). Returns the
+ * kernels' path, or a negative error (then nothing but the cache rows of this step may have been written). */
+int gq_decoder_layer(const layer_t *L, const step_t *s, const float *x, float *out, int nthreads, int path) {
+    const int64_t rows = s->B * s->T, H = L->hidden, I = L->inter;
+    if (L->moe.n > 0) return -2; /* experts: gq_attention_half, the router, then gq_moe_experts */
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(rows * (H + 3 * I)));
+    if (!buf) return -3;
+    float *h = buf, *gu = h + rows * H, *act = gu + rows * 2 * I;
+    int rc = gq_attention_half(L, s, x, out, h, nthreads, path);
     if (rc >= 0) rc = linear(&L->gate_up, h, rows, H, gu, nthreads, path);
     if (rc >= 0) rc = gq_silu_mul(gu, rows, I, act);
     int used = 0;
