@@ -30,13 +30,17 @@ class AcceptanceEstimate:
             out.append(p)
         return out
 
-    def start(self) -> AcceptanceEstimate:
+    def start(self, pace: float = 1.0) -> AcceptanceEstimate:
         """A new sequence's estimate from this one (a drafter's history over earlier sequences): each position no
-        lower than the prior, so a drafter that did well starts long and one that did badly is still tried."""
-        return AcceptanceEstimate([max(PRIOR_ACCEPT, r) for r in self.rates])
+        lower than the prior where the first position did well (a drafter that did well starts long), else `pace`
+        of the way back to the prior (1: at it, so a drafter that did badly is still tried; less where a failed
+        draft is dear, `adaptive.retry_pace`)."""
+        lift = 1.0 if not self.rates or self.rates[0] >= PRIOR_ACCEPT else pace
+        return AcceptanceEstimate([r if r >= PRIOR_ACCEPT else r + lift * (PRIOR_ACCEPT - r) for r in self.rates])
 
-    def relax(self) -> None:
-        self.rates = [r + RELAX * (PRIOR_ACCEPT - r) for r in self.rates]
+    def relax(self, pace: float = 1.0) -> None:
+        """One undrafted step's drift back toward the prior: RELAX of the gap, times `pace`."""
+        self.rates = [r + RELAX * pace * (PRIOR_ACCEPT - r) for r in self.rates]
 
     def observe(self, drafted: int, accepted: int) -> None:
         """Positions 0..accepted-1 were accepted, position `accepted` (if drafted) rejected."""

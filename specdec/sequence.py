@@ -260,11 +260,13 @@ class Sequence:
             self.error, self.finish_reason = f"{type(e).__name__}: {e}", "error"
             return None
 
-    def acceptance_of(self, drafter: str, history: AcceptanceEstimate | None = None) -> AcceptanceEstimate:
+    def acceptance_of(
+        self, drafter: str, history: AcceptanceEstimate | None = None, pace: float = 1.0
+    ) -> AcceptanceEstimate:
         """This sequence's acceptance of `drafter`'s drafts so far; before its first, the prior, or where given,
-        `history.start()` (the drafter's acceptance over earlier sequences, no lower than the prior)."""
+        `history.start(pace)` (the drafter's acceptance over earlier sequences, lifted toward the prior)."""
         if drafter not in self.acceptance:
-            self.acceptance[drafter] = history.start() if history is not None else AcceptanceEstimate()
+            self.acceptance[drafter] = history.start(pace) if history is not None else AcceptanceEstimate()
         return self.acceptance[drafter]
 
     @property

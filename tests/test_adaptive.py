@@ -3,7 +3,7 @@
 import pytest
 
 from specdec.acceptance import AcceptanceEstimate
-from specdec.engine.adaptive import PROBE_EVERY, CostModel, choose_draft_len
+from specdec.engine.adaptive import PROBE_EVERY, RETRY_WASTE, CostModel, choose_draft_len, retry_pace
 
 
 def _cost(draft_per_token, verify_slope=0.01):
@@ -52,6 +52,27 @@ def test_useless_drafts_are_turned_off_then_retried():
     for _ in range(100):
         acc.relax()
     assert choose_draft_len(cost, acc, 0, 16) > 0
+
+
+def test_retries_drift_slower_where_a_failed_draft_is_dear():
+    """A mixture of experts: a second row costs 1.34x a one-row forward (Qwen3-30B-A3B shape), so a drafter that is
+    never accepted drifts back to drafting at RETRY_WASTE of a plain token's cost, not every few steps."""
+    cheap, dear = _cost(0.0), CostModel()
+    for t, s in ((1, 23.8e-3), (2, 31.8e-3), (3, 35.9e-3), (5, 46.8e-3)):
+        dear.observe_verify(t, s)
+    assert retry_pace(cheap) == 1.0 and retry_pace(dear) == pytest.approx(RETRY_WASTE * 23.8 / 8.0, rel=0.05)
+
+    def steps_until_drafting(pace: float) -> int:
+        acc = AcceptanceEstimate()
+        for _ in range(30):
+            acc.observe(1, 0)
+        steps = 0
+        while choose_draft_len(dear, acc, 0, 4) == 0:
+            acc.relax(pace)
+            steps += 1
+        return steps
+
+    assert steps_until_drafting(retry_pace(dear)) > 10 * steps_until_drafting(1.0) > 0
 
 
 def test_expensive_drafts_shorten_the_chain():
@@ -316,6 +337,10 @@ def test_a_new_sequence_starts_from_the_drafters_history_never_below_the_prior()
     assert seq.acceptance_of("a", good).rates == [0.99] * 8
     assert seq.acceptance_of("b", bad).rates == [PRIOR_ACCEPT] * 8
     assert seq.acceptance_of("c").rates == [] and seq.acceptance_of("a", bad).rates == [0.99] * 8  # kept once made
+    # where a failed draft is dear (retry_pace < 1), a drafter that did badly starts only that far toward the prior
+    assert seq.acceptance_of("d", bad, pace=0.1).rates == pytest.approx([0.1 + 0.1 * (PRIOR_ACCEPT - 0.1)] * 8)
+    noisy = AcceptanceEstimate([0.8, 0.6, 0.9])  # first position above the prior: lifted as before, whatever the pace
+    assert seq.acceptance_of("e", noisy, pace=0.1).rates == [0.8, PRIOR_ACCEPT, 0.9]
 
 
 def test_a_size_measured_at_a_busy_moment_does_not_cut_drafts_in_a_batch():

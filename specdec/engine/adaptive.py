@@ -32,6 +32,12 @@ Every drafter, the draft model included, drafts nothing in a step where no k > 0
 plain decoding. Its acceptance estimates then drift back toward the prior, and after PROBE_EVERY
 undrafted steps it drafts one token anyway, so costs and acceptance that changed get measured again;
 in a batch, a probe skips a sequence whose prompt the drafter has not read (its catch-up would hold up the batch).
+The drift is slower where a failed one-token draft costs more than RETRY_WASTE of a plain token (`retry_pace`),
+and a new sequence of a drafter whose first position did badly starts that much of the way back to the prior, not at
+it: on a mixture of experts a second row reads more experts (Qwen3-30B-A3B shape: a 2-row forward costs 1.34x a
+1-row one), and at the full pace a drafter that is never accepted drafted again every third or fourth step and
+several tokens at each request's start, 0.93x plain (`specdec bench ... --methods none,synthetic
+--spec-synth-rates 0.0`; 0.99-1.02x since).
 
 Every draft is weighed against plain decoding at the step's batch, verify(B), so that cost must be measured, not
 guessed from larger forwards (a one-sequence server that always drafts 16 tokens would otherwise take a one-row
@@ -48,6 +54,7 @@ from itertools import accumulate
 from specdec.acceptance import EMA, AcceptanceEstimate
 
 PROBE_EVERY = 32  # undrafted steps (per drafter, over all sequences) before a one-token probe
+RETRY_WASTE = 0.02  # what a failed one-token draft may cost, in plain tokens, at the full pace of `retry_pace`
 REMEASURE = 64  # steps over B sequences without a forward over B tokens before a plain step re-measures it
 SPAN = 1.5  # `CostModel.smoothed`: a size's cost is fitted over the measured sizes within this factor of it
 
@@ -238,6 +245,16 @@ def expected_saving(cost: CostModel, k_max: int, drafter: str = "", batch: int =
     not expected to pay)."""
     _, rate = _rate(cost, cost.acceptance(drafter), 1, k_max, drafter, batch)
     return max(0.0, plain_cost(cost, batch) - 1.0 / rate)
+
+
+def retry_pace(cost: CostModel, drafter: str = "", batch: int = 1, rows: int | None = None) -> float:
+    """How fast an undrafted sequence's acceptance drifts back toward the prior (1: RELAX per step): slowed in
+    proportion where a failed one-token draft (drafting it, one more forward row) costs more than RETRY_WASTE of a
+    plain token, so the retries a drift leads to cost about that share of the time wherever they are dear."""
+    rows = batch if rows is None else rows
+    plain = plain_cost(cost, batch)
+    failed = cost.draft_cost(drafter) + cost.verify_cost(rows + 1) - cost.verify_cost(rows)
+    return 1.0 if failed <= RETRY_WASTE * plain else RETRY_WASTE * plain / failed
 
 
 def plain_cost(cost: CostModel, batch: int = 1) -> float:

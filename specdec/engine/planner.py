@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from specdec.drafters.base import time_shares
-from specdec.engine.adaptive import CostModel, choose_draft_len, expected_saving, plain_cost
+from specdec.engine.adaptive import CostModel, choose_draft_len, expected_saving, plain_cost, retry_pace
 from specdec.sequence import Budgets, Draft, Drafter, Sequence
 
 __all__ = ["DraftPlanner", "Proposal", "SpecConfig", "source"]
@@ -120,11 +120,12 @@ class DraftPlanner:
         """(tokens, stopping path probability, tokens expected) for one part of the sequence's drafter: 0 where
         no draft of it is expected to beat plain decoding on top of the step's rows so far, except a one-token
         probe now and then. A part that stops by itself gets k_max tokens but is expected to draft the best k."""
-        acc = seq.acceptance_of(part.name, self.cost.acceptance(part.name))
+        pace = retry_pace(self.cost, part.name, self.batch, self.rows)
+        acc = seq.acceptance_of(part.name, self.cost.acceptance(part.name), pace)
         k = choose_draft_len(self.cost, acc, min(self.spec.draft_min, k_max), k_max, part.name, self.batch, self.rows)
         probe = k == 0
         if probe:  # drafting is not expected to pay: skip it, but now and then draft one token to re-measure
-            acc.relax()
+            acc.relax(pace)
             if not self.cost.probe_due(part.name):
                 return 0, 0.0, 0
             if self.batch > 1 and part.pending_setup(seq) > len(seq.output_ids):
