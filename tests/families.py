@@ -115,6 +115,19 @@ TINY: dict[str, dict[str, Any]] = {
             "long_factor": [1.0 + 2.5 * i for i in range(4)],
         },
     },
+    # 8 experts of width 64, 2 per token; layers [sliding, full]; yarn as the released config (factor 32 over an
+    # original context of 4096); gpt-oss's own BPE is not in llama.cpp's vocab files, so Qwen2's; untied, as
+    # llama.cpp's gpt-oss requires an output matrix
+    "gpt_oss": {
+        "model_type": "gpt_oss",
+        "head_dim": 16,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 64,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "tie_word_embeddings": False,
+    },
     "granite": {
         "model_type": "granite",
         "embedding_multiplier": 4.0,
@@ -128,7 +141,14 @@ TINY: dict[str, dict[str, Any]] = {
 }
 
 # case -> tokenizer kind: "llama", "gemma" (SentencePiece, SPM_VOCAB) or "gpt2", "qwen2" (real byte-level BPE)
-_KINDS = {"gemma2": "gemma", "gemma3_text": "gemma", "olmo2": "gpt2", "qwen2": "qwen2", "qwen3_moe": "qwen2"}
+_KINDS = {
+    "gemma2": "gemma",
+    "gemma3_text": "gemma",
+    "olmo2": "gpt2",
+    "qwen2": "qwen2",
+    "qwen3_moe": "qwen2",
+    "gpt_oss": "qwen2",
+}
 TOKENIZER: dict[str, str] = {case: _KINDS.get(case, "llama") for case in TINY}
 
 SPM_VOCAB = 768
@@ -551,6 +571,18 @@ POSITIONS = 32
 GGUF_OVERRIDES = {
     "gemma2": {"query_pre_attn_scalar": 16},  # llama.cpp scales gemma2 queries by 1/sqrt(head_dim) (but the 27B)
     "mistral": {"sliding_window": None},  # the converter writes no window for the llama arch; llama.cpp has none
+    # llama.cpp's yarn always rounds the correction dims (ggml_rope_yarn_corr_dims); gpt-oss's config says not to
+    "gpt_oss": {
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": True,
+            "original_max_position_embeddings": 4096,
+            "rope_theta": 150000.0,
+        }
+    },
 }
 
 

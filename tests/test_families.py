@@ -80,7 +80,7 @@ def test_speculative_greedy_equals_plain(family_files, case):
     llm.engine.stop_ids = set()
     llm.engine.spec.adaptive, llm.engine.spec.draft_max = False, 4
     prompt, drafted = prompt_ids(f.gguf_hf)[:6] * 3, {}
-    for _ in range(4):  # a prompt holding its own first greedy token, so that a 1-gram matches at once
+    for _ in range(8):  # a prompt holding its own first greedy token, so that a 1-gram matches at once
         base = llm.generate(prompt, max_tokens=40).token_ids
         for spec in ("ngram-simple", "draft"):
             r = llm.generate(prompt, max_tokens=40, spec_type=spec)

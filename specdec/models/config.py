@@ -55,6 +55,12 @@ class ModelConfig:
     expert_intermediate_size: int = 0  # each expert's MLP width
     norm_topk: bool = True  # the top-k routing weights renormalised to sum to 1
     dense_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense MLP (`intermediate_size`) instead
+    router: str = "softmax_topk"  # softmax over the experts, then the top k (Qwen3-MoE); "topk_softmax" (gpt-oss)
+    router_bias: bool = False
+    expert_bias: bool = False  # each expert's gate/up and down carry biases (gpt-oss)
+    swiglu_limit: float | None = None  # gpt-oss's clamped SwiGLU: (clamp(up) + 1) * g * sigmoid(alpha g), g clamped
+    swiglu_alpha: float = 1.702
+    attn_sinks: bool = False  # a learned logit per head beside the keys in each softmax (gpt-oss)
 
     def __post_init__(self):
         if self.qk_norm is True or self.qk_norm is False:  # the older boolean form: per-head norms or none
@@ -85,6 +91,11 @@ class ModelConfig:
             and not self.no_rope_layers
             and self.rope_local_theta is None
             and self.rotary_dim is None
+            and self.router == "softmax_topk"
+            and not self.router_bias
+            and not self.expert_bias
+            and self.swiglu_limit is None
+            and not self.attn_sinks
         )
 
     def moe(self, layer: int) -> bool:

@@ -309,10 +309,20 @@ def _save_tokenizer(gguf_path: Path, out: Path) -> None:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     import gguf
 
+    class TokenizerReader(fast_reader_class()):
+        """Without the rope scaling fields, which the tokenizer does not need and transformers' gpt-oss branch cannot
+        read (it takes each field's first part, the key's length, for the value: 'only 0-dimensional arrays can be
+        converted to Python scalars')."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            for key in [k for k in self.fields if ".rope.scaling." in k]:
+                del self.fields[key]
+
     archs = [*hf_gguf.GGUF_SUPPORTED_ARCHITECTURES, *(a for f in families.ALL for a in f.gguf_archs)]
     try:
         with (
-            mock.patch.object(gguf, "GGUFReader", fast_reader_class()),  # what transformers opens the file with
+            mock.patch.object(gguf, "GGUFReader", TokenizerReader),  # what transformers opens the file with
             mock.patch.object(hf_gguf, "GGUF_SUPPORTED_ARCHITECTURES", archs),
         ):
             tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)

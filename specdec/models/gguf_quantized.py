@@ -26,7 +26,7 @@ from torch import nn
 from specdec.errors import SpecdecError
 from specdec.models.config import ModelConfig
 from specdec.models.gguf_convert import config_from_gguf, hf_names, open_gguf, permuted, unpermute
-from specdec.models.transformer import FUSED, Experts, Transformer, gated
+from specdec.models.transformer import FUSED, ExpertMath, Experts, Transformer, our_name
 from specdec.runtime import kernels as K
 from specdec.runtime.gguf_linear import GGUFConcatLinear, GGUFLinear, for_this_cpu, kernel_matmul
 
@@ -45,17 +45,22 @@ class GGUFEmbedding(nn.Module):
         return torch.cat(rows).reshape(*tokens.shape, self.table.in_features)
 
 
-class GGUFExperts(nn.Module):
+class GGUFExperts(ExpertMath, nn.Module):
     """A layer's experts kept as GGUF blocks (the file's 3-D gate/up/down tensors, one 2-D slice per expert): each
     expert's gate and up in one `GGUFConcatLinear`; `forward` as `transformer.Experts`'."""
 
-    def __init__(self, gate_up: list[GGUFConcatLinear], down: list[GGUFLinear]):
+    def __init__(self, gate_up: list[GGUFConcatLinear], down: list[GGUFLinear], like: ExpertMath):
         super().__init__()
         self.gate_up, self.down = nn.ModuleList(gate_up), nn.ModuleList(down)
+        self.limit, self.alpha = like.limit, like.alpha
+        e, f, h = len(down), gate_up[0].out_features // 2, down[0].out_features
+        biased = like.gate_up_bias is not None  # loaded from the file's bias tensors
+        self.gate_up_bias = nn.Parameter(torch.empty(e, 2 * f), requires_grad=False) if biased else None
+        self.down_bias = nn.Parameter(torch.empty(e, h), requires_grad=False) if biased else None
 
     def forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert `expert`'s SwiGLU MLP over rows x [n, H] -> [n, H]."""
-        return self.down[expert](gated(self.gate_up[expert](x)))
+        """Expert `expert`'s MLP over rows x [n, H] -> [n, H]."""
+        return self.finish(expert, self.down[expert](self.activate(expert, self.gate_up[expert](x))))
 
     def kernel_parts(self) -> tuple[list[list[GGUFLinear]], list[GGUFLinear]]:
         """Each expert's [gate, up] and each one's down, as the C layer kernel takes them."""
@@ -69,7 +74,8 @@ class GGUFExperts(nn.Module):
             return [self(e, x) for e in experts]
         width = gate_up.shape[-1] // len(experts)
         return [
-            self.down[e](gated(gate_up[:, j * width : (j + 1) * width].contiguous())) for j, e in enumerate(experts)
+            self.finish(e, self.down[e](self.activate(e, gate_up[:, j * width : (j + 1) * width].contiguous())))
+            for j, e in enumerate(experts)
         ]
 
 
@@ -92,7 +98,7 @@ def _blocks(data: np.ndarray, qtype: int, inp: int, out: int, bias: torch.Tensor
     return lin, lin.qweight.data_ptr() != blocks.data_ptr()
 
 
-def _experts(gate, up, down, reader) -> GGUFExperts:
+def _experts(gate, up, down, reader, like: ExpertMath) -> GGUFExperts:
     """`GGUFExperts` from a layer's 3-D expert tensors (GGUF ne: gate/up [H, F, E], down [F, H, E])."""
     h, f, n = (int(x) for x in gate.shape)
     copied = False
@@ -110,7 +116,7 @@ def _experts(gate, up, down, reader) -> GGUFExperts:
     if copied:
         for t in (gate, up, down):
             _release(reader, t)
-    return GGUFExperts(gate_up, downs)
+    return GGUFExperts(gate_up, downs, like)
 
 
 def _release(reader, t) -> None:
@@ -151,7 +157,7 @@ def quantize_from_gguf(
     reader = reader or open_gguf(path)
     cfg = model.config
     names = hf_names(reader, cfg)
-    tensors = {names[t.name]: t for t in reader.tensors if t.name in names}
+    tensors = {our_name(names[t.name]): t for t in reader.tensors if t.name in names}
     kernel_types = set(K.BLOCK)
     state: dict[str, torch.Tensor] = {}
 
@@ -183,13 +189,21 @@ def quantize_from_gguf(
         parts = [f"{pre}{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
         if not all(p in tensors for p in parts):
             continue
+        biases = [f"{pre}{p}.bias" for p in ("gate_proj", "up_proj", "down_proj")]
+        kinds = {tensors[p].tensor_type.name for p in parts}
+        if "MXFP4" in kinds:  # dequantized, gpt-oss-20b's experts alone would take ~80 GB
+            raise SpecdecError(f"{path}: MXFP4 experts are not supported yet (the block kernels take Q4_K, Q5_0, ...)")
         if all(quantized(p) for p in parts):
-            model.model.layers[i].mlp.experts = _experts(*(tensors[p] for p in parts), reader)
-        else:
+            mlp = model.model.layers[i].mlp
+            mlp.experts = _experts(*(tensors[p] for p in parts), reader, mlp.experts)
+        if biases[0] in tensors:  # gpt-oss
+            state[f"{pre}gate_up_bias"] = torch.cat([dense(biases[0]), dense(biases[1])], dim=1)
+            state[f"{pre}down_bias"] = dense(biases[2])
+        if not all(quantized(p) for p in parts):
             state[f"{pre}gate_up_proj"] = torch.cat([dense(parts[0]), dense(parts[1])], dim=1)
             state[f"{pre}down_proj"] = dense(parts[2])
-    for name in tensors:  # norms
-        if name.startswith("model.layers.") and "norm" in name:
+    for name in tensors:  # norms, attention sinks
+        if name.startswith("model.layers.") and ("norm" in name or name.endswith(".sinks")):
             state[name] = dense(name)
 
     emb = "model.embed_tokens.weight"

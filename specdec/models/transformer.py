@@ -53,6 +53,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * hd, cfg.hidden_size, bias=cfg.o_bias)
         self.sliding = cfg.sliding(layer)  # attends to the last `cfg.sliding_window` positions only
         self.rope = layer not in cfg.no_rope_layers
+        if cfg.attn_sinks:
+            self.sinks = nn.Parameter(torch.zeros(cfg.num_heads))
         if cfg.qk_norm:  # "head": one norm shared by every head; "full": over all heads at once (OLMo 2)
             full = cfg.qk_norm == "full"
             self.q_norm = RMSNorm(self.q_size if full else hd, cfg.rms_norm_eps, cfg.norm_offset)
@@ -80,7 +82,7 @@ class Attention(nn.Module):
         cache.write(self.layer, batch.slots, batch.cache_index, k, v, batch.write_span)
         keys, values = cache.read(self.layer, batch.slots, batch.kv_len)  # [B, kv_heads, S, hd]
         mask = batch.local_mask if self.sliding and batch.local_mask is not None else batch.mask
-        out = attention(q, keys, values, mask, c.attn_scale, c.attn_softcap)  # [B, T, heads, hd]
+        out = attention(q, keys, values, mask, c.attn_scale, c.attn_softcap, getattr(self, "sinks", None))
         return self.o_proj(out.reshape(B, T, c.num_heads * hd))
 
 
@@ -105,17 +107,56 @@ def gated(gate_up: torch.Tensor, gelu: bool = False) -> torch.Tensor:
     return act
 
 
-class Experts(nn.Module):
-    """A layer's experts as 3-D weights, transformers' layout: gate_up_proj [E, 2F, H], down_proj [E, H, F]."""
+def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's activation of a fused [..., 2F] gate/up: (clamp(up, +-limit) + 1) * g * sigmoid(alpha g), where
+    g = min(gate, limit)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
-    def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor):
+
+class ExpertMath:
+    """What every expert of a layer does around its two matrices: biases (gpt-oss; `gate_up_bias` [E, 2F] and
+    `down_bias` [E, H], or None, set by the subclass) and the activation."""
+
+    limit: float | None = None  # gpt-oss's clamped SwiGLU (`clamped_swiglu`), None: SiLU(gate) * up
+    alpha: float = 1.702
+
+    def configure(self, cfg: ModelConfig) -> None:
+        self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
+
+    def activate(self, expert: int, gate_up: torch.Tensor) -> torch.Tensor:
+        """The expert's gate/up outputs [n, 2F] (plus its bias) -> the down projection's input [n, F]."""
+        if self.gate_up_bias is not None:
+            gate_up = gate_up + self.gate_up_bias[expert]
+        return gated(gate_up) if self.limit is None else clamped_swiglu(gate_up, self.limit, self.alpha)
+
+    def finish(self, expert: int, y: torch.Tensor) -> torch.Tensor:
+        """The down projection's output [n, H], plus the expert's bias."""
+        return y if self.down_bias is None else y + self.down_bias[expert]
+
+
+class Experts(ExpertMath, nn.Module):
+    """A layer's experts as 3-D weights: gate_up_proj [E, 2F, H] (each expert's gate rows, then its up rows),
+    down_proj [E, H, F] (transformers' Qwen3-MoE layout); gpt-oss's biases [E, 2F] and [E, H]."""
+
+    def __init__(
+        self,
+        gate_up_proj: torch.Tensor,
+        down_proj: torch.Tensor,
+        gate_up_bias: torch.Tensor | None = None,
+        down_bias: torch.Tensor | None = None,
+    ):
         super().__init__()
         self.gate_up_proj = nn.Parameter(gate_up_proj, requires_grad=False)
         self.down_proj = nn.Parameter(down_proj, requires_grad=False)
+        self.gate_up_bias = None if gate_up_bias is None else nn.Parameter(gate_up_bias, requires_grad=False)
+        self.down_bias = None if down_bias is None else nn.Parameter(down_bias, requires_grad=False)
 
     def forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert `expert`'s SwiGLU MLP over rows x [n, H] -> [n, H]."""
-        return F.linear(gated(F.linear(x, self.gate_up_proj[expert])), self.down_proj[expert])
+        """Expert `expert`'s MLP over rows x [n, H] -> [n, H]."""
+        act = self.activate(expert, F.linear(x, self.gate_up_proj[expert]))
+        return self.finish(expert, F.linear(act, self.down_proj[expert]))
 
     def shared(self, experts: list[int], x: torch.Tensor) -> list[torch.Tensor]:
         """Each of `experts` over the same rows x [n, H] -> [n, H] each."""
@@ -134,10 +175,12 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.router_bias)
         e, f, h = cfg.num_experts, cfg.expert_intermediate_size, cfg.hidden_size
-        self.experts = Experts(torch.empty(e, 2 * f, h), torch.empty(e, h, f))
-        self.top_k, self.norm_topk = cfg.experts_per_token, cfg.norm_topk
+        biases = (torch.empty(e, 2 * f), torch.empty(e, h)) if cfg.expert_bias else ()
+        self.experts = Experts(torch.empty(e, 2 * f, h), torch.empty(e, h, f), *biases)
+        self.experts.configure(cfg)
+        self.top_k, self.norm_topk, self.router = cfg.experts_per_token, cfg.norm_topk, cfg.router
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [N, H]
@@ -158,8 +201,13 @@ class MoE(nn.Module):
         w = self.gate.weight
         if isinstance(w, torch.Tensor) and w.dim() == 2:  # a dense router: one matrix-vector product per row, so a
             logits = torch.stack([torch.mv(w, r) for r in rows]) if len(rows) else rows.new_zeros(0, w.shape[0])
+            if self.gate.bias is not None:
+                logits = logits + self.gate.bias
         else:  # (row counts can change a matrix product's bits); a GGUF router goes through the block kernels
             logits = self.gate(rows)
+        if self.router == "topk_softmax":  # gpt-oss: the top k logits, softmaxed
+            top, chosen = torch.topk(logits, self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1).to(rows.dtype), chosen
         probs = torch.softmax(logits.float(), dim=-1)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
@@ -294,8 +342,26 @@ FUSED = {
 }
 
 
+# per-layer tensors named apart from the checkpoints' (gpt-oss's router and its sinks, which the GGUF names give a
+# .weight suffix) -> our names
+RENAMED = {
+    "mlp.router.weight": "mlp.gate.weight",
+    "mlp.router.bias": "mlp.gate.bias",
+    "self_attn.sinks.weight": "self_attn.sinks",
+}
+
+
+def our_name(name: str) -> str:
+    """A checkpoint's parameter name as this module names it (`RENAMED`)."""
+    head, _, rest = name.partition(".layers.")
+    layer, _, sub = rest.partition(".")
+    return f"{head}.layers.{layer}.{RENAMED[sub]}" if sub in RENAMED else name
+
+
 def fuse_projections(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
     """Rewrite a Hugging Face state dict in place to the fused names this module uses."""
+    for name in [n for n in state if our_name(n) != n]:
+        state[our_name(name)] = state.pop(name)
     for i in range(num_layers):
         for fused, parts in FUSED.items():
             for kind in ("weight", "bias"):
@@ -307,8 +373,17 @@ def fuse_projections(state: dict[str, torch.Tensor], num_layers: int) -> dict[st
 
 
 def _fuse_experts(state: dict[str, torch.Tensor], prefix: str) -> None:
-    """Experts as `Experts` holds them: per-expert matrices (`experts.{e}.gate_proj.weight`, checkpoints on the hub)
-    or 3-D ones (`experts.gate_proj.weight`, a GGUF's) -> `experts.gate_up_proj` [E, 2F, H], `experts.down_proj`."""
+    """Experts as `Experts` holds them: per-expert matrices (`experts.{e}.gate_proj.weight`, checkpoints on the hub),
+    3-D ones (`experts.gate_proj.weight` and `.bias`, a GGUF's) or gpt-oss's (`experts.gate_up_proj` [E, H, 2F], gate
+    and up interleaved, with `_bias`) -> `experts.gate_up_proj` [E, 2F, H], `experts.down_proj` [E, H, F] and the
+    biases."""
+    if f"{prefix}gate_up_proj_bias" in state:  # gpt-oss's layout
+        w, b = state.pop(f"{prefix}gate_up_proj"), state.pop(f"{prefix}gate_up_proj_bias")
+        state[f"{prefix}gate_up_proj"] = torch.cat([w[..., ::2], w[..., 1::2]], dim=-1).transpose(1, 2).contiguous()
+        state[f"{prefix}gate_up_bias"] = torch.cat([b[..., ::2], b[..., 1::2]], dim=-1)
+        state[f"{prefix}down_proj"] = state.pop(f"{prefix}down_proj").transpose(1, 2).contiguous()
+        state[f"{prefix}down_bias"] = state.pop(f"{prefix}down_proj_bias")
+        return
     for part in ("gate_proj", "up_proj", "down_proj"):
         ends = f".{part}.weight"
         per = sorted(
@@ -322,6 +397,10 @@ def _fuse_experts(state: dict[str, torch.Tensor], prefix: str) -> None:
         gate, up = state.pop(f"{prefix}gate_proj.weight"), state.pop(f"{prefix}up_proj.weight")
         state[f"{prefix}gate_up_proj"] = torch.cat([gate, up], dim=1)
         state[f"{prefix}down_proj"] = state.pop(f"{prefix}down_proj.weight")
+    if f"{prefix}gate_proj.bias" in state:
+        gate, up = state.pop(f"{prefix}gate_proj.bias"), state.pop(f"{prefix}up_proj.bias")
+        state[f"{prefix}gate_up_bias"] = torch.cat([gate, up], dim=1)
+        state[f"{prefix}down_bias"] = state.pop(f"{prefix}down_proj.bias")
 
 
 class Transformer(nn.Module):

@@ -25,12 +25,14 @@ def attention(
     mask: torch.Tensor | None,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, H, T, hd], keys / values [B, kv_heads, S, hd], mask [B, 1, T, S] bool (True = attend) or None (every
     key) -> [B, T, H, hd]. Scores are q.k times `scale` (None: hd ** -0.5), then `softcap * tanh(s / softcap)` where
-    a soft cap is given (Gemma 2: torch's own ops, as transformers computes it)."""
-    if softcap is not None:
-        return _capped(q, keys, values, mask, q.shape[-1] ** -0.5 if scale is None else scale, softcap)
+    a soft cap is given (Gemma 2); `sinks` [H]: a logit per head that joins each softmax and attends to nothing
+    (gpt-oss). Both with torch's own ops, as transformers computes them."""
+    if softcap is not None or sinks is not None:
+        return _written_out(q, keys, values, mask, q.shape[-1] ** -0.5 if scale is None else scale, softcap, sinks)
     out = _kernel(q, keys, values, mask, scale)
     if out is None:
         out = F.scaled_dot_product_attention(
@@ -39,17 +41,28 @@ def attention(
     return out
 
 
-def _capped(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float
+def _written_out(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Attention with soft-capped scores, written out: [B, H, T, hd] -> [B, T, H, hd]."""
+    """Attention with soft-capped scores or sink logits, written out: [B, H, T, hd] -> [B, T, H, hd]."""
     group = q.shape[1] // keys.shape[1]
     k = keys.repeat_interleave(group, dim=1) if group > 1 else keys
     v = values.repeat_interleave(group, dim=1) if group > 1 else values
-    s = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * scale / softcap) * softcap  # [B, H, T, S]
+    s = torch.matmul(q, k.transpose(2, 3)) * scale  # [B, H, T, S]
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
-    p = torch.softmax(s.float(), dim=-1).to(q.dtype)
+    if sinks is not None:  # one more column per head, dropped after the softmax
+        s = torch.cat([s, sinks.to(s.dtype).reshape(1, -1, 1, 1).expand(*s.shape[:3], 1)], dim=-1)
+    p = torch.softmax(s.float(), dim=-1)
+    p = (p[..., :-1] if sinks is not None else p).to(q.dtype)
     return torch.matmul(p, v).transpose(1, 2)
 
 

@@ -3,7 +3,19 @@
 from __future__ import annotations
 
 from specdec.errors import SpecdecError
-from specdec.models.families import gemma2, gemma3, granite, llama, olmo2, phi3, qwen2, qwen3, qwen3_moe, smollm3
+from specdec.models.families import (
+    gemma2,
+    gemma3,
+    gpt_oss,
+    granite,
+    llama,
+    olmo2,
+    phi3,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+    smollm3,
+)
 from specdec.models.family import Family
 
 ALL: tuple[Family, ...] = (
@@ -14,6 +26,7 @@ ALL: tuple[Family, ...] = (
     gemma2.FAMILY,
     gemma3.FAMILY,
     phi3.FAMILY,
+    gpt_oss.FAMILY,
     granite.FAMILY,
     olmo2.FAMILY,
     smollm3.FAMILY,
