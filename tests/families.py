@@ -593,11 +593,12 @@ class Files:
     root: Path
 
     def gguf(self, kind: str) -> Path | None:
-        """f32 / q8_0 from the converter, q4_k_m from llama-quantize (None where it is not built)."""
+        """f32 / q8_0 from the converter, q4_k_m and mxfp4 (experts only, `MXFP4_MOE`) from llama-quantize (None
+        where it is not built)."""
         out = self.root / f"{kind}.gguf"
         if not out.exists():
-            if kind == "q4_k_m":
-                return llama_quantize(self.gguf("f32"), out, "Q4_K_M")
+            if kind in ("q4_k_m", "mxfp4"):
+                return llama_quantize(self.gguf("f32"), out, {"q4_k_m": "Q4_K_M", "mxfp4": "MXFP4_MOE"}[kind])
             convert(self.gguf_hf, kind, out)
         return out
 

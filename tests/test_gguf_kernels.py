@@ -439,3 +439,22 @@ def test_fused_parts_above_the_kernel_rows_share_one_matmul(lib, fast_prefill):
     y, ref = cat(x), torch.cat([p(x) for p in parts], dim=-1)
     assert cat.last_path == "dequant" and y.shape == (600, 288)
     assert torch.allclose(y, ref, rtol=1e-3, atol=1e-3 * float(ref.abs().max()))
+
+
+def test_mxfp4_repacked_as_q8_0_is_the_same_weights():
+    """gpt-oss's MXFP4 experts go through the Q8_0 kernels: the repack gives the floats gguf's own MXFP4 dequantize
+    gives, bit for bit; a block scale Q8_0's fp16 cannot hold is a clear error."""
+    import gguf
+
+    from specdec.errors import SpecdecError
+    from specdec.models.gguf_quantized import mxfp4_as_q8_0
+
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (64, 17), dtype=np.uint8)
+    blocks[:, 0] = rng.integers(104, 144, 64)  # scales 2^-24 .. 2^15
+    rows = blocks.reshape(4, 16 * 17)
+    ref = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType.MXFP4)
+    assert np.array_equal(gguf.quants.dequantize(mxfp4_as_q8_0(rows), gguf.GGMLQuantizationType.Q8_0), ref)
+    blocks[0, 0] = 200
+    with pytest.raises(SpecdecError, match="do not fit Q8_0"):
+        mxfp4_as_q8_0(blocks.reshape(4, 16 * 17))

@@ -98,18 +98,49 @@ def _blocks(data: np.ndarray, qtype: int, inp: int, out: int, bias: torch.Tensor
     return lin, lin.qweight.data_ptr() != blocks.data_ptr()
 
 
+MXFP4 = 39  # GGML_TYPE_MXFP4: per 32 weights an e8m0 scale byte and 16 bytes of e2m1 nibbles (gpt-oss's experts)
+Q8_0 = 8
+# kvalues_mxfp4 (ggml-common.h): twice each e2m1 value, so a block's weights are these times 2^(e - 128)
+_FP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
+
+
+def mxfp4_as_q8_0(data: np.ndarray) -> np.ndarray:
+    """MXFP4 blocks [..., 17 per block] -> the same weights as Q8_0 blocks [..., 34 per block], exactly: Q8_0's fp16
+    scale holds 2^(e - 128) for e in [104, 143] and its int8 quants the doubled e2m1 values (llama.cpp's
+    `dequantize_row_mxfp4` gives the same floats). Twice the bytes; the kernels take Q8_0. A scale outside that range
+    is a one-line error."""
+    blocks = data.reshape(-1, 17)
+    e = blocks[:, 0].astype(np.int32)
+    if e.min() < 104 or e.max() > 143:
+        raise SpecdecError(f"MXFP4 block scales 2^{e.min() - 128}..2^{e.max() - 128} do not fit Q8_0's fp16 scale")
+    out = np.empty((len(blocks), 34), dtype=np.uint8)
+    out[:, :2] = np.ldexp(np.float32(1), e - 128).astype(np.float16)[:, None].view(np.uint8)
+    qs = blocks[:, 1:]
+    out[:, 2:18] = _FP4[qs & 0x0F].view(np.uint8)  # weights 0..15: low nibbles
+    out[:, 18:34] = _FP4[qs >> 4].view(np.uint8)  # 16..31: high nibbles
+    return out.reshape(*data.shape[:-1], data.shape[-1] * 2)
+
+
+def _expert_blocks(t) -> tuple[np.ndarray, int, bool]:
+    """(3-D blocks, type, whether they are a copy) of an expert tensor: MXFP4 repacked as Q8_0."""
+    if int(t.tensor_type) == MXFP4:
+        return mxfp4_as_q8_0(t.data), Q8_0, True
+    return t.data, int(t.tensor_type), False
+
+
 def _experts(gate, up, down, reader, like: ExpertMath) -> GGUFExperts:
     """`GGUFExperts` from a layer's 3-D expert tensors (GGUF ne: gate/up [H, F, E], down [F, H, E])."""
     h, f, n = (int(x) for x in gate.shape)
-    copied = False
+    (g, gt, gc), (u, ut, uc), (d, dt, dc) = (_expert_blocks(t) for t in (gate, up, down))
+    copied = gc or uc or dc
     gate_up, downs = [], []
     for e in range(n):
         parts = []
-        for t in (gate, up):
-            lin, c = _blocks(t.data[e].reshape(f, -1), int(t.tensor_type), h, f, None)
+        for data, kind in ((g, gt), (u, ut)):
+            lin, c = _blocks(data[e].reshape(f, -1), kind, h, f, None)
             parts.append(lin)
             copied |= c
-        lin, c = _blocks(down.data[e].reshape(h, -1), int(down.tensor_type), f, h, None)
+        lin, c = _blocks(d[e].reshape(h, -1), dt, f, h, None)
         gate_up.append(GGUFConcatLinear(parts))
         downs.append(lin)
         copied |= c
@@ -190,18 +221,15 @@ def quantize_from_gguf(
         if not all(p in tensors for p in parts):
             continue
         biases = [f"{pre}{p}.bias" for p in ("gate_proj", "up_proj", "down_proj")]
-        kinds = {tensors[p].tensor_type.name for p in parts}
-        if "MXFP4" in kinds:  # dequantized, gpt-oss-20b's experts alone would take ~80 GB
-            raise SpecdecError(f"{path}: MXFP4 experts are not supported yet (the block kernels take Q4_K, Q5_0, ...)")
-        if all(quantized(p) for p in parts):
+        if all(quantized(p) or int(tensors[p].tensor_type) == MXFP4 for p in parts):  # MXFP4: repacked as Q8_0
             mlp = model.model.layers[i].mlp
             mlp.experts = _experts(*(tensors[p] for p in parts), reader, mlp.experts)
+        else:
+            state[f"{pre}gate_up_proj"] = torch.cat([dense(parts[0]), dense(parts[1])], dim=1)
+            state[f"{pre}down_proj"] = dense(parts[2])
         if biases[0] in tensors:  # gpt-oss
             state[f"{pre}gate_up_bias"] = torch.cat([dense(biases[0]), dense(biases[1])], dim=1)
             state[f"{pre}down_bias"] = dense(biases[2])
-        if not all(quantized(p) for p in parts):
-            state[f"{pre}gate_up_proj"] = torch.cat([dense(parts[0]), dense(parts[1])], dim=1)
-            state[f"{pre}down_proj"] = dense(parts[2])
     for name in tensors:  # norms, attention sinks
         if name.startswith("model.layers.") and ("norm" in name or name.endswith(".sinks")):
             state[name] = dense(name)
