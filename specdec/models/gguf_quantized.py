@@ -53,10 +53,7 @@ class GGUFExperts(ExpertMath, nn.Module):
         super().__init__()
         self.gate_up, self.down = nn.ModuleList(gate_up), nn.ModuleList(down)
         self.limit, self.alpha = like.limit, like.alpha
-        e, f, h = len(down), gate_up[0].out_features // 2, down[0].out_features
-        biased = like.gate_up_bias is not None  # loaded from the file's bias tensors
-        self.gate_up_bias = nn.Parameter(torch.empty(e, 2 * f), requires_grad=False) if biased else None
-        self.down_bias = nn.Parameter(torch.empty(e, h), requires_grad=False) if biased else None
+        self.gate_up_bias, self.down_bias = like.gate_up_bias, like.down_bias  # placeholders the file's biases fill
 
     def forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """Expert `expert`'s MLP over rows x [n, H] -> [n, H]."""
@@ -276,7 +273,10 @@ def densify(module: nn.Module, dtype: torch.dtype) -> nn.Module:
         return nn.Embedding.from_pretrained(module.table.dequantize(dtype), freeze=True)
     if isinstance(module, GGUFExperts):
         gate_up = [torch.cat([p.dequantize(dtype) for p in m.parts]) for m in module.gate_up]
-        return Experts(torch.stack(gate_up), torch.stack([m.dequantize(dtype) for m in module.down]))
+        biases = [None if b is None else b.detach().to(dtype) for b in (module.gate_up_bias, module.down_bias)]
+        experts = Experts(torch.stack(gate_up), torch.stack([m.dequantize(dtype) for m in module.down]), *biases)
+        experts.limit, experts.alpha = module.limit, module.alpha
+        return experts
     if isinstance(module, (GGUFLinear, GGUFConcatLinear)):
         parts = list(module.parts) if isinstance(module, GGUFConcatLinear) else [module]
         dense = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")

@@ -198,12 +198,12 @@ class MoE(nn.Module):
 
     def route(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k] in the rows' dtype, expert ids [N, k]) of each row's top-k experts."""
-        w = self.gate.weight
-        if isinstance(w, torch.Tensor) and w.dim() == 2:  # a dense router: one matrix-vector product per row, so a
+        if isinstance(self.gate, nn.Linear):  # a dense router: one matrix-vector product per row, so a row's logits
+            w = self.gate.weight  # do not depend on the rows beside it (row counts can change a matmul's bits)
             logits = torch.stack([torch.mv(w, r) for r in rows]) if len(rows) else rows.new_zeros(0, w.shape[0])
             if self.gate.bias is not None:
                 logits = logits + self.gate.bias
-        else:  # (row counts can change a matrix product's bits); a GGUF router goes through the block kernels
+        else:  # a GGUF router (`GGUFLinear`, no .weight) goes through the block kernels
             logits = self.gate(rows)
         if self.router == "topk_softmax":  # gpt-oss: the top k logits, softmaxed
             top, chosen = torch.topk(logits, self.top_k, dim=-1)
