@@ -48,6 +48,28 @@ def test_matches_sdpa_with_mask_and_gqa(path, monkeypatch):
     assert torch.allclose(none, ref, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("path", ["scalar", "avx2", "avx512"])
+def test_soft_cap_and_sinks_match_the_written_out_attention(path, monkeypatch):
+    """Gemma 2's soft cap and gpt-oss's sinks in the kernel: torch's written-out attention's values, and a row's
+    output the same bits alone or among drafted rows."""
+    from specdec.runtime.attention import _written_out
+
+    need_path(path)
+    monkeypatch.setenv("SPECDEC_KERNEL_PATH", path)
+    torch.manual_seed(2)
+    k, v = _cache()
+    q = torch.randn(2, 6, 5, 64) * 3
+    for softcap, sinks in ((30.0, None), (None, torch.randn(6) * 2), (5.0, torch.randn(6))):
+        mask = torch.rand(2, 1, 5, 40) > 0.3
+        mask[0, 0, 0] = sinks is None  # with sinks, a row that sees no key: all of its weight on the sink
+        out = _kernel(q, k, v, mask, 0.125, softcap, sinks)
+        ref = _written_out(q, k, v, mask, 0.125, softcap, sinks)
+        assert out is not None and torch.allclose(out, ref, atol=2e-6, rtol=1e-5), (softcap, sinks)
+        alone = _kernel(q[:1, :, 2:3], k[:1], v[:1], mask[:1, :, 2:3], 0.125, softcap, sinks)
+        assert torch.equal(alone[:, 0], out[:1, 2])
+    assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))
+
+
 def test_a_row_is_the_same_bits_alone_or_among_drafts():
     """Decode (one row, keys up to its position) and verification (rows after it, causal mask over more keys)."""
     torch.manual_seed(1)

@@ -108,9 +108,11 @@ def test_c_layer_takes_qwen3(family_files, monkeypatch):
     _compare(model, monkeypatch)
 
 
-def test_c_layer_takes_qwen3_moe(family_files, monkeypatch):
-    """A mixture-of-experts layer runs its attention half and its experts in C around the Python router: the same
-    bits as its Python path (decode, chains, a ragged batch, a tree)."""
+@pytest.mark.parametrize("case", ["qwen3_moe", "gpt_oss"])
+def test_c_layer_takes_mixtures_of_experts(family_files, monkeypatch, case):
+    """A mixture-of-experts layer runs its attention half and its experts in C around the Python router (gpt-oss: its
+    sinks, sliding layers, biased experts and clamped SwiGLU too): the same bits as its Python path (decode, chains, a
+    ragged batch, a tree)."""
     from test_layer_kernel import _compare
 
     from specdec.models.gguf_quantized import load_gguf_quantized
@@ -119,7 +121,7 @@ def test_c_layer_takes_qwen3_moe(family_files, monkeypatch):
     need_converter()
     if kernels.library() is None:
         pytest.skip(f"kernel library not built here: {kernels.build_error}")
-    model, _ = load_gguf_quantized(family_files("qwen3_moe").gguf("q8_0"), torch.float32)
+    model, _ = load_gguf_quantized(family_files(case).gguf("q8_0"), torch.float32)
     _compare(model, monkeypatch)
 
 
@@ -137,6 +139,45 @@ def test_experts_give_each_row_the_same_bits_at_any_batch(family_files):
     alone = torch.cat([runner.forward([[t]], [i], [0])[0] for i, t in enumerate(ids)])
     beside = runner.forward([ids[-1:], ids[:5]], [11, 0], [0, 1])[0]
     assert torch.equal(chunk, alone) and torch.equal(beside[0], chunk[-1])
+
+
+@pytest.mark.parametrize("case", ["qwen3_moe", "gpt_oss"])
+def test_experts_answer_the_same_batched_cached_and_in_a_second_process(family_files, case, tmp_path):
+    """Same request, same answer on a mixture of experts (Q8_0 GGUF): a prompt's greedy tokens are the same asked
+    alone, beside another request, with its prefix from the prompt cache, and in a fresh `specdec generate`."""
+    import json
+    import subprocess
+    import sys
+
+    from test_same_answer import FACTS, _run
+
+    import specdec
+    from specdec.engine.scheduler import Request, Scheduler
+    from specdec.sampling import SamplingParams
+
+    need_converter()
+    path = str(family_files(case).gguf("q8_0"))
+    llm = specdec.LLM(path, spec_type="none", parallel=2, context=256, cache_mb=16, progress=False)
+    llm.engine.stop_ids = set()
+    texts = [f"{FACTS[:400]}\nQuestion: which river flows past Ashford?", "Once upon a time, in a small village,"]
+    sched = Scheduler(llm.engine, 2)
+
+    def answers(cache: bool, together: bool) -> list[list[int]]:
+        params = SamplingParams(max_tokens=16, temperature=0.0)
+        reqs = [Request(llm.encode(t), params, llm.drafter_for("none"), cache_prompt=cache) for t in texts]
+        done = _run(sched, reqs, together)
+        assert not cache or not together or done[0].seq.cached_tokens > 0  # the long prompt's prefix came cached
+        return [r.seq.output_ids for r in done]
+
+    alone = answers(cache=False, together=False)
+    answers(cache=True, together=False)  # fills the cache
+    assert answers(cache=False, together=True) == alone and answers(cache=True, together=True) == alone
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(texts[0])
+    cmd = [sys.executable, "-m", "specdec.cli", "generate", "-m", path, "-f", str(prompt), "-n", "16", "--temp", "0"]
+    out = subprocess.run([*cmd, "--ignore-eos", "--json"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1])["token_ids"] == alone[0]
 
 
 def test_dense_experts_for_a_gpu_keep_the_biases_and_the_activation(family_files):

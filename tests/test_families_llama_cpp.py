@@ -28,8 +28,8 @@ LOGPROB_TOL = {"f32": 0.05, "q8_0": 0.4, "q4_k_m": 0.5, "real": 0.5}
 # than the tolerance (qwen3_moe, F32: a logit gap of 3e-5 flipped; Q4_K_M, Q5_0 blocks: a gap of 0.035 flipped, and
 # with llama.cpp's choice forced our logprob came within 0.08 of its own). Those positions are excused.
 ROUTE_TIE = {"f32": 1e-3, "q8_0": 0.05, "q4_k_m": 0.1, "real": 0.1}
-# gpt-oss's experts as MXFP4 (llama-quantize MXFP4_MOE): llama.cpp multiplies them in its own MXFP4 kernels, ours are
-# the same weights as Q8_0 blocks (tests/test_gguf_kernels.py: bit for bit). Its coarse weights flip routes up to a
+# gpt-oss's experts as MXFP4 (llama-quantize MXFP4_MOE), through llama.cpp's MXFP4 kernels and ours (the same weights:
+# tests/test_gguf_kernels.py), each with its own activation rounding. Its coarse weights flip routes up to a
 # router-logit gap of ~0.3 (a flip at a gap of 0.2-0.3 put that position 1.98 off), and a flip in the first layer
 # changes the K/V later positions read (0.71 off two positions on); the other positions agree within 0.23
 MXFP4_TOL, MXFP4_TIE = 1.0, 0.3
@@ -89,7 +89,7 @@ def test_gguf_greedy_equals_llama_cpp(family_files, family_home, case, kind):
 
 
 def test_gpt_oss_mxfp4_greedy_equals_llama_cpp(family_files, family_home):
-    """gpt-oss with its experts in MXFP4, as its released GGUFs store them (repacked as Q8_0 by our loader)."""
+    """gpt-oss with its experts in MXFP4, as its released GGUFs store them."""
     import specdec
 
     need_converter()
@@ -137,19 +137,28 @@ def _check_against_llama(
 @contextmanager
 def _routing_ties(llm, gap: float) -> Iterator[set[int]]:
     """Positions of the next forward (its only sequence) where a mixture-of-experts layer's k-th and next router
-    logits are within `gap`; empty for a dense model."""
+    logits (bias included) are within `gap`; empty for a dense model. Each layer's `route` is wrapped: the C layer
+    calls it without going through the MoE module's forward."""
     from specdec.models.transformer import MoE
 
     ties: set[int] = set()
 
-    def hook(moe: MoE, inputs: tuple, _out) -> None:
-        rows = inputs[0].reshape(-1, inputs[0].shape[-1])
-        logits = torch.stack([torch.mv(moe.gate.weight, r) for r in rows]).sort(-1, descending=True).values
-        ties.update((logits[:, moe.top_k - 1] - logits[:, moe.top_k] < gap).nonzero()[:, 0].tolist())
+    def watch(moe: MoE):
+        route = moe.route
 
-    hooks = [m.register_forward_hook(hook) for m in llm.runner.model.modules() if isinstance(m, MoE)]
+        def traced(rows: torch.Tensor):
+            logits = torch.stack([torch.mv(moe.gate.weight, r) for r in rows])
+            logits = (logits if moe.gate.bias is None else logits + moe.gate.bias).sort(-1, descending=True).values
+            ties.update((logits[:, moe.top_k - 1] - logits[:, moe.top_k] < gap).nonzero()[:, 0].tolist())
+            return route(rows)
+
+        return traced
+
+    moes = [m for m in llm.runner.model.modules() if isinstance(m, MoE)]
+    for m in moes:
+        m.route = watch(m)
     try:
         yield ties
     finally:
-        for h in hooks:
-            h.remove()
+        for m in moes:
+            del m.route

@@ -78,7 +78,8 @@ class ModelConfig:
     @property
     def plain_layers(self) -> bool:
         """Whether every layer is the Llama recipe (with or without Qwen3's per-head q/k norms, with dense or
-        mixture-of-experts MLPs) the C layer kernel runs (`runtime/layer_kernel.py`)."""
+        mixture-of-experts MLPs, gpt-oss's sinks, biased experts and sliding layers) the C layer kernel runs
+        (`runtime/layer_kernel.py`)."""
         return (
             self.norms == "pre"
             and self.hidden_act == "silu"
@@ -87,15 +88,9 @@ class ModelConfig:
             and self.attn_softcap is None
             and self.residual_scale == 1.0
             and self.norm_offset == 0.0
-            and self.layer_types is None
             and not self.no_rope_layers
             and self.rope_local_theta is None
             and self.rotary_dim is None
-            and self.router == "softmax_topk"
-            and not self.router_bias
-            and not self.expert_bias
-            and self.swiglu_limit is None
-            and not self.attn_sinks
         )
 
     def moe(self, layer: int) -> bool:

@@ -2,8 +2,8 @@
 
 `quantize_from_gguf(model, path)` takes a `Transformer` built for the file's config (typically on the meta
 device, so it holds no weights) and gives it the file's tensors: every projection whose GGUF tensor is Q4_1, Q4_K,
-Q5_0, Q6_K or Q8_0 becomes a `GGUFLinear` over a view of the file's memory map (fused q/k/v and gate/up
-stay fused: a `GGUFConcatLinear`, one kernel call for all parts); the token embedding
+Q5_0, Q6_K, Q8_0 or MXFP4 (gpt-oss's experts) becomes a `GGUFLinear` over a view of the file's memory map (fused
+q/k/v and gate/up stay fused: a `GGUFConcatLinear`, one kernel call for all parts); the token embedding
 becomes a `GGUFEmbedding` that dequantizes only the looked-up rows (and is the LM head's weight too when
 the model ties them); norms and biases (F32 in the file) and any tensor of another type are loaded dense in
 `dtype`. Resident memory stays near the file's size (the mapped pages are shared with the page cache).
@@ -29,6 +29,7 @@ from specdec.models.gguf_convert import config_from_gguf, hf_names, open_gguf, p
 from specdec.models.transformer import FUSED, ExpertMath, Experts, Transformer, our_name
 from specdec.runtime import kernels as K
 from specdec.runtime.gguf_linear import GGUFConcatLinear, GGUFLinear, for_this_cpu, kernel_matmul
+from specdec.runtime.layer_kernel import ExpertParts
 
 
 class GGUFEmbedding(nn.Module):
@@ -59,9 +60,10 @@ class GGUFExperts(ExpertMath, nn.Module):
         """Expert `expert`'s MLP over rows x [n, H] -> [n, H]."""
         return self.finish(expert, self.down[expert](self.activate(expert, self.gate_up[expert](x))))
 
-    def kernel_parts(self) -> tuple[list[list[GGUFLinear]], list[GGUFLinear]]:
-        """Each expert's [gate, up] and each one's down, as the C layer kernel takes them."""
-        return [list(gu.parts) for gu in self.gate_up], list(self.down)
+    def kernel_parts(self) -> ExpertParts:
+        """Each expert's [gate, up] and each one's down, with the biases and activation, as the C layer takes them."""
+        biases = (None if b is None else b.data for b in (self.gate_up_bias, self.down_bias))
+        return ExpertParts([list(gu.parts) for gu in self.gate_up], list(self.down), *biases, self.limit, self.alpha)
 
     def shared(self, experts: list[int], x: torch.Tensor) -> list[torch.Tensor]:
         """Each of `experts` over the same rows x [n, H] -> [n, H] each: their gate/up in one kernel call (the
@@ -95,49 +97,18 @@ def _blocks(data: np.ndarray, qtype: int, inp: int, out: int, bias: torch.Tensor
     return lin, lin.qweight.data_ptr() != blocks.data_ptr()
 
 
-MXFP4 = 39  # GGML_TYPE_MXFP4: per 32 weights an e8m0 scale byte and 16 bytes of e2m1 nibbles (gpt-oss's experts)
-Q8_0 = 8
-# kvalues_mxfp4 (ggml-common.h): twice each e2m1 value, so a block's weights are these times 2^(e - 128)
-_FP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
-
-
-def mxfp4_as_q8_0(data: np.ndarray) -> np.ndarray:
-    """MXFP4 blocks [..., 17 per block] -> the same weights as Q8_0 blocks [..., 34 per block], exactly: Q8_0's fp16
-    scale holds 2^(e - 128) for e in [104, 143] and its int8 quants the doubled e2m1 values (llama.cpp's
-    `dequantize_row_mxfp4` gives the same floats). Twice the bytes; the kernels take Q8_0. A scale outside that range
-    is a one-line error."""
-    blocks = data.reshape(-1, 17)
-    e = blocks[:, 0].astype(np.int32)
-    if e.min() < 104 or e.max() > 143:
-        raise SpecdecError(f"MXFP4 block scales 2^{e.min() - 128}..2^{e.max() - 128} do not fit Q8_0's fp16 scale")
-    out = np.empty((len(blocks), 34), dtype=np.uint8)
-    out[:, :2] = np.ldexp(np.float32(1), e - 128).astype(np.float16)[:, None].view(np.uint8)
-    qs = blocks[:, 1:]
-    out[:, 2:18] = _FP4[qs & 0x0F].view(np.uint8)  # weights 0..15: low nibbles
-    out[:, 18:34] = _FP4[qs >> 4].view(np.uint8)  # 16..31: high nibbles
-    return out.reshape(*data.shape[:-1], data.shape[-1] * 2)
-
-
-def _expert_blocks(t) -> tuple[np.ndarray, int, bool]:
-    """(3-D blocks, type, whether they are a copy) of an expert tensor: MXFP4 repacked as Q8_0."""
-    if int(t.tensor_type) == MXFP4:
-        return mxfp4_as_q8_0(t.data), Q8_0, True
-    return t.data, int(t.tensor_type), False
-
-
 def _experts(gate, up, down, reader, like: ExpertMath) -> GGUFExperts:
     """`GGUFExperts` from a layer's 3-D expert tensors (GGUF ne: gate/up [H, F, E], down [F, H, E])."""
     h, f, n = (int(x) for x in gate.shape)
-    (g, gt, gc), (u, ut, uc), (d, dt, dc) = (_expert_blocks(t) for t in (gate, up, down))
-    copied = gc or uc or dc
+    copied = False
     gate_up, downs = [], []
     for e in range(n):
         parts = []
-        for data, kind in ((g, gt), (u, ut)):
-            lin, c = _blocks(data[e].reshape(f, -1), kind, h, f, None)
+        for t in (gate, up):
+            lin, c = _blocks(t.data[e].reshape(f, -1), int(t.tensor_type), h, f, None)
             parts.append(lin)
             copied |= c
-        lin, c = _blocks(d[e].reshape(h, -1), dt, f, h, None)
+        lin, c = _blocks(down.data[e].reshape(h, -1), int(down.tensor_type), f, h, None)
         gate_up.append(GGUFConcatLinear(parts))
         downs.append(lin)
         copied |= c
@@ -218,7 +189,7 @@ def quantize_from_gguf(
         if not all(p in tensors for p in parts):
             continue
         biases = [f"{pre}{p}.bias" for p in ("gate_proj", "up_proj", "down_proj")]
-        if all(quantized(p) or int(tensors[p].tensor_type) == MXFP4 for p in parts):  # MXFP4: repacked as Q8_0
+        if all(quantized(p) for p in parts):
             mlp = model.model.layers[i].mlp
             mlp.experts = _experts(*(tensors[p] for p in parts), reader, mlp.experts)
         else:

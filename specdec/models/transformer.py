@@ -110,9 +110,12 @@ def gated(gate_up: torch.Tensor, gelu: bool = False) -> torch.Tensor:
 def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
     """gpt-oss's activation of a fused [..., 2F] gate/up: (clamp(up, +-limit) + 1) * g * sigmoid(alpha g), where
     g = min(gate, limit)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    act = small_ops.swiglu_limit(gate_up, limit, alpha)
+    if act is None:
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        act = (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    return act
 
 
 class ExpertMath:
@@ -277,11 +280,14 @@ class DecoderLayer(nn.Module):
             getattr(a, "q_norm", None),
             getattr(a, "k_norm", None),
             m.experts if moe else None,
+            getattr(a, "sinks", None),
         )
         built = self._layer_kernel  # (the modules it was built from, the C form or None)
         if built is None or any(x is not y for x, y in zip(built[0], modules)):  # first use, or a module replaced
             experts = m.experts.kernel_parts() if moe else None
-            kernel = None if moe and experts is None else LayerKernel.of(a.cfg, *modules[:-1], experts=experts)
+            kernel = None
+            if not moe or experts is not None:
+                kernel = LayerKernel.of(a.cfg, *modules[:-2], experts=experts, sinks=modules[-1], sliding=a.sliding)
             built = self._layer_kernel = (modules, kernel)
         return built[1]
 

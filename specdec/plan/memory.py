@@ -252,7 +252,7 @@ def _gguf_sizes(spec: ModelSpec, fmt: Format) -> dict[str, tuple[int, int]]:
 
 
 def block_tensors(spec: ModelSpec, fmt: Format) -> set[str]:
-    """Names of the tensors the gguf runtime keeps as blocks: matrices of a kernel type (Q4_K, Q5_0, Q6_K, Q8_0)
+    """Names of the tensors the gguf runtime keeps as blocks: matrices of a kernel type (`kernels.TYPES`)
     whose fused group (q/k/v, gate/up), if any, is all of kernel types."""
     from specdec.runtime import kernels as K
 

@@ -24,6 +24,7 @@ from specdec.plan.recommend import Recommendation, recommend, task
 from specdec.plan.specs import ModelSpec, load_spec
 from specdec.plan.speed import StepTime, Verify, best_k, break_even_alpha, step_time
 from specdec.plan.units import parse_bandwidth, parse_size
+from specdec.runtime import kernels as K
 from specdec.runtime.placement import ALL_LAYERS, Placement, place_layers
 
 if TYPE_CHECKING:
@@ -497,7 +498,7 @@ def _notes(plan: Plan) -> list[str]:
         if dense:
             notes.append(
                 f"{s.label}: {'/'.join(dense)} matrices (and a q/k/v or gate/up they are fused with) are "
-                f"held dense in {m.fmt.weights}: the kernels take Q4_K, Q5_0, Q6_K, Q8_0"
+                f"held dense in {m.fmt.weights}: the kernels take {', '.join(K.TYPES)}"
             )
     d = plan.draft.spec.dims if plan.draft else None
     if d and d.vocab and plan.target.spec.dims.vocab and abs(d.vocab - plan.target.spec.dims.vocab) > 1024:

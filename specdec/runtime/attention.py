@@ -30,15 +30,15 @@ def attention(
     """q [B, H, T, hd], keys / values [B, kv_heads, S, hd], mask [B, 1, T, S] bool (True = attend) or None (every
     key) -> [B, T, H, hd]. Scores are q.k times `scale` (None: hd ** -0.5), then `softcap * tanh(s / softcap)` where
     a soft cap is given (Gemma 2); `sinks` [H]: a logit per head that joins each softmax and attends to nothing
-    (gpt-oss). Both with torch's own ops, as transformers computes them."""
+    (gpt-oss). Where the kernel does not run, both with torch's own ops, as transformers computes them."""
+    out = _kernel(q, keys, values, mask, scale, softcap, sinks)
+    if out is not None:
+        return out
     if softcap is not None or sinks is not None:
         return _written_out(q, keys, values, mask, q.shape[-1] ** -0.5 if scale is None else scale, softcap, sinks)
-    out = _kernel(q, keys, values, mask, scale)
-    if out is None:
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
-        ).transpose(1, 2)
-    return out
+    return F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
+    ).transpose(1, 2)
 
 
 def _written_out(
@@ -67,11 +67,17 @@ def _written_out(
 
 
 def _kernel(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     B, H, T, hd = q.shape
     S, kvh = keys.shape[2], keys.shape[1]
-    grad = torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad or values.requires_grad)
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, keys, values, sinks))
     usable = (
         K.kernels_take(T)
         and not grad
@@ -88,6 +94,7 @@ def _kernel(
         return None
     qc = q if q.stride(-1) == 1 else q.contiguous()
     m = None if mask is None else mask.expand(B, 1, T, S).contiguous()
+    sk = None if sinks is None else sinks.detach().float().contiguous()
     out = torch.empty(B, T, H, hd, dtype=torch.float32)
     rc = lib.gq_attention(
         qc.data_ptr(),
@@ -105,6 +112,8 @@ def _kernel(
         S,
         hd,
         1.0 / math.sqrt(hd) if scale is None else scale,
+        softcap or 0.0,
+        None if sk is None else sk.data_ptr(),
         out.data_ptr(),
         torch.get_num_threads(),
         K.requested_path(),

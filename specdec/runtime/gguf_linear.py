@@ -10,7 +10,7 @@ With fast prefill (`kernels.set_fast_prefill`, opt-in) forwards of more rows deq
 output rows (bf16 where the CPU has native bf16, else the input's dtype) into a reused buffer for torch's matmul.
 Without the compiled library every forward dequantizes through the `gguf` package (slow but correct).
 
-Types: Q4_K, Q5_0, Q6_K, Q8_0 (what Q4_K_M packs hold) and Q4_1 (the SmolLM2-135M pack).
+Types: Q4_K, Q5_0, Q6_K, Q8_0 (what Q4_K_M packs hold), Q4_1 (the SmolLM2-135M pack) and MXFP4 (gpt-oss's experts).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cached_property
 
 import torch
@@ -36,6 +37,10 @@ class _Moe(ctypes.Structure):
         ("gate_up_w", ptr),
         ("down_types", ptr),
         ("down_w", ptr),
+        ("gate_up_bias", ptr),
+        ("down_bias", ptr),
+        ("limit", ctypes.c_float),
+        ("alpha", ctypes.c_float),
     ]
 
 
@@ -56,6 +61,8 @@ class _Layer(ctypes.Structure):
         ("gate_up", _Linear),
         ("down", _Linear),
         ("moe", _Moe),
+        ("sinks", ptr),
+        ("sliding", i64),
     ]
 
 
@@ -73,6 +80,7 @@ class _Step(ctypes.Structure):
         ("slots", ptr),
         ("index", ptr),
         ("mask", ptr),
+        ("local_mask", ptr),
     ]
 
 
@@ -84,7 +92,17 @@ def _parts(module) -> tuple[list[GGUFLinear], torch.Tensor | None] | None:
     return None
 
 
-Experts = tuple[list[list[GGUFLinear]], list[GGUFLinear]]  # each expert's [gate, up], each one's down
+@dataclass
+class ExpertParts:
+    """A mixture of experts as the C layer takes it: each expert's [gate, up] and each one's down (GGUF matrices), and
+    gpt-oss's biases and clamped SwiGLU around them (`transformer.ExpertMath`)."""
+
+    gate_ups: list[list[GGUFLinear]]
+    downs: list[GGUFLinear]
+    gate_up_bias: torch.Tensor | None = None  # [E, 2F]
+    down_bias: torch.Tensor | None = None  # [E, H]
+    limit: float | None = None  # None: SiLU(gate) * up
+    alpha: float = 1.702
 
 
 class LayerKernel:
@@ -99,11 +117,23 @@ class LayerKernel:
 
     @classmethod
     def of(
-        cls, cfg, norm1, norm2, qkv, o, gate_up, down, q_norm=None, k_norm=None, experts: Experts | None = None
+        cls,
+        cfg,
+        norm1,
+        norm2,
+        qkv,
+        o,
+        gate_up,
+        down,
+        q_norm=None,
+        k_norm=None,
+        experts: ExpertParts | None = None,
+        sinks: torch.Tensor | None = None,
+        sliding: bool = False,
     ) -> "LayerKernel | None":
-        """The C layer for these modules (q_norm, k_norm: per-head norms or None; experts: a mixture of experts'
-        GGUF matrices in place of gate_up and down), or None where it cannot run them (the caller keeps its Python
-        path)."""
+        """The C layer for these modules (q_norm, k_norm: per-head norms or None; experts: a mixture of experts in
+        place of gate_up and down; sinks: gpt-oss's [heads]; sliding: a sliding-window layer), or None where it
+        cannot run them (the caller keeps its Python path)."""
         mlp = [] if experts is not None else [gate_up, down]
         lins = [_parts(m) for m in [qkv, o, *mlp]]
         norms = tuple(n.weight for n in (norm1, norm2, q_norm, k_norm) if n is not None)
@@ -116,9 +146,11 @@ class LayerKernel:
             or any(n.dtype != torch.float32 or not n.is_cpu for n in norms)
             or any(p.qweight.device.type != "cpu" for ps, _ in lins for p in ps)
             or (experts is not None and not _experts_run(experts))
+            or (sinks is not None and (sinks.dtype != torch.float32 or not sinks.is_cpu))
         ):
             return None
         keep: list = [n.detach().contiguous() for n in norms]
+        sink = None if sinks is None else sinks.detach().contiguous()
         qk = [n.data_ptr() for n in keep[2:]] or [None, None]
         structs = []
         for ps, bias in lins + [([], None)] * (2 - len(mlp)):  # a mixture of experts: no dense gate_up, down
@@ -140,8 +172,10 @@ class LayerKernel:
             *qk,
             *structs,
             _Moe() if experts is None else _moe(experts, keep),
+            None if sink is None else sink.data_ptr(),
+            int(sliding),
         )
-        return cls(spec, keep)
+        return cls(spec, keep + [sink])
 
     def run(
         self, x: torch.Tensor, step: "StepArgs | None", layer: int, cache, route: Route | None = None
@@ -184,30 +218,40 @@ class LayerKernel:
         return out if rc >= 0 else None
 
 
-def _experts_run(experts: Experts) -> bool:
-    """Whether the C layer takes these experts: GGUF matrices on the CPU, widths its SiLU kernel takes (as
-    `small_ops.silu_mul`, whose bits the Python path has)."""
-    gate_ups, downs = experts
-    parts = [p for gu in gate_ups for p in gu] + list(downs)
+def _experts_run(experts: ExpertParts) -> bool:
+    """Whether the C layer takes these experts: GGUF matrices on the CPU, float32 biases there, widths its activation
+    kernels take (as `small_ops.silu_mul` and `small_ops.swiglu_limit`, whose bits the Python path has)."""
+    parts = [p for gu in experts.gate_ups for p in gu] + list(experts.downs)
+    biases = [b for b in (experts.gate_up_bias, experts.down_bias) if b is not None]
     return (
-        all(len(gu) == 2 for gu in gate_ups)
+        all(len(gu) == 2 for gu in experts.gate_ups)
         and all(p.qweight.device.type == "cpu" and p.bias is None for p in parts)
-        and gate_ups[0][0].out_features % 8 == 0
+        and all(b.dtype == torch.float32 and b.is_cpu for b in biases)
+        and experts.gate_ups[0][0].out_features % 8 == 0
     )
 
 
-def _moe(experts: Experts, keep: list) -> _Moe:
-    """The experts as `moe_t`: arrays of each one's gate and up, and of each one's down (kept alive in `keep`)."""
-    gate_ups, downs = experts
-    flat = [p for gu in gate_ups for p in gu]
+def _moe(experts: ExpertParts, keep: list) -> _Moe:
+    """The experts as `moe_t`: arrays of each one's gate and up, and of each one's down, their biases (kept alive in
+    `keep`)."""
+    flat = [p for gu in experts.gate_ups for p in gu]
+    downs = experts.downs
     arrays = [
         (ctypes.c_int * len(flat))(*[p.qtype for p in flat]),
         (ptr * len(flat))(*[p.qweight.data_ptr() for p in flat]),
         (ctypes.c_int * len(downs))(*[p.qtype for p in downs]),
         (ptr * len(downs))(*[p.qweight.data_ptr() for p in downs]),
     ]
-    keep += arrays
-    return _Moe(len(downs), flat[0].out_features, *[ctypes.cast(a, ptr) for a in arrays])
+    biases = [None if b is None else b.detach().contiguous() for b in (experts.gate_up_bias, experts.down_bias)]
+    keep += arrays + biases
+    return _Moe(
+        len(downs),
+        flat[0].out_features,
+        *[ctypes.cast(a, ptr) for a in arrays],
+        *[None if b is None else b.data_ptr() for b in biases],
+        experts.limit or 0.0,
+        experts.alpha,
+    )
 
 
 class LayerStack:
@@ -284,8 +328,9 @@ class StepArgs:
             batch.slots.to(torch.int64).contiguous(),
             batch.cache_index.to(torch.int64).contiguous(),
             None if batch.mask is None else batch.mask.expand(B, 1, T, batch.kv_len).contiguous(),
+            None if batch.local_mask is None else batch.local_mask.expand(B, 1, T, batch.kv_len).contiguous(),
         ]
-        c, s, slots, index, mask = self.keep
+        c, s, slots, index, mask, local = self.keep
         return _Step(
             B,
             T,
@@ -299,6 +344,7 @@ class StepArgs:
             slots.data_ptr(),
             index.data_ptr(),
             None if mask is None else mask.data_ptr(),
+            None if local is None else local.data_ptr(),
         )
 
 

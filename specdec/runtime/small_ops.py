@@ -42,13 +42,24 @@ def rope_(qkv: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """gate_up [..., 2 * inter] (gate, then up) -> silu(gate) * up [..., inter], or None."""
+    return _gated(gate_up, lambda lib, *args: lib.gq_silu_mul(*args))
+
+
+def swiglu_limit(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor | None:
+    """gate_up [..., 2 * inter] (gate, then up) -> gpt-oss's (clamp(up, +-limit) + 1) * g * sigmoid(alpha g) with
+    g = min(gate, limit) [..., inter], or None."""
+    return _gated(gate_up, lambda lib, gu, rows, inter, out: lib.gq_swiglu_limit(gu, rows, inter, limit, alpha, out))
+
+
+def _gated(gate_up: torch.Tensor, call) -> torch.Tensor | None:
+    """An activation kernel of a fused gate/up, `call(lib, gate_up, rows, inter, out)` with addresses, or None."""
     inter = gate_up.shape[-1] // 2
     lib = K.library() if _usable(gate_up) and inter % 8 == 0 else None
     if lib is None:
         return None
     gu = gate_up.contiguous()
     out = torch.empty(*gu.shape[:-1], inter, dtype=torch.float32)
-    lib.gq_silu_mul(gu.data_ptr(), gu.numel() // (2 * inter), inter, out.data_ptr())
+    call(lib, gu.data_ptr(), gu.numel() // (2 * inter), inter, out.data_ptr())
     return out
 
 

@@ -38,21 +38,23 @@ PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512bw": 3, "avx512": 4}  # avx51
 PATH_NAMES = {v: k for k, v in PATHS.items()}
 
 # GGML type ids the kernels take
-Q4_1, Q5_0, Q8_0, Q4_K, Q6_K = 3, 6, 8, 12, 14
-TYPES = {"Q4_1": Q4_1, "Q5_0": Q5_0, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q6_K": Q6_K}
+Q4_1, Q5_0, Q8_0, Q4_K, Q6_K, MXFP4 = 3, 6, 8, 12, 14, 39
+TYPES = {"Q4_1": Q4_1, "Q5_0": Q5_0, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q6_K": Q6_K, "MXFP4": MXFP4}
 X16 = 256  # added to a type: its blocks repacked 16 outputs at a time (`gq_repack`; AVX2 / AVX-512 kernels)
-REPACKABLE = (Q4_K, Q6_K, Q8_0, Q5_0, Q4_1)
+REPACKABLE = (Q4_K, Q6_K, Q8_0, Q5_0, Q4_1, MXFP4)
 BLOCK = {
     Q4_1: (32, 20),
     Q5_0: (32, 22),
     Q8_0: (32, 34),
     Q4_K: (256, 144),
     Q6_K: (256, 210),  # type -> (elements,
+    MXFP4: (32, 17),
     X16 + Q4_1: (32, 20),
     X16 + Q5_0: (32, 22),
     X16 + Q8_0: (32, 34),
     X16 + Q4_K: (256, 148),  # bytes/output)
     X16 + Q6_K: (256, 210),
+    X16 + MXFP4: (32, 17),
 }
 
 _lock = threading.Lock()
@@ -160,6 +162,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         i64,
         i64,
         ctypes.c_float,
+        ctypes.c_float,
+        p,
         p,
         i32,
         i32,
@@ -168,8 +172,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gq_rmsnorm.argtypes = [p, p, ctypes.c_float, i64, i64, p]
     lib.gq_rope.argtypes = [p, i64, p, p, i64, i64, i64]
     lib.gq_silu_mul.argtypes = [p, i64, i64, p]
+    lib.gq_swiglu_limit.argtypes = [p, i64, i64, ctypes.c_float, ctypes.c_float, p]
     lib.gq_top2.argtypes = [p, i64, i64, i64, p, p]
-    for f in (lib.gq_rmsnorm, lib.gq_rope, lib.gq_silu_mul, lib.gq_top2):
+    for f in (lib.gq_rmsnorm, lib.gq_rope, lib.gq_silu_mul, lib.gq_swiglu_limit, lib.gq_top2):
         f.restype = i32
     lib.gq_decoder_layer.argtypes = [p, p, p, p, i32, i32]
     lib.gq_decoder_layer.restype = i32

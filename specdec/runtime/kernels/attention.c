@@ -10,7 +10,8 @@
  *
  * Arithmetic is stated over 16 lanes (attention_body.h): dot products keep 16 partial sums over the head
  * dimension (a multiple of 16) and add them in a fixed tree, the exponential is a polynomial (Cephes expf
- * coefficients, relative error ~1e-7). The same loops are compiled for AVX-512, AVX2 and plain x86-64 / other CPUs,
+ * coefficients, relative error ~1e-7). Gemma 2's soft cap (softcap * tanh(s / softcap), libm's tanhf) and gpt-oss's
+ * sinks (a logit per head that joins the softmax's maximum and sum and attends to nothing) are optional. The same loops are compiled for AVX-512, AVX2 and plain x86-64 / other CPUs,
  * and gq_best_path picks one per process.
  */
 #include <math.h>
@@ -34,7 +35,8 @@ typedef struct {
     int64_t sb, sh;
     const uint8_t *mask;  /* [B][T][S], 1 = attend; NULL = every key */
     int64_t B, H, kvh, T, S, hd;
-    float scale;
+    float scale, softcap; /* softcap 0: none */
+    const float *sinks;   /* [H] or NULL */
     float *out;           /* [B][T][H][hd] */
 } att_t;
 
@@ -56,15 +58,17 @@ typedef struct {
 #endif
 
 /* out[B][T][H][hd] = softmax(q k^T * scale, masked) v. q, k, v as in att_t (a head's hd floats and the keys' [S][hd]
- * contiguous); mask [B][T][S] bytes or NULL. path as gq_matmul_parts (0 auto). Returns 0, or negative. */
+ * contiguous); mask [B][T][S] bytes or NULL; softcap (0: none) and sinks ([H] or NULL) as att_t. path as
+ * gq_matmul_parts (0 auto). Returns 0, or negative. */
 int gq_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qst, const float *k, const float *v,
                  const int64_t *slots, int64_t sb, int64_t sh, const uint8_t *mask, int64_t B, int64_t H, int64_t kvh,
-                 int64_t T, int64_t S, int64_t hd, float scale, float *out, int nthreads, int path) {
+                 int64_t T, int64_t S, int64_t hd, float scale, float softcap, const float *sinks, float *out,
+                 int nthreads, int path) {
     if (B < 1 || T < 1 || S < 1 || hd < 16 || hd % 16 || hd > MAX_HD || kvh < 1 || H % kvh != 0) return -2;
     const int best = gq_best_path();
     if (path == 0 || path > best) path = best;
     if (nthreads < 1) nthreads = 1;
-    const att_t a = {q, qsb, qsh, qst, k, v, slots, sb, sh, mask, B, H, kvh, T, S, hd, scale, out};
+    const att_t a = {q, qsb, qsh, qst, k, v, slots, sb, sh, mask, B, H, kvh, T, S, hd, scale, softcap, sinks, out};
     const int64_t tasks = B * T * kvh;
     int err = 0;
 #pragma omp parallel num_threads(nthreads)

@@ -61,10 +61,13 @@ ATT_T INL void ATT_FN(block)(const att_t *a, int64_t b, int64_t t, int64_t h0, c
             }
         UNROLL for (int h = 0; h < NB; h++) sc[h * sp + j] = ATT_FN(hsum)(acc[h]) * a->scale;
     }
+    if (a->softcap > 0)
+        for (int h = 0; h < NB; h++)
+            for (int32_t j = 0; j < n; j++) sc[h * sp + j] = tanhf(sc[h * sp + j] / a->softcap) * a->softcap;
     const VF zero = {0};
     float inv[4];
     UNROLL for (int h = 0; h < NB; h++) {
-        float *s = sc + h * sp, mx = -INFINITY;
+        float *s = sc + h * sp, mx = a->sinks ? a->sinks[h0 + h] : -INFINITY;
         for (int32_t j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
         for (int32_t j = n; j < (n + 15) / 16 * 16; j++) s[j] = -INFINITY; /* padding: e^-inf ~ 0 below */
         VF tot[NV];
@@ -75,7 +78,10 @@ ATT_T INL void ATT_FN(block)(const att_t *a, int64_t b, int64_t t, int64_t h0, c
                 *(VF *)(void *)(s + j + AW * u) = e;
                 tot[u] += e;
             }
-        inv[h] = 1.0f / ATT_FN(hsum)(tot);
+        float sum = ATT_FN(hsum)(tot);
+        if (a->sinks) /* the sink's exponential, through the same polynomial, added last */
+            sum += ATT_FN(exp_neg)(zero + (a->sinks[h0 + h] - mx))[0];
+        inv[h] = 1.0f / sum;
     }
     /* 16 output dims (a key's cache line) at a time, PB heads at a time: PB x 2 x NV sums in registers */
     const int PB = AW == 16 || NB < 2 ? NB : 2;

@@ -7,10 +7,12 @@
  *   Q4_K (144 B / 256): f16 d, f16 dmin, 12 B of 6-bit scales/mins, 128 B of nibbles
  *                       w = d * sc[s] * q - dmin * m[s], 8 sub-blocks of 32
  *   Q6_K (210 B / 256): ql[128], qh[64], int8 sc[16], f16 d           w = d * sc[g] * (q - 32), 16 groups of 16
+ *   MXFP4 (17 B / 32): e8m0 e, u8 qs[16] (e2m1 nibbles, as Q4_1's)    w = 2^(e - 128) * kv[q], kv: twice e2m1's values
  *
  * Activations are quantized per call to int8 (one scale per 256 inputs for the K-quants, per 32 for
  * Q8_0/Q5_0/Q4_1), so the inner products are integer (AVX-512 VNNI vpdpbusd, or AVX-512BW / AVX2 vpmaddubsw +
- * vpmaddwd). Weight offsets (Q5_0's -16, Q6_K's -32, Q4_K's and Q4_1's mins, Q8_0's +128 bias in the VNNI path)
+ * vpmaddwd). Weight offsets (Q5_0's -16, Q6_K's -32, Q4_K's and Q4_1's mins, Q8_0's +128 bias in the VNNI path,
+ * MXFP4's -12: its nibbles go through a 16-byte table (vpshufb) to kv + 12, unsigned as vpdpbusd takes them)
  * are applied as float products of per-group weight constants with per-group activation sums.
  *
  * Kernels: on the file's layout each output's blocks are walked, each block unpacked once into registers and
@@ -37,7 +39,7 @@
 #include <immintrin.h>
 #endif
 
-enum { GQ_Q4_1 = 3, GQ_Q5_0 = 6, GQ_Q8_0 = 8, GQ_Q4_K = 12, GQ_Q6_K = 14 };
+enum { GQ_Q4_1 = 3, GQ_Q5_0 = 6, GQ_Q8_0 = 8, GQ_Q4_K = 12, GQ_Q6_K = 14, GQ_MXFP4 = 39 };
 /* GQ_X16 + Q4_K / Q6_K: the same blocks repacked 16 outputs at a time (gq_repack, layouts below), for the
  * AVX-512 kernel. Addressed like the file's layout with 256 inputs and X16_BYTES / 16 bytes per output and
  * block, so output o's data starts at W + o * rowbytes when o is a multiple of 16. */
@@ -57,6 +59,11 @@ enum { X6_HB = 2048, X6_SC = 3072, X6_D = 3328, X6_BYTES = 3360 };
 enum { X8_D = 512, X8_BYTES = 544, X5_HB = 256, X5_D = 320, X5_BYTES = 352 };
 /* Q4_1 x16 (320 bytes): [0, 256) the quants' nibbles as Q5_0 x16's; [256, 288) d, [288, 320) m (fp16). */
 enum { X41_D = 256, X41_M = 288, X41_BYTES = 320 };
+/* MXFP4 x16 (272 bytes): [0, 256) the e2m1 nibbles as Q4_1 x16's; [256, 272) e of the 16 outputs (e8m0). */
+enum { XM_E = 256, XM_BYTES = 272 };
+/* kvalues_mxfp4 (ggml-common.h, twice each e2m1 value) and the same + 12, unsigned for the integer dots */
+static const int8_t MX_KV[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+static const int8_t MX_LUT[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 /* PATH_AVX512BW: AVX-512 F/BW/VL/DQ without VNNI (the x16 kernels with vpmaddubsw + vpmaddwd; the file's layout on the
  * AVX2 row kernels); PATH_AVX512: with VNNI */
 enum { PATH_AUTO = 0, PATH_SCALAR = 1, PATH_AVX2 = 2, PATH_AVX512BW = 3, PATH_AVX512 = 4 };
@@ -70,11 +77,13 @@ static int block_bytes(int type) {
     case GQ_Q4_1: return 20;
     case GQ_Q4_K: return 144;
     case GQ_Q6_K: return 210;
+    case GQ_MXFP4: return 17;
     case GQ_X16 + GQ_Q4_K: return X4_BYTES / 16;
     case GQ_X16 + GQ_Q6_K: return X6_BYTES / 16;
     case GQ_X16 + GQ_Q8_0: return X8_BYTES / 16;
     case GQ_X16 + GQ_Q5_0: return X5_BYTES / 16;
     case GQ_X16 + GQ_Q4_1: return X41_BYTES / 16;
+    case GQ_X16 + GQ_MXFP4: return XM_BYTES / 16;
     default: return 0;
     }
 }
@@ -95,6 +104,13 @@ static float fp16_to_f32(uint16_t h) {
 static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 static inline uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 static inline float rdh(const uint8_t *p) { return fp16_to_f32(rd16(p)); }
+/* an MXFP4 block's scale: 2^(e - 128), as ggml's e8m0_to_fp32_half (e < 2: subnormal) */
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
 
 #define INL static inline __attribute__((always_inline))
 /* 6-bit scales and mins of the 8 sub-blocks, from the 12 packed bytes: bytes 0-3 hold sc[0..3] (low 6 bits)
@@ -137,6 +153,14 @@ INL int unpack_block(int type, const uint8_t *b, int8_t *q, float *gs, float *gm
             q[j + 16] = (int8_t)(b[4 + j] >> 4);
         }
         return 32;
+    case GQ_MXFP4:
+        gs[0] = e8m0_half(b[0]);
+        gm[0] = 0;
+        for (int j = 0; j < 16; j++) {
+            q[j] = MX_KV[b[1 + j] & 0xF];
+            q[j + 16] = MX_KV[b[1 + j] >> 4];
+        }
+        return 32;
     case GQ_Q4_K: {
         float d = rdh(b), dmin = rdh(b + 2);
         uint8_t sc[8], m[8];
@@ -177,10 +201,14 @@ INL int unpack_block(int type, const uint8_t *b, int8_t *q, float *gs, float *gm
 
 /* Output t (0-15) of an x16 superblock P -> signed values q and group scales, as unpack_block gives them. */
 INL int unpack_x16(int type, const uint8_t *P, int t, int8_t *q, float *gs, float *gm) {
-    if (type == GQ_X16 + GQ_Q4_1) {
-        for (int i = 0; i < 32; i++) q[i] = (int8_t)((P[64 * ((i % 16) / 4) + 4 * t + i % 4] >> (i >= 16 ? 4 : 0)) & 0xF);
-        gs[0] = rdh(P + X41_D + 2 * t);
-        gm[0] = rdh(P + X41_M + 2 * t);
+    if (type == GQ_X16 + GQ_Q4_1 || type == GQ_X16 + GQ_MXFP4) {
+        const int mx = type == GQ_X16 + GQ_MXFP4;
+        for (int i = 0; i < 32; i++) {
+            const int nib = (P[64 * ((i % 16) / 4) + 4 * t + i % 4] >> (i >= 16 ? 4 : 0)) & 0xF;
+            q[i] = (int8_t)(mx ? MX_KV[nib] : nib);
+        }
+        gs[0] = mx ? e8m0_half(P[XM_E + t]) : rdh(P + X41_D + 2 * t);
+        gm[0] = mx ? 0.0f : rdh(P + X41_M + 2 * t);
         return 32;
     }
     if (type == GQ_X16 + GQ_Q8_0 || type == GQ_X16 + GQ_Q5_0) {
@@ -235,6 +263,9 @@ static void repack_group(int type, const uint8_t *W, int64_t rowbytes, int64_t n
                 switch (type) {
                 case GQ_Q8_0: P[64 * k + at] = (uint8_t)(q[i] + 128); break;
                 case GQ_Q4_1: P[64 * ((i % 16) / 4) + at] |= (uint8_t)((q[i] & 0xF) << (i >= 16 ? 4 : 0)); break;
+                case GQ_MXFP4: /* the nibble itself (kv has two zeros) */
+                    P[64 * ((i % 16) / 4) + at] |= (uint8_t)(((blk[1 + i % 16] >> (i >= 16 ? 4 : 0)) & 0xF) << (i >= 16 ? 4 : 0));
+                    break;
                 case GQ_Q5_0:
                     P[64 * ((i % 16) / 4) + at] |= (uint8_t)(((q[i] + 16) & 0xF) << (i >= 16 ? 4 : 0));
                     P[X5_HB + 8 * k + at / 8] |= (uint8_t)((((q[i] + 16) >> 4) & 1) << (at % 8));
@@ -253,6 +284,7 @@ static void repack_group(int type, const uint8_t *W, int64_t rowbytes, int64_t n
                 memcpy(P + X41_D + 2 * t, blk, 2);
                 memcpy(P + X41_M + 2 * t, blk + 2, 2);
                 break;
+            case GQ_MXFP4: P[XM_E + t] = blk[0]; break;
             case GQ_Q4_K: {
                 uint8_t sc[8], m[8];
                 q4k_scales(blk + 4, sc, m);
@@ -700,6 +732,22 @@ T256 INL v2i v2_bits(const uint8_t *p, v2i v) { /* v where bit b of the 64-bit m
     const __m256i h = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(all, ph), bit), bit);
     return (v2i){_mm256_and_si256(l, v.l), _mm256_and_si256(h, v.h)};
 }
+T256 INL v2f v2_e8m0(const uint8_t *p) { /* 16 MXFP4 scales -> 2^(e - 128), as e8m0_half */
+    v2f r;
+    for (int h = 0; h < 2; h++) {
+        const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * h)));
+        const __m256i big = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+        const __m256i small = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+        const __m256 f = _mm256_castsi256_ps(_mm256_blendv_epi8(big, small, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+        if (h) r.h = f;
+        else r.l = f;
+    }
+    return r;
+}
+T256 INL v2i v2_lut(v2i nib) { /* MXFP4 nibbles -> kv + 12 */
+    const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)MX_LUT));
+    return (v2i){_mm256_shuffle_epi8(t, nib.l), _mm256_shuffle_epi8(t, nib.h)};
+}
 T256 INL v2i v2_q8split(v2i w, v2i *neg) { /* Q8_0 quants + 128 -> |q|; *neg: q (its signs) */
     const __m256i f = _mm256_set1_epi8((char)0x80);
     *neg = (v2i){_mm256_xor_si256(w.l, f), _mm256_xor_si256(w.h, f)};
@@ -746,6 +794,15 @@ T512 INL __m512i v5_bits(const uint8_t *p, __m512i v) {
     __mmask64 m;
     memcpy(&m, p, 8);
     return _mm512_maskz_mov_epi8(m, v);
+}
+T512 INL __m512 v5_e8m0(const uint8_t *p) { /* 16 MXFP4 scales -> 2^(e - 128), as e8m0_half */
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m512i big = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const __m512i small = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2)), big, small));
+}
+T512 INL __m512i v5_lut(__m512i nib) { /* MXFP4 nibbles -> kv + 12 */
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)MX_LUT)), nib);
 }
 T512 INL __m512i v5_q8split(__m512i w, __mmask64 *neg) {
     const __m512i q = _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
@@ -832,7 +889,9 @@ static void gq_task(int type, const uint8_t *W, int64_t rb, const act_t *A, int6
                     int64_t g0, int64_t g1, float *yp, int64_t ystride, float *off, int path) {
     const int64_t nbk = in / block_elems(type);
     const int64_t kc = 2048 / block_elems(type); /* the same for every row count (see gq_matmul_parts) */
-    /* the file's layout has AVX-512 kernels with VNNI only, and none for Q4_1: the AVX2 row kernel serves the rest */
+    /* the file's layout has AVX-512 kernels with VNNI only, and none for Q4_1: the AVX2 row kernel serves the rest;
+     * MXFP4 has the scalar kernel there (its outputs a multiple of 16, the loader repacks it to x16) */
+    if (type == GQ_MXFP4) path = PATH_SCALAR;
     const int p512 = path == PATH_AVX512 && (type & ~GQ_X16) != GQ_Q4_1;
     for (int64_t b0 = 0; b0 < nbk; b0 += kc) {
         const int64_t b1 = b0 + kc < nbk ? b0 + kc : nbk;
@@ -1011,11 +1070,13 @@ INL void dequant_rows(int type, const uint8_t *W, int64_t in, int64_t o0, int64_
     case GQ_Q5_0: { const int type_ = GQ_Q5_0; CALL; } break;                                                \
     case GQ_Q4_1: { const int type_ = GQ_Q4_1; CALL; } break;                                                \
     case GQ_Q8_0: { const int type_ = GQ_Q8_0; CALL; } break;                                                \
+    case GQ_MXFP4: { const int type_ = GQ_MXFP4; CALL; } break;                                              \
     case GQ_X16 + GQ_Q4_K: { const int type_ = GQ_X16 + GQ_Q4_K; CALL; } break;                              \
     case GQ_X16 + GQ_Q6_K: { const int type_ = GQ_X16 + GQ_Q6_K; CALL; } break;                              \
     case GQ_X16 + GQ_Q8_0: { const int type_ = GQ_X16 + GQ_Q8_0; CALL; } break;                              \
     case GQ_X16 + GQ_Q5_0: { const int type_ = GQ_X16 + GQ_Q5_0; CALL; } break;                              \
     case GQ_X16 + GQ_Q4_1: { const int type_ = GQ_X16 + GQ_Q4_1; CALL; } break;                              \
+    case GQ_X16 + GQ_MXFP4: { const int type_ = GQ_X16 + GQ_MXFP4; CALL; } break;                            \
     }
 static void dequant_any(int type, const uint8_t *W, int64_t in, int64_t o0, int64_t o1, int64_t obase, void *dst,
                             int bf16) {
@@ -1090,7 +1151,8 @@ T512BF static void x16_dequant_t_pair(int type, const uint8_t *Wg, int64_t gbyte
         }
     }
 }
-/* The same for the 32-input types (Q8_0, Q5_0, Q4_1): a block of one group is 32 inputs, its quants unsigned (q + off). */
+/* The same for the 32-input types (Q8_0, Q5_0, Q4_1, MXFP4): a block of one group is 32 inputs, its quants unsigned
+ * (q + off; MXFP4's through its table). */
 T512BF static inline __attribute__((always_inline)) __m512i x16_quads32(int type, const uint8_t *P, int k, __m512i idx) {
     if (type == GQ_X16 + GQ_Q8_0) return _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(P + 64 * k));
     const __m512i v = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(P + 64 * (k % 4)));
@@ -1100,24 +1162,25 @@ T512BF static inline __attribute__((always_inline)) __m512i x16_quads32(int type
         memcpy(&m, P + X5_HB + 8 * k, 8);
         q = _mm512_or_si512(q, _mm512_and_si512(_mm512_permutexvar_epi8(idx, _mm512_movm_epi8(m)), _mm512_set1_epi8(0x10)));
     }
+    if (type == GQ_X16 + GQ_MXFP4) q = v5_lut(q);
     return q;
 }
 static int x16_body32(int type) {
-    return type == GQ_X16 + GQ_Q8_0 || type == GQ_X16 + GQ_Q5_0 || type == GQ_X16 + GQ_Q4_1;
+    return type == GQ_X16 + GQ_Q8_0 || type == GQ_X16 + GQ_Q5_0 || type == GQ_X16 + GQ_Q4_1 || type == GQ_X16 + GQ_MXFP4;
 }
 T512BF static void x16_dequant_t_pair32(int type, const uint8_t *Wg, int64_t gbytes, int64_t nbk, uint16_t *dst,
                                         int64_t ld) {
-    const int q8 = type == GQ_X16 + GQ_Q8_0, q41 = type == GQ_X16 + GQ_Q4_1;
-    const int64_t sb = q8 ? X8_BYTES : q41 ? X41_BYTES : X5_BYTES, d_at = q8 ? X8_D : q41 ? X41_D : X5_D;
+    const int q8 = type == GQ_X16 + GQ_Q8_0, q41 = type == GQ_X16 + GQ_Q4_1, mx = type == GQ_X16 + GQ_MXFP4;
+    const int64_t sb = q8 ? X8_BYTES : q41 ? X41_BYTES : mx ? XM_BYTES : X5_BYTES, d_at = q8 ? X8_D : q41 ? X41_D : X5_D;
     uint8_t ix[64];
     for (int k = 0; k < 64; k++) ix[k] = (uint8_t)(4 * (k % 16) + k / 16); /* lane j, byte t <- byte 4t + j */
-    const __m512i idx = _mm512_loadu_si512(ix), off = _mm512_set1_epi32(q8 ? 128 : q41 ? 0 : 16);
+    const __m512i idx = _mm512_loadu_si512(ix), off = _mm512_set1_epi32(q8 ? 128 : q41 ? 0 : mx ? 12 : 16);
     for (int64_t b = 0; b < nbk; b++) {
         const uint8_t *P[2] = {Wg + b * sb, Wg + gbytes + b * sb};
         uint16_t *D = dst + b * 32 * ld;
         __m512 gs[2], gm[2];
         for (int h = 0; h < 2; h++) {
-            gs[h] = v5_half(P[h] + d_at);
+            gs[h] = mx ? v5_e8m0(P[h] + XM_E) : v5_half(P[h] + d_at);
             gm[h] = q41 ? v5_half(P[h] + X41_M) : _mm512_setzero_ps();
         }
         for (int k = 0; k < 8; k++) { /* inputs 4k .. 4k + 3 */
@@ -1163,8 +1226,9 @@ int gq_dequantize(int type, const uint8_t *W, int64_t in, int64_t o0, int64_t o1
     return 0;
 }
 
-/* x16 Q4_K / Q6_K / Q8_0 / Q5_0 / Q4_1 weight rows [o0, o1) (o0 a multiple of 16, o1 - o0 of 32) -> bfloat16,
- * transposed: dst[i * ld + (o - o0)] for input i (x16_dequant_t_pair, x16_dequant_t_pair32). Returns 0, -1 where the type or this CPU (AVX512-BF16
+/* x16 Q4_K / Q6_K / Q8_0 / Q5_0 / Q4_1 / MXFP4 weight rows [o0, o1) (o0 a multiple of 16, o1 - o0 of 32) -> bfloat16,
+ * transposed: dst[i * ld + (o - o0)] for input i (x16_dequant_t_pair, x16_dequant_t_pair32; subnormal weights, only MXFP4's
+ * e < 2 makes them, become 0 as vcvtneps2bf16 gives them). Returns 0, -1 where the type or this CPU (AVX512-BF16
  * and VBMI) has no such path, -2 on bad shapes. */
 int gq_dequantize_t(int type, const uint8_t *W, int64_t in, int64_t o0, int64_t o1, uint16_t *dst, int64_t ld,
                     int nthreads) {
@@ -1185,11 +1249,12 @@ int gq_dequantize_t(int type, const uint8_t *W, int64_t in, int64_t o0, int64_t 
 #endif
 }
 
-/* Q4_K / Q6_K / Q8_0 / Q5_0 / Q4_1 blocks [out][in] in the file's layout -> the x16 layout (GQ_X16 + type) at dst
+/* Q4_K / Q6_K / Q8_0 / Q5_0 / Q4_1 / MXFP4 blocks [out][in] in the file's layout -> the x16 layout (GQ_X16 + type) at dst
  * (out / 16 groups of in / block_elems superblocks: out * in / block_elems * block_bytes(GQ_X16 + type) bytes). out
  * must be a multiple of 16. Returns 0 or a negative error. */
 int gq_repack(int type, const uint8_t *W, int64_t out, int64_t in, uint8_t *dst, int nthreads) {
-    if (type != GQ_Q4_K && type != GQ_Q6_K && type != GQ_Q8_0 && type != GQ_Q5_0 && type != GQ_Q4_1) return -1;
+    if (type != GQ_Q4_K && type != GQ_Q6_K && type != GQ_Q8_0 && type != GQ_Q5_0 && type != GQ_Q4_1 && type != GQ_MXFP4)
+        return -1;
     if (in % block_elems(type) != 0 || out % 16 != 0 || in <= 0) return -2;
     if (nthreads < 1) nthreads = 1;
     const int64_t nbk = in / block_elems(type), rowbytes = nbk * block_bytes(type), sb = x16_bytes(type);

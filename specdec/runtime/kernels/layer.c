@@ -1,6 +1,8 @@
 /* One decoder layer of a Llama / Qwen2 / Qwen3 / Mistral model in one call, for decode and verification steps on the
  * CPU (float32 activations, GGUF weights): RMS norm, q/k/v, per-head q/k norms (Qwen3), rotary, K/V written to the
- * cache, attention, o_proj and the residual, RMS norm, gate/up, SiLU * up, down and the residual. The same functions
+ * cache, attention, o_proj and the residual, RMS norm, gate/up, SiLU * up, down and the residual. A mixture of experts
+ * (Qwen3-MoE, gpt-oss) in two calls around its router: the attention half (gpt-oss: its sinks, its sliding layers'
+ * mask), then the experts (gpt-oss: their biases and clamped SwiGLU). The same functions
  * in the same order as the layer's Python code (models/transformer.py) runs them one by one, so the two give the
  * same bits; at a few rows the Python between those calls costs more than the arithmetic. Written for specdec.
  */
@@ -14,9 +16,11 @@ int gq_matmul_parts(int nparts, const int *types, const uint8_t *const *Ws, cons
 int gq_rmsnorm(const float *x, const float *w, float eps, int64_t rows, int64_t dim, float *out);
 int gq_rope(float *x, int64_t stride, const float *cos, const float *sin, int64_t rows, int64_t heads, int64_t hd);
 int gq_silu_mul(const float *gu, int64_t rows, int64_t inter, float *out);
+int gq_swiglu_limit(const float *gu, int64_t rows, int64_t inter, float limit, float alpha, float *out);
 int gq_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qst, const float *k, const float *v,
                  const int64_t *slots, int64_t sb, int64_t sh, const uint8_t *mask, int64_t B, int64_t H, int64_t kvh,
-                 int64_t T, int64_t S, int64_t hd, float scale, float *out, int nthreads, int path);
+                 int64_t T, int64_t S, int64_t hd, float scale, float softcap, const float *sinks, float *out,
+                 int nthreads, int path);
 
 typedef struct { /* a linear layer: GGUF matrices side by side (as gq_matmul_parts takes them), bias or NULL */
     int n;
@@ -26,12 +30,15 @@ typedef struct { /* a linear layer: GGUF matrices side by side (as gq_matmul_par
     const float *bias;
 } lin_t;
 
-typedef struct { /* a mixture-of-experts MLP's experts (Qwen3-MoE); n = 0 for a dense MLP */
+typedef struct { /* a mixture-of-experts MLP's experts (Qwen3-MoE, gpt-oss); n = 0 for a dense MLP */
     int64_t n, inter;                /* experts, each one's width */
     const int *gate_up_types;        /* [2n]: expert e's gate at 2e, its up at 2e + 1 */
     const uint8_t *const *gate_up_w; /* [2n] */
     const int *down_types;           /* [n] */
     const uint8_t *const *down_w;    /* [n] */
+    const float *gate_up_bias;       /* [n][2 inter] or NULL (gpt-oss) */
+    const float *down_bias;          /* [n][hidden] or NULL */
+    float limit, alpha;              /* limit > 0: gpt-oss's clamped SwiGLU, else SiLU(gate) * up */
 } moe_t;
 
 typedef struct {
@@ -41,6 +48,8 @@ typedef struct {
     const float *q_norm, *k_norm; /* [head_dim]: each head of q / k normed (Qwen3), or NULL */
     lin_t qkv, o, gate_up, down;
     moe_t moe;
+    const float *sinks; /* [heads]: gpt-oss's attention sinks, or NULL */
+    int64_t sliding;    /* 1: the step's local_mask (a sliding-window layer) where it has one */
 } layer_t;
 
 typedef struct {
@@ -51,6 +60,7 @@ typedef struct {
     const int64_t *slots;   /* [B] */
     const int64_t *index;   /* [B * T]: the cache position each row's K/V is written to */
     const uint8_t *mask;    /* [B][T][S], 1 = attend; NULL = every key */
+    const uint8_t *local_mask; /* the same for sliding-window layers, or NULL: `mask` serves them */
 } step_t;
 
 static int linear(const lin_t *l, const float *x, int64_t rows, int64_t in, float *y, int nthreads, int path) {
@@ -89,8 +99,10 @@ int gq_attention_half(const layer_t *L, const step_t *s, const float *x, float *
                     memcpy(s->vc + at + g * s->sh, row + q + kv + g * hd, sizeof(float) * (size_t)hd);
                 }
             }
-        rc = gq_attention(qkv, s->T * W, hd, W, s->kc, s->vc, s->slots, s->sb, s->sh, s->mask, s->B, L->heads,
-                          L->kv_heads, s->T, s->S, hd, (float)(1.0 / sqrt((double)hd)), att, nthreads, path);
+        const uint8_t *mask = L->sliding && s->local_mask ? s->local_mask : s->mask;
+        rc = gq_attention(qkv, s->T * W, hd, W, s->kc, s->vc, s->slots, s->sb, s->sh, mask, s->B, L->heads,
+                          L->kv_heads, s->T, s->S, hd, (float)(1.0 / sqrt((double)hd)), 0.0f, L->sinks, att, nthreads,
+                          path);
     }
     int used = 0;
     if (rc >= 0) rc = used = linear(&L->o, att, rows, q, out, nthreads, path);
@@ -102,16 +114,36 @@ int gq_attention_half(const layer_t *L, const step_t *s, const float *x, float *
     return rc < 0 ? rc : used;
 }
 
-/* One expert over m rows: y [m][hidden] = down(silu(gate) * up)(x [m][hidden]); gu [m][2 inter], act [m][inter]. */
+/* y[r][i] = y[r][i] + b[i] (a bias) */
+static void add_bias(float *y, const float *b, int64_t rows, int64_t n) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < n; i++) y[r * n + i] = y[r * n + i] + b[i];
+}
+
+/* Expert e's activation of its gate/up outputs gu [m][2 inter] (its bias added first, in place) -> act [m][inter] */
+static int activate(const moe_t *M, int64_t e, float *gu, int64_t m, float *act) {
+    if (M->gate_up_bias) add_bias(gu, M->gate_up_bias + e * 2 * M->inter, m, 2 * M->inter);
+    return M->limit > 0 ? gq_swiglu_limit(gu, m, M->inter, M->limit, M->alpha, act) : gq_silu_mul(gu, m, M->inter, act);
+}
+
+/* Expert e's down projection: y [m][hidden] = down(act [m][inter]) + its bias */
+static int down(const layer_t *L, int64_t e, const float *act, int64_t m, float *y, int nthreads, int path) {
+    const moe_t *M = &L->moe;
+    const int64_t outs[1] = {L->hidden};
+    const int rc = gq_matmul_parts(1, M->down_types + e, M->down_w + e, outs, M->inter, act, m, y, nthreads, path);
+    if (rc >= 0 && M->down_bias) add_bias(y, M->down_bias + e * L->hidden, m, L->hidden);
+    return rc;
+}
+
+/* One expert over m rows: y [m][hidden] = down(act(gate, up))(x [m][hidden]); gu [m][2 inter], act [m][inter]. */
 static int expert(const layer_t *L, int64_t e, const float *x, int64_t m, float *gu, float *act, float *y,
                   int nthreads, int path) {
     const moe_t *M = &L->moe;
-    const int64_t gu_outs[2] = {M->inter, M->inter}, down_outs[1] = {L->hidden};
+    const int64_t gu_outs[2] = {M->inter, M->inter};
     int rc = gq_matmul_parts(2, M->gate_up_types + 2 * e, M->gate_up_w + 2 * e, gu_outs, L->hidden, x, m, gu,
                              nthreads, path);
-    if (rc >= 0) rc = gq_silu_mul(gu, m, M->inter, act);
-    if (rc >= 0) rc = gq_matmul_parts(1, M->down_types + e, M->down_w + e, down_outs, M->inter, act, m, y, nthreads,
-                                      path);
+    if (rc >= 0) rc = activate(M, e, gu, m, act);
+    if (rc >= 0) rc = down(L, e, act, m, y, nthreads, path);
     return rc;
 }
 
@@ -157,13 +189,11 @@ int gq_moe_experts(const layer_t *L, const float *h, int64_t rows, int64_t k, co
             ws[j] = M->gate_up_w[2 * e + j % 2];
             outs[j] = I;
         }
-        const int64_t down_outs[1] = {H};
         rc = gq_matmul_parts((int)(2 * k), types, ws, outs, H, h, 1, gu, nthreads, path);
         for (int64_t j = 0; j < k && rc >= 0; j++) {
             const int64_t e = idx[sel[j]];
-            rc = gq_silu_mul(gu + j * 2 * I, 1, I, act);
-            if (rc >= 0) rc = gq_matmul_parts(1, M->down_types + e, M->down_w + e, down_outs, I, act, 1, y, nthreads,
-                                              path);
+            rc = activate(M, e, gu + j * 2 * I, 1, act);
+            if (rc >= 0) rc = down(L, e, act, 1, y, nthreads, path);
             if (rc >= 0) add_scaled(acc, y, w[sel[j]], tmp, H);
         }
     }

@@ -1,5 +1,5 @@
 /* The small operations of a decoder layer in one call each (float32, CPU): RMS norm, rotary embedding of q and k in
- * place, and SiLU(gate) * up. In torch each is 3 to 8 operator calls, and at one row (decode) their dispatch costs
+ * place, SiLU(gate) * up and gpt-oss's clamped SwiGLU. In torch each is 3 to 8 operator calls, and at one row (decode) their dispatch costs
  * more than their arithmetic.
  *
  * And the best and second-best logit of each row (greedy decoding, verification and the near-tie gaps), one pass
@@ -79,6 +79,29 @@ INL int silu_mul(const float *gu, int64_t rows, int64_t inter, float *out) {
     return 0;
 }
 
+/* gpt-oss's clamped SwiGLU: out[r][i] = (clamp(u, -limit, limit) + 1) * (g * sigmoid(alpha g)), g = min(gate, limit),
+ * gu and out as silu_mul's; sigmoid(a) from e = e^-|a|: 1 / (1 + e) for a >= 0, e / (1 + e) below. */
+INL int swiglu_limit(const float *gu, int64_t rows, int64_t inter, float limit, float alpha, float *out) {
+    if (inter % 8) return -2;
+    const v8f hi = {limit, limit, limit, limit, limit, limit, limit, limit}, lo = -hi, zero = {0}, one = zero + 1.0f;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gr = gu + r * 2 * inter, *ur = gr + inter;
+        float *o = out + r * inter;
+        for (int64_t i = 0; i < inter; i += 8) {
+            const v8f x = *(const v8f *)(const void *)(gr + i), y = *(const v8f *)(const void *)(ur + i);
+            const v8i over = x > hi, above = y > hi, below = y < lo;
+            const v8f g = (v8f)(((v8i)hi & over) | ((v8i)x & ~over));
+            const v8f u = (v8f)(((v8i)hi & above) | ((v8i)lo & below) | ((v8i)y & ~(above | below)));
+            const v8f a = g * alpha;
+            const v8i neg = a < zero;
+            const v8f e = exp_neg8((v8f)(((v8i)a & neg) | ((v8i)-a & ~neg)));
+            const v8f sig = (v8f)(((v8i)e & neg) | ((v8i)one & ~neg)) / (1.0f + e);
+            *(v8f *)(void *)(o + i) = (u + 1.0f) * (g * sig);
+        }
+    }
+    return 0;
+}
+
 /* Per row of x [rows][stride] (cols used): best[r] = the index of the largest value (the first if several), gap[r] =
  * that value minus the largest of the others (0 where the best value occurs twice), as torch's argmax and topk(2).
  * Eight lanes each keep their best, its index and their second; the lanes are merged at the end. NaN is never
@@ -137,5 +160,7 @@ DISPATCH(rmsnorm, (const float *x, const float *w, float eps, int64_t rows, int6
 DISPATCH(rope, (float *x, int64_t stride, const float *cos, const float *sin, int64_t rows, int64_t heads, int64_t hd),
          (x, stride, cos, sin, rows, heads, hd))
 DISPATCH(silu_mul, (const float *gu, int64_t rows, int64_t inter, float *out), (gu, rows, inter, out))
+DISPATCH(swiglu_limit, (const float *gu, int64_t rows, int64_t inter, float limit, float alpha, float *out),
+         (gu, rows, inter, limit, alpha, out))
 DISPATCH(top2, (const float *x, int64_t rows, int64_t cols, int64_t stride, int64_t *best, float *gap),
          (x, rows, cols, stride, best, gap))

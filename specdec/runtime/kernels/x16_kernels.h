@@ -68,20 +68,21 @@ X16_T static inline __attribute__((always_inline)) void X16_FN(body)(int type, c
     }
 }
 
-/* Q8_0 / Q5_0 / Q4_1 x16: 16 outputs x 32 inputs per superblock, 8 dwords per row; activation scale per block */
+/* Q8_0 / Q5_0 / Q4_1 / MXFP4 x16: 16 outputs x 32 inputs per superblock, 8 dwords per row; activation scale per block */
 X16_T static inline __attribute__((always_inline)) void X16_FN(body32)(int type, const uint8_t *W, const act_t *A,
                                                                       int64_t r0, int nr, float *y, int64_t ystride,
                                                                       int64_t b0, int64_t b1, int accum) {
-    const int q8 = type == GQ_X16 + GQ_Q8_0, q41 = type == GQ_X16 + GQ_Q4_1;
-    const int64_t sb = q8 ? X8_BYTES : q41 ? X41_BYTES : X5_BYTES, in = A->in, ng = in / A->G;
+    const int q8 = type == GQ_X16 + GQ_Q8_0, q41 = type == GQ_X16 + GQ_Q4_1, mx = type == GQ_X16 + GQ_MXFP4;
+    const int64_t sb = q8 ? X8_BYTES : q41 ? X41_BYTES : mx ? XM_BYTES : X5_BYTES, in = A->in, ng = in / A->G;
     const VI m4 = V(set8)(0x0F), b4 = V(set8)(0x10), zero = V(zero)();
     VF acc[RT];
     for (int r = 0; r < nr; r++) acc[r] = V(zerof)();
     for (int64_t b = b0; b < b1; b++) {
         const uint8_t *P = W + b * sb;
         prefetch_weights(P, (int)sb);
-        const VF dv = V(half)(P + (q8 ? X8_D : q41 ? X41_D : X5_D));
-        const VF ov = q41 ? V(half)(P + X41_M) : V(mul)(dv, V(setf)(q8 ? -128.0f * !X16_SIGNED_Q8 : -16.0f));
+        const VF dv = mx ? V(e8m0)(P + XM_E) : V(half)(P + (q8 ? X8_D : q41 ? X41_D : X5_D));
+        const VF ov = q41 ? V(half)(P + X41_M)
+                          : V(mul)(dv, V(setf)(q8 ? -128.0f * !X16_SIGNED_Q8 : mx ? -12.0f : -16.0f));
         VI wz[8];
         VNEG neg[8];
         for (int k = 0; k < 8; k++) {
@@ -91,12 +92,12 @@ X16_T static inline __attribute__((always_inline)) void X16_FN(body32)(int type,
             } else {
                 const VI v = V(load)(P + 64 * (k % 4));
                 const VI nib = V(and)(k < 4 ? v : V(srl16)(v, 4), m4);
-                wz[k] = q41 ? nib : V(or)(nib, V(bits)(P + X5_HB + 8 * k, b4));
+                wz[k] = q41 ? nib : mx ? V(lut)(nib) : V(or)(nib, V(bits)(P + X5_HB + 8 * k, b4));
             }
         }
         for (int r = 0; r < nr; r++) {
             const int32_t *a = (const int32_t *)(const void *)(A->q + (r0 + r) * in + b * 32);
-            const VI isum = X16_DOT(zero, wz, a, 8, q8 ? 8 : q41 ? 4 : 5, q8 && X16_SIGNED_Q8 ? neg : NULL);
+            const VI isum = X16_DOT(zero, wz, a, 8, q8 ? 8 : q41 ? 4 : 5, q8 && X16_SIGNED_Q8 ? neg : NULL); /* MXFP4: <= 24 */
             const float ad = A->d[(r0 + r) * ng + b], as = A->s[(r0 + r) * ng + b]; /* S = G = 32 */
             acc[r] = V(fma)(V(cvt)(isum), V(mul)(dv, V(setf)(ad)), acc[r]);
             acc[r] = V(fma)(ov, V(setf)(as), acc[r]);
@@ -125,6 +126,7 @@ X16_T static void X16_FN(matmul)(int type, const uint8_t *W, const act_t *A, int
     KX16_CASE(GQ_X16 + GQ_Q8_0, X16_FN(body32))
     KX16_CASE(GQ_X16 + GQ_Q5_0, X16_FN(body32))
     KX16_CASE(GQ_X16 + GQ_Q4_1, X16_FN(body32))
+    KX16_CASE(GQ_X16 + GQ_MXFP4, X16_FN(body32))
 #undef KX16_CASE
     }
 }
