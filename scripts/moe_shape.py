@@ -1,12 +1,17 @@
 """Random-block GGUFs at the shapes of released mixture-of-experts models, for speed measurements (weights do not
 change speed). A checkpoint of that size fits neither in memory nor on disk in fp32, so the GGUF is written
 directly with the `gguf` package's writer, tensor by tensor: the metadata llama.cpp's converter writes for the
-architecture, Qwen2's tokenizer from the pinned llama.cpp source's vocab file (151,646 tokens, so the embedding has
-that many rows), and each tensor in the type `llama-quantize` gives it for Q4_K_M (`llama_tensor_get_type`: attn_v
-and ffn_down(_exps) Q6_K in the layers its `use_more_bits` picks, the output Q6_K, the router and norms F32, the
-rest Q4_K), filled with random blocks whose scales keep weights near N(0, 0.02^2) and centred.
+architecture, Qwen2's tokenizer from the pinned llama.cpp source's vocab file (151,646 tokens; padded with reserved
+control tokens to the model's vocabulary where it is larger, so the embedding has the released number of rows),
+and each tensor in the type llama.cpp's tools give it, filled with random blocks whose scales keep weights near
+N(0, 0.02^2) and centred:
+- qwen3-30b-a3b, Q4_K_M (`llama_tensor_get_type`: attn_v and ffn_down(_exps) Q6_K in the layers its `use_more_bits`
+  picks, the output Q6_K, the router and norms F32, the rest Q4_K);
+- gpt-oss-20b, as the released MXFP4 GGUF (`MXFP4_MOE`): experts MXFP4, the other matrices Q8_0, biases, norms,
+  sinks and the router F32.
 
     python scripts/moe_shape.py qwen3-30b-a3b OUT_DIR --layers 24   # OUT_DIR/qwen3-30b-a3b-24l-q4_k_m.gguf
+    python scripts/moe_shape.py gpt-oss-20b OUT_DIR                 # OUT_DIR/gpt-oss-20b-24l-mxfp4.gguf
     specdec bench -m OUT_DIR/qwen3-30b-a3b-24l-q4_k_m.gguf --methods none,synthetic,llama-none --llama-server auto
 """
 
@@ -23,10 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from families import source  # noqa: E402
 
 T = gguf.MODEL_TENSOR
-Q4_K, Q6_K, F32 = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K, gguf.GGMLQuantizationType.F32
+Q = gguf.GGMLQuantizationType
+Q4_K, Q6_K, Q8_0, MXFP4, F32 = Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.MXFP4, Q.F32
 SHAPES = {  # config.json values of the released models
     "qwen3-30b-a3b": dict(
         arch=gguf.MODEL_ARCH.QWEN3MOE,
+        file="q4_k_m",
+        vocab=151_646,
         layers=48,
         hidden=2048,
         ff=6144,
@@ -40,8 +48,27 @@ SHAPES = {  # config.json values of the released models
         rope_theta=1_000_000.0,
         eps=1e-6,
     ),
+    "gpt-oss-20b": dict(
+        arch=gguf.MODEL_ARCH.GPT_OSS,
+        file="mxfp4",
+        vocab=201_088,
+        layers=24,
+        hidden=2880,
+        ff=2880,
+        expert_ff=2880,
+        experts=32,
+        used=4,
+        heads=64,
+        kv_heads=8,
+        head_dim=64,
+        context=131_072,
+        rope_theta=150_000.0,
+        eps=1e-5,
+        sliding_window=128,
+        yarn=dict(factor=32.0, orig_ctx_len=4096, yarn_beta_fast=32.0, yarn_beta_slow=1.0),
+    ),
 }
-MOSTLY_Q4_K_M = 15  # llama_ftype LLAMA_FTYPE_MOSTLY_Q4_K_M
+FILE_TYPE = {"q4_k_m": 15, "mxfp4": 38}  # llama_ftype: LLAMA_FTYPE_MOSTLY_Q4_K_M, LLAMA_FTYPE_MOSTLY_MXFP4_MOE
 META = {  # shape key -> the GGUFWriter method (add_...) that writes its metadata, as the converter does
     "layers": "block_count",
     "context": "context_length",
@@ -70,19 +97,49 @@ def blocks(kind: gguf.GGMLQuantizationType, rows: int, row_len: int, rng: np.ran
     data = rng.integers(0, 256, (rows * row_len // block, size), dtype=np.uint8)
     if kind == Q4_K:  # d, dmin (fp16) first
         data[:, 0:4] = np.array([1.0e-4, 7.5e-4], dtype=np.float16).view(np.uint8)
+    elif kind == Q8_0:  # d first; int8 quants, rms 74
+        data[:, 0:2] = np.array([2.7e-4], dtype=np.float16).view(np.uint8)
+    elif kind == MXFP4:  # e8m0 e first: 2^(e - 128) x doubled e2m1 values (rms 5.7)
+        data[:, 0] = 120
     else:  # Q6_K: d (fp16) last
         data[:, size - 2 : size] = np.array([2.0e-5], dtype=np.float16).view(np.uint8)
     return data.reshape(rows, -1)
 
 
-def tensors(s: dict, vocab: int) -> list[tuple[str, tuple[int, ...], gguf.GGMLQuantizationType]]:
+Tensors = list[tuple[str, tuple[int, ...], gguf.GGMLQuantizationType]]
+
+
+def name(t: T, i: int | None = None, part: str = "weight") -> str:
+    return f"{gguf.TENSOR_NAMES[t].format(bid=i)}.{part}"
+
+
+def tensors(s: dict) -> Tensors:
     """(name, numpy shape, type) of every tensor, in the converter's order."""
-    h, n, e = s["hidden"], s["layers"], s["experts"]
+    return (gpt_oss if s["arch"] == gguf.MODEL_ARCH.GPT_OSS else qwen3_moe)(s)
+
+
+def gpt_oss(s: dict) -> Tensors:
+    h, e, f, vocab = s["hidden"], s["experts"], s["expert_ff"], s["vocab"]
     q, kv = s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
+    out = [(name(T.TOKEN_EMBD), (vocab, h), Q8_0)]
+    for i in range(s["layers"]):
+        out.append((name(T.ATTN_NORM, i), (h,), F32))
+        for t, rows, cols in ((T.ATTN_Q, q, h), (T.ATTN_K, kv, h), (T.ATTN_V, kv, h), (T.ATTN_OUT, h, q)):
+            out += [(name(t, i), (rows, cols), Q8_0), (name(t, i, "bias"), (rows,), F32)]
+        out += [
+            (name(T.ATTN_SINKS, i), (s["heads"],), F32),
+            (name(T.ATTN_POST_NORM, i), (h,), F32),
+            (name(T.FFN_GATE_INP, i), (e, h), F32),
+            (name(T.FFN_GATE_INP, i, "bias"), (e,), F32),
+        ]
+        for t, rows, cols in ((T.FFN_GATE_EXP, f, h), (T.FFN_UP_EXP, f, h), (T.FFN_DOWN_EXP, h, f)):
+            out += [(name(t, i), (e, rows, cols), MXFP4), (name(t, i, "bias"), (e, rows), F32)]
+    return out + [(name(T.OUTPUT_NORM), (h,), F32), (name(T.OUTPUT), (vocab, h), Q8_0)]
 
-    def name(t: T, i: int | None = None) -> str:
-        return gguf.TENSOR_NAMES[t].format(bid=i) + ".weight"
 
+def qwen3_moe(s: dict) -> Tensors:
+    h, n, e, vocab = s["hidden"], s["layers"], s["experts"], s["vocab"]
+    q, kv = s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
     out = [(name(T.TOKEN_EMBD), (vocab, h), Q4_K)]
     for i in range(n):
         more = Q6_K if use_more_bits(i, n) else Q4_K
@@ -103,41 +160,51 @@ def tensors(s: dict, vocab: int) -> list[tuple[str, tuple[int, ...], gguf.GGMLQu
     return out + [(name(T.OUTPUT_NORM), (h,), F32), (name(T.OUTPUT), (vocab, h), Q6_K)]
 
 
-def data(shape: tuple[int, ...], kind: gguf.GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
+def data(name: str, shape: tuple[int, ...], kind: gguf.GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
     if kind != F32:
         rows = int(np.prod(shape[:-1]))
         return blocks(kind, rows, shape[-1], rng).reshape(*shape[:-1], -1)
-    if len(shape) == 1:  # norms
+    if name.endswith("norm.weight"):
         return np.ones(shape, np.float32)
-    return rng.normal(0.0, 0.02, shape).astype(np.float32)  # the router
+    return rng.normal(0.0, 0.02, shape).astype(np.float32)  # the router, biases, sinks
 
 
-def copy_tokenizer(writer: gguf.GGUFWriter, vocab_file: Path) -> int:
-    """The vocab file's tokenizer.* metadata into `writer`; returns its token count."""
+def copy_tokenizer(writer: gguf.GGUFWriter, vocab_file: Path, size: int) -> None:
+    """The vocab file's tokenizer.* metadata into `writer`, its tokens padded to `size` with reserved control tokens."""
     reader = gguf.GGUFReader(vocab_file)
     for key, field in reader.fields.items():
         if not key.startswith("tokenizer."):
             continue
         kind = gguf.GGUFValueType(field.types[0])
-        if kind == gguf.GGUFValueType.ARRAY:
-            writer.add_array(key, field.contents())
-        else:
+        if kind != gguf.GGUFValueType.ARRAY:
             writer.add_key_value(key, field.contents(), kind)
-    return len(reader.fields["tokenizer.ggml.tokens"].contents())
+            continue
+        values = field.contents()
+        if key == "tokenizer.ggml.tokens":
+            values += [f"<|reserved_{i}|>" for i in range(len(values), size)]
+        elif key == "tokenizer.ggml.token_type":
+            values += [int(gguf.TokenType.CONTROL)] * (size - len(values))
+        writer.add_array(key, values)
 
 
 def write(shape: str, out: Path, layers: int | None, seed: int = 0) -> Path:
     s = dict(SHAPES[shape], layers=layers or SHAPES[shape]["layers"])
-    path = out / f"{shape}-{s['layers']}l-q4_k_m.gguf"
+    path = out / f"{shape}-{s['layers']}l-{s['file']}.gguf"
     arch = gguf.MODEL_ARCH_NAMES[s["arch"]]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"{shape} shape, random weights, {s['layers']} layers")
     for key, add in META.items():
         getattr(w, f"add_{add}")(s[key])
     w.add_value_length(s["head_dim"])
-    w.add_file_type(MOSTLY_Q4_K_M)
-    vocab = copy_tokenizer(w, source() / "models" / "ggml-vocab-qwen2.gguf")
-    todo = tensors(s, vocab)
+    if "sliding_window" in s:
+        w.add_sliding_window(s["sliding_window"])
+    if "yarn" in s:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        for key, value in s["yarn"].items():
+            getattr(w, f"add_rope_scaling_{key}")(value)
+    w.add_file_type(FILE_TYPE[s["file"]])
+    copy_tokenizer(w, source() / "models" / "ggml-vocab-qwen2.gguf", s["vocab"])
+    todo = tensors(s)
     for name, shp, kind in todo:
         block, size = gguf.GGML_QUANT_SIZES[kind]
         nbytes = int(np.prod(shp)) // block * size
@@ -146,8 +213,8 @@ def write(shape: str, out: Path, layers: int | None, seed: int = 0) -> Path:
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
-    for _, shp, kind in todo:
-        w.write_tensor_data(data(shp, kind, rng))
+    for tname, shp, kind in todo:
+        w.write_tensor_data(data(tname, shp, kind, rng))
     w.close()
     return path
 
