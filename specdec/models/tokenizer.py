@@ -9,7 +9,18 @@ from pathlib import Path
 from specdec.errors import SpecdecError
 
 # Special tokens that end a turn in the chat formats we know; used as extra stop tokens.
-END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "</s>")
+# gpt-oss (o200k_harmony): <|return|> ends an answer, <|call|> a tool call; its <|end|> only ends one message of it,
+# as llama.cpp's vocabulary loader treats it
+END_OF_TURN = (
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<|end_of_text|>",
+    "<end_of_turn>",
+    "</s>",
+    "<|return|>",
+    "<|call|>",
+)
 
 
 def _token_str(v) -> str | None:

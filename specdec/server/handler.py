@@ -25,6 +25,7 @@ from specdec.drafters import REGISTRY, Drafter, is_lossy
 from specdec.engine.engine import PromptTooLong
 from specdec.engine.scheduler import EngineStopped, QueueFull, Request, Scheduler
 from specdec.errors import SpecdecError
+from specdec.harmony import HarmonyStream
 from specdec.sampling import SamplingParams
 from specdec.sequence import RequestOptions, TokenTrace
 from specdec.server.metrics import Metrics
@@ -484,14 +485,24 @@ class _Formatter:
         self.calls = tools.CallStream(self.tools)  # a streamed answer's calls, each sent as it closes
         self.sent_calls = 0
         self.created = int(time.time())
+        # gpt-oss: the answer's analysis channel goes out as `reasoning_content`, its final channel as `content`
+        self.harmony = HarmonyStream.of(llm.tokenizer) if chat else None
 
     def opening(self) -> list[str]:
         return [_data(self.chunk({"role": "assistant", "content": ""}, [], [], None))] if self.chat else []
 
     def piece(self, delta: str, toks: list[int], lps: list, trace: list[TokenTrace] | None) -> str:
+        out = ""
+        if self.harmony is not None:  # header tokens (channel names, markers) make neither
+            reasoning, delta = self.harmony.feed(toks)
+            if reasoning:
+                out = _data(self.chunk({"reasoning_content": reasoning}, toks, lps, None, trace))
+                toks, lps, trace = [], [], None  # the tokens' logprobs ride on one chunk
+            if not delta:
+                return out
         if self.tools:
-            return self._tool_piece(*self.calls.feed(delta), toks, lps)
-        return _data(self.chunk({"content": delta} if self.chat else delta, toks, lps, None, trace))
+            return out + self._tool_piece(*self.calls.feed(delta), toks, lps)
+        return out + _data(self.chunk({"content": delta} if self.chat else delta, toks, lps, None, trace))
 
     def _tool_piece(self, text: str, calls: list[tools.ToolCall], toks: list[int], lps: list) -> str:
         """Content as it is known not to be a call, and each call once it closes (OpenAI's streamed `tool_calls`)."""
@@ -596,8 +607,9 @@ class _Formatter:
         """The assistant message, its tool calls parsed out where tools were offered, and why it ended
         ("tool_calls" where a finished answer is calls)."""
         seq = req.seq
-        content, calls = tools.parse(seq.text, self.tools) if self.tools else (seq.text, [])
-        message = {"role": "assistant", "content": content}
+        reasoning, text = HarmonyStream.of(self.llm.tokenizer).feed(seq.output_ids) if self.harmony else ("", seq.text)
+        content, calls = tools.parse(text, self.tools) if self.tools else (text, [])
+        message = {"role": "assistant", "content": content} | ({"reasoning_content": reasoning} if reasoning else {})
         if not calls:
             return message, seq.finish_reason
         reason = "tool_calls" if seq.finish_reason == "stop" else seq.finish_reason

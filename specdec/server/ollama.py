@@ -18,6 +18,7 @@ import specdec
 from specdec import tools
 from specdec.constraint import GrammarError
 from specdec.errors import SpecdecError
+from specdec.harmony import HarmonyStream
 from specdec.server.protocol import (
     EXTENSIONS,
     APIError,
@@ -107,7 +108,15 @@ def add_routes(app: FastAPI, h: Handler) -> None:
         except GrammarError as e:
             raise APIError(400, str(e), "tools") from None
         return await h.chat(
-            openai, http, scope, _Wire(body.model or _tagged(h.cfg.model_id), chat=True, tool_names=names)
+            openai,
+            http,
+            scope,
+            _Wire(
+                body.model or _tagged(h.cfg.model_id),
+                chat=True,
+                tool_names=names,
+                harmony=HarmonyStream.of(h.llm.tokenizer),
+            ),
         )
 
     @app.post("/api/generate")
@@ -283,20 +292,23 @@ class _Wire:
 
     media_type = "application/x-ndjson"
 
-    def __init__(self, model: str, chat: bool, tool_names: list[str] | None = None):
+    def __init__(
+        self, model: str, chat: bool, tool_names: list[str] | None = None, harmony: HarmonyStream | None = None
+    ):
         self.model, self.chat = model, chat
         self.tools = tool_names or []  # functions the answer may call: parsed into `tool_calls`
+        self.harmony = harmony  # gpt-oss: its analysis channel goes out as the message's `thinking`
         self.calls = tools.CallStream(self.tools)  # a streamed answer's calls, each sent as it closes
         self.rid = "ollama-" + uuid.uuid4().hex[:24]
 
-    def _part(self, text: str, done: bool, calls: list[tools.ToolCall] | None = None) -> dict:
-        body = {"message": self._assistant(text, calls or [])} if self.chat else {"response": text}
+    def _part(self, text: str, done: bool, calls: list[tools.ToolCall] | None = None, thinking: str = "") -> dict:
+        body = {"message": self._assistant(text, calls or [], thinking)} if self.chat else {"response": text}
         return {"model": self.model, "created_at": _now(), **body, "done": done}
 
     @staticmethod
-    def _assistant(content: str, calls: list[tools.ToolCall]) -> dict:
-        """The assistant message with its tool calls (arguments as objects)."""
-        message = {"role": "assistant", "content": content}
+    def _assistant(content: str, calls: list[tools.ToolCall], thinking: str = "") -> dict:
+        """The assistant message with its reasoning and its tool calls (arguments as objects)."""
+        message = {"role": "assistant", "content": content} | ({"thinking": thinking} if thinking else {})
         if calls:
             message["tool_calls"] = [{"function": {"name": c.name, "arguments": c.arguments}} for c in calls]
         return message
@@ -305,10 +317,17 @@ class _Wire:
         return []
 
     def piece(self, delta: str, toks: list[int], lps: list, trace: Any) -> str:
+        thinking, out = "", ""
+        if self.harmony is not None:
+            thinking, delta = self.harmony.feed(toks)
+            if thinking:
+                out = _line(self._part("", False, thinking=thinking))
+            if not delta:
+                return out
         if not self.tools:
-            return _line(self._part(delta, False))
+            return out + _line(self._part(delta, False))
         text, calls = self.calls.feed(delta)  # content once it cannot be a call; each call as it closes
-        return _line(self._part(text, False, calls)) if text or calls else ""
+        return out + (_line(self._part(text, False, calls)) if text or calls else "")
 
     def closing(self, req: Request, events: Any, err: APIError | None) -> list[str]:
         if err:
@@ -316,15 +335,18 @@ class _Wire:
         return [_line(self._final(req, *self.calls.finish()) if self.tools else self._final(req, ""))]
 
     def response(self, req: Request) -> dict:
-        content, calls = tools.parse(req.seq.text, self.tools) if self.tools else (req.seq.text, [])
-        return self._final(req, content or "", calls)
+        thinking, text = ("", req.seq.text)
+        if self.harmony is not None:
+            thinking, text = self.harmony.feed(req.seq.output_ids)
+        content, calls = tools.parse(text, self.tools) if self.tools else (text, [])
+        return self._final(req, content or "", calls, thinking)
 
-    def _final(self, req: Request, text: str, calls: list[tools.ToolCall] | None = None) -> dict:
+    def _final(self, req: Request, text: str, calls: list[tools.ToolCall] | None = None, thinking: str = "") -> dict:
         """The last part: why it ended, the counts and durations; /api/generate's `context`; specdec's stats."""
         stats = response_stats(req)
         t = stats["timings"]
         out = {
-            **self._part(text, True, calls),
+            **self._part(text, True, calls, thinking),
             "done_reason": req.seq.finish_reason,
             "total_duration": _ns(t["prompt_ms"] + t["predicted_ms"]),
             "load_duration": 0,

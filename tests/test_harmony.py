@@ -1,0 +1,114 @@
+"""gpt-oss's harmony format: its chat template (the one llama.cpp's source keeps for gpt-oss) renders through ours, and
+an answer's ids split into reasoning and content however they are fed (specdec/harmony.py)."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer as FastTokenizer
+from tokenizers import models, pre_tokenizers
+
+from specdec.harmony import HarmonyStream
+from specdec.models.tokenizer import Tokenizer
+
+MARKERS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
+WORDS = ["assistant", "analysis", "final", "commentary", "to=functions.add", "json", "The", "user", "says", "hi."]
+WORDS += ["Hello!", "How", "can", "I", "help?", '{"a":1}']
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> Tokenizer:
+    """A word-level vocabulary with harmony's markers as special tokens (decoded words joined by spaces)."""
+    fast = FastTokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]", *WORDS])}, unk_token="[UNK]"))
+    fast.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast.add_special_tokens(MARKERS)
+    d = tmp_path_factory.mktemp("harmony")
+    fast.save(str(d / "tokenizer.json"))
+    return Tokenizer(d)
+
+
+def ids(tok: Tokenizer, text: str) -> list[int]:
+    """Markers and words of `text` (markers written without spaces around them are split out)."""
+    for m in MARKERS:
+        text = text.replace(m, f" {m} ")
+    return [tok.token_id(w) for w in text.split()]
+
+
+ANSWER = (
+    "<|channel|>analysis<|message|>The user says hi.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>Hello! How can I help?<|return|>"
+)
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 100])
+def test_an_answer_splits_into_reasoning_and_content_however_it_streams(tok, step):
+    stream, got = HarmonyStream.of(tok), ["", ""]
+    answer = ids(tok, ANSWER)
+    for i in range(0, len(answer), step):
+        reasoning, content = stream.feed(answer[i : i + step])
+        got = [got[0] + reasoning, got[1] + content]
+    assert got == ["The user says hi.", "Hello! How can I help?"]
+
+
+def test_a_tool_call_message_is_content_and_plain_text_passes_through(tok):
+    call = "<|channel|>commentary to=functions.add <|constrain|>json<|message|>" + '{"a":1}' + "<|call|>"
+    assert HarmonyStream.of(tok).feed(ids(tok, call)) == ("", '{"a":1}')
+    assert HarmonyStream.of(tok).feed(ids(tok, "Hello! How can I help?")) == ("", "Hello! How can I help?")
+
+
+def test_other_vocabularies_have_no_harmony_stream(tmp_path):
+    fast = FastTokenizer(models.WordLevel({"[UNK]": 0, "hi": 1}, unk_token="[UNK]"))
+    fast.save(str(tmp_path / "tokenizer.json"))
+    assert HarmonyStream.of(Tokenizer(tmp_path)) is None
+
+
+def test_gpt_oss_chat_template_renders(tok):
+    """llama.cpp's copy of gpt-oss's template (its pinned source), rendered by our jinja2 environment: the system
+    message as the developer's instructions, the prompt ending where the assistant's first message opens."""
+    from families import source
+
+    template = source() / "models" / "templates" / "openai-gpt-oss-120b.jinja"
+    if not template.exists():
+        pytest.skip(f"no {template.name} in the pinned llama.cpp source")
+    tok.chat_template, tok.bos_token, tok.eos_token = template.read_text(), "<|startoftext|>", "<|return|>"
+    text = tok.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert text.startswith("<|start|>system<|message|>") and "Reasoning: medium" in text
+    assert "<|start|>developer<|message|># Instructions\n\nBe brief." in text
+    assert text.endswith("<|start|>user<|message|>Hi<|end|><|start|>assistant")
+
+
+def test_openai_chat_answers_carry_reasoning_content(tok):
+    """The OpenAI chat wire: streamed, the analysis channel as `reasoning_content` deltas and the final one as
+    `content`; whole, both in the message."""
+    import json
+    from types import SimpleNamespace
+
+    from specdec.server.handler import _Formatter
+
+    fmt = _Formatter(SimpleNamespace(tokenizer=tok), "m", "r", chat=True)
+    deltas = []
+    for i in ids(tok, ANSWER):
+        for line in fmt.piece("ignored", [i], [], None).splitlines():
+            if line.startswith("data: "):
+                deltas.append(json.loads(line[6:])["choices"][0]["delta"])
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "The user says hi."
+    assert "".join(d.get("content", "") for d in deltas) == "Hello! How can I help?"
+    seq = SimpleNamespace(output_ids=ids(tok, ANSWER), text="ignored", finish_reason="stop")
+    message, finish = fmt._answer(SimpleNamespace(seq=seq))
+    assert message == {
+        "role": "assistant",
+        "content": "Hello! How can I help?",
+        "reasoning_content": "The user says hi.",
+    }
+
+
+def test_ollama_chat_answers_carry_thinking(tok):
+    """Ollama's chat wire, streamed: the analysis channel as the message's `thinking`."""
+    import json
+
+    from specdec.server.ollama import _Wire
+
+    wire, parts = _Wire("m", chat=True, harmony=HarmonyStream.of(tok)), []
+    for i in ids(tok, ANSWER):
+        parts += [json.loads(line)["message"] for line in wire.piece("ignored", [i], [], None).splitlines()]
+    assert "".join(p.get("thinking", "") for p in parts) == "The user says hi."
+    assert "".join(p["content"] for p in parts) == "Hello! How can I help?"
