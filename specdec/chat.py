@@ -1,6 +1,7 @@
 """`specdec chat` (and `specdec generate -cnv` without a prompt): a conversation on stdin and stdout, as
 `llama-cli -cnv` and `ollama run` hold one. Earlier turns' K/V stay in the prompt cache, so a turn prefills only
-what is new since the last one."""
+what is new since the last one. A gpt-oss answer (harmony, `specdec/harmony.py`) is printed when it ends: its
+reasoning on stderr, its final text on stdout."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 from typing import TextIO
 
 from specdec.api import LLM, Result
+from specdec.harmony import HarmonyStream
 
 HELP = "/bye or Ctrl-D: leave · /clear: forget the conversation · /help: this line"
 
@@ -56,9 +58,15 @@ def run(
         if not text:
             continue
         messages.append({"role": "user", "content": text})
-        r = llm.generate(
-            llm.encode_chat(messages), on_text=lambda s: print(s, end="", file=out, flush=True), **sampling
-        )
+        harmony = HarmonyStream.of(llm.tokenizer)
+        stream = None if harmony else (lambda s: print(s, end="", file=out, flush=True))
+        r = llm.generate(llm.encode_chat(messages), on_text=stream, **sampling)
+        answer = r.text
+        if harmony is not None:
+            reasoning, answer = harmony.feed(r.token_ids)
+            if reasoning:
+                print(f"[reasoning] {reasoning}", file=err, flush=True)
+            print(answer, end="", file=out)
         print(file=out, flush=True)
         print(footer(llm, r), file=err, flush=True)
-        messages.append({"role": "assistant", "content": r.text})
+        messages.append({"role": "assistant", "content": answer})

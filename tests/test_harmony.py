@@ -112,3 +112,20 @@ def test_ollama_chat_answers_carry_thinking(tok):
         parts += [json.loads(line)["message"] for line in wire.piece("ignored", [i], [], None).splitlines()]
     assert "".join(p.get("thinking", "") for p in parts) == "The user says hi."
     assert "".join(p["content"] for p in parts) == "Hello! How can I help?"
+
+
+def test_the_chat_loop_prints_the_final_channel_and_the_reasoning_apart(tok):
+    import io
+    from types import SimpleNamespace
+
+    from specdec import chat
+    from specdec.stats import Stats
+
+    result = SimpleNamespace(text="raw", token_ids=ids(tok, ANSWER), stats=Stats(), synthetic=False)
+    cfg = SimpleNamespace(fast_prefill=False, accept_threshold=0)
+    llm = SimpleNamespace(
+        tokenizer=tok, spec_type="none", config=cfg, encode_chat=lambda m: [1], generate=lambda ids, **k: result
+    )
+    out, err = io.StringIO(), io.StringIO()
+    assert chat.run(llm, None, io.StringIO("Hi\n"), out, err) == 0
+    assert out.getvalue() == "Hello! How can I help?\n" and "[reasoning] The user says hi." in err.getvalue()
