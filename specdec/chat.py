@@ -63,7 +63,7 @@ def run(
         r = llm.generate(llm.encode_chat(messages), on_text=stream, **sampling)
         answer = r.text
         if harmony is not None:
-            reasoning, answer = harmony.feed(r.token_ids)
+            reasoning, answer, _ = harmony.feed(r.token_ids)
             if reasoning:
                 print(f"[reasoning] {reasoning}", file=err, flush=True)
             print(answer, end="", file=out)

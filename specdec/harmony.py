@@ -1,21 +1,34 @@
 """gpt-oss's output format (OpenAI's harmony): an answer is a run of messages, each `<|channel|>NAME<|message|>TEXT`
 ended by `<|end|>` (then `<|start|>assistant` opens the next), `<|return|>` (the answer is done) or `<|call|>` (a
-tool call). The `analysis` channel holds the model's reasoning, `final` (and `commentary`) what it says to the user.
-The markers are special tokens, so decoded text drops them and runs the channels together ("analysis...assistantfinal
-..."); `HarmonyStream` reads the token ids instead and splits them, as they are generated, into reasoning and content
-text, which the OpenAI routes send as `reasoning_content` and `content` (llama-server's `--reasoning-format auto`).
+tool call). The `analysis` channel holds the model's reasoning, `final` what it says to the user; a message whose
+header names a recipient (`<|channel|>commentary to=functions.NAME <|constrain|>json`) is a call of tool NAME with
+its text as the JSON arguments. The markers are special tokens, so decoded text drops them and runs the channels
+together ("analysis...assistantfinal..."); `HarmonyStream` reads the token ids instead and splits them, as they are
+generated, into reasoning, content and calls, which the OpenAI routes send as `reasoning_content`, `content` and
+`tool_calls` (llama-server's `--reasoning-format auto`).
 
     stream = HarmonyStream.of(tokenizer)  # None for a vocabulary without harmony's markers
-    reasoning, content = stream.feed(ids)  # each call: the text completed by these ids
+    reasoning, content, calls = stream.feed(ids)  # each call: what these ids complete
 """
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from specdec.models.tokenizer import Detokenizer, Tokenizer
+from specdec.tools import ToolCall, parse
 
 REASONING_CHANNELS = ("analysis",)
+RECIPIENT = re.compile(r"\bto=functions\.([^\s<]+)")
+
+
+class Split(NamedTuple):
+    reasoning: str
+    content: str
+    calls: list[ToolCall]
 
 
 @dataclass
@@ -28,15 +41,17 @@ class _Markers:
 
 @dataclass
 class HarmonyStream:
-    """One answer's ids -> (reasoning, content) text, fed in pieces. Ids before a message's `<|message|>` are its header
-    (`<|start|>assistant<|channel|>analysis`); ids after it its text, until an end marker. An answer that does not open
-    with a marker is plain content throughout."""
+    """One answer's ids -> reasoning, content and calls, fed in pieces. Ids between `<|start|>` and `<|message|>` are a
+    message's header (`<|start|>assistant<|channel|>analysis`); ids after it its text, until an end marker. An answer
+    that does not open with a marker is plain content throughout."""
 
     tokenizer: Tokenizer
     marks: _Markers
     plain: bool | None = None  # decided by the first id
-    header: list[int] = field(default_factory=list)  # the current message's header ids since <|start|> / <|channel|>
+    role: list[int] = field(default_factory=list)  # the current header's ids before <|channel|>
+    channel_ids: list[int] | None = None  # and after it, once it came
     channel: str | None = None  # the current message's channel while in its text, else None
+    tool: str | None = None  # the function the current message calls
     text: Detokenizer | None = None
 
     @classmethod
@@ -48,24 +63,66 @@ class HarmonyStream:
         ends = frozenset(i for i in (ids[3], ids[4], call) if i is not None)
         return cls(tokenizer, _Markers(ids[0], ids[1], ids[2], ends))
 
-    def feed(self, ids: list[int]) -> tuple[str, str]:
-        """The reasoning and content text these ids complete."""
-        out = {True: "", False: ""}  # keyed by "is reasoning"
-        m = self.marks
+    def feed(self, ids: list[int]) -> Split:
+        """The reasoning and content text and the calls these ids complete."""
+        out = Split("", "", [])
         for i in ids:
-            if self.plain is None:
-                self.plain = i not in (m.start, m.channel)
-                self.text = Detokenizer(self.tokenizer) if self.plain else None
-            if self.plain:
-                out[False] += self.text.push([i])
-            elif i == m.message:
-                name = self.tokenizer.decode(self.header).split()
-                self.channel, self.text = (name[0] if name else "final"), Detokenizer(self.tokenizer)
-                self.header = []
-            elif i in m.ends or i in (m.start, m.channel):
-                self.channel, self.header = None, []
-            elif self.channel is not None:
-                out[self.channel in REASONING_CHANNELS] += self.text.push([i])
-            else:
-                self.header.append(i)
-        return out[True], out[False]
+            out = self._step(i, out)
+        return out
+
+    def _step(self, i: int, out: Split) -> Split:
+        m = self.marks
+        if self.plain is None:
+            self.plain = i not in (m.start, m.channel)
+            self.text = Detokenizer(self.tokenizer)
+        if self.plain:
+            return out._replace(content=out.content + self.text.push([i]))
+        if i == m.message:
+            self._open()
+        elif i in m.ends or i == m.start:
+            out = self._close(out)
+        elif i == m.channel:
+            self.channel_ids = []
+        elif self.channel is None:
+            (self.role if self.channel_ids is None else self.channel_ids).append(i)
+        elif self.tool is None:
+            text = self.text.push([i])
+            if self.channel in REASONING_CHANNELS:
+                return out._replace(reasoning=out.reasoning + text)
+            return out._replace(content=out.content + text)
+        else:
+            self.text.push([i])
+        return out
+
+    def _open(self) -> None:
+        """A message's text starts: its channel and recipient from the header."""
+        decode = self.tokenizer.decode
+        name = decode(self.channel_ids or []).split()
+        self.channel = name[0] if name else "final"
+        found = RECIPIENT.search(f"{decode(self.role)} {decode(self.channel_ids or [])}")
+        self.tool = found.group(1) if found else None
+        self.text, self.role, self.channel_ids = Detokenizer(self.tokenizer), [], None
+
+    def _close(self, out: Split) -> Split:
+        """A message ends (or the next one starts): a call's arguments are complete."""
+        if self.tool is not None:
+            try:
+                arguments = json.loads(self.text.text)
+            except ValueError:
+                arguments = None
+            if isinstance(arguments, dict):
+                out = out._replace(calls=[*out.calls, ToolCall(self.tool, arguments)])
+            else:  # not a JSON object: the text as content
+                out = out._replace(content=out.content + self.text.text)
+        self.channel, self.tool, self.role, self.channel_ids = None, None, [], None
+        return out
+
+
+def answer_parts(
+    ids: list[int], text: str, tool_names: list[str], stream: HarmonyStream | None
+) -> tuple[str, list[ToolCall], str]:
+    """A finished answer's (content, tool calls, reasoning): gpt-oss's from its ids through a fresh `stream`, else from
+    its text; calls in the text parsed out where tools were offered."""
+    reasoning, text, calls = stream.feed(ids) if stream else ("", text, [])
+    content, parsed = parse(text, tool_names) if tool_names else (text, [])
+    return content, calls + parsed, reasoning

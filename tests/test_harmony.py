@@ -9,6 +9,7 @@ from tokenizers import models, pre_tokenizers
 
 from specdec.harmony import HarmonyStream
 from specdec.models.tokenizer import Tokenizer
+from specdec.tools import ToolCall
 
 MARKERS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
 WORDS = ["assistant", "analysis", "final", "commentary", "to=functions.add", "json", "The", "user", "says", "hi."]
@@ -44,15 +45,22 @@ def test_an_answer_splits_into_reasoning_and_content_however_it_streams(tok, ste
     stream, got = HarmonyStream.of(tok), ["", ""]
     answer = ids(tok, ANSWER)
     for i in range(0, len(answer), step):
-        reasoning, content = stream.feed(answer[i : i + step])
+        reasoning, content, calls = stream.feed(answer[i : i + step])
         got = [got[0] + reasoning, got[1] + content]
+        assert calls == []
     assert got == ["The user says hi.", "Hello! How can I help?"]
 
 
-def test_a_tool_call_message_is_content_and_plain_text_passes_through(tok):
-    call = "<|channel|>commentary to=functions.add <|constrain|>json<|message|>" + '{"a":1}' + "<|call|>"
-    assert HarmonyStream.of(tok).feed(ids(tok, call)) == ("", '{"a":1}')
-    assert HarmonyStream.of(tok).feed(ids(tok, "Hello! How can I help?")) == ("", "Hello! How can I help?")
+CALL = "<|channel|>commentary to=functions.add <|constrain|>json<|message|>" + '{"a":1}' + "<|call|>"
+
+
+def test_a_message_to_a_function_is_a_call_and_plain_text_passes_through(tok):
+    assert HarmonyStream.of(tok).feed(ids(tok, CALL)) == ("", "", [ToolCall("add", {"a": 1})])
+    text = "<|start|>assistant to=functions.add<|channel|>commentary json<|message|>" + '{"a":1}' + "<|call|>"
+    assert HarmonyStream.of(tok).feed(ids(tok, text)).calls == [ToolCall("add", {"a": 1})]  # recipient in the role
+    broken = CALL.replace('{"a":1}', "Hello!")  # not JSON: the text as content
+    assert HarmonyStream.of(tok).feed(ids(tok, broken)) == ("", "Hello!", [])
+    assert HarmonyStream.of(tok).feed(ids(tok, "Hello! How can I help?")) == ("", "Hello! How can I help?", [])
 
 
 def test_other_vocabularies_have_no_harmony_stream(tmp_path):
@@ -129,3 +137,24 @@ def test_the_chat_loop_prints_the_final_channel_and_the_reasoning_apart(tok):
     out, err = io.StringIO(), io.StringIO()
     assert chat.run(llm, None, io.StringIO("Hi\n"), out, err) == 0
     assert out.getvalue() == "Hello! How can I help?\n" and "[reasoning] The user says hi." in err.getvalue()
+
+
+def test_openai_chat_answers_carry_harmony_tool_calls(tok):
+    """A call message comes back as a `tool_calls` entry, streamed and whole, and the answer ends with
+    finish_reason "tool_calls"."""
+    import json
+    from types import SimpleNamespace
+
+    from specdec.server.handler import _Formatter
+
+    answer = ids(tok, "<|channel|>analysis<|message|>The user says hi.<|end|><|start|>assistant" + CALL)
+    fmt, deltas = _Formatter(SimpleNamespace(tokenizer=tok), "m", "r", chat=True), []
+    for i in answer:
+        deltas += [json.loads(x[6:])["choices"][0]["delta"] for x in fmt.piece("", [i], [], None).splitlines() if x]
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("add", {"a": 1})]
+    assert fmt.sent_calls == 1
+    seq = SimpleNamespace(output_ids=answer, text="ignored", finish_reason="stop")
+    message, finish = fmt._answer(SimpleNamespace(seq=seq))
+    assert finish == "tool_calls" and message["tool_calls"][0]["function"]["name"] == "add"
+    assert message["content"] == "" and message["reasoning_content"] == "The user says hi."

@@ -25,7 +25,7 @@ from specdec.drafters import REGISTRY, Drafter, is_lossy
 from specdec.engine.engine import PromptTooLong
 from specdec.engine.scheduler import EngineStopped, QueueFull, Request, Scheduler
 from specdec.errors import SpecdecError
-from specdec.harmony import HarmonyStream
+from specdec.harmony import HarmonyStream, answer_parts
 from specdec.sampling import SamplingParams
 from specdec.sequence import RequestOptions, TokenTrace
 from specdec.server.metrics import Metrics
@@ -492,17 +492,20 @@ class _Formatter:
         return [_data(self.chunk({"role": "assistant", "content": ""}, [], [], None))] if self.chat else []
 
     def piece(self, delta: str, toks: list[int], lps: list, trace: list[TokenTrace] | None) -> str:
-        out = ""
-        if self.harmony is not None:  # header tokens (channel names, markers) make neither
-            reasoning, delta = self.harmony.feed(toks)
-            if reasoning:
-                out = _data(self.chunk({"reasoning_content": reasoning}, toks, lps, None, trace))
-                toks, lps, trace = [], [], None  # the tokens' logprobs ride on one chunk
-            if not delta:
-                return out
+        if self.harmony is not None:
+            return self._harmony_piece(toks, lps, trace)
         if self.tools:
-            return out + self._tool_piece(*self.calls.feed(delta), toks, lps)
-        return out + _data(self.chunk({"content": delta} if self.chat else delta, toks, lps, None, trace))
+            return self._tool_piece(*self.calls.feed(delta), toks, lps)
+        return _data(self.chunk({"content": delta} if self.chat else delta, toks, lps, None, trace))
+
+    def _harmony_piece(self, toks: list[int], lps: list, trace: list[TokenTrace] | None) -> str:
+        """gpt-oss: what these ids complete of its reasoning, its content and its calls (header ids: nothing)."""
+        reasoning, content, calls = self.harmony.feed(toks)
+        out = ""
+        if reasoning:
+            out = _data(self.chunk({"reasoning_content": reasoning}, toks, lps, None, trace))
+            toks, lps = [], []  # the tokens' logprobs ride on one chunk
+        return out + (self._tool_piece(content, calls, toks, lps) if content or calls else "")
 
     def _tool_piece(self, text: str, calls: list[tools.ToolCall], toks: list[int], lps: list) -> str:
         """Content as it is known not to be a call, and each call once it closes (OpenAI's streamed `tool_calls`)."""
@@ -520,7 +523,7 @@ class _Formatter:
             return [_data(err.body()), "data: [DONE]\n\n"]
         lines = [self._tool_piece(*self.calls.finish(), [], [])] if self.tools else []
         finish = req.seq.finish_reason
-        finish = "tool_calls" if self.calls.called and finish == "stop" else finish
+        finish = "tool_calls" if self.sent_calls and finish == "stop" else finish
         last = self.chunk({} if self.chat else "", [], [], finish, events.rest_of_trace())
         lines.append(_data({**last, **self.stats(req)}))
         if self.usage_chunk:
@@ -607,8 +610,8 @@ class _Formatter:
         """The assistant message, its tool calls parsed out where tools were offered, and why it ended
         ("tool_calls" where a finished answer is calls)."""
         seq = req.seq
-        reasoning, text = HarmonyStream.of(self.llm.tokenizer).feed(seq.output_ids) if self.harmony else ("", seq.text)
-        content, calls = tools.parse(text, self.tools) if self.tools else (text, [])
+        stream = HarmonyStream.of(self.llm.tokenizer) if self.harmony else None
+        content, calls, reasoning = answer_parts(seq.output_ids, seq.text, self.tools, stream)
         message = {"role": "assistant", "content": content} | ({"reasoning_content": reasoning} if reasoning else {})
         if not calls:
             return message, seq.finish_reason

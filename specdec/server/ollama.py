@@ -18,7 +18,7 @@ import specdec
 from specdec import tools
 from specdec.constraint import GrammarError
 from specdec.errors import SpecdecError
-from specdec.harmony import HarmonyStream
+from specdec.harmony import HarmonyStream, answer_parts
 from specdec.server.protocol import (
     EXTENSIONS,
     APIError,
@@ -317,17 +317,13 @@ class _Wire:
         return []
 
     def piece(self, delta: str, toks: list[int], lps: list, trace: Any) -> str:
-        thinking, out = "", ""
-        if self.harmony is not None:
-            thinking, delta = self.harmony.feed(toks)
-            if thinking:
-                out = _line(self._part("", False, thinking=thinking))
-            if not delta:
-                return out
+        if self.harmony is not None:  # gpt-oss: from its ids; header ids make nothing
+            thinking, text, calls = self.harmony.feed(toks)
+            return _line(self._part(text, False, calls, thinking)) if thinking or text or calls else ""
         if not self.tools:
-            return out + _line(self._part(delta, False))
+            return _line(self._part(delta, False))
         text, calls = self.calls.feed(delta)  # content once it cannot be a call; each call as it closes
-        return out + (_line(self._part(text, False, calls)) if text or calls else "")
+        return _line(self._part(text, False, calls)) if text or calls else ""
 
     def closing(self, req: Request, events: Any, err: APIError | None) -> list[str]:
         if err:
@@ -335,10 +331,7 @@ class _Wire:
         return [_line(self._final(req, *self.calls.finish()) if self.tools else self._final(req, ""))]
 
     def response(self, req: Request) -> dict:
-        thinking, text = ("", req.seq.text)
-        if self.harmony is not None:
-            thinking, text = self.harmony.feed(req.seq.output_ids)
-        content, calls = tools.parse(text, self.tools) if self.tools else (text, [])
+        content, calls, thinking = answer_parts(req.seq.output_ids, req.seq.text, self.tools, self.harmony)
         return self._final(req, content or "", calls, thinking)
 
     def _final(self, req: Request, text: str, calls: list[tools.ToolCall] | None = None, thinking: str = "") -> dict:
