@@ -158,3 +158,18 @@ def test_openai_chat_answers_carry_harmony_tool_calls(tok):
     message, finish = fmt._answer(SimpleNamespace(seq=seq))
     assert finish == "tool_calls" and message["tool_calls"][0]["function"]["name"] == "add"
     assert message["content"] == "" and message["reasoning_content"] == "The user says hi."
+
+
+def test_constrained_chat_is_refused_for_harmony(tok):
+    """A grammar would force the answer's first tokens, where gpt-oss opens a channel: a clear 400 instead."""
+    from types import SimpleNamespace
+
+    from specdec.server.handler import Handler
+    from specdec.server.protocol import APIError, ChatRequest
+
+    handler = Handler.__new__(Handler)
+    handler.llm = SimpleNamespace(tokenizer=tok)
+    body = ChatRequest(messages=[{"role": "user", "content": "Hi"}], response_format={"type": "json_object"})
+    with pytest.raises(APIError, match="harmony") as e:
+        handler._grammar(body)
+    assert e.value.status == 400

@@ -238,6 +238,9 @@ class Handler:
             asked["tool_choice"] = lambda: tools.grammar(body.tools, body.tool_choice, self.llm.tokenizer)
         if len(asked) > 1:
             raise APIError(400, f"give one of {', '.join(asked)}, not several", next(iter(asked)))
+        if asked and isinstance(body, ChatRequest) and HarmonyStream.of(self.llm.tokenizer) is not None:
+            field = next(iter(asked))
+            raise APIError(400, f"{field}: this model answers in harmony channels; no constrained chat yet", field)
         for field, build in asked.items():
             try:
                 grammar = build()
