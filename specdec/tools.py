@@ -127,7 +127,6 @@ class CallStream:
         self.known = known
         self.held = ""  # text not sent yet
         self.whole: bool | None = None  # the answer opens like a bare call; None until its first visible character
-        self.called = False  # a call was sent
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """(content to send, calls completed) after `text`."""
@@ -146,27 +145,23 @@ class CallStream:
             if not final:
                 return "", []
             content, calls = parse(self.held, self.known) if head else (self.held, [])
-            return self._sent(content or "", calls)
+            return content or "", calls
         out, calls = "", []
         while True:
             start = self.held.find(OPEN)
             if start < 0:
                 keep = 0 if final else _tag_prefix(self.held, OPEN)
                 out, self.held = out + self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
-                return self._sent(out, calls)
+                return out, calls
             stop = self.held.find(CLOSE, start)
             if stop < 0 and not final:
                 out, self.held = out + self.held[:start], self.held[start:]
-                return self._sent(out, calls)
+                return out, calls
             end = len(self.held) if stop < 0 else stop + len(CLOSE)
             found = _calls(self.held[start + len(OPEN) : end - (0 if stop < 0 else len(CLOSE))].strip(), self.known)
             out += self.held[:start] + ("" if found else self.held[start:end])
             calls += found
             self.held = self.held[end:]
-
-    def _sent(self, content: str, calls: list[ToolCall]) -> tuple[str, list[ToolCall]]:
-        self.called = self.called or bool(calls)
-        return content, calls
 
 
 def _tag_prefix(text: str, tag: str) -> int:

@@ -93,9 +93,9 @@ def test_same_tokens_alone_batched_and_cached(llm, seeded):
         assert len({tuple(b) for b in base}) == len(base)  # eight different answers
     for spec in SPECS:
         llm.prefix_cache.clear()
-        alone = _run(sched, _requests(llm, spec, seeded, False), together=False)
+        alone = _run(sched, _requests(llm, spec, seeded, True), together=False)  # fills the cache
+        assert all(r.seq.cached_tokens == 0 for r in alone)  # no prompt shares a prefix with another: all fresh
         together = _run(sched, _requests(llm, spec, seeded, False), together=True)
-        _run(sched, _requests(llm, spec, seeded, True), together=False)  # fills the cache
         cached = _run(sched, _requests(llm, spec, seeded, True), together=True)
         for how, reqs in (("alone", alone), ("beside 7 others", together), ("cache warm", cached)):
             assert [r.seq.output_ids for r in reqs] == base, (spec, how)
