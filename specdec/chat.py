@@ -1,7 +1,7 @@
 """`specdec chat` (and `specdec generate -cnv` without a prompt): a conversation on stdin and stdout, as
 `llama-cli -cnv` and `ollama run` hold one. Earlier turns' K/V stay in the prompt cache, so a turn prefills only
-what is new since the last one. A gpt-oss answer (harmony, `specdec/harmony.py`) is printed when it ends: its
-reasoning on stderr, its final text on stdout."""
+what is new since the last one. An answer's reasoning goes to stderr and its content to stdout: `<think>` blocks
+(`specdec/think.py`) as they stream, a gpt-oss answer (harmony, `specdec/harmony.py`) when it ends."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import TextIO
 
 from specdec.api import LLM, Result
 from specdec.harmony import HarmonyStream
+from specdec.think import ThinkStream
 
 HELP = "/bye or Ctrl-D: leave · /clear: forget the conversation · /help: this line"
 
@@ -25,6 +26,27 @@ def footer(llm: LLM, r: Result) -> str:
         + (" | FAST PREFILL: tokens may differ with chunking" if llm.config.fast_prefill else "")
         + (f" | LOSSY: {s.relaxed} drafts accepted by --spec-accept-threshold" if llm.config.accept_threshold else "")
     )
+
+
+class _Shown:
+    """An answer as it comes: its reasoning on stderr (after a "[reasoning]" mark), its content on stdout."""
+
+    def __init__(self, out: TextIO, err: TextIO):
+        self.out, self.err, self.reasoning = out, err, None  # None: none shown; True: its line is open
+
+    def __call__(self, reasoning: str, content: str) -> None:
+        if reasoning:
+            print(reasoning if self.reasoning else f"[reasoning] {reasoning}", end="", file=self.err, flush=True)
+            self.reasoning = True
+        if content:
+            self.close()
+            print(content, end="", file=self.out, flush=True)
+
+    def close(self) -> None:
+        """End the reasoning's line on stderr."""
+        if self.reasoning:
+            print(file=self.err, flush=True)
+            self.reasoning = False
 
 
 def run(
@@ -58,15 +80,20 @@ def run(
         if not text:
             continue
         messages.append({"role": "user", "content": text})
+        ids = llm.encode_chat(messages)
         harmony = HarmonyStream.of(llm.tokenizer)
-        stream = None if harmony else (lambda s: print(s, end="", file=out, flush=True))
-        r = llm.generate(llm.encode_chat(messages), on_text=stream, **sampling)
+        think = None if harmony else ThinkStream.of(llm.tokenizer, ids)
+        show = _Shown(out, err)
+        stream = None if harmony else lambda s: show(*(think.feed(s) if think else ("", s)))
+        r = llm.generate(ids, on_text=stream, **sampling)
         answer = r.text
         if harmony is not None:
             reasoning, answer, _ = harmony.feed(r.token_ids)
-            if reasoning:
-                print(f"[reasoning] {reasoning}", file=err, flush=True)
-            print(answer, end="", file=out)
+            show(reasoning, answer)
+        elif think is not None:
+            show(*think.finish())
+            answer = think.split(r.text)[1]
+        show.close()
         print(file=out, flush=True)
         print(footer(llm, r), file=err, flush=True)
         messages.append({"role": "assistant", "content": answer})

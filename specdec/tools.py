@@ -150,7 +150,7 @@ class CallStream:
         while True:
             start = self.held.find(OPEN)
             if start < 0:
-                keep = 0 if final else _tag_prefix(self.held, OPEN)
+                keep = 0 if final else tag_prefix(self.held, OPEN)
                 out, self.held = out + self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
                 return out, calls
             stop = self.held.find(CLOSE, start)
@@ -164,7 +164,7 @@ class CallStream:
             self.held = self.held[end:]
 
 
-def _tag_prefix(text: str, tag: str) -> int:
+def tag_prefix(text: str, tag: str) -> int:
     """The length of the longest end of `text` that begins `tag` (a tag still arriving)."""
     return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-n:])), 0)
 

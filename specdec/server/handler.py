@@ -30,6 +30,7 @@ from specdec.sampling import SamplingParams
 from specdec.sequence import RequestOptions, TokenTrace
 from specdec.server.metrics import Metrics
 from specdec.server.protocol import MAX_BODY, APIError, ChatRequest, CompletionRequest, Speculative, response_stats
+from specdec.think import ThinkStream
 
 log = logging.getLogger(__name__)
 access = logging.getLogger("specdec.access")  # one line per request (`specdec serve` prints them on stderr)
@@ -346,7 +347,7 @@ class Handler:
         events = _Events(req, lambda r: self._finished(r, rid, http.url.path))
         self._submit(req)
         usage = body.stream_options is not None and body.stream_options.include_usage
-        fmt = wire or _Formatter(self.llm, self.cfg.model_id, rid, chat, usage, tool_names)
+        fmt = wire or _Formatter(self.llm, self.cfg.model_id, rid, chat, usage, tool_names, ids)
         if body.stream:
             return StreamingResponse(self._stream(req, events, fmt), media_type=fmt.media_type)
         return await self._respond(http, req, events, fmt)
@@ -480,7 +481,14 @@ class _Formatter:
     media_type = "text/event-stream"
 
     def __init__(
-        self, llm, model_id: str, rid: str, chat: bool, usage: bool = False, tool_names: list[str] | None = None
+        self,
+        llm,
+        model_id: str,
+        rid: str,
+        chat: bool,
+        usage: bool = False,
+        tool_names: list[str] | None = None,
+        prompt_ids: list[int] | None = None,
     ):
         self.llm, self.model_id, self.rid, self.chat = llm, model_id, rid, chat
         self.usage_chunk = usage  # stream_options.include_usage
@@ -490,6 +498,8 @@ class _Formatter:
         self.created = int(time.time())
         # gpt-oss: the answer's analysis channel goes out as `reasoning_content`, its final channel as `content`
         self.harmony = HarmonyStream.of(llm.tokenizer) if chat else None
+        # Qwen3, QwQ, DeepSeek-R1: what is between <think> and </think> goes out as `reasoning_content`
+        self.think = ThinkStream.of(llm.tokenizer, prompt_ids or []) if chat and not self.harmony else None
 
     def opening(self) -> list[str]:
         return [_data(self.chunk({"role": "assistant", "content": ""}, [], [], None))] if self.chat else []
@@ -497,9 +507,25 @@ class _Formatter:
     def piece(self, delta: str, toks: list[int], lps: list, trace: list[TokenTrace] | None) -> str:
         if self.harmony is not None:
             return self._harmony_piece(toks, lps, trace)
+        out = ""
+        if self.think is not None:
+            reasoning, delta = self.think.feed(delta)
+            if reasoning:
+                out = _data(self.chunk({"reasoning_content": reasoning}, toks, lps, None, trace))
+                toks, lps, trace = [], [], None  # the tokens' logprobs ride on one chunk
+            if not delta:
+                return out
         if self.tools:
-            return self._tool_piece(*self.calls.feed(delta), toks, lps)
-        return _data(self.chunk({"content": delta} if self.chat else delta, toks, lps, None, trace))
+            return out + self._tool_piece(*self.calls.feed(delta), toks, lps)
+        return out + _data(self.chunk({"content": delta} if self.chat else delta, toks, lps, None, trace))
+
+    def _held(self) -> str:
+        """What the think stream still holds when the answer ends, as it would have gone out."""
+        reasoning, content = self.think.finish() if self.think is not None else ("", "")
+        out = _data(self.chunk({"reasoning_content": reasoning}, [], [], None)) if reasoning else ""
+        if content and self.tools:
+            return out + self._tool_piece(*self.calls.feed(content), [], [])
+        return out + (_data(self.chunk({"content": content}, [], [], None)) if content else "")
 
     def _harmony_piece(self, toks: list[int], lps: list, trace: list[TokenTrace] | None) -> str:
         """gpt-oss: what these ids complete of its reasoning, its content and its calls (header ids: nothing)."""
@@ -524,7 +550,8 @@ class _Formatter:
         first: its text or its calls."""
         if err:
             return [_data(err.body()), "data: [DONE]\n\n"]
-        lines = [self._tool_piece(*self.calls.finish(), [], [])] if self.tools else []
+        lines = [self._held()]
+        lines += [self._tool_piece(*self.calls.finish(), [], [])] if self.tools else []
         finish = req.seq.finish_reason
         finish = "tool_calls" if self.sent_calls and finish == "stop" else finish
         last = self.chunk({} if self.chat else "", [], [], finish, events.rest_of_trace())
@@ -614,7 +641,9 @@ class _Formatter:
         ("tool_calls" where a finished answer is calls)."""
         seq = req.seq
         stream = HarmonyStream.of(self.llm.tokenizer) if self.harmony else None
-        content, calls, reasoning = answer_parts(seq.output_ids, seq.text, self.tools, stream)
+        thought, text = self.think.split(seq.text) if self.think else ("", seq.text)
+        content, calls, reasoning = answer_parts(seq.output_ids, text, self.tools, stream)
+        reasoning = reasoning or thought
         message = {"role": "assistant", "content": content} | ({"reasoning_content": reasoning} if reasoning else {})
         if not calls:
             return message, seq.finish_reason
