@@ -505,36 +505,32 @@ class _Formatter:
         return [_data(self.chunk({"role": "assistant", "content": ""}, [], [], None))] if self.chat else []
 
     def piece(self, delta: str, toks: list[int], lps: list, trace: list[TokenTrace] | None) -> str:
-        if self.harmony is not None:
-            return self._harmony_piece(toks, lps, trace)
-        out = ""
+        if self.harmony is not None:  # gpt-oss: from its ids, calls parsed there (header ids make nothing)
+            return self._split_piece(*self.harmony.feed(toks), toks, lps, trace)
         if self.think is not None:
-            reasoning, delta = self.think.feed(delta)
-            if reasoning:
-                out = _data(self.chunk({"reasoning_content": reasoning}, toks, lps, None, trace))
-                toks, lps, trace = [], [], None  # the tokens' logprobs ride on one chunk
-            if not delta:
-                return out
+            return self._split_piece(*self.think.feed(delta), None, toks, lps, trace)
         if self.tools:
-            return out + self._tool_piece(*self.calls.feed(delta), toks, lps)
-        return out + _data(self.chunk({"content": delta} if self.chat else delta, toks, lps, None, trace))
+            return self._tool_piece(*self.calls.feed(delta), toks, lps)
+        return _data(self.chunk({"content": delta} if self.chat else delta, toks, lps, None, trace))
 
-    def _held(self) -> str:
-        """What the think stream still holds when the answer ends, as it would have gone out."""
-        reasoning, content = self.think.finish() if self.think is not None else ("", "")
-        out = _data(self.chunk({"reasoning_content": reasoning}, [], [], None)) if reasoning else ""
-        if content and self.tools:
-            return out + self._tool_piece(*self.calls.feed(content), [], [])
-        return out + (_data(self.chunk({"content": content}, [], [], None)) if content else "")
-
-    def _harmony_piece(self, toks: list[int], lps: list, trace: list[TokenTrace] | None) -> str:
-        """gpt-oss: what these ids complete of its reasoning, its content and its calls (header ids: nothing)."""
-        reasoning, content, calls = self.harmony.feed(toks)
+    def _split_piece(
+        self, reasoning: str, content: str, calls: list[tools.ToolCall] | None, toks: list[int], lps: list, trace
+    ) -> str:
+        """An answer split into reasoning (its own chunk, carrying the tokens' logprobs) and content, sent as `piece`
+        sends it; `calls`: those harmony parsed already, None where the content may still hold some."""
         out = ""
         if reasoning:
             out = _data(self.chunk({"reasoning_content": reasoning}, toks, lps, None, trace))
-            toks, lps = [], []  # the tokens' logprobs ride on one chunk
-        return out + (self._tool_piece(content, calls, toks, lps) if content or calls else "")
+            toks, lps, trace = [], [], None  # the tokens' logprobs ride on one chunk
+        if calls is None and self.tools:
+            content, calls = self.calls.feed(content)
+        if calls is not None:  # harmony, or tools offered
+            return out + self._tool_piece(content, calls, toks, lps)
+        return out + (_data(self.chunk({"content": content}, toks, lps, None, trace)) if content else "")
+
+    def _held(self) -> str:
+        """What the think stream still holds when the answer ends, sent as it would have been."""
+        return self._split_piece(*self.think.finish(), None, [], [], None) if self.think is not None else ""
 
     def _tool_piece(self, text: str, calls: list[tools.ToolCall], toks: list[int], lps: list) -> str:
         """Content as it is known not to be a call, and each call once it closes (OpenAI's streamed `tool_calls`)."""
@@ -640,9 +636,8 @@ class _Formatter:
         """The assistant message, its tool calls parsed out where tools were offered, and why it ended
         ("tool_calls" where a finished answer is calls)."""
         seq = req.seq
-        stream = HarmonyStream.of(self.llm.tokenizer) if self.harmony else None
         thought, text = self.think.split(seq.text) if self.think else ("", seq.text)
-        content, calls, reasoning = answer_parts(seq.output_ids, text, self.tools, stream)
+        content, calls, reasoning = answer_parts(seq.output_ids, text, self.tools, self.harmony)  # not streamed: unfed
         reasoning = reasoning or thought
         message = {"role": "assistant", "content": content} | ({"reasoning_content": reasoning} if reasoning else {})
         if not calls:
