@@ -160,7 +160,9 @@ class LLM:
         return runner
 
     def _attach_prefix(self, runner: ModelRunner, name: str) -> None:
-        if self.prefix_cache is not None:
+        """The shared prefix cache for this runner; not for a model with recurrent layers (Qwen3.5), whose state at
+        the end of a prefix the cache's K/V blocks do not hold."""
+        if self.prefix_cache is not None and runner.cache.states is None:
             runner.prefix = PrefixStore(self.prefix_cache, name, runner.cache)
 
     @property

@@ -68,6 +68,17 @@ class Draft:
             paths.append(paths[(j - 1 if self.parents is None else self.parents[j]) + 1] + [t])
         return paths
 
+    def as_chain(self) -> Draft:
+        """A chain the target verifies with a plain forward: a tree's path through each node's first child (drafters
+        put the likeliest first); no `resume`. For targets with recurrent layers, whose state follows one sequence."""
+        if self.parents is None:
+            return replace(self, resume=None)
+        keep: list[int] = []
+        for j, p in enumerate(self.parents):
+            if p == (keep[-1] if keep else -1):
+                keep.append(j)
+        return replace(self.subset(keep), parents=None)
+
     def subset(self, keep: list[int]) -> Draft:
         """The draft of nodes `keep` (ascending, each with its parent: a chain's first n), renumbered."""
         if self.parents is None:

@@ -128,6 +128,17 @@ TINY: dict[str, dict[str, Any]] = {
         "layer_types": ["sliding_attention", "full_attention"],
         "tie_word_embeddings": False,
     },
+    # layers [linear, linear, linear, full] (HF's full_attention_interval 4); 2 key heads over 4 value heads
+    "qwen3_5": {
+        "model_type": "qwen3_5_text",
+        "num_hidden_layers": 4,
+        "head_dim": 32,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "tie_word_embeddings": True,
+    },
     "granite": {
         "model_type": "granite",
         "embedding_multiplier": 4.0,
@@ -148,6 +159,7 @@ _KINDS = {
     "qwen2": "qwen2",
     "qwen3_moe": "qwen2",
     "gpt_oss": "qwen2",
+    "qwen3_5": "qwen2",
 }
 TOKENIZER: dict[str, str] = {case: _KINDS.get(case, "llama") for case in TINY}
 
@@ -277,7 +289,32 @@ def make_checkpoint(
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     randomize(model, seed)
     model.save_pretrained(str(directory))
+    if model_type == "qwen3_5_text":
+        _add_qwen3_5_mtp(directory, model, seed)
     return directory
+
+
+def _add_qwen3_5_mtp(directory: Path, model: torch.nn.Module, seed: int) -> None:
+    """One MTP block in Qwen3.5's released layout (`mtp.fc` over [embedding; hidden], its norms, a full-attention
+    decoder layer `mtp.layers.0.*`, `mtp.norm`), random like the rest; transformers skips `mtp.*` when loading."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    h = model.config.hidden_size
+    full = model.config.layer_types.index("full_attention")
+    layer = {f"layers.0.{n}": p for n, p in model.model.layers[full].state_dict().items()}
+    shapes = {"fc.weight": (h, 2 * h), "pre_fc_norm_embedding.weight": (h,), "pre_fc_norm_hidden.weight": (h,)}
+    shapes |= {"norm.weight": (h,)} | {n: tuple(p.shape) for n, p in layer.items()}
+    g = torch.Generator().manual_seed(seed + 1)
+    mtp = {
+        f"mtp.{n}": torch.randn(shape, generator=g) * (MATRIX_STD if len(shape) > 1 else VECTOR_STD)
+        for n, shape in sorted(shapes.items())
+    }
+    path = directory / "model.safetensors"
+    save_file({**load_file(str(path)), **mtp}, str(path), metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}, indent=2))
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:

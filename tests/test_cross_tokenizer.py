@@ -165,7 +165,7 @@ class OracleRunner:
         h[start:] = tokens
         return self._logits(h)
 
-    def forward(self, chunks, starts, slots, last_only=False):
+    def forward(self, chunks, starts, slots, last_only=False, settle=True):
         return [self.prefill(c, slot, s)[None] for c, s, slot in zip(chunks, starts, slots)]
 
 
@@ -282,7 +282,7 @@ class NullRunner:
     def __init__(self, vocab: int):
         self.vocab_size = vocab
 
-    def forward(self, chunks, starts, slots, last_only=False):
+    def forward(self, chunks, starts, slots, last_only=False, settle=True):
         return [torch.zeros(1, self.vocab_size) for _ in chunks]
 
     def prefill(self, tokens: list[int], slot: int, start: int = 0) -> torch.Tensor:

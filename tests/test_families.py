@@ -25,12 +25,29 @@ def _home(family_home):
     pass
 
 
-def _transformers(directory: Path, ids: list[int]) -> torch.Tensor:
+# Families whose reference computes another way than ours in float32 (Qwen3.5: transformers' chunked gated delta rule
+# for a prompt, ours the recurrent form): checked against transformers in float64, within what transformers' own
+# float32 misses by (8.9e-4 on the tiny Qwen3.5; ours 4.7e-4)
+OTHER_ARITHMETIC = {"qwen3_5_text"}
+
+
+def _transformers(directory: Path, ids: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype).eval()
     with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0]
+        return hf(torch.tensor([ids])).logits[0].double()
+
+
+def _reference(directory: Path, ids: list[int]) -> tuple[torch.Tensor, float]:
+    """transformers' logits [T, V] and how close ours must be."""
+    import json
+
+    ref = _transformers(directory, ids)
+    if json.loads((directory / "config.json").read_text())["model_type"] not in OTHER_ARITHMETIC:
+        return ref, TOL
+    exact = _transformers(directory, ids, torch.float64)
+    return exact, max(TOL, float((ref - exact).abs().max()))
 
 
 def _ours(model, ids: list[int]) -> torch.Tensor:
@@ -49,8 +66,9 @@ def test_checkpoint_logits_equal_transformers(family_files, case):
     d = family_files(case).hf
     ids = prompt_ids(d)
     model, _ = load_checkpoint(d, torch.float32)
-    diff = (_ours(model, ids) - _transformers(d, ids)).abs().max()
-    assert diff <= TOL, (case, float(diff))
+    ref, tol = _reference(d, ids)
+    diff = (_ours(model, ids) - ref).abs().max()
+    assert diff <= tol, (case, float(diff))
 
 
 @pytest.mark.parametrize("case", list(TINY))
@@ -61,12 +79,12 @@ def test_f32_gguf_logits_equal_transformers(family_files, case):
     need_converter()
     f = family_files(case)
     path, ids = f.gguf("f32"), prompt_ids(f.gguf_hf)
-    ref = _transformers(f.gguf_hf, ids)
+    ref, tol = _reference(f.gguf_hf, ids)
     direct, _ = load_gguf_quantized(path, torch.float32)
     via_dir, _ = load_checkpoint(converted_gguf(path, progress=False), torch.float32)
     for how, model in (("gguf", direct), ("converted", via_dir)):
         diff = (_ours(model, ids) - ref).abs().max()
-        assert diff <= TOL, (case, how, float(diff))
+        assert diff <= tol, (case, how, float(diff))
 
 
 @pytest.mark.parametrize("case", list(TINY))

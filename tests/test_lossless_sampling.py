@@ -10,6 +10,8 @@ positions (six tokens jointly would need far more runs): chi-square p above 0.00
 check) and, on the triples, total variation below `tv_bound` (1.4x what exact samples give). The draft model's chain
 and tree (q surer than p: where a biased rule shows most) run 20,000 times; every other configuration 8,000.
 Negative controls: verifiers biased only past the second drafted token must fail the same check, on tokens 4-6.
+A target with recurrent layers (Qwen3.5) gets trees cut to their first path and early-exit drafts without resume:
+the same check.
 """
 
 from __future__ import annotations
@@ -66,8 +68,8 @@ class MarkovRunner:
 
     capture = features = prefix = None  # no target features, no prefix cache
 
-    def __init__(self, table: torch.Tensor, num_slots: int, context: int = 64):
-        self.table, self.context = table, context
+    def __init__(self, table: torch.Tensor, num_slots: int, context: int = 64, recurrent: bool = False):
+        self.table, self.context, self.recurrent = table, context, recurrent  # recurrent: the engine sends chains
         self.hist = torch.zeros(num_slots, context + 64, dtype=torch.long)  # [slots, positions]
         self.tree: dict[int, list[int]] = {}
         self.model = SimpleNamespace(config=SimpleNamespace(eos_token_ids=[0], vocab_size=V, num_layers=1))
@@ -81,7 +83,7 @@ class MarkovRunner:
         prev = [before] + tokens[:-1] if prev is None else prev
         return self.table[torch.tensor(prev), torch.tensor(tokens)]  # [T, V]
 
-    def forward(self, chunks, starts, slots, last_only=False, resume=None, resume_layer=0):
+    def forward(self, chunks, starts, slots, last_only=False, resume=None, resume_layer=0, settle=True):
         """Rows from the tokens alone (a resumed forward's rows are the same); with `capture` set (an early-exit
         draft), `features` of one zero-width row per token, as many as the verify's resume rows."""
         out = []
@@ -97,6 +99,7 @@ class MarkovRunner:
         return self.forward([tokens], [start], [slot], last_only=True)[0][-1]
 
     def verify_tree(self, slot, start, tokens, parents):
+        assert not self.recurrent, "a tree sent to a recurrent target"
         before = int(self.hist[slot, start - 1]) if start > 0 else 0
         prev = [before] + [tokens[p + 1] for p in parents]
         self.hist[slot, start] = tokens[0]
@@ -157,9 +160,12 @@ def _drafter(
     return build_drafter(spec, BuildContext(REGISTRY.option_values({"ngram_n": 2, "ngram_m": 4})))
 
 
-def _engine(tokenizer: Tokenizer) -> Engine:
+def _engine(tokenizer: Tokenizer, recurrent: bool = False) -> Engine:
     engine = Engine(
-        MarkovRunner(TARGET, BATCH), tokenizer, SpecConfig(draft_max=DRAFT_MAX, adaptive=True), clock=TickClock()
+        MarkovRunner(TARGET, BATCH, recurrent=recurrent),
+        tokenizer,
+        SpecConfig(draft_max=DRAFT_MAX, adaptive=True),
+        clock=TickClock(),
     )
     engine.cost.verify_s = {k: 1.0 + 0.05 * min(k, 6) for k in range(1, BATCH + 1)}  # every batch's plain cost known
     engine.cost.ema, engine.cost.smooth = 0.0, False  # costs stay as set: deterministic adaptive lengths
@@ -252,6 +258,8 @@ CONFIGS = [(t, T1, {}) for t in untrained_spec_types() if t != "none"] + [
     ("draft", SamplingParams(temperature=1.0, top_p=0.9), {"branch_p": 0.95}),
     ("suffix,draft", SamplingParams(temperature=1.0, top_k=5), {"mode": "gain"}),
     ("draft", T1, {"vocab": 4}),  # reduced draft vocabulary: 4, 5 never drafted
+    ("draft", T1, {"branch_p": 0.95, "recurrent": True}),  # a tree cut to its first path (Qwen3.5's layers)
+    ("suffix-tree,early-exit", T1, {"mode": "gain", "branch_p": 0.95, "recurrent": True}),  # trees, no resume
 ]
 FULL = {("draft", ()), ("draft", ("branch_p",))}  # (spec, options) run RUNS times at T 1; the rest RUNS_MATRIX
 
@@ -261,7 +269,8 @@ FULL = {("draft", ()), ("draft", ("branch_p",))}  # (spec, options) run RUNS tim
 )
 def test_engine_sampling_matches_plain(tokenizer, spec, params, opts):
     runs = RUNS if params is T1 and (spec, tuple(opts)) in FULL else RUNS_MATRIX
-    engine = _engine(tokenizer)
+    opts = dict(opts)
+    engine = _engine(tokenizer, opts.pop("recurrent", False))
     samples = list(run_engine(engine, _drafter(spec, target=engine.target, **opts), params, runs).values())
     assert not rejected(samples, params)
 

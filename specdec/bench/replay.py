@@ -151,6 +151,7 @@ class ReplayRunner:
 
     capture = features = None  # no target features (drafters that read them are not replayable)
     prefix = None  # no prefix cache: every turn's prefill costs what was recorded
+    recurrent = False  # no recurrent states: trees are verified as trees
 
     def __init__(
         self, costs: CostModel, vocab_size: int, context: int, eos_ids: list[int], tree_costs: CostModel | None = None

@@ -158,7 +158,11 @@ class CrossTokenizerDrafter(Drafter):
         while feed:
             slots = [st.seq.slot for st, _ in feed]
             out = self.runner.forward(
-                [[tok] for _, tok in feed], [len(self.slots[s].cached) for s in slots], slots, last_only=True
+                [[tok] for _, tok in feed],
+                [len(self.slots[s].cached) for s in slots],
+                slots,
+                last_only=True,
+                settle=False,  # drafted tokens: a rejection rolls back to any of them
             )  # per sequence [1, V_draft]
             for (st, tok), logits in zip(feed, out):
                 self.slots[st.seq.slot].cached.append(tok)

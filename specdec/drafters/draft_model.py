@@ -124,7 +124,11 @@ class DraftModelDrafter(Drafter):
             slots = [st.seq.slot for st, _ in feed]
             chunks = [[tok, *self._guess(st)] for st, tok in feed]
             out = self.runner.forward(
-                chunks, [len(self.cached[s]) for s in slots], slots, last_only=all(len(c) == 1 for c in chunks)
+                chunks,
+                [len(self.cached[s]) for s in slots],
+                slots,
+                last_only=all(len(c) == 1 for c in chunks),
+                settle=False,  # drafted tokens: a rejection rolls back to any of them
             )  # per sequence [T_i, V_draft]
             self._after_forward([st for st, _ in feed])
             for (st, tok), chunk, logits in zip(feed, chunks, out):

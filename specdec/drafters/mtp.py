@@ -51,7 +51,7 @@ def head_path(options: Mapping[str, Any], model: str | None) -> Path:
     if choice != "auto":
         return Path(choice)
     own = Path(model) if model else None
-    if own is not None and own.is_dir() and native_blocks(own):
+    if own is not None and (own.is_dir() or own.suffix == ".gguf") and native_blocks(own):
         return own
     return find_head(model, "mtp", HEAD.flag)
 

@@ -199,6 +199,8 @@ class Engine:
         proposals = DraftPlanner(self.spec, self.cost, self.target.context, self.clock).propose(seqs, draft_cap, light)
         seqs = [s for s in seqs if s.error is None]
         props = [_constrained(s, proposals[id(s)]) for s in seqs]
+        if self.target.recurrent:  # one state per sequence: chains only
+            props = [replace(p, draft=p.draft.as_chain()) for p in props]
         before = sum(len(s.tokens) for s in seqs)
         t1 = self.clock()
         # 2. forward: one target pass over every sequence's last token + draft

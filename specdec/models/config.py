@@ -61,6 +61,14 @@ class ModelConfig:
     swiglu_limit: float | None = None  # gpt-oss's clamped SwiGLU: (clamp(up) + 1) * g * sigmoid(alpha g), g clamped
     swiglu_alpha: float = 1.702
     attn_sinks: bool = False  # a learned logit per head beside the keys in each softmax (gpt-oss)
+    attn_gate: bool = False  # q_proj also gives a per-head output gate: out * sigmoid(gate) (Qwen3.5)
+    # gated DeltaNet layers (layer_types "linear_attention", Qwen3.5): heads and head dims of keys and values
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv_kernel: int = 4
+    linear_tiled: bool = False  # value heads in llama.cpp's tiled order (head j reads key head j % keys), not grouped
 
     def __post_init__(self):
         if self.qk_norm is True or self.qk_norm is False:  # the older boolean form: per-head norms or none
@@ -91,7 +99,17 @@ class ModelConfig:
             and not self.no_rope_layers
             and self.rope_local_theta is None
             and self.rotary_dim is None
+            and not self.attn_gate
+            and not self.linear_layers
         )
+
+    def linear(self, layer: int) -> bool:
+        """Whether `layer` is a gated DeltaNet (linear attention, a recurrent state) rather than attention."""
+        return self.layer_types is not None and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.linear(i))
 
     def moe(self, layer: int) -> bool:
         """Whether `layer`'s MLP is a mixture of experts."""

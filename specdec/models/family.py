@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 # per-layer tensors of a Llama-style layer, by their Hugging Face module names
 LLAMA_LAYER = (
     "input_layernorm",
@@ -44,7 +46,7 @@ class Family:
     hf_fields(config.json dict) / gguf_fields(meta): the family's own `ModelConfig` fields read from each format
     (the common ones, sizes and rope, are read by `models.config`).
     layer: the per-layer tensors by Hugging Face module name; permute_qk: llama.cpp's converter interleaves q/k rows
-    (its llama-style archs), undone when reading a GGUF.
+    (its llama-style archs), undone when reading a GGUF; from_gguf: the family's other converter changes, undone.
     """
 
     name: str
@@ -55,6 +57,8 @@ class Family:
     gguf_fields: Callable[[Meta], dict] = _nothing
     layer: tuple[str, ...] = LLAMA_LAYER
     permute_qk: bool = False
+    from_gguf: Callable[[str, np.ndarray], np.ndarray] = lambda name, w: w  # undo a converter change (by GGUF name)
+    unshifted_norms: tuple[str, ...] = ()  # GGUF names of norms the converter left without the recipe's + offset
 
     def gguf_tensor_names(self, arch: str, num_layers: int) -> dict[str, str]:
         """GGUF tensor base name -> Hugging Face module name ("blk.0.attn_q" -> "model.layers.0.self_attn.q_proj")
@@ -65,6 +69,10 @@ class Family:
         table = gguf.TensorNameMap(arch_id, num_layers)
         hf = list(TOP) + [f"model.layers.{i}.{m}" for i in range(num_layers) for m in self.layer]
         return {g: n for n in hf if (g := table.get_name(n)) is not None}
+
+    def gguf_norm_shifted(self, name: str) -> bool:
+        """Whether the converter stored this norm weight (GGUF name) plus the recipe's offset."""
+        return name.endswith("norm.weight") and not name.endswith(self.unshifted_norms)
 
 
 def sliding_layers(d: dict, num_layers: int) -> tuple[int | None, tuple[str, ...] | None]:

@@ -50,10 +50,19 @@ def hf_names(reader, cfg: ModelConfig) -> dict[str, str]:
         if t.name in ROPE_TENSORS:
             continue
         stem, _, kind = t.name.rpartition(".")
-        if stem not in base:
+        if t.name in base:  # no .weight / .bias (ssm_a)
+            names[t.name] = base[t.name]
+        elif stem in base:
+            names[t.name] = f"{base[stem]}.{kind}"
+        elif not _next_n(t.name, cfg.num_layers):  # MTP blocks past the model's layers: models/mtp.py reads them
             raise SpecdecError(f"unsupported GGUF tensor {t.name!r} for architecture {arch!r}")
-        names[t.name] = f"{base[stem]}.{kind}"
     return names
+
+
+def _next_n(name: str, num_layers: int) -> bool:
+    """Whether a GGUF tensor belongs to a block past the model's layers (the next-n / MTP layers)."""
+    layer = name.split(".")[1] if name.startswith("blk.") else ""
+    return layer.isdigit() and int(layer) >= num_layers
 
 
 def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -229,11 +238,12 @@ def _dequantize(t, cfg: ModelConfig) -> np.ndarray:
     import gguf
 
     w = gguf.quants.dequantize(t.data, t.tensor_type)
+    fam = families.by_name(cfg.family)
     if permuted(t.name, cfg):
         w = unpermute(w, cfg.num_heads if t.name.endswith("attn_q.weight") else cfg.num_kv_heads)
-    if cfg.norm_offset and t.name.endswith("norm.weight"):
+    if cfg.norm_offset and fam.gguf_norm_shifted(t.name):
         w = w - np.float32(cfg.norm_offset)
-    return np.ascontiguousarray(w, dtype=np.float32)
+    return np.ascontiguousarray(fam.from_gguf(t.name, w), dtype=np.float32)
 
 
 def permuted(name: str, cfg: ModelConfig) -> bool:

@@ -159,6 +159,7 @@ def quantize_from_gguf(
     tensors = {our_name(names[t.name]): t for t in reader.tensors if t.name in names}
     kernel_types = set(K.BLOCK)
     state: dict[str, torch.Tensor] = {}
+    used: set[str] = set()  # file tensors taken by the matrices and experts below
 
     def quantized(name: str) -> bool:
         t = tensors.get(name)
@@ -172,6 +173,7 @@ def quantize_from_gguf(
             continue
         parts = _parts(name, tensors)  # the file's tensors whose rows make this module's weight, in order
         biases = [f"{p}.bias" for p in parts if f"{p}.bias" in tensors]
+        used.update([f"{p}.weight" for p in parts] + biases)
         owner, attr = name.rsplit(".", 1)
         if all(quantized(f"{p}.weight") for p in parts):
             lins = [
@@ -189,6 +191,7 @@ def quantize_from_gguf(
         if not all(p in tensors for p in parts):
             continue
         biases = [f"{pre}{p}.bias" for p in ("gate_proj", "up_proj", "down_proj")]
+        used.update(parts + biases)
         if all(quantized(p) for p in parts):
             mlp = model.model.layers[i].mlp
             mlp.experts = _experts(*(tensors[p] for p in parts), reader, mlp.experts)
@@ -198,8 +201,8 @@ def quantize_from_gguf(
         if biases[0] in tensors:  # gpt-oss
             state[f"{pre}gate_up_bias"] = torch.cat([dense(biases[0]), dense(biases[1])], dim=1)
             state[f"{pre}down_bias"] = dense(biases[2])
-    for name in tensors:  # norms, attention sinks
-        if name.startswith("model.layers.") and ("norm" in name or name.endswith(".sinks")):
+    for name in tensors:  # the rest of each layer (norms, attention sinks, linear attention's conv and gates)
+        if name.startswith("model.layers.") and name not in used:
             state[name] = dense(name)
 
     emb = "model.embed_tokens.weight"

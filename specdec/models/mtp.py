@@ -17,6 +17,10 @@ Layouts (block i; N = the target's layer count), read by `load_mtp`:
   missing `shared_head.norm` falls back to the target's final norm (llama.cpp).
 - MiMo: `model.mtp_layers.{i}.{token_layernorm,hidden_layernorm,input_proj,final_layernorm}` + the layer's names,
   config `num_nextn_predict_layers` (model_type `mimo`, a Qwen2); [h; e], normed state recycled.
+- Qwen3.5: `mtp.{fc,pre_fc_norm_embedding,pre_fc_norm_hidden,norm}` shared by the blocks + `mtp.layers.{i}.*`, a
+  full-attention Qwen3.5 layer; config `mtp_num_hidden_layers`; [e; h], normed state recycled (llama.cpp
+  src/models/qwen35.cpp `graph_mtp`). llama.cpp's converter writes them as nextn layers `blk.{N+i}.nextn.*`, read
+  from the GGUF itself (`load_native`).
 - speculators `mtp` (also the head directory `save_head` writes for a post-hoc block, with a manifest.json
   {kind: "mtp", target} for `drafters.heads.find_head`): `mtp_layers.{i}.*` with MiMo's names, config.json with
   `speculators_model_type: "mtp"` and `transformer_layer_config`; [e; h], normed state recycled.
@@ -63,6 +67,25 @@ LAYOUTS = {
     "speculators": ("mtp_layers.{i}.", MIMO_NAMES),
 }
 COUNT_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")  # config.json: how many blocks ship
+QWEN3_5_NAMES = {
+    "fc": "eh_proj",
+    "pre_fc_norm_embedding": "enorm",
+    "pre_fc_norm_hidden": "hnorm",
+    "norm": "shared_head.norm",
+}
+
+
+def _nextn_tensors() -> dict:
+    """A nextn block's own modules -> their gguf MODEL_TENSOR."""
+    from gguf import MODEL_TENSOR as T
+
+    return {
+        "eh_proj": T.NEXTN_EH_PROJ,
+        "enorm": T.NEXTN_ENORM,
+        "hnorm": T.NEXTN_HNORM,
+        "shared_head.norm": T.NEXTN_SHARED_HEAD_NORM,
+        "shared_head.head": T.NEXTN_SHARED_HEAD_HEAD,
+    }
 
 
 @dataclass
@@ -88,10 +111,11 @@ class MtpBlock(nn.Module):
         super().__init__()
         H, eps = c.hidden_size, c.layer.rms_norm_eps
         self.hidden_first = c.hidden_first
-        self.enorm, self.hnorm = RMSNorm(H, eps), RMSNorm(H, eps)
+        offset = c.layer.norm_offset
+        self.enorm, self.hnorm = RMSNorm(H, eps, offset), RMSNorm(H, eps, offset)
         self.eh_proj = nn.Linear(2 * H, H, bias=False)
         self.layer = DecoderLayer(c.layer, index)  # its K/V go to cache layer `index`
-        self.norm = RMSNorm(H, eps)
+        self.norm = RMSNorm(H, eps, offset)
         self.head = nn.Linear(H, c.layer.vocab_size, bias=False) if c.own_head else None
 
     def forward(self, emb: torch.Tensor, g: torch.Tensor, batch: Batch, cache: KVCache) -> torch.Tensor:
@@ -107,7 +131,7 @@ class MtpHead(nn.Module):
         self.blocks = nn.ModuleList(MtpBlock(c, i) for i in range(c.num_blocks))
         t = c.layer
         with torch.device("cpu"):
-            self.rotary = Rotary(t.head_dim, t.rope_theta, t.rope_scaling, t.max_position_embeddings)
+            self.rotary = Rotary(t.rope_dim, t.rope_theta, t.rope_scaling, t.max_position_embeddings)
         self.__dict__["lm_head"] = None  # the target's, not a submodule (not saved, moved or trained with the head)
 
     def share(self, lm_head: nn.Module) -> MtpHead:
@@ -181,11 +205,58 @@ def is_mtp_tensor(name: str, num_layers: int) -> bool:
     return (m is not None and int(m.group(1)) >= num_layers) or name.startswith(("model.mtp_layers.", "mtp."))
 
 
-def native_blocks(directory: Path) -> int:
-    """How many MTP blocks a checkpoint directory's config.json declares (0: none)."""
-    cfg = Path(directory) / "config.json"
+def native_blocks(path: Path) -> int:
+    """How many MTP blocks a checkpoint directory's config.json or a GGUF file's metadata declares (0: none)."""
+    path = Path(path)
+    if path.suffix == ".gguf" and path.is_file():
+        from specdec.models.gguf_convert import _field, open_gguf
+
+        reader = open_gguf(path)
+        return int(_field(reader, f"{_field(reader, 'general.architecture')}.nextn_predict_layers", 0))
+    cfg = path / "config.json"
     d = json.loads(cfg.read_text()) if cfg.is_file() else {}
     return 0 if "speculators_model_type" in d else next((int(d[k]) for k in COUNT_KEYS if d.get(k)), 0)
+
+
+def _qwen3_5_as_nextn(state: dict[str, torch.Tensor], first: int, n: int) -> dict[str, torch.Tensor]:
+    """Qwen3.5's `mtp.*` under nextn names, as llama.cpp's converter renames them; the shared fc and norms go to
+    every block."""
+    out = {}
+    for name, t in state.items():
+        rest = name.removeprefix("mtp.")
+        layer = re.match(r"layers\.(\d+)\.(.+)", rest)
+        if rest == name:
+            out[name] = t
+        elif layer:
+            out[f"model.layers.{first + int(layer.group(1))}.{layer.group(2)}"] = t
+        else:
+            module, _, kind = rest.rpartition(".")
+            for i in range(n):
+                out[f"model.layers.{first + i}.{QWEN3_5_NAMES[module]}.{kind}"] = t
+    return out
+
+
+def _gguf_blocks(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """A GGUF's target config and its nextn blocks' tensors (dequantized, float32) under HF nextn names."""
+    import gguf
+
+    from specdec.models.families import by_name
+    from specdec.models.gguf_convert import _dequantize, _field, config_from_gguf, open_gguf
+
+    reader = open_gguf(path)
+    t = config_from_gguf(reader, path)
+    arch = _field(reader, "general.architecture")
+    n = int(_field(reader, f"{arch}.nextn_predict_layers", 0))
+    blocks = range(t.num_layers, t.num_layers + n)
+    names = by_name(t.family).gguf_tensor_names(arch, t.num_layers + n)  # the blocks' decoder layers, the final norm
+    for m, kind in _nextn_tensors().items():  # the blocks' own (not in every gguf release's TensorNameMap)
+        names.update({gguf.TENSOR_NAMES[kind].format(bid=i): f"model.layers.{i}.{m}" for i in blocks})
+    state = {}
+    for tensor in reader.tensors:
+        stem, _, kind = tensor.name.rpartition(".")
+        if stem in names:
+            state[f"{names[stem]}.{kind}"] = torch.from_numpy(_dequantize(tensor, t).copy())
+    return t, state
 
 
 def _to_ours(state: dict[str, torch.Tensor], layout: str, n: int, first: int) -> dict[str, torch.Tensor]:
@@ -215,26 +286,30 @@ def _build(c: MtpConfig, state: dict[str, torch.Tensor], where: Path, dtype: tor
     return head.to(dtype).eval()
 
 
-def load_native(directory: Path, dtype: torch.dtype = torch.float32) -> MtpHead:
-    """The MTP blocks a checkpoint ships (DeepSeek-V3 `nextn` or MiMo layout)."""
-    directory = Path(directory)
-    n = native_blocks(directory)
+def load_native(path: Path, dtype: torch.dtype = torch.float32) -> MtpHead:
+    """The MTP blocks a checkpoint directory or a GGUF file ships (DeepSeek-V3 `nextn`, MiMo or Qwen3.5 layout)."""
+    path = Path(path)
+    n = native_blocks(path)
     if n == 0:
-        raise SpecdecError(f"{directory}: no MTP layers (config has no {' / '.join(COUNT_KEYS)})")
-    t = ModelConfig.from_file(directory / "config.json")
-    state = read_tensors(directory, lambda name: is_mtp_tensor(name, t.num_layers) or name == "model.norm.weight")
+        raise SpecdecError(f"{path}: no MTP layers (config has no {' / '.join(COUNT_KEYS)})")
+    if path.suffix == ".gguf":
+        t, state = _gguf_blocks(path)
+    else:
+        t = ModelConfig.from_file(path / "config.json")
+        state = read_tensors(path, lambda name: is_mtp_tensor(name, t.num_layers) or name == "model.norm.weight")
+        state = _qwen3_5_as_nextn(state, t.num_layers, n)
     layout = "mimo" if any(k.startswith("model.mtp_layers.") for k in state) else "nextn"
     ours = _to_ours(state, layout, n, t.num_layers if layout == "nextn" else 0)
     for i in range(n):  # nextn without shared_head.norm: the target's final norm (llama.cpp's fallback)
-        ours.setdefault(f"blocks.{i}.norm.weight", state["model.norm.weight"])
+        ours.setdefault(f"blocks.{i}.norm.weight", state.get("model.norm.weight"))
     c = MtpConfig(
-        t,
+        replace(t, layer_types=None) if t.linear_layers else t,  # a full-attention layer, with the target's recipe
         n,
         hidden_first=layout == "mimo",
-        recycle_normed=layout == "mimo",
+        recycle_normed=layout == "mimo" or t.family == "qwen3_5",
         own_head=any(k.endswith(".head.weight") for k in ours),
     )
-    return _build(c, ours, directory, dtype)
+    return _build(c, ours, path, dtype)
 
 
 # our MtpConfig flags where they differ from what the speculators layout implies (written only then)
@@ -296,6 +371,8 @@ def load_head(path: Path, dtype: torch.dtype = torch.float32) -> MtpHead:
     """A head directory (`save_head`, speculators' `mtp` layout) or a checkpoint with native MTP layers."""
     path = Path(path)
     cfg_file = path / "config.json"
+    if path.suffix == ".gguf":
+        return load_native(path, dtype)
     if not cfg_file.is_file():
         raise SpecdecError(f"{path}: no config.json (an MTP head directory is config.json + safetensors)")
     d = json.loads(cfg_file.read_text())

@@ -17,12 +17,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.models.config import ModelConfig
+from specdec.models.linear_attention import GatedDeltaNet
 from specdec.models.rope import Rotary, apply_rotary
 from specdec.runtime import kernels as K
 from specdec.runtime import small_ops
 from specdec.runtime.attention import attention
 from specdec.runtime.kv_cache import KVCache
 from specdec.runtime.layer_kernel import LayerKernel, LayerStack, StepArgs, step_args
+from specdec.runtime.recurrent import RecurrentStates
 
 
 class RMSNorm(nn.Module):
@@ -49,7 +51,8 @@ class Attention(nn.Module):
         self.layer, self.cfg = layer, cfg
         hd = cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)  # q, k, v
+        q_rows = 2 * self.q_size if cfg.attn_gate else self.q_size  # Qwen3.5: each head's q rows, then its gate's
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_rows + 2 * self.kv_size, bias=cfg.attention_bias)  # q, k, v
         self.o_proj = nn.Linear(cfg.num_heads * hd, cfg.hidden_size, bias=cfg.o_bias)
         self.sliding = cfg.sliding(layer)  # attends to the last `cfg.sliding_window` positions only
         self.rope = layer not in cfg.no_rope_layers
@@ -64,6 +67,11 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         c, hd = self.cfg, self.cfg.head_dim
         qkv = self.qkv_proj(x)  # [B, T, q + 2 kv]
+        gate = None
+        if c.attn_gate:  # [B, T, heads * 2 hd + 2 kv]: per head its q then its gate
+            q_gate, kv = qkv.split([2 * self.q_size, 2 * self.kv_size], dim=-1)
+            q, gate = q_gate.unflatten(-1, (c.num_heads, 2 * hd)).split(hd, dim=-1)
+            qkv, gate = torch.cat([q.flatten(-2), kv], dim=-1), gate.flatten(-2)
         if c.qk_norm == "head":  # each head of q and k before rotary, as the C layer (`runtime/layer_kernel.py`)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q, k = self.q_norm(q.unflatten(-1, (-1, hd))), self.k_norm(k.unflatten(-1, (-1, hd)))
@@ -83,7 +91,8 @@ class Attention(nn.Module):
         keys, values = cache.read(self.layer, batch.slots, batch.kv_len)  # [B, kv_heads, S, hd]
         mask = batch.local_mask if self.sliding and batch.local_mask is not None else batch.mask
         out = attention(q, keys, values, mask, c.attn_scale, c.attn_softcap, getattr(self, "sinks", None))
-        return self.o_proj(out.reshape(B, T, c.num_heads * hd))
+        out = out.reshape(B, T, c.num_heads * hd)
+        return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
 
 
 class MLP(nn.Module):
@@ -226,7 +235,11 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.self_attn = Attention(cfg, layer)
+        self.linear = cfg.linear(layer)
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(cfg, layer)
+        else:
+            self.self_attn = Attention(cfg, layer)
         self.mlp = MoE(cfg) if cfg.moe(layer) else MLP(cfg)
         norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)  # noqa: E731
         if cfg.norms != "post":
@@ -255,7 +268,8 @@ class DecoderLayer(nn.Module):
                 (get("input_layernorm"), self.post_attention_layernorm),
                 (get("pre_feedforward_layernorm"), self.post_feedforward_layernorm),
             )
-        x = self._block(x, lambda h: self.self_attn(h, batch, cache), *around[0])
+        mixer = self.linear_attn if self.linear else self.self_attn
+        x = self._block(x, lambda h: mixer(h, batch, cache), *around[0])
         return self._block(x, self.mlp, *around[1])
 
     def _block(self, x: torch.Tensor, f, before: nn.Module | None, after: nn.Module | None) -> torch.Tensor:
@@ -345,6 +359,8 @@ class Batch:
 FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "linear_attn.in_proj": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z"),
+    "linear_attn.in_proj_ba": ("linear_attn.in_proj_b", "linear_attn.in_proj_a"),
 }
 
 
@@ -354,6 +370,7 @@ RENAMED = {
     "mlp.router.weight": "mlp.gate.weight",
     "mlp.router.bias": "mlp.gate.bias",
     "self_attn.sinks.weight": "self_attn.sinks",
+    "linear_attn.dt_proj.bias": "linear_attn.dt_bias",
 }
 
 
@@ -375,6 +392,9 @@ def fuse_projections(state: dict[str, torch.Tensor], num_layers: int) -> dict[st
                 if all(n in state for n in names):
                     state[f"model.layers.{i}.{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
         _fuse_experts(state, f"model.layers.{i}.mlp.experts.")
+        conv = f"model.layers.{i}.linear_attn.conv1d.weight"
+        if conv in state and state[conv].dim() == 3:  # HF's Conv1d [C, 1, K] -> [C, K]
+            state[conv] = state[conv][:, 0]
     return state
 
 
@@ -436,6 +456,11 @@ class Transformer(nn.Module):
         old = getattr(self, "rotary", None)
         if old is None or not torch.equal(rotary.inv_freq, old.inv_freq):
             self.rotary = rotary
+
+    def recurrent_states(self) -> RecurrentStates | None:
+        """Empty states for this model's linear-attention layers (None: it has none)."""
+        shapes = {i: layer.linear_attn.state_shape for i, layer in enumerate(self.model.layers) if layer.linear}
+        return RecurrentStates(shapes) if shapes else None
 
     def keep_head_rows(self, n: int) -> None:
         """Compute logits for the first `n` token ids only, 0: all of them again (a draft model's reduced

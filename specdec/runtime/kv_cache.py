@@ -10,11 +10,14 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.runtime.recurrent import RecurrentStates
+
 
 @dataclass
 class KVCache:
-    k: list[torch.Tensor]  # per layer [slots, kv_heads, max_len, head_dim]
+    k: list[torch.Tensor]  # per layer [slots, kv_heads, max_len, head_dim] (max_len 0: a layer without K/V)
     v: list[torch.Tensor]  # per layer [slots, kv_heads, max_len, head_dim]
+    states: RecurrentStates | None = None  # linear-attention layers' recurrent states (Qwen3.5)
 
     @classmethod
     def allocate(
@@ -26,18 +29,22 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str | list = "cpu",
+        states: RecurrentStates | None = None,
     ) -> "KVCache":
-        """`device`: one for every layer, or a list with each layer's (a model split across devices)."""
-        shape = (num_slots, kv_heads, max_len, head_dim)
+        """`device`: one for every layer, or a list with each layer's (a model split across devices); the layers of
+        `states` keep no K/V."""
         devices = device if isinstance(device, list) else [device] * num_layers
+        skip = () if states is None else states.layers
+        shapes = [(num_slots, kv_heads, 0 if i in skip else max_len, head_dim) for i in range(num_layers)]
         return cls(
-            [torch.zeros(shape, dtype=dtype, device=d) for d in devices],
-            [torch.zeros(shape, dtype=dtype, device=d) for d in devices],
+            [torch.zeros(shape, dtype=dtype, device=d) for shape, d in zip(shapes, devices)],
+            [torch.zeros(shape, dtype=dtype, device=d) for shape, d in zip(shapes, devices)],
+            states,
         )
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[2]
+        return max(t.shape[2] for t in self.k)
 
     @property
     def num_slots(self) -> int:

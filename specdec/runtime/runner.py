@@ -97,7 +97,14 @@ class ModelRunner:
         model.use_context(context)
         dtype = model.model.embed_tokens.weight.dtype
         self.cache = KVCache.allocate(
-            cfg.num_layers, num_slots, cfg.num_kv_heads, context + HEADROOM, cfg.head_dim, dtype, model.layer_devices
+            cfg.num_layers,
+            num_slots,
+            cfg.num_kv_heads,
+            context + HEADROOM,
+            cfg.head_dim,
+            dtype,
+            model.layer_devices,
+            model.recurrent_states(),
         )
         self.device = model.device  # inputs go here; logits come back on the CPU
         self._capture: FeatureSpec | None = None
@@ -145,6 +152,12 @@ class ModelRunner:
         return [Features(stacked[b, t : t + n, :-1], stacked[b, t : t + n, -1]) for b, t, n in where]
 
     @property
+    def recurrent(self) -> bool:
+        """Whether the model has recurrent layers (Qwen3.5): one state per sequence, so drafts are verified as
+        chains (`Draft.as_chain`)."""
+        return self.cache.states is not None
+
+    @property
     def head_device(self) -> torch.device:
         """Where the final norm and LM head sit (the last part of a model split by `-ngl`): trained heads, which
         share them, run there."""
@@ -162,6 +175,7 @@ class ModelRunner:
         last_only: bool = False,
         resume: list[torch.Tensor] | None = None,
         resume_layer: int = 0,
+        settle: bool = True,
     ) -> list[torch.Tensor]:
         """Feed chunk i of tokens at positions starts[i].. into slot slots[i].
 
@@ -170,6 +184,8 @@ class ModelRunner:
         context, so a long draft beside a sequence near the end of its context stays inside the cache.
         resume: per chunk [T_i, H], the residual stream entering layer `resume_layer` for its tokens (their K/V
         below that layer already cached): the forward starts there (`Draft.resume`; no `capture` then).
+        settle: the positions before each start are final (a drafter's own drafting forwards pass False): recurrent
+        states (`runtime.recurrent`) drop what they kept to roll back below them.
         Returns per sequence logits [T_i, V] (or [1, V] with last_only), float32; sets `features` (`capture`).
         """
         lens = [len(c) for c in chunks]
@@ -177,6 +193,8 @@ class ModelRunner:
             raise SpecdecError(f"sequence exceeds the context of {self.context} tokens")
         if resume is not None and self._capture is not None:
             raise SpecdecError("a resumed forward cannot capture target features")
+        if self.cache.states is not None:
+            self.cache.states.settle = settle
         flat = len(set(lens)) > 1 and self.model.layers_in_c(sum(lens))
         tokens, positions, row_slots, x = (_one_row_each if flat else _padded)(chunks, starts, slots, resume)
         cache_index = positions.clamp(max=self.cache.max_len - 1)  # real positions are below the context

@@ -13,6 +13,7 @@ from specdec.models.families import (
     phi3,
     qwen2,
     qwen3,
+    qwen3_5,
     qwen3_moe,
     smollm3,
 )
@@ -23,6 +24,7 @@ ALL: tuple[Family, ...] = (
     qwen2.FAMILY,
     qwen3.FAMILY,
     qwen3_moe.FAMILY,
+    qwen3_5.FAMILY,
     gemma2.FAMILY,
     gemma3.FAMILY,
     phi3.FAMILY,
