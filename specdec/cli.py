@@ -335,6 +335,10 @@ def cmd_models(args: argparse.Namespace) -> int:
     from specdec.models import packs
 
     if args.action == "list":
+        for name in args.names or []:
+            print(_describe(name))
+        if args.names:
+            return 0
         for p in packs.PACKS.values():
             state = "pulled" if packs.is_pulled(p.name) else "not pulled"
             print(f"{p.name:22} {state:11} {p.description}")
@@ -345,6 +349,24 @@ def cmd_models(args: argparse.Namespace) -> int:
     if not args.names:
         raise SpecdecError("models pull needs at least one NAME")
     return 0
+
+
+def _describe(name: str) -> str:
+    """One line for a GGUF file or a checkpoint directory: its family, layers and the MTP layers it ships."""
+    from specdec.models.config import ModelConfig
+    from specdec.models.gguf_convert import config_from_gguf, open_gguf
+    from specdec.models.mtp import native_blocks
+    from specdec.models.packs import local_path
+
+    path = local_path(name)
+    if path.is_dir():
+        cfg = ModelConfig.from_file(path / "config.json")
+    else:
+        cfg = config_from_gguf(open_gguf(path), path)
+    linear = f" ({len(cfg.linear_layers)} linear-attention)" if cfg.linear_layers else ""
+    mtp = native_blocks(path)
+    own = f", {mtp} MTP layer{'s' * (mtp > 1)} (--spec-type mtp)" if mtp else ", no MTP layers"
+    return f"{name}: {cfg.family}, {cfg.num_layers} layers{linear}{own}"
 
 
 def _list_heads() -> None:
@@ -748,9 +770,11 @@ def make_parser() -> argparse.ArgumentParser:
     add_model_args(c)
     c.set_defaults(func=cmd_chat)
 
-    m = sub.add_parser("models", help="list or pull model packs")
+    m = sub.add_parser("models", help="list or pull model packs; list FILE/DIR: what a model is and ships")
     m.add_argument("action", choices=["list", "pull"])
-    m.add_argument("names", nargs="*", help="pack names for pull")
+    m.add_argument(
+        "names", nargs="*", help="pack names for pull; for list, GGUF files or checkpoint directories to describe"
+    )
     m.set_defaults(func=cmd_models)
 
     b = sub.add_parser(

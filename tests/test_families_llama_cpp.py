@@ -35,9 +35,10 @@ ROUTE_TIE = {"f32": 1e-3, "q8_0": 0.05, "q4_k_m": 0.1, "real": 0.1}
 MXFP4_TOL, MXFP4_TIE = 1.0, 0.3
 
 
-def _llama_greedy(gguf: Path, ids: list[int], n: int) -> list[tuple[int, list[tuple[int, float]]]]:
-    """llama-server's greedy tokens for prompt `ids`, each with its top two (id, logprob) (empty for a token its
-    probabilities leave out: it holds back a token that ends inside a UTF-8 character)."""
+@contextmanager
+def llama_server(gguf: Path, method: str = "llama-none", draft_max: int = 0) -> Iterator:
+    """A `LlamaServer` (specdec/bench/llama.py) on `gguf` with f32 K/V, one slot, greedy; `method` one of its
+    LLAMA_METHODS at `draft_max` tokens a step; skips without a llama-server built for this CPU."""
     from specdec.bench.llama import LlamaServer, ServerConfig, server_help
     from specdec.bench.llama_build import cache_key, cmake_cpu_options, installed
 
@@ -45,10 +46,30 @@ def _llama_greedy(gguf: Path, ids: list[int], n: int) -> list[tuple[int, list[tu
     if binary is None:
         pytest.skip("no llama-server built for this CPU (bash scripts/conformance.sh builds it)")
     cfg = ServerConfig(
-        str(binary), gguf, None, 1, 2 * SERVER_CONTEXT, 0.0, 0, 0, 0.0, 0, 0, extra=("-ctk", "f32", "-ctv", "f32")
+        str(binary),
+        gguf,
+        None,
+        1,
+        2 * SERVER_CONTEXT,
+        0.0,
+        draft_max,
+        0,
+        0.0,
+        0,
+        0,
+        extra=("-ctk", "f32", "-ctv", "f32"),
     )
-    server = LlamaServer("llama-none", cfg, server_help(str(binary)), gguf.with_suffix(".log"))
+    server = LlamaServer(method, cfg, server_help(str(binary)), gguf.with_suffix(f".{method}.log"))
     try:
+        yield server
+    finally:
+        server.close()
+
+
+def _llama_greedy(gguf: Path, ids: list[int], n: int) -> list[tuple[int, list[tuple[int, float]]]]:
+    """llama-server's greedy tokens for prompt `ids`, each with its top two (id, logprob) (empty for a token its
+    probabilities leave out: it holds back a token that ends inside a UTF-8 character)."""
+    with llama_server(gguf) as server:
         resp = server.complete(
             {
                 "prompt": ids,
@@ -60,8 +81,6 @@ def _llama_greedy(gguf: Path, ids: list[int], n: int) -> list[tuple[int, list[tu
                 "ignore_eos": True,
             }
         )
-    finally:
-        server.close()
     probs, out = iter(resp["completion_probabilities"]), []
     p = next(probs, None)
     for token in resp["tokens"]:

@@ -26,8 +26,9 @@ LLAMA_METHODS = {
     "llama-ngram-map-k": "ngram-map-k",
     "llama-ngram-map-k4v": "ngram-map-k4v",
     "llama-eagle3": "draft-eagle3",
+    "llama-mtp": "draft-mtp",  # the GGUF's own nextn / MTP layers
 }
-HEAD_PEERS = ("llama-eagle3",)  # need a trained head: in `--methods all` only when named
+HEAD_PEERS = ("llama-eagle3", "llama-mtp")  # need a trained head or MTP layers: in `--methods all` only when named
 # GGUF architectures of the models specdec loads whose llama.cpp graph (src/models/ARCH.cpp of the pinned llama.cpp)
 # records each layer's input (`t_layer_inp`), which its EAGLE-3 reads; on others llama-server aborts at warm-up
 EAGLE3_ARCHS = ("llama", "qwen3", "qwen3moe")
