@@ -81,3 +81,55 @@ def test_torch_runs_where_the_c_path_does_not_apply():
     assert S.rms_norm(x.bfloat16(), w.detach().bfloat16(), 1e-6) is None
     assert S.silu_mul(torch.randn(2, 2 * 12)) is None  # not a multiple of 8
     assert not S.rope_(torch.randn(1, 2, 64).bfloat16(), 1, 32, torch.randn(1, 1, 2, 32), torch.randn(1, 1, 2, 32))
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_gated_delta_rule_matches_torch_and_tokens_are_independent(monkeypatch, tiled):
+    """Qwen3.5's linear attention (models/linear_attention.py): the C inputs, rule and gated norm against its torch
+    path, and a token's results the same bits whether it comes alone or among others."""
+    from specdec.models.config import ModelConfig
+    from specdec.models.linear_attention import GatedDeltaNet
+    from specdec.runtime.recurrent import Rows, delta_rule
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        "qwen3_5_text",
+        64,
+        64,
+        128,
+        4,
+        4,
+        2,
+        16,
+        64,
+        linear_key_heads=2,
+        linear_value_heads=4,
+        linear_key_dim=16,
+        linear_value_dim=24,
+        linear_tiled=tiled,
+    )
+    net = GatedDeltaNet(cfg, 0)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape) * 0.5)
+    T = 7
+    mixed, a, b = torch.randn(T, net.channels) * 2, torch.randn(T, 4) * 3, torch.randn(T, 4) * 3
+    fast = net._inputs(mixed, a, b)
+    one = [net._inputs(mixed[t : t + 1], a[t : t + 1], b[t : t + 1]) for t in range(T)]
+    assert all(torch.equal(f, torch.cat([o[i] for o in one])) for i, f in enumerate(fast))
+    rows, ssm = Rows(mixed, *fast), torch.randn(4, 16, 24)
+    state, out = delta_rule(ssm, rows)
+    step, outs = ssm, []
+    for t in range(T):
+        step, o = delta_rule(step, Rows(*(part[t : t + 1] for part in rows.parts())))
+        outs.append(o)
+    assert torch.equal(step, state) and torch.equal(torch.cat(outs), out)
+    z = torch.randn(T, 4, 24)
+    normed = net.norm(out, z)
+    monkeypatch.setattr(K, "library", lambda: None)  # torch's path
+    for f, ref in zip(fast, net._inputs(mixed, a, b)):
+        torch.testing.assert_close(f, ref, rtol=1e-5, atol=1e-5)
+    ref_state, ref_out = delta_rule(ssm, rows)
+    torch.testing.assert_close(state, ref_state, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(normed, net.norm(out, z), rtol=1e-5, atol=1e-5)

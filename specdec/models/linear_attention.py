@@ -8,8 +8,10 @@
 
 Every token takes the recurrent form, one after another, prefill included (transformers' chunked form for long
 runs gives other bits): a token's output is the same however its prompt was chunked or batched. The conv is
-written out as K shifted products for the same reason. States live in `runtime.recurrent`, which rolls them back
-when drafts are rejected.
+written out as K shifted products for the same reason, and the transcendental steps (SiLU, l2 norms, the decay and
+beta gates, the gated norm) and the rule itself run in C (`small_ops`), whose arithmetic does not depend on how many
+tokens share a call (torch's vectorized loops take a tensor's tail another way). States live in
+`runtime.recurrent`, which rolls them back when drafts are rejected.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.models.config import ModelConfig
+from specdec.runtime import small_ops
 from specdec.runtime.kv_cache import KVCache
-from specdec.runtime.recurrent import Rows, State, delta_step
+from specdec.runtime.recurrent import Rows, State, delta_rule
 
 
 class Placed(Protocol):
@@ -63,35 +66,35 @@ class GatedDeltaNet(nn.Module):
         B, T, _ = x.shape
         hv, dv = self.hv, self.dv
         conv_in, z = self.in_proj(x).float().split([self.channels, hv * dv], dim=-1)
-        b, a = self.in_proj_ba(x).float().chunk(2, dim=-1)
-        beta = torch.sigmoid(b)  # [B, T, Hv]
-        decay = torch.exp(-self.A_log.float().exp() * F.softplus(a + self.dt_bias.float()))
+        b, a = self.in_proj_ba(x).float().chunk(2, dim=-1)  # [B, T, Hv] each
         states = cache.states
         outs = []
         for e in range(B):  # each sequence on its own: its bits do not depend on the others
             slot, pos = int(batch.slots[e]), int(batch.cache_index[e, 0])
             layer = states[self.layer]
             state = layer.begin(slot, pos, states.settle)
-            q, k, v = self._qkv(state.conv, conv_in[e])
-            rows = Rows(conv_in[e], q, k, v, decay[e], beta[e])
-            ssm, out = state.ssm, []
-            for t in range(T):
-                ssm, o = delta_step(ssm, q[t], k[t], v[t], decay[e, t], beta[e, t])
-                out.append(o)
+            mixed = self.conv1d(torch.cat([state.conv, conv_in[e]]))  # [T, C], before SiLU
+            rows = Rows(conv_in[e], *self._inputs(mixed, a[e], b[e]))
+            ssm, out = delta_rule(state.ssm, rows)
             layer.end(slot, rows, State(torch.cat([state.conv, conv_in[e]])[-(self.kernel - 1) :], ssm))
-            outs.append(torch.stack(out))
+            outs.append(out)
         o = self.norm(torch.stack(outs), z.reshape(B, T, hv, dv))  # [B, T, Hv, dv]
         return self.out_proj(o.reshape(B, T, hv * dv).to(x.dtype))
 
-    def _qkv(self, window: torch.Tensor, conv_in: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The conv over the last K - 1 inputs (window [K-1, C]) and these [T, C] -> q, k [T, Hv, dk] (normed,
-        q scaled), v [T, Hv, dv]."""
-        T = conv_in.shape[0]
-        mixed = F.silu(self.conv1d(torch.cat([window, conv_in])))  # [T, C]
-        q, k, v = mixed.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
+    def _inputs(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The conv's outputs before SiLU [T, C] and the gate projections a, b [T, Hv] -> q, k [T, Hv, dk] (normed,
+        q scaled), v [T, Hv, dv], decay, beta [T, Hv]: in C where it runs (the same arithmetic at any T), else torch."""
+        fast = small_ops.gdn_inputs(
+            mixed, a, b, self.A_log, self.dt_bias, (self.hk, self.hv, self.dk, self.dv), self.tiled
+        )
+        if fast is not None:
+            return fast
+        T = mixed.shape[0]
+        q, k, v = F.silu(mixed).split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
         q = self._per_value_head(l2norm(q.reshape(T, self.hk, self.dk))) * self.dk**-0.5
         k = self._per_value_head(l2norm(k.reshape(T, self.hk, self.dk)))
-        return q, k, v.reshape(T, self.hv, self.dv)
+        decay = torch.exp(-self.A_log.float().exp() * F.softplus(a + self.dt_bias.float()))
+        return q, k, v.reshape(T, self.hv, self.dv), decay, torch.sigmoid(b)
 
     def _per_value_head(self, x: torch.Tensor) -> torch.Tensor:
         """[T, Hk, dk] -> [T, Hv, dk]: each value head's key head, the value heads grouped by key head (HF) or tiled
@@ -128,5 +131,8 @@ class GatedNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        fast = small_ops.gated_norm(x, gate, self.weight.float(), self.eps)
+        if fast is not None:
+            return fast
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight.float() * x * F.silu(gate)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.errors import SpecdecError
+from specdec.runtime import small_ops
 
 
 @dataclass
@@ -56,22 +57,25 @@ class State:
         return cls(torch.zeros(kernel - 1, channels), torch.zeros(heads, dk, dv))
 
 
-def delta_step(ssm: torch.Tensor, q, k, v, decay, beta) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token of the gated delta rule: ssm [Hv, dk, dv]; q, k [Hv, dk]; v [Hv, dv]; decay, beta [Hv].
-    Returns (the new state, the output [Hv, dv])."""
-    ssm = ssm * decay[:, None, None]
-    remembered = (ssm * k[:, :, None]).sum(dim=1)  # [Hv, dv]
-    ssm = ssm + k[:, :, None] * ((v - remembered) * beta[:, None])[:, None, :]
-    return ssm, (ssm * q[:, :, None]).sum(dim=1)
+def delta_rule(ssm: torch.Tensor, rows: Rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over the rows, one token after another, from ssm [Hv, dk, dv] (not changed) -> (the
+    state after them, outputs [n, Hv, dv]); the C kernel where it runs (`small_ops.delta_rule`), else torch."""
+    fast = small_ops.delta_rule(ssm, rows.q, rows.k, rows.v, rows.decay, rows.beta)
+    if fast is not None:
+        return fast
+    out = []
+    for q, k, v, decay, beta in zip(rows.q, rows.k, rows.v, rows.decay, rows.beta):  # q, k [Hv, dk], v [Hv, dv]
+        ssm = ssm * decay[:, None, None]
+        remembered = (ssm * k[:, :, None]).sum(dim=1)  # [Hv, dv]
+        ssm = ssm + k[:, :, None] * ((v - remembered) * beta[:, None])[:, None, :]
+        out.append((ssm * q[:, :, None]).sum(dim=1))
+    return ssm, torch.stack(out) if out else rows.v.new_zeros(rows.v.shape)
 
 
 def replay(state: State, rows: Rows) -> State:
     """The state after feeding `rows` from `state`."""
-    ssm = state.ssm
-    for t in range(len(rows)):
-        ssm, _ = delta_step(ssm, rows.q[t], rows.k[t], rows.v[t], rows.decay[t], rows.beta[t])
     window = torch.cat([state.conv, rows.conv_in])[-state.conv.shape[0] :]
-    return State(window, ssm)
+    return State(window, delta_rule(state.ssm, rows)[0])
 
 
 @dataclass

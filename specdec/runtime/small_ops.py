@@ -1,9 +1,9 @@
 """The small operations of a decoder layer through the C library (`kernels/small_ops.c`): RMS norm, rotary
-embedding of q and k in place, SiLU(gate) * up, one call each where torch takes 3 to 8 (at one row, their dispatch
-costs more than their arithmetic). Each returns None (or False) where the C path does not apply: no library, not
-float32 on the CPU, or gradients wanted; the caller then runs torch's operations. And each logit row's best token
-and its lead over the next (`top2`), which runs torch's own where the C path does not apply. A row's result is the
-same bits however many rows share the call."""
+embedding of q and k in place, SiLU(gate) * up, Qwen3.5's gated delta rule with its inputs and gated norm, one call
+each where torch takes 3 to 8 (at one row, their dispatch costs more than their arithmetic). Each returns None (or
+False) where the C path does not apply: no library, not float32 on the CPU, or gradients wanted; the caller then
+runs torch's operations. And each logit row's best token and its lead over the next (`top2`), which runs torch's own
+where the C path does not apply. A row's result is the same bits however many rows share the call."""
 
 from __future__ import annotations
 
@@ -61,6 +61,64 @@ def _gated(gate_up: torch.Tensor, call) -> torch.Tensor | None:
     out = torch.empty(*gu.shape[:-1], inter, dtype=torch.float32)
     call(lib, gu.data_ptr(), gu.numel() // (2 * inter), inter, out.data_ptr())
     return out
+
+
+def gdn_inputs(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    heads: tuple[int, int, int, int],
+    tiled: bool,
+) -> tuple[torch.Tensor, ...] | None:
+    """The gated delta rule's inputs from the conv's outputs before SiLU x [T, C] and the gate projections a, b
+    [T, Hv], heads = (Hk, Hv, dk, dv): q, k [T, Hv, dk] (l2-normed, q scaled), v [T, Hv, dv], decay, beta [T, Hv];
+    or None."""
+    hk, hv, dk, dv = heads
+    ok = _usable(x, a, b, a_log, dt_bias) and dk % 8 == 0 and dv % 8 == 0
+    lib = K.library() if ok else None
+    if lib is None:
+        return None
+    T = x.shape[0]
+    q, k, v = torch.empty(T, hv, dk), torch.empty(T, hv, dk), torch.empty(T, hv, dv)
+    decay, beta = torch.empty(T, hv), torch.empty(T, hv)
+    ins = [t.contiguous() for t in (x, a, b, a_log, dt_bias)]
+    outs = (q, k, v, decay, beta)
+    lib.gq_gdn_inputs(*(t.data_ptr() for t in ins), T, hk, hv, dk, dv, int(tiled), *(t.data_ptr() for t in outs))
+    return outs
+
+
+def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """rmsnorm(o) * weight * silu(z) over the last dim of o, z [..., dv], or None."""
+    dv = o.shape[-1]
+    lib = K.library() if _usable(o, z, weight) and dv % 8 == 0 else None
+    if lib is None:
+        return None
+    o, z = o.contiguous(), z.contiguous()
+    out = torch.empty_like(o)
+    lib.gq_gated_norm(
+        o.data_ptr(), z.data_ptr(), weight.contiguous().data_ptr(), eps, o.numel() // dv, dv, out.data_ptr()
+    )
+    return out
+
+
+def delta_rule(
+    ssm: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The gated delta rule over T tokens from state ssm [Hv, dk, dv] (not changed): q, k [T, Hv, dk], v [T, Hv, dv],
+    decay, beta [T, Hv] -> (the state after them, outputs [T, Hv, dv]), or None."""
+    T, H, dk = k.shape
+    dv = v.shape[-1]
+    lib = K.library() if _usable(ssm, q, k, v, decay, beta) and dv % 8 == 0 and dv <= 512 else None
+    if lib is None:
+        return None
+    state = ssm.clone()
+    out = torch.empty(T, H, dv)
+    q, k, v, decay, beta = (t.contiguous() for t in (q, k, v, decay, beta))
+    args = (state, q, k, v, decay, beta)
+    lib.gq_delta_rule(*(t.data_ptr() for t in args), T, H, dk, dv, out.data_ptr())
+    return state, out
 
 
 def top2(logits: torch.Tensor) -> tuple[list[int], list[float]]:

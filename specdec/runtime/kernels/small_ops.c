@@ -1,5 +1,5 @@
 /* The small operations of a decoder layer in one call each (float32, CPU): RMS norm, rotary embedding of q and k in
- * place, SiLU(gate) * up and gpt-oss's clamped SwiGLU. In torch each is 3 to 8 operator calls, and at one row (decode) their dispatch costs
+ * place, SiLU(gate) * up, gpt-oss's clamped SwiGLU and Qwen3.5's gated delta rule. In torch each is 3 to 8 operator calls, and at one row (decode) their dispatch costs
  * more than their arithmetic.
  *
  * And the best and second-best logit of each row (greedy decoding, verification and the near-tie gaps), one pass
@@ -142,6 +142,118 @@ INL int top2(const float *x, int64_t rows, int64_t cols, int64_t stride, int64_t
     return 0;
 }
 
+/* The gated delta rule's inputs for T tokens (Qwen3.5's linear attention), from the conv's outputs before their SiLU
+ * x [T][C] (C = 2 Hk dk + Hv dv: q, k, v) and the gate projections a, b [T][Hv]:
+ *   q[t][h] = l2norm(silu(q of key head kh)) / sqrt(dk), k[t][h] = l2norm(silu(k of kh)), v[t][h] = silu(v of h)
+ *   decay[t][h] = exp(-exp(A_log[h]) * softplus(a + dt_bias[h])), beta[t][h] = sigmoid(b)
+ * with kh = h % Hk for value heads tiled over the key heads (llama.cpp's GGUF), else h / (Hv / Hk) (grouped, HF).
+ * SiLU eight lanes at a time (C a multiple of 8), squares summed as rmsnorm's (dk a multiple of 8), the rest
+ * scalar: every element the same arithmetic at any T. */
+INL int gdn_inputs(const float *x, const float *a, const float *b, const float *a_log, const float *dt_bias,
+                   int64_t T, int64_t hk, int64_t hv, int64_t dk, int64_t dv, int32_t tiled, float *q, float *k,
+                   float *v, float *decay, float *beta) {
+    const int64_t C = 2 * hk * dk + hv * dv;
+    if (dk % 8 || dv % 8 || hv % hk) return -2;
+    float act[C];
+    for (int64_t t = 0; t < T; t++) {
+        const float *xt = x + t * C;
+        for (int64_t i = 0; i < C; i += 8) {
+            const v8f y = *(const v8f *)(const void *)(xt + i), zero = {0};
+            const v8i neg = y < zero;
+            const v8f e = exp_neg8((v8f)(((v8i)y & neg) | ((v8i)-y & ~neg)));
+            *(v8f *)(void *)(act + i) = (v8f)(((v8i)(y * e) & neg) | ((v8i)y & ~neg)) / (1.0f + e);
+        }
+        for (int64_t part = 0; part < 2; part++) /* l2-normed q (scaled) and k of each key head, in place */
+            for (int64_t h = 0; h < hk; h++) {
+                float *r = act + part * hk * dk + h * dk, s8[8] = {0};
+                for (int64_t i = 0; i < dk; i += 8)
+                    for (int l = 0; l < 8; l++) s8[l] += r[i + l] * r[i + l];
+                const float tot = ((s8[0] + s8[4]) + (s8[2] + s8[6])) + ((s8[1] + s8[5]) + (s8[3] + s8[7]));
+                const float inv = (1.0f / sqrtf(tot + 1e-6f)) * (part ? 1.0f : 1.0f / sqrtf((float)dk));
+                for (int64_t i = 0; i < dk; i++) r[i] *= inv;
+            }
+        for (int64_t h = 0; h < hv; h++) {
+            const int64_t kh = tiled ? h % hk : h / (hv / hk), th = t * hv + h;
+            for (int64_t i = 0; i < dk; i++) {
+                q[th * dk + i] = act[kh * dk + i];
+                k[th * dk + i] = act[hk * dk + kh * dk + i];
+            }
+            for (int64_t i = 0; i < dv; i++) v[th * dv + i] = act[2 * hk * dk + h * dv + i];
+            const float z = a[th] + dt_bias[h];
+            const float softplus = z > 20.0f ? z : log1pf(expf(z));
+            decay[th] = expf(-expf(a_log[h]) * softplus);
+            beta[th] = 1.0f / (1.0f + expf(-b[th]));
+        }
+    }
+    return 0;
+}
+
+/* Qwen3.5's gated norm of the delta rule's outputs: out[r] = rmsnorm(o[r]) * w * silu(z[r]) over rows of dv (a
+ * multiple of 8), rows = T Hv; squares summed as rmsnorm's, SiLU eight lanes at a time. */
+INL int gated_norm(const float *o, const float *z, const float *w, float eps, int64_t rows, int64_t dv, float *out) {
+    if (dv % 8) return -2;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *orow = o + r * dv, *zr = z + r * dv;
+        float s8[8] = {0};
+        for (int64_t i = 0; i < dv; i += 8)
+            for (int l = 0; l < 8; l++) s8[l] += orow[i + l] * orow[i + l];
+        const float tot = ((s8[0] + s8[4]) + (s8[2] + s8[6])) + ((s8[1] + s8[5]) + (s8[3] + s8[7]));
+        const float inv = 1.0f / sqrtf(tot / (float)dv + eps);
+        for (int64_t i = 0; i < dv; i += 8) {
+            const v8f y = *(const v8f *)(const void *)(zr + i), zero = {0};
+            const v8i neg = y < zero;
+            const v8f e = exp_neg8((v8f)(((v8i)y & neg) | ((v8i)-y & ~neg)));
+            const v8f silu = (v8f)(((v8i)(y * e) & neg) | ((v8i)y & ~neg)) / (1.0f + e);
+            const v8f x = *(const v8f *)(const void *)(orow + i), wv = *(const v8f *)(const void *)(w + i);
+            *(v8f *)(void *)(out + r * dv + i) = wv * (x * inv) * silu;
+        }
+    }
+    return 0;
+}
+
+/* The gated delta rule (Qwen3.5's linear attention) over T tokens of one sequence, the state updated in place. Per
+ * value head h and token t, with S = ssm[h] [dk][dv], q, k [T][H][dk], v [T][H][dv], decay, beta [T][H]:
+ *   S *= decay;  m = S^T k;  S += k (x) ((v - m) * beta);  out = S^T q
+ * Each head's state stays in cache over its T tokens (heads in parallel); the sums over dk run in order per output
+ * lane, so a token's result does not depend on T or the threads: a forward and a replay of its rows agree. dv a
+ * multiple of 8, at most 512; out may be NULL (a replay). */
+INL int delta_rule(float *ssm, const float *q, const float *k, const float *v, const float *decay, const float *beta,
+                   int64_t T, int64_t H, int64_t dk, int64_t dv, float *out) {
+    if (dv % 8 || dv > 512) return -2;
+    const int64_t lanes = dv / 8;
+#pragma omp parallel for schedule(static) if (T * H * dk * dv >= (1 << 18))
+    for (int64_t h = 0; h < H; h++) {
+        float *S = ssm + h * dk * dv;
+        v8f m[64], d[64], o[64];
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t th = t * H + h;
+            const float *kt = k + th * dk, *qt = q + th * dk, *vt = v + th * dv;
+            const float g = decay[th], b = beta[th];
+            for (int64_t j = 0; j < lanes; j++) m[j] = (v8f){0};
+            for (int64_t i = 0; i < dk; i++) {
+                v8f *row = (v8f *)(void *)(S + i * dv);
+                for (int64_t j = 0; j < lanes; j++) {
+                    const v8f s = row[j] * g;
+                    row[j] = s;
+                    m[j] += s * kt[i];
+                }
+            }
+            for (int64_t j = 0; j < lanes; j++) d[j] = (*(const v8f *)(const void *)(vt + 8 * j) - m[j]) * b, o[j] = (v8f){0};
+            for (int64_t i = 0; i < dk; i++) {
+                v8f *row = (v8f *)(void *)(S + i * dv);
+                for (int64_t j = 0; j < lanes; j++) {
+                    const v8f s = row[j] + d[j] * kt[i];
+                    row[j] = s;
+                    o[j] += s * qt[i];
+                }
+            }
+            if (out)
+                for (int64_t j = 0; j < lanes; j++) *(v8f *)(void *)(out + th * dv + 8 * j) = o[j];
+        }
+    }
+    return 0;
+}
+
 /* Each operation twice: for CPUs with AVX2 + FMA and for any other; the exported gq_NAME picks one */
 #if defined(__x86_64__) || defined(__i386__)
 #define T256 __attribute__((target("avx2,fma")))
@@ -164,3 +276,14 @@ DISPATCH(swiglu_limit, (const float *gu, int64_t rows, int64_t inter, float limi
          (gu, rows, inter, limit, alpha, out))
 DISPATCH(top2, (const float *x, int64_t rows, int64_t cols, int64_t stride, int64_t *best, float *gap),
          (x, rows, cols, stride, best, gap))
+DISPATCH(gdn_inputs,
+         (const float *x, const float *a, const float *b, const float *a_log, const float *dt_bias, int64_t T,
+          int64_t hk, int64_t hv, int64_t dk, int64_t dv, int32_t tiled, float *q, float *k, float *v, float *decay,
+          float *beta),
+         (x, a, b, a_log, dt_bias, T, hk, hv, dk, dv, tiled, q, k, v, decay, beta))
+DISPATCH(gated_norm, (const float *o, const float *z, const float *w, float eps, int64_t rows, int64_t dv, float *out),
+         (o, z, w, eps, rows, dv, out))
+DISPATCH(delta_rule,
+         (float *ssm, const float *q, const float *k, const float *v, const float *decay, const float *beta, int64_t T,
+          int64_t H, int64_t dk, int64_t dv, float *out),
+         (ssm, q, k, v, decay, beta, T, H, dk, dv, out))
