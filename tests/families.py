@@ -40,6 +40,15 @@ BASE: dict[str, Any] = {
     "max_position_embeddings": 256,
 }
 
+QWEN3_5 = {  # Qwen3.5's linear-attention sizes, tied as the small Qwen3.5 models
+    "num_hidden_layers": 4,
+    "head_dim": 32,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "tie_word_embeddings": True,
+}
 TINY: dict[str, dict[str, Any]] = {
     "llama": {"model_type": "llama"},
     # rope_freqs.weight: wavelengths of head_dim 16 / theta 1e4 straddle [64/4, 64/1], so factors are 1, smooth, 8
@@ -129,15 +138,15 @@ TINY: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
     },
     # layers [linear, linear, linear, full] (HF's full_attention_interval 4); 2 key heads over 4 value heads
-    "qwen3_5": {
-        "model_type": "qwen3_5_text",
-        "num_hidden_layers": 4,
-        "head_dim": 32,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "tie_word_embeddings": True,
+    "qwen3_5": {"model_type": "qwen3_5_text", **QWEN3_5},
+    # Qwen3.5's layers with 8 experts of width 32, 2 per token, and a shared expert of width 48
+    "qwen3_5_moe": {
+        "model_type": "qwen3_5_moe_text",
+        **QWEN3_5,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
     },
     "granite": {
         "model_type": "granite",
@@ -160,6 +169,7 @@ _KINDS = {
     "qwen3_moe": "qwen2",
     "gpt_oss": "qwen2",
     "qwen3_5": "qwen2",
+    "qwen3_5_moe": "qwen2",
 }
 TOKENIZER: dict[str, str] = {case: _KINDS.get(case, "llama") for case in TINY}
 
@@ -289,7 +299,7 @@ def make_checkpoint(
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     randomize(model, seed)
     model.save_pretrained(str(directory))
-    if model_type == "qwen3_5_text":
+    if model_type in ("qwen3_5_text", "qwen3_5_moe_text"):
         _add_qwen3_5_mtp(directory, model, seed)
     return directory
 

@@ -33,6 +33,10 @@ ROUTE_TIE = {"f32": 1e-3, "q8_0": 0.05, "q4_k_m": 0.1, "real": 0.1}
 # router-logit gap of ~0.3 (a flip at a gap of 0.2-0.3 put that position 1.98 off), and a flip in the first layer
 # changes the K/V later positions read (0.71 off two positions on); the other positions agree within 0.23
 MXFP4_TOL, MXFP4_TIE = 1.0, 0.3
+# Qwen3.5-MoE, quantized: a route flip also moves the recurrent state that every later position reads (attention
+# dilutes a flipped key among the others; a delta-rule state carries it on), so flips weigh more and further on: on
+# Q8_0 a flip at a router gap of 0.081 put that position 1.13 off, one at 0.015 the next position 0.49 off
+RECURRENT_MOE = {"qwen3_5_moe": (1.0, {"q8_0": 0.1, "q4_k_m": 0.15})}
 
 
 @contextmanager
@@ -104,7 +108,10 @@ def test_gguf_greedy_equals_llama_cpp(family_files, family_home, case, kind):
     if path is None:
         pytest.skip("no llama-quantize built for this CPU (bash scripts/conformance.sh builds it)")
     llm = specdec.LLM(str(path), spec_type="none", context=SERVER_CONTEXT, progress=False)
-    _check_against_llama(llm, path, prompt_ids(f.gguf_hf)[:8], GENERATED, LOGPROB_TOL[kind], ROUTE_TIE[kind])
+    tol, tie = LOGPROB_TOL[kind], ROUTE_TIE[kind]
+    if case in RECURRENT_MOE and kind != "f32":
+        tol, tie = RECURRENT_MOE[case][0], RECURRENT_MOE[case][1][kind]
+    _check_against_llama(llm, path, prompt_ids(f.gguf_hf)[:8], GENERATED, tol, tie)
 
 
 def test_gpt_oss_mxfp4_greedy_equals_llama_cpp(family_files, family_home):

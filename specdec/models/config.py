@@ -61,6 +61,7 @@ class ModelConfig:
     swiglu_limit: float | None = None  # gpt-oss's clamped SwiGLU: (clamp(up) + 1) * g * sigmoid(alpha g), g clamped
     swiglu_alpha: float = 1.702
     attn_sinks: bool = False  # a learned logit per head beside the keys in each softmax (gpt-oss)
+    shared_expert_intermediate_size: int = 0  # an MoE's always-on expert, gated by sigmoid(shared_expert_gate(x))
     attn_gate: bool = False  # q_proj also gives a per-head output gate: out * sigmoid(gate) (Qwen3.5)
     # gated DeltaNet layers (layer_types "linear_attention", Qwen3.5): heads and head dims of keys and values
     linear_key_heads: int = 0

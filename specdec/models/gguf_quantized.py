@@ -182,7 +182,8 @@ def quantize_from_gguf(
             ]
             setattr(model.get_submodule(owner), attr, lins[0] if len(lins) == 1 else GGUFConcatLinear(lins))
             continue
-        state[f"{name}.weight"] = torch.cat([dense(f"{p}.weight") for p in parts])
+        weight = torch.cat([dense(f"{p}.weight") for p in parts])  # (a one-row matrix may be stored 1-D)
+        state[f"{name}.weight"] = weight.reshape(module.out_features, module.in_features)
         if biases:
             state[f"{name}.bias"] = torch.cat([dense(b) for b in biases])
     for i in range(cfg.num_layers):  # experts: blocks where the kernels take them, else dense as `Experts` holds them

@@ -193,11 +193,14 @@ class MoE(nn.Module):
         self.experts = Experts(torch.empty(e, 2 * f, h), torch.empty(e, h, f), *biases)
         self.experts.configure(cfg)
         self.top_k, self.norm_topk, self.router = cfg.experts_per_token, cfg.norm_topk, cfg.router
+        if cfg.shared_expert_intermediate_size:  # Qwen3.5-MoE
+            self.shared_expert = MLP(replace(cfg, intermediate_size=cfg.shared_expert_intermediate_size))
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [N, H]
         weights, chosen = self.route(rows)  # [N, k] each
-        out = torch.zeros_like(rows)
+        out = torch.zeros_like(rows) if not hasattr(self, "shared_expert") else self._shared(rows)
         if len(rows) == 1:  # a decode step: every chosen expert takes the one row (GGUF: their gate/up in one call)
             order = chosen[0].argsort()
             for y, w in zip(self.experts.shared(chosen[0, order].tolist(), rows), weights[0, order]):
@@ -207,6 +210,17 @@ class MoE(nn.Module):
             token, slot = (chosen == e).nonzero(as_tuple=True)
             out.index_add_(0, token, self.experts(e, rows[token]) * weights[token, slot, None])
         return out.reshape(x.shape)
+
+    def _shared(self, rows: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output [N, H] times its gate, sigmoid(shared_expert_gate(row)): a dense gate one
+        matrix-vector product per row as the router's, the sigmoid in float64 (torch's vectorized float32 loop takes a
+        tensor's tail another way; rounded to float32, a row's value does not depend on the rows beside it)."""
+        gate = self.shared_expert_gate
+        if isinstance(gate, nn.Linear):
+            g = torch.stack([torch.mv(gate.weight, r) for r in rows]) if len(rows) else rows.new_zeros(0, 1)
+        else:
+            g = gate(rows)
+        return self.shared_expert(rows) * torch.sigmoid(g.double()).to(rows.dtype)
 
     def route(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k] in the rows' dtype, expert ids [N, k]) of each row's top-k experts."""
@@ -359,6 +373,7 @@ class Batch:
 FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.shared_expert.gate_up_proj": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
     "linear_attn.in_proj": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z"),
     "linear_attn.in_proj_ba": ("linear_attn.in_proj_b", "linear_attn.in_proj_a"),
 }

@@ -14,6 +14,7 @@ from specdec.models.families import (
     qwen2,
     qwen3,
     qwen3_5,
+    qwen3_5_moe,
     qwen3_moe,
     smollm3,
 )
@@ -25,6 +26,7 @@ ALL: tuple[Family, ...] = (
     qwen3.FAMILY,
     qwen3_moe.FAMILY,
     qwen3_5.FAMILY,
+    qwen3_5_moe.FAMILY,
     gemma2.FAMILY,
     gemma3.FAMILY,
     phi3.FAMILY,
