@@ -248,15 +248,33 @@ def _gguf_blocks(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     arch = _field(reader, "general.architecture")
     n = int(_field(reader, f"{arch}.nextn_predict_layers", 0))
     blocks = range(t.num_layers, t.num_layers + n)
-    names = by_name(t.family).gguf_tensor_names(arch, t.num_layers + n)  # the blocks' decoder layers, the final norm
+    every = by_name(t.family).gguf_tensor_names(arch, t.num_layers + n)
+    ours = tuple(f"model.layers.{i}." for i in blocks)
+    names = {g: h for g, h in every.items() if h.startswith(ours) or h == "model.norm"}  # the blocks' layers, the norm
     for m, kind in _nextn_tensors().items():  # the blocks' own (not in every gguf release's TensorNameMap)
         names.update({gguf.TENSOR_NAMES[kind].format(bid=i): f"model.layers.{i}.{m}" for i in blocks})
+    block = [tensor for tensor in reader.tensors if tensor.name.rpartition(".")[0] in names]
+    _check_room(path, 4 * sum(int(tensor.n_elements) for tensor in block))
     state = {}
-    for tensor in reader.tensors:
+    for tensor in block:
         stem, _, kind = tensor.name.rpartition(".")
-        if stem in names:
-            state[f"{names[stem]}.{kind}"] = torch.from_numpy(_dequantize(tensor, t).copy())
+        state[f"{names[stem]}.{kind}"] = torch.from_numpy(_dequantize(tensor, t).copy())
     return t, state
+
+
+def _check_room(path: Path, nbytes: int) -> None:
+    """The MTP block is held in float32 (its GGUF blocks dequantized); loading it takes about three copies: a clear
+    error where the memory available (Linux MemAvailable) cannot hold them, not the kernel's OOM kill."""
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+        free = int(re.search(r"MemAvailable:\s+(\d+) kB", meminfo).group(1)) * 1024
+    except (OSError, AttributeError):
+        return
+    if 3 * nbytes > free:
+        raise SpecdecError(
+            f"{path}: its MTP block takes {nbytes / 2**30:.1f} GiB in float32 and loading it about three times that, "
+            f"more than the {free / 2**30:.1f} GiB available (MTP blocks are not kept quantized yet)"
+        )
 
 
 def _to_ours(state: dict[str, torch.Tensor], layout: str, n: int, first: int) -> dict[str, torch.Tensor]:
