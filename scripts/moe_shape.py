@@ -8,10 +8,14 @@ N(0, 0.02^2) and centred:
 - qwen3-30b-a3b, Q4_K_M (`llama_tensor_get_type`: attn_v and ffn_down(_exps) Q6_K in the layers its `use_more_bits`
   picks, the output Q6_K, the router and norms F32, the rest Q4_K);
 - gpt-oss-20b, as the released MXFP4 GGUF (`MXFP4_MOE`): experts MXFP4, the other matrices Q8_0, biases, norms,
-  sinks and the router F32.
+  sinks and the router F32;
+- qwen3.5-35b-a3b, Q4_K_M as for Qwen3-MoE (the shared expert's down_proj as the experts'), its gated DeltaNet
+  layers' small tensors (conv, A, dt bias, norms) F32 and their beta/alpha projections Q8_0, its MTP block as the
+  converter writes it (a nextn layer after the model's), Qwen3.5's tokenizer.
 
     python scripts/moe_shape.py qwen3-30b-a3b OUT_DIR --layers 24   # OUT_DIR/qwen3-30b-a3b-24l-q4_k_m.gguf
     python scripts/moe_shape.py gpt-oss-20b OUT_DIR                 # OUT_DIR/gpt-oss-20b-24l-mxfp4.gguf
+    python scripts/moe_shape.py qwen3.5-35b-a3b OUT_DIR --layers 16 # OUT_DIR/qwen3.5-35b-a3b-16l-q4_k_m.gguf
     specdec bench -m OUT_DIR/qwen3-30b-a3b-24l-q4_k_m.gguf --methods none,synthetic,llama-none --llama-server auto
 """
 
@@ -67,6 +71,27 @@ SHAPES = {  # config.json values of the released models
         sliding_window=128,
         yarn=dict(factor=32.0, orig_ctx_len=4096, yarn_beta_fast=32.0, yarn_beta_slow=1.0),
     ),
+    "qwen3.5-35b-a3b": dict(
+        arch=gguf.MODEL_ARCH.QWEN35MOE,
+        file="q4_k_m",
+        vocab=248_320,
+        vocab_file="ggml-vocab-qwen35.gguf",
+        layers=40,
+        hidden=2048,
+        ff=512,
+        expert_ff=512,
+        shared_ff=512,
+        experts=256,
+        used=8,
+        heads=16,
+        kv_heads=2,
+        head_dim=256,
+        rotary_dim=64,
+        linear=dict(key_heads=16, value_heads=32, key_dim=128, value_dim=128, conv=4, interval=4),
+        context=262_144,
+        rope_theta=10_000_000.0,
+        eps=1e-6,
+    ),
 }
 FILE_TYPE = {"q4_k_m": 15, "mxfp4": 38}  # llama_ftype: LLAMA_FTYPE_MOSTLY_Q4_K_M, LLAMA_FTYPE_MOSTLY_MXFP4_MOE
 META = {  # shape key -> the GGUFWriter method (add_...) that writes its metadata, as the converter does
@@ -115,7 +140,60 @@ def name(t: T, i: int | None = None, part: str = "weight") -> str:
 
 def tensors(s: dict) -> Tensors:
     """(name, numpy shape, type) of every tensor, in the converter's order."""
-    return (gpt_oss if s["arch"] == gguf.MODEL_ARCH.GPT_OSS else qwen3_moe)(s)
+    writers = {gguf.MODEL_ARCH.GPT_OSS: gpt_oss, gguf.MODEL_ARCH.QWEN35MOE: qwen3_5_moe}
+    return writers.get(s["arch"], qwen3_moe)(s)
+
+
+def qwen3_5_moe(s: dict) -> Tensors:
+    """Qwen3.5-MoE: three gated DeltaNet layers before each gated full-attention layer, experts plus a shared expert
+    in every layer, then the MTP block (block `layers`)."""
+    h, n, e, vocab, lin = s["hidden"], s["layers"], s["experts"], s["vocab"], s["linear"]
+    q, kv, hd = s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"], s["head_dim"]
+    conv = 2 * lin["key_heads"] * lin["key_dim"] + lin["value_heads"] * lin["value_dim"]
+    inner, hv = lin["value_heads"] * lin["value_dim"], lin["value_heads"]
+    out = [(name(T.TOKEN_EMBD), (vocab, h), Q4_K)]
+    for i in range(n + 1):
+        more = Q6_K if i < n and use_more_bits(i, n) else Q4_K
+        out.append((name(T.ATTN_NORM, i), (h,), F32))
+        if i < n and (i + 1) % lin["interval"]:
+            out += [
+                (name(T.ATTN_QKV, i), (conv, h), Q4_K),
+                (name(T.ATTN_GATE, i), (inner, h), Q4_K),
+                (name(T.SSM_CONV1D, i), (conv, lin["conv"]), F32),
+                (name(T.SSM_DT, i, "bias"), (hv,), F32),
+                (gguf.TENSOR_NAMES[T.SSM_A].format(bid=i), (hv,), F32),
+                (name(T.SSM_BETA, i), (hv, h), Q8_0),
+                (name(T.SSM_ALPHA, i), (hv, h), Q8_0),
+                (name(T.SSM_NORM, i), (lin["value_dim"],), F32),
+                (name(T.SSM_OUT, i), (h, inner), Q4_K),
+            ]
+        else:
+            out += [
+                (name(T.ATTN_Q, i), (2 * q, h), Q4_K),
+                (name(T.ATTN_K, i), (kv, h), Q4_K),
+                (name(T.ATTN_V, i), (kv, h), more),
+                (name(T.ATTN_OUT, i), (h, q), Q4_K),
+                (name(T.ATTN_Q_NORM, i), (hd,), F32),
+                (name(T.ATTN_K_NORM, i), (hd,), F32),
+            ]
+        out += [
+            (name(T.ATTN_POST_NORM, i), (h,), F32),
+            (name(T.FFN_GATE_INP, i), (e, h), F32),
+            (name(T.FFN_GATE_EXP, i), (e, s["expert_ff"], h), Q4_K),
+            (name(T.FFN_UP_EXP, i), (e, s["expert_ff"], h), Q4_K),
+            (name(T.FFN_DOWN_EXP, i), (e, h, s["expert_ff"]), more),
+            (name(T.FFN_GATE_INP_SHEXP, i), (1, h), F32),
+            (name(T.FFN_GATE_SHEXP, i), (s["shared_ff"], h), Q4_K),
+            (name(T.FFN_UP_SHEXP, i), (s["shared_ff"], h), Q4_K),
+            (name(T.FFN_DOWN_SHEXP, i), (h, s["shared_ff"]), more),
+        ]
+    out += [
+        (name(T.NEXTN_EH_PROJ, n), (h, 2 * h), Q4_K),
+        (name(T.NEXTN_ENORM, n), (h,), F32),
+        (name(T.NEXTN_HNORM, n), (h,), F32),
+        (name(T.NEXTN_SHARED_HEAD_NORM, n), (h,), F32),
+    ]
+    return out + [(name(T.OUTPUT_NORM), (h,), F32), (name(T.OUTPUT), (vocab, h), Q6_K)]
 
 
 def gpt_oss(s: dict) -> Tensors:
@@ -166,7 +244,9 @@ def data(name: str, shape: tuple[int, ...], kind: gguf.GGMLQuantizationType, rng
         return blocks(kind, rows, shape[-1], rng).reshape(*shape[:-1], -1)
     if name.endswith("norm.weight"):
         return np.ones(shape, np.float32)
-    return rng.normal(0.0, 0.02, shape).astype(np.float32)  # the router, biases, sinks
+    if name.endswith(".ssm_a"):  # -exp(A_log): negative
+        return -np.exp(rng.normal(0.0, 0.5, shape)).astype(np.float32)
+    return rng.normal(0.0, 0.02, shape).astype(np.float32)  # the router, biases, sinks, the conv
 
 
 def copy_tokenizer(writer: gguf.GGUFWriter, vocab_file: Path, size: int) -> None:
@@ -193,8 +273,8 @@ def write(shape: str, out: Path, layers: int | None, seed: int = 0) -> Path:
     arch = gguf.MODEL_ARCH_NAMES[s["arch"]]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"{shape} shape, random weights, {s['layers']} layers")
-    for key, add in META.items():
-        getattr(w, f"add_{add}")(s[key])
+    for key, add in META.items():  # Qwen3.5's block_count also counts its MTP block
+        getattr(w, f"add_{add}")(s[key] + (key == "layers" and "linear" in s))
     w.add_value_length(s["head_dim"])
     if "sliding_window" in s:
         w.add_sliding_window(s["sliding_window"])
@@ -202,8 +282,20 @@ def write(shape: str, out: Path, layers: int | None, seed: int = 0) -> Path:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         for key, value in s["yarn"].items():
             getattr(w, f"add_rope_scaling_{key}")(value)
+    if "linear" in s:  # Qwen3.5: block_count counts the MTP block
+        lin = s["linear"]
+        w.add_nextn_predict_layers(1)
+        w.add_expert_shared_feed_forward_length(s["shared_ff"])
+        w.add_rope_dimension_count(s["rotary_dim"])
+        w.add_rope_dimension_sections([11, 11, 10, 0])
+        w.add_ssm_conv_kernel(lin["conv"])
+        w.add_ssm_state_size(lin["key_dim"])
+        w.add_ssm_group_count(lin["key_heads"])
+        w.add_ssm_time_step_rank(lin["value_heads"])
+        w.add_ssm_inner_size(lin["value_heads"] * lin["value_dim"])
+        w.add_full_attention_interval(lin["interval"])
     w.add_file_type(FILE_TYPE[s["file"]])
-    copy_tokenizer(w, source() / "models" / "ggml-vocab-qwen2.gguf", s["vocab"])
+    copy_tokenizer(w, source() / "models" / s.get("vocab_file", "ggml-vocab-qwen2.gguf"), s["vocab"])
     todo = tensors(s)
     for name, shp, kind in todo:
         block, size = gguf.GGML_QUANT_SIZES[kind]

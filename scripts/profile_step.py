@@ -8,6 +8,9 @@ the layers' Python path (the same arithmetic, one call per operation).
     python scripts/profile_step.py --rows 512 --context 100 --last-only   # a prefill chunk: logits of its last row
     python scripts/profile_step.py --rows 1 --other-thread [--keep-workers]  # forwards on a thread of their own
 
+For a model with recurrent layers (Qwen3.5) it also times the rollback after each verify of R rows that keeps m of
+them (the held rows replayed in every linear-attention layer) and prints the memory a slot keeps for it.
+
 `--other-thread` runs the forwards on a new thread after the main thread (which loaded the model and prefilled)
 ends its OpenMP workers, as the server's engine thread runs; `--keep-workers` leaves them
 (as the engine thread did before it ended them).
@@ -116,6 +119,8 @@ def main() -> None:
             else ""
         )
     )
+    if runner.recurrent:
+        replays(runner, len(ids), [int(r) for r in a.rows.split(",")], a.forwards)
     if not a.other_thread:
         report(a, median_forward, spent, calls)
         return
@@ -124,6 +129,36 @@ def main() -> None:
     t = threading.Thread(target=report, args=(a, median_forward, spent, calls))
     t.start()
     t.join()
+
+
+def replays(runner, start: int, rows: list[int], n: int) -> None:
+    """A model with recurrent layers (Qwen3.5): after a verify of R rows, a rollback that keeps m of them replays m
+    held rows from the settled state in every linear-attention layer (`runtime/recurrent.py`); its median time, and
+    the memory a slot keeps per layer."""
+    from specdec.runtime.recurrent import replay
+
+    layers = runner.cache.states.layers.values()
+    print("\n| verify rows | rollback keeping m rows: ms (m = 1, ..., R - 1) |\n|---|---|")
+    for r in (r for r in rows if r > 1):
+        runner.forward([[100] * r], [start], [0])
+        held = [(s.base, s.rows) for s in (layer.slots[0] for layer in layers)]
+        times = []
+        for m in range(1, r):
+            ts = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                for base, kept in held:
+                    replay(base, kept.head(m))
+                ts.append(time.perf_counter() - t0)
+            times.append(sorted(ts)[n // 2] * 1e3)
+        print(f"| {r} | {', '.join(f'{t:.2f}' for t in times)} |")
+    base, kept = held[0]
+    state = sum(t.numel() * 4 for t in (base.conv, base.ssm))
+    row = sum(t[0].numel() * 4 for t in kept.parts())
+    print(
+        f"\n{len(held)} linear layers; per slot and layer 2 states of {state / 2**20:.2f} MiB, {row / 1024:.1f} KiB"
+        " a held row"
+    )
 
 
 def report(a: argparse.Namespace, median_forward, spent: dict, calls: collections.Counter) -> None:
