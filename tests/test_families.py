@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from families import TINY, need_converter, prompt_ids
+from families import BASE, TINY, need_converter, prompt_ids
 
 TOL = 1e-4
 
@@ -228,3 +228,28 @@ def test_unsupported_recipes_are_one_line_errors():
     with pytest.raises(SpecdecError, match=r"unsupported architecture 'gpt_neox' \(supported .*gemma3_text") as e:
         ModelConfig.from_hf_dict({**base, "model_type": "gpt_neox"})
     assert "\n" not in str(e.value)
+
+
+def test_a_multimodal_qwen3_5_checkpoint_runs_its_text_model(tmp_path):
+    """Qwen3.5 ships as `Qwen3_5ForConditionalGeneration` (config `text_config`, weights `model.language_model.*` and
+    `model.visual.*`): its text model loads, within what transformers' own float32 misses by of its float64 logits."""
+    from families import QWEN3_5, _write_tokenizer, randomize
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from specdec.models.loader import load_checkpoint
+
+    vocab, _ = _write_tokenizer(tmp_path, "qwen2")
+    text = {"model_type": "qwen3_5_text", "vocab_size": vocab, **BASE, **QWEN3_5}
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
+    hf = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision))
+    randomize(hf, 0)
+    hf.save_pretrained(str(tmp_path))
+    ids = torch.randint(0, vocab, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+    refs = {}
+    for dtype in (torch.float32, torch.float64):
+        with torch.no_grad():
+            refs[dtype] = hf.to(dtype)(input_ids=torch.tensor([ids])).logits[0].double()
+    model, _ = load_checkpoint(tmp_path, torch.float32)
+    assert model.config.family == "qwen3_5"
+    diff = (_ours(model, ids).double() - refs[torch.float64]).abs().max()
+    assert diff <= max(TOL, float((refs[torch.float32] - refs[torch.float64]).abs().max())), float(diff)

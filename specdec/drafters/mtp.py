@@ -59,6 +59,7 @@ def head_path(options: Mapping[str, Any], model: str | None) -> Path:
 def _shape(path: Path) -> HeadShape:
     """A head directory's or a checkpoint's MTP blocks: parameters (the target's shared parts aside) and KV."""
     d = json.loads((path / "config.json").read_text())
+    d = {**d.get("text_config", {}), **d}  # a multimodal checkpoint: its text model's sizes
     n = native_blocks(path)
     layer = d if n else d["transformer_layer_config"]
     heads, kv_heads = layer["num_attention_heads"], layer.get("num_key_value_heads", layer["num_attention_heads"])

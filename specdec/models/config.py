@@ -125,6 +125,9 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict) -> "ModelConfig":
         if "specdec" in d:  # written by `to_hf_dict`: every field as it was
             return cls(**d["specdec"])
+        if "text_config" in d and "num_hidden_layers" not in d:  # a multimodal checkpoint: its text model
+            tied = {"tie_word_embeddings": d["tie_word_embeddings"]} if "tie_word_embeddings" in d else {}
+            d = {**d["text_config"], **tied}
         fam = families.by_hf_type(d.get("model_type", ""))
         heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")

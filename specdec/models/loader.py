@@ -125,6 +125,17 @@ def gguf_tokenizer(path: Path, sha: str | None = None) -> Path:
     return out
 
 
+VISION = ("model.visual.", "model.vision_tower.", "model.multi_modal_projector.")  # multimodal checkpoints' other parts
+
+
+def text_name(name: str) -> str | None:
+    """A checkpoint tensor's name in the text model (a multimodal checkpoint's `model.language_model.*` ->
+    `model.*`), None for its vision parts."""
+    if name.startswith(VISION):
+        return None
+    return "model." + name.removeprefix("model.language_model.") if name.startswith("model.language_model.") else name
+
+
 def load_checkpoint(directory: Path, dtype: torch.dtype, device: str = "cpu") -> tuple[Transformer, Tokenizer]:
     from safetensors import safe_open
 
@@ -136,9 +147,10 @@ def load_checkpoint(directory: Path, dtype: torch.dtype, device: str = "cpu") ->
         for f in sorted(directory.glob("*.safetensors")):
             with safe_open(str(f), framework="pt") as sf:
                 for name in sf.keys():
-                    if is_mtp_tensor(name, cfg.num_layers):  # MTP blocks: models/mtp.py loads them
+                    ours = text_name(name)
+                    if ours is None or is_mtp_tensor(ours, cfg.num_layers):  # MTP blocks: models/mtp.py loads them
                         continue
-                    state[name] = sf.get_tensor(name).to(device=device, dtype=dtype)
+                    state[ours] = sf.get_tensor(name).to(device=device, dtype=dtype)
     except Exception as e:
         raise SpecdecError(f"{directory}: cannot read weights ({type(e).__name__}: {e})") from None
     if cfg.tie_word_embeddings:

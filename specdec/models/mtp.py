@@ -215,6 +215,7 @@ def native_blocks(path: Path) -> int:
         return int(_field(reader, f"{_field(reader, 'general.architecture')}.nextn_predict_layers", 0))
     cfg = path / "config.json"
     d = json.loads(cfg.read_text()) if cfg.is_file() else {}
+    d = {**d.get("text_config", {}), **d}  # a multimodal checkpoint's text model says it (Qwen3.5)
     return 0 if "speculators_model_type" in d else next((int(d[k]) for k in COUNT_KEYS if d.get(k)), 0)
 
 
