@@ -20,7 +20,8 @@ from specdec.drafters.heads import HeadShape, find_head, layer_params, planned_m
 from specdec.drafters.paired_head import PairedHeadDrafter
 from specdec.drafters.registry import BuildContext, DrafterType, HeadMemory, MemoryQuery, Option
 from specdec.errors import SpecdecError
-from specdec.models.mtp import MtpHead, is_mtp_tensor, load_head, native_blocks
+from specdec.models.mtp import MtpHead, load_head, native_blocks
+from specdec.models.state import is_mtp_tensor
 from specdec.models.transformer import Batch
 from specdec.runtime.runner import HEADROOM, Features, FeatureSpec, ModelRunner
 

@@ -26,7 +26,7 @@ from torch import nn
 from specdec.errors import SpecdecError
 from specdec.models.config import ModelConfig
 from specdec.models.gguf_convert import config_from_gguf, hf_names, open_gguf, permuted, unpermute
-from specdec.models.transformer import FUSED, ExpertMath, Experts, Transformer, our_name
+from specdec.models.transformer import FUSED, ExpertMath, Experts, MoE, Transformer, our_name
 from specdec.runtime import kernels as K
 from specdec.runtime.gguf_linear import GGUFConcatLinear, GGUFLinear, for_this_cpu, kernel_matmul
 from specdec.runtime.layer_kernel import ExpertParts
@@ -147,6 +147,68 @@ def _dense(t, cfg: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.array(_dequantize(t, cfg))).to(dtype)  # a writable copy (norms, biases: small)
 
 
+def in_blocks(t) -> bool:
+    """Whether a GGUF tensor (or None) is of a type the block kernels take as it is."""
+    return t is not None and int(t.tensor_type) in K.BLOCK
+
+
+def load_layers(
+    root: nn.Module, prefix: str, tensors: dict, cfg: ModelConfig, reader, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Give the decoder layers under `root` (its modules named `prefix`.*, as the file's tensors are: our names) the
+    file's matrices and experts as GGUF blocks where the kernels take them; returns the state dict of the rest (dense
+    in `dtype`, named `prefix`.*)."""
+    state: dict[str, torch.Tensor] = {}
+    used: set[str] = set()  # file tensors taken by the matrices and experts below
+    quantized = lambda name: in_blocks(tensors.get(name))  # noqa: E731
+
+    def dense(name: str) -> torch.Tensor:
+        return _dense(tensors[name], cfg, dtype)
+
+    def owner(name: str) -> nn.Module:
+        return root.get_submodule(name.removeprefix(prefix).removeprefix("."))
+
+    for name, module in list(root.named_modules(prefix=prefix)):
+        if not isinstance(module, nn.Linear):
+            continue
+        parts = _parts(name, tensors)  # the file's tensors whose rows make this module's weight, in order
+        biases = [f"{p}.bias" for p in parts if f"{p}.bias" in tensors]
+        used.update([f"{p}.weight" for p in parts] + biases)
+        parent, attr = name.rsplit(".", 1)
+        if all(quantized(f"{p}.weight") for p in parts):
+            lins = [
+                _linear(tensors[f"{p}.weight"], cfg, reader, dense(f"{p}.bias") if f"{p}.bias" in tensors else None)
+                for p in parts
+            ]
+            setattr(owner(parent), attr, lins[0] if len(lins) == 1 else GGUFConcatLinear(lins))
+            continue
+        weight = torch.cat([dense(f"{p}.weight") for p in parts])  # (a one-row matrix may be stored 1-D)
+        state[f"{name}.weight"] = weight.reshape(module.out_features, module.in_features)
+        if biases:
+            state[f"{name}.bias"] = torch.cat([dense(b) for b in biases])
+    for name, moe in list(root.named_modules(prefix=prefix)):  # experts: blocks where the kernels take them, else
+        if not isinstance(moe, MoE):  # dense as `Experts` holds them
+            continue
+        pre = f"{name}.experts."
+        parts = [f"{pre}{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+        if not all(p in tensors for p in parts):
+            continue
+        biases = [f"{pre}{p}.bias" for p in ("gate_proj", "up_proj", "down_proj")]
+        used.update(parts + biases)
+        if all(quantized(p) for p in parts):
+            moe.experts = _experts(*(tensors[p] for p in parts), reader, moe.experts)
+        else:
+            state[f"{pre}gate_up_proj"] = torch.cat([dense(parts[0]), dense(parts[1])], dim=1)
+            state[f"{pre}down_proj"] = dense(parts[2])
+        if biases[0] in tensors:  # gpt-oss
+            state[f"{pre}gate_up_bias"] = torch.cat([dense(biases[0]), dense(biases[1])], dim=1)
+            state[f"{pre}down_bias"] = dense(biases[2])
+    for name in tensors:  # the rest of each layer (norms, attention sinks, linear attention's conv and gates)
+        if name.startswith(prefix + ".") and name not in used:
+            state[name] = dense(name)
+    return state
+
+
 def quantize_from_gguf(
     model: Transformer, gguf_path: Path | str, dtype: torch.dtype = torch.float32, reader=None
 ) -> Transformer:
@@ -157,54 +219,8 @@ def quantize_from_gguf(
     cfg = model.config
     names = hf_names(reader, cfg)
     tensors = {our_name(names[t.name]): t for t in reader.tensors if t.name in names}
-    kernel_types = set(K.BLOCK)
-    state: dict[str, torch.Tensor] = {}
-    used: set[str] = set()  # file tensors taken by the matrices and experts below
-
-    def quantized(name: str) -> bool:
-        t = tensors.get(name)
-        return t is not None and int(t.tensor_type) in kernel_types
-
-    def dense(name: str) -> torch.Tensor:
-        return _dense(tensors[name], cfg, dtype)
-
-    for name, module in list(model.model.layers.named_modules(prefix="model.layers")):
-        if not isinstance(module, nn.Linear):
-            continue
-        parts = _parts(name, tensors)  # the file's tensors whose rows make this module's weight, in order
-        biases = [f"{p}.bias" for p in parts if f"{p}.bias" in tensors]
-        used.update([f"{p}.weight" for p in parts] + biases)
-        owner, attr = name.rsplit(".", 1)
-        if all(quantized(f"{p}.weight") for p in parts):
-            lins = [
-                _linear(tensors[f"{p}.weight"], cfg, reader, dense(f"{p}.bias") if f"{p}.bias" in tensors else None)
-                for p in parts
-            ]
-            setattr(model.get_submodule(owner), attr, lins[0] if len(lins) == 1 else GGUFConcatLinear(lins))
-            continue
-        weight = torch.cat([dense(f"{p}.weight") for p in parts])  # (a one-row matrix may be stored 1-D)
-        state[f"{name}.weight"] = weight.reshape(module.out_features, module.in_features)
-        if biases:
-            state[f"{name}.bias"] = torch.cat([dense(b) for b in biases])
-    for i in range(cfg.num_layers):  # experts: blocks where the kernels take them, else dense as `Experts` holds them
-        pre = f"model.layers.{i}.mlp.experts."
-        parts = [f"{pre}{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
-        if not all(p in tensors for p in parts):
-            continue
-        biases = [f"{pre}{p}.bias" for p in ("gate_proj", "up_proj", "down_proj")]
-        used.update(parts + biases)
-        if all(quantized(p) for p in parts):
-            mlp = model.model.layers[i].mlp
-            mlp.experts = _experts(*(tensors[p] for p in parts), reader, mlp.experts)
-        else:
-            state[f"{pre}gate_up_proj"] = torch.cat([dense(parts[0]), dense(parts[1])], dim=1)
-            state[f"{pre}down_proj"] = dense(parts[2])
-        if biases[0] in tensors:  # gpt-oss
-            state[f"{pre}gate_up_bias"] = torch.cat([dense(biases[0]), dense(biases[1])], dim=1)
-            state[f"{pre}down_bias"] = dense(biases[2])
-    for name in tensors:  # the rest of each layer (norms, attention sinks, linear attention's conv and gates)
-        if name.startswith("model.layers.") and name not in used:
-            state[name] = dense(name)
+    state = load_layers(model.model.layers, "model.layers", tensors, cfg, reader, dtype)
+    quantized = lambda name: in_blocks(tensors.get(name))  # noqa: E731
 
     emb = "model.embed_tokens.weight"
     if quantized(emb):
@@ -218,7 +234,7 @@ def quantize_from_gguf(
         model.lm_head = table if head == emb else _linear(tensors[head], cfg, reader)
     else:
         state["lm_head.weight"] = state[emb] if head == emb else _dense(tensors[head], cfg, dtype)
-    state["model.norm.weight"] = dense("model.norm.weight")
+    state["model.norm.weight"] = _dense(tensors["model.norm.weight"], cfg, dtype)
 
     dense_types = {tensors[n].tensor_type.name for n in tensors if len(tensors[n].shape) > 1 and not quantized(n)}
     model.gguf_dense_types = sorted(dense_types)  # matrices of types the kernels do not take: held dense in dtype

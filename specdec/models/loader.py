@@ -8,7 +8,7 @@ import torch
 
 from specdec.errors import SpecdecError
 from specdec.models.config import ModelConfig
-from specdec.models.mtp import is_mtp_tensor
+from specdec.models.state import is_mtp_tensor
 from specdec.models.tokenizer import Tokenizer
 from specdec.models.transformer import Transformer, fuse_projections
 from specdec.paths import home

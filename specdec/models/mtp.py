@@ -41,8 +41,8 @@ from specdec.errors import SpecdecError
 from specdec.models.config import ModelConfig
 from specdec.models.eagle3 import SPECULATORS_VERSION, _architectures, _write, speculators_config
 from specdec.models.rope import Rotary
-from specdec.models.state import load_exact, read_tensors
-from specdec.models.transformer import Batch, DecoderLayer, RMSNorm, fuse_projections
+from specdec.models.state import is_mtp_tensor, load_exact, read_tensors
+from specdec.models.transformer import Batch, DecoderLayer, RMSNorm, fuse_projections, our_name
 from specdec.runtime.kv_cache import KVCache
 
 # layout -> (block i's tensor prefix, their names -> ours); the decoder layer's names are the same everywhere
@@ -199,12 +199,6 @@ class MtpHead(nn.Module):
         return self(emb, g, batch, self.allocate_cache(1, T), depth)
 
 
-def is_mtp_tensor(name: str, num_layers: int) -> bool:
-    """Whether a checkpoint tensor belongs to MTP blocks (the target's loader skips them)."""
-    m = re.match(r"model\.layers\.(\d+)\.", name)
-    return (m is not None and int(m.group(1)) >= num_layers) or name.startswith(("model.mtp_layers.", "mtp."))
-
-
 def native_blocks(path: Path) -> int:
     """How many MTP blocks a checkpoint directory's config.json or a GGUF file's metadata declares (0: none)."""
     path = Path(path)
@@ -237,45 +231,54 @@ def _qwen3_5_as_nextn(state: dict[str, torch.Tensor], first: int, n: int) -> dic
     return out
 
 
-def _gguf_blocks(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """A GGUF's target config and its nextn blocks' tensors (dequantized, float32) under HF nextn names."""
+def _gguf_head(path: Path, n: int, dtype: torch.dtype) -> MtpHead:
+    """A GGUF's nextn blocks as a head: their decoder layers' matrices and experts kept as GGUF blocks through the
+    kernels (as the target's, `gguf_quantized.load_layers`), the rest dense in `dtype`."""
     import gguf
 
     from specdec.models.families import by_name
     from specdec.models.gguf_convert import _dequantize, _field, config_from_gguf, open_gguf
+    from specdec.models.gguf_quantized import load_layers
 
     reader = open_gguf(path)
     t = config_from_gguf(reader, path)
     arch = _field(reader, "general.architecture")
-    n = int(_field(reader, f"{arch}.nextn_predict_layers", 0))
     blocks = range(t.num_layers, t.num_layers + n)
     every = by_name(t.family).gguf_tensor_names(arch, t.num_layers + n)
     ours = tuple(f"model.layers.{i}." for i in blocks)
     names = {g: h for g, h in every.items() if h.startswith(ours) or h == "model.norm"}  # the blocks' layers, the norm
     for m, kind in _nextn_tensors().items():  # the blocks' own (not in every gguf release's TensorNameMap)
         names.update({gguf.TENSOR_NAMES[kind].format(bid=i): f"model.layers.{i}.{m}" for i in blocks})
-    block = [tensor for tensor in reader.tensors if tensor.name.rpartition(".")[0] in names]
-    _check_room(path, 4 * sum(int(tensor.n_elements) for tensor in block))
-    state = {}
-    for tensor in block:
+    tensors = {}
+    for tensor in reader.tensors:
         stem, _, kind = tensor.name.rpartition(".")
-        state[f"{names[stem]}.{kind}"] = torch.from_numpy(_dequantize(tensor, t).copy())
-    return t, state
+        if stem in names:
+            tensors[our_name(f"{names[stem]}.{kind}")] = tensor
+    c = _native_config(t, n, "nextn", own_head=any(".shared_head.head." in k for k in tensors))
+    with torch.device("meta"):
+        head = MtpHead(c)
+    layers = nn.ModuleDict({str(i): block.layer for i, block in zip(blocks, head.blocks)})
+    state = load_layers(layers, "model.layers", tensors, c.layer, reader, dtype)
+    norm = torch.from_numpy(_dequantize(tensors["model.norm.weight"], t).copy()).to(dtype)
+    head_state = _to_ours(state, "nextn", n, t.num_layers)
+    for i in range(n):  # nextn without shared_head.norm: the target's final norm (llama.cpp's fallback)
+        head_state.setdefault(f"blocks.{i}.norm.weight", norm)
+    head.load_state_dict(head_state, strict=False, assign=True)
+    left = [name for name, p in head.named_parameters() if p.is_meta]
+    if left:
+        raise SpecdecError(f"{path}: tensors do not match its MTP blocks (not loaded {left[:3]})")
+    return head.eval()
 
 
-def _check_room(path: Path, nbytes: int) -> None:
-    """The MTP block is held in float32 (its GGUF blocks dequantized); loading it takes about three copies: a clear
-    error where the memory available (Linux MemAvailable) cannot hold them, not the kernel's OOM kill."""
-    try:
-        meminfo = Path("/proc/meminfo").read_text()
-        free = int(re.search(r"MemAvailable:\s+(\d+) kB", meminfo).group(1)) * 1024
-    except (OSError, AttributeError):
-        return
-    if 3 * nbytes > free:
-        raise SpecdecError(
-            f"{path}: its MTP block takes {nbytes / 2**30:.1f} GiB in float32 and loading it about three times that, "
-            f"more than the {free / 2**30:.1f} GiB available (MTP blocks are not kept quantized yet)"
-        )
+def _native_config(t: ModelConfig, n: int, layout: str, own_head: bool) -> MtpConfig:
+    """The config of a checkpoint's own blocks: a full-attention layer with the target's recipe."""
+    return MtpConfig(
+        replace(t, layer_types=None) if t.linear_layers else t,
+        n,
+        hidden_first=layout == "mimo",
+        recycle_normed=layout == "mimo" or t.family == "qwen3_5",
+        own_head=own_head,
+    )
 
 
 def _to_ours(state: dict[str, torch.Tensor], layout: str, n: int, first: int) -> dict[str, torch.Tensor]:
@@ -312,22 +315,15 @@ def load_native(path: Path, dtype: torch.dtype = torch.float32) -> MtpHead:
     if n == 0:
         raise SpecdecError(f"{path}: no MTP layers (config has no {' / '.join(COUNT_KEYS)})")
     if path.suffix == ".gguf":
-        t, state = _gguf_blocks(path)
-    else:
-        t = ModelConfig.from_file(path / "config.json")
-        state = read_tensors(path, lambda name: is_mtp_tensor(name, t.num_layers) or name == "model.norm.weight")
-        state = _qwen3_5_as_nextn(state, t.num_layers, n)
+        return _gguf_head(path, n, dtype)
+    t = ModelConfig.from_file(path / "config.json")
+    state = read_tensors(path, lambda name: is_mtp_tensor(name, t.num_layers) or name == "model.norm.weight")
+    state = _qwen3_5_as_nextn(state, t.num_layers, n)
     layout = "mimo" if any(k.startswith("model.mtp_layers.") for k in state) else "nextn"
     ours = _to_ours(state, layout, n, t.num_layers if layout == "nextn" else 0)
     for i in range(n):  # nextn without shared_head.norm: the target's final norm (llama.cpp's fallback)
         ours.setdefault(f"blocks.{i}.norm.weight", state.get("model.norm.weight"))
-    c = MtpConfig(
-        replace(t, layer_types=None) if t.linear_layers else t,  # a full-attention layer, with the target's recipe
-        n,
-        hidden_first=layout == "mimo",
-        recycle_normed=layout == "mimo" or t.family == "qwen3_5",
-        own_head=any(k.endswith(".head.weight") for k in ours),
-    )
+    c = _native_config(t, n, layout, own_head=any(k.endswith(".head.weight") for k in ours))
     return _build(c, ours, path, dtype)
 
 

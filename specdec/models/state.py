@@ -1,8 +1,10 @@
 """Drafter heads' tensors on disk: reading a directory's safetensors (weights stored in int8 back in fp32), storing
-weights in int8, and loading a state dict that must match a module exactly."""
+weights in int8, loading a state dict that must match a module exactly, and which of a checkpoint's tensors are its
+MTP blocks'."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -73,3 +75,9 @@ def load_exact(
     missing = [m for m in missing if m not in optional]
     if missing or unexpected:
         raise SpecdecError(f"{where}: tensors do not match {what} (missing {missing[:3]}, unexpected {unexpected[:3]})")
+
+
+def is_mtp_tensor(name: str, num_layers: int) -> bool:
+    """Whether a checkpoint tensor belongs to MTP blocks (the target's loader skips them; models/mtp.py loads them)."""
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    return (m is not None and int(m.group(1)) >= num_layers) or name.startswith(("model.mtp_layers.", "mtp."))
