@@ -162,7 +162,7 @@ class LLM:
     def _attach_prefix(self, runner: ModelRunner, name: str) -> None:
         """The shared prefix cache for this runner; not for a model with recurrent layers (Qwen3.5), whose state at
         the end of a prefix the cache's K/V blocks do not hold."""
-        if self.prefix_cache is not None and runner.cache.states is None:
+        if self.prefix_cache is not None and not runner.recurrent:
             runner.prefix = PrefixStore(self.prefix_cache, name, runner.cache)
 
     @property

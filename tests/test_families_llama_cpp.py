@@ -165,7 +165,7 @@ def _routing_ties(llm, gap: float) -> Iterator[set[int]]:
     """Positions of the next forward (its only sequence) where a mixture-of-experts layer's k-th and next router
     logits (bias included) are within `gap`; empty for a dense model. Each layer's `route` is wrapped: the C layer
     calls it without going through the MoE module's forward."""
-    from specdec.models.transformer import MoE
+    from specdec.models.transformer import MoE, row_by_row
 
     ties: set[int] = set()
 
@@ -173,8 +173,7 @@ def _routing_ties(llm, gap: float) -> Iterator[set[int]]:
         route = moe.route
 
         def traced(rows: torch.Tensor):
-            logits = torch.stack([torch.mv(moe.gate.weight, r) for r in rows])
-            logits = (logits if moe.gate.bias is None else logits + moe.gate.bias).sort(-1, descending=True).values
+            logits = row_by_row(moe.gate, rows).sort(-1, descending=True).values
             ties.update((logits[:, moe.top_k - 1] - logits[:, moe.top_k] < gap).nonzero()[:, 0].tolist())
             return route(rows)
 

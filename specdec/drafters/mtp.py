@@ -9,7 +9,6 @@ on. Logits are over the full vocabulary (the target's LM head unless a block has
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -20,7 +19,7 @@ from specdec.drafters.heads import HeadShape, find_head, layer_params, planned_m
 from specdec.drafters.paired_head import PairedHeadDrafter
 from specdec.drafters.registry import BuildContext, DrafterType, HeadMemory, MemoryQuery, Option
 from specdec.errors import SpecdecError
-from specdec.models.mtp import MtpHead, load_head, native_blocks
+from specdec.models.mtp import MtpHead, checkpoint_config, load_head, native_blocks
 from specdec.models.state import is_mtp_tensor
 from specdec.models.transformer import Batch
 from specdec.runtime.runner import HEADROOM, Features, FeatureSpec, ModelRunner
@@ -59,8 +58,7 @@ def head_path(options: Mapping[str, Any], model: str | None) -> Path:
 
 def _shape(path: Path) -> HeadShape:
     """A head directory's or a checkpoint's MTP blocks: parameters (the target's shared parts aside) and KV."""
-    d = json.loads((path / "config.json").read_text())
-    d = {**d.get("text_config", {}), **d}  # a multimodal checkpoint: its text model's sizes
+    d = checkpoint_config(path)
     n = native_blocks(path)
     layer = d if n else d["transformer_layer_config"]
     heads, kv_heads = layer["num_attention_heads"], layer.get("num_key_value_heads", layer["num_attention_heads"])

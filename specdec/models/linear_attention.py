@@ -68,15 +68,15 @@ class GatedDeltaNet(nn.Module):
         conv_in, z = self.in_proj(x).float().split([self.channels, hv * dv], dim=-1)
         b, a = self.in_proj_ba(x).float().chunk(2, dim=-1)  # [B, T, Hv] each
         states = cache.states
+        layer = states[self.layer]
         outs = []
         for e in range(B):  # each sequence on its own: its bits do not depend on the others
             slot, pos = int(batch.slots[e]), int(batch.cache_index[e, 0])
-            layer = states[self.layer]
             state = layer.begin(slot, pos, states.settle)
-            mixed = self.conv1d(torch.cat([state.conv, conv_in[e]]))  # [T, C], before SiLU
-            rows = Rows(conv_in[e], *self._inputs(mixed, a[e], b[e]))
+            seq = torch.cat([state.conv, conv_in[e]])  # [K - 1 + T, C]: the window, then this forward's inputs
+            rows = Rows(conv_in[e], *self._inputs(self.conv1d(seq), a[e], b[e]))  # the conv's [T, C] before SiLU
             ssm, out = delta_rule(state.ssm, rows)
-            layer.end(slot, rows, State(torch.cat([state.conv, conv_in[e]])[-(self.kernel - 1) :], ssm))
+            layer.end(slot, rows, State(seq[-(self.kernel - 1) :], ssm))
             outs.append(out)
         o = self.norm(torch.stack(outs), z.reshape(B, T, hv, dv))  # [B, T, Hv, dv]
         return self.out_proj(o.reshape(B, T, hv * dv).to(x.dtype))

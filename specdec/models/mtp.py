@@ -207,10 +207,15 @@ def native_blocks(path: Path) -> int:
 
         reader = open_gguf(path)
         return int(_field(reader, f"{_field(reader, 'general.architecture')}.nextn_predict_layers", 0))
-    cfg = path / "config.json"
-    d = json.loads(cfg.read_text()) if cfg.is_file() else {}
-    d = {**d.get("text_config", {}), **d}  # a multimodal checkpoint's text model says it (Qwen3.5)
+    d = checkpoint_config(path) if (path / "config.json").is_file() else {}
     return 0 if "speculators_model_type" in d else next((int(d[k]) for k in COUNT_KEYS if d.get(k)), 0)
+
+
+def checkpoint_config(path: Path) -> dict:
+    """A directory's config.json (OSError without one), a multimodal checkpoint's `text_config` (Qwen3.5) under it:
+    the text model's sizes and MTP layer count read as the top level's."""
+    d = json.loads((Path(path) / "config.json").read_text())
+    return {**d.get("text_config", {}), **d}
 
 
 def _qwen3_5_as_nextn(state: dict[str, torch.Tensor], first: int, n: int) -> dict[str, torch.Tensor]:

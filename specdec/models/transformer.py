@@ -179,6 +179,17 @@ class Experts(ExpertMath, nn.Module):
         return None
 
 
+def row_by_row(linear: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+    """A small dense projection (a router, a gate) of rows [N, H] -> [N, out], one matrix-vector product per row, so a
+    row's result does not depend on the rows beside it (row counts can change a matmul's bits); a GGUF one
+    (`GGUFLinear`, no .weight) goes through the block kernels, whose rows are independent already."""
+    if not isinstance(linear, nn.Linear):
+        return linear(rows)
+    w = linear.weight
+    out = torch.stack([torch.mv(w, r) for r in rows]) if len(rows) else rows.new_zeros(0, w.shape[0])
+    return out if linear.bias is None else out + linear.bias
+
+
 class MoE(nn.Module):
     """A mixture-of-experts MLP (Qwen3-MoE): the router `gate` scores the experts of each token, the top
     `experts_per_token` of the softmax run, weighted (renormalised to 1 with `norm_topk`). Each chosen expert runs
@@ -212,25 +223,15 @@ class MoE(nn.Module):
         return out.reshape(x.shape)
 
     def _shared(self, rows: torch.Tensor) -> torch.Tensor:
-        """The shared expert's output [N, H] times its gate, sigmoid(shared_expert_gate(row)): a dense gate one
-        matrix-vector product per row as the router's, the sigmoid in float64 (torch's vectorized float32 loop takes a
-        tensor's tail another way; rounded to float32, a row's value does not depend on the rows beside it)."""
-        gate = self.shared_expert_gate
-        if isinstance(gate, nn.Linear):
-            g = torch.stack([torch.mv(gate.weight, r) for r in rows]) if len(rows) else rows.new_zeros(0, 1)
-        else:
-            g = gate(rows)
+        """The shared expert's output [N, H] times its gate, sigmoid(shared_expert_gate(row)), the sigmoid in float64
+        (torch's vectorized float32 loop takes a tensor's tail another way; rounded to float32, a row's value does not
+        depend on the rows beside it)."""
+        g = row_by_row(self.shared_expert_gate, rows)  # [N, 1]
         return self.shared_expert(rows) * torch.sigmoid(g.double()).to(rows.dtype)
 
     def route(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k] in the rows' dtype, expert ids [N, k]) of each row's top-k experts."""
-        if isinstance(self.gate, nn.Linear):  # a dense router: one matrix-vector product per row, so a row's logits
-            w = self.gate.weight  # do not depend on the rows beside it (row counts can change a matmul's bits)
-            logits = torch.stack([torch.mv(w, r) for r in rows]) if len(rows) else rows.new_zeros(0, w.shape[0])
-            if self.gate.bias is not None:
-                logits = logits + self.gate.bias
-        else:  # a GGUF router (`GGUFLinear`, no .weight) goes through the block kernels
-            logits = self.gate(rows)
+        logits = row_by_row(self.gate, rows)
         if self.router == "topk_softmax":  # gpt-oss: the top k logits, softmaxed
             top, chosen = torch.topk(logits, self.top_k, dim=-1)
             return torch.softmax(top, dim=-1).to(rows.dtype), chosen

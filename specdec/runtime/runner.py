@@ -193,7 +193,7 @@ class ModelRunner:
             raise SpecdecError(f"sequence exceeds the context of {self.context} tokens")
         if resume is not None and self._capture is not None:
             raise SpecdecError("a resumed forward cannot capture target features")
-        if self.cache.states is not None:
+        if self.recurrent:
             self.cache.states.settle = settle
         flat = len(set(lens)) > 1 and self.model.layers_in_c(sum(lens))
         tokens, positions, row_slots, x = (_one_row_each if flat else _padded)(chunks, starts, slots, resume)

@@ -2,7 +2,7 @@
 a softmax router's top-k experts, renormalised, plus a shared expert gated by sigmoid(shared_expert_gate(x)).
 transformers: models/qwen3_5_moe (`qwen3_5_moe_text`, Qwen3_5MoeForCausalLM)."""
 
-from specdec.models.families import qwen3_5
+from specdec.models.families import qwen3_5, qwen3_moe
 from specdec.models.families.qwen3_moe import MOE_LAYER
 from specdec.models.family import Family, Meta
 
@@ -22,9 +22,7 @@ def _hf(d: dict) -> dict:
 def _gguf(meta: Meta) -> dict:
     return {
         **qwen3_5.FAMILY.gguf_fields(meta),
-        "num_experts": int(meta("expert_count")),
-        "experts_per_token": int(meta("expert_used_count")),
-        "expert_intermediate_size": int(meta("expert_feed_forward_length")),
+        **qwen3_moe.FAMILY.gguf_fields(meta),  # the experts' counts and width
         "shared_expert_intermediate_size": int(meta("expert_shared_feed_forward_length")),
     }
 
