@@ -45,6 +45,19 @@ FAMILIES = {
         model_type="qwen2", rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
     ),
     "qwen3": dict(model_type="qwen3", head_dim=24),
+    # two layers: sliding (head size 16), full (32, one K/V head: the keys); no per-layer inputs; logits capped at
+    # 1.5, so that a vocabulary of 8 samples more than one token
+    "gemma4": dict(
+        model_type="gemma4_text",
+        final_logit_softcapping=1.5,
+        head_dim=16,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        sliding_window=4,
+        hidden_size_per_layer_input=0,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
 }
 
 

@@ -49,6 +49,16 @@ QWEN3_5 = {  # Qwen3.5's linear-attention sizes, tied as the small Qwen3.5 model
     "linear_value_head_dim": 16,
     "tie_word_embeddings": True,
 }
+GEMMA4 = {  # alternating sliding (head size 16, 2 K/V heads) and full layers (32, 1 K/V head: the keys)
+    "head_dim": 16,
+    "global_head_dim": 32,
+    "num_global_key_value_heads": 1,
+    "attention_k_eq_v": True,
+    "sliding_window": 8,
+    "final_logit_softcapping": 5.0,
+    "hidden_size_per_layer_input": 0,
+    "vocab_size_per_layer_input": None,  # the vocabulary's size (set by `make_checkpoint`)
+}
 TINY: dict[str, dict[str, Any]] = {
     "llama": {"model_type": "llama"},
     # rope_freqs.weight: wavelengths of head_dim 16 / theta 1e4 straddle [64/4, 64/1], so factors are 1, smooth, 8
@@ -148,6 +158,26 @@ TINY: dict[str, dict[str, Any]] = {
         "moe_intermediate_size": 32,
         "shared_expert_intermediate_size": 48,
     },
+    # layers [sliding, full] x 3, the last two reading the K/V of the two before; full layers with their own head
+    # size (32) and one K/V head whose values are the keys; per-layer inputs; the MLPs of the sharing layers doubled
+    "gemma4": {
+        "model_type": "gemma4_text",
+        **GEMMA4,
+        "num_hidden_layers": 6,
+        "hidden_size_per_layer_input": 8,
+        "num_kv_shared_layers": 2,
+        "use_double_wide_mlp": True,
+    },
+    # Gemma 4's MoE layers: 8 experts of width 32, 2 per token, beside each layer's dense MLP
+    "gemma4_moe": {
+        "model_type": "gemma4_text",
+        **GEMMA4,
+        "num_hidden_layers": 4,
+        "enable_moe_block": True,
+        "num_experts": 8,
+        "top_k_experts": 2,
+        "moe_intermediate_size": 32,
+    },
     "granite": {
         "model_type": "granite",
         "embedding_multiplier": 4.0,
@@ -164,6 +194,8 @@ TINY: dict[str, dict[str, Any]] = {
 _KINDS = {
     "gemma2": "gemma",
     "gemma3_text": "gemma",
+    "gemma4": "gemma",
+    "gemma4_moe": "gemma",
     "olmo2": "gpt2",
     "qwen2": "qwen2",
     "qwen3_moe": "qwen2",
@@ -294,6 +326,10 @@ def make_checkpoint(
     extra = {**BASE, **TINY[case], **overrides}
     model_type = extra.pop("model_type")
     n_vocab, ids = _write_tokenizer(directory, kind)
+    if "vocab_size_per_layer_input" in extra:  # Gemma 4's per-layer table: a row per token
+        extra["vocab_size_per_layer_input"] = n_vocab
+    if model_type == "gemma4_text":  # sliding and full layers alternating, as many of each
+        extra["layer_types"] = ["sliding_attention", "full_attention"] * (extra["num_hidden_layers"] // 2)
     cfg = AutoConfig.for_model(model_type, **{"vocab_size": n_vocab, **ids, **extra})  # overrides may pad the vocab
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

@@ -70,6 +70,17 @@ class ModelConfig:
     linear_value_dim: int = 0
     linear_conv_kernel: int = 4
     linear_tiled: bool = False  # value heads in llama.cpp's tiled order (head j reads key head j % keys), not grouped
+    # Gemma 4: full-attention layers' own head size and K/V heads, where they differ from the sliding layers'
+    global_head_dim: int | None = None
+    global_kv_heads: int | None = None
+    kv_shared_layers: int = 0  # the last n layers read the K/V of the last earlier layer of their type (Gemma 4)
+    k_eq_v: bool = False  # full-attention layers' values are their keys' projection, before the k norm (Gemma 4)
+    v_norm: bool = False  # values RMS-normalised per head, without a weight (Gemma 4)
+    per_layer_dim: int = 0  # Gemma 4's per-layer inputs: a [per_layer_dim] input per token and layer, 0 = none
+    per_layer_vocab: int = 0  # the per-layer embedding table's rows
+    layer_scalar: bool = False  # each layer's output times a learned scalar (Gemma 4)
+    double_wide_mlp: bool = False  # layers that read another layer's K/V have an MLP twice as wide (Gemma 4)
+    moe_beside_mlp: bool = False  # every layer runs a dense MLP and the experts side by side (Gemma 4)
 
     def __post_init__(self):
         if self.qk_norm is True or self.qk_norm is False:  # the older boolean form: per-head norms or none
@@ -104,6 +115,33 @@ class ModelConfig:
             and not self.linear_layers
         )
 
+    def attn_shape(self, layer: int) -> tuple[int, int]:
+        """(K/V heads, head size) of an attention layer."""
+        if self.global_head_dim and not self.sliding(layer):
+            return self.global_kv_heads or self.num_kv_heads, self.global_head_dim
+        return self.num_kv_heads, self.head_dim
+
+    def kv_layer(self, layer: int) -> int:
+        """The layer whose K/V `layer` attends to: itself, or for the last `kv_shared_layers` layers the last layer
+        of the same type before them (transformers' `kv_sharing_modes`); -1 where there is none: another model's
+        (a Gemma 4 assistant, every layer of which reads its target's)."""
+        first = self.num_layers - self.kv_shared_layers
+        if layer < first:
+            return layer
+        return max((i for i in range(first) if self.sliding(i) == self.sliding(layer)), default=-1)
+
+    def owns_kv(self, layer: int) -> bool:
+        """Whether `layer` computes and caches K/V of its own."""
+        return not self.linear(layer) and self.kv_layer(layer) == layer
+
+    def mlp_size(self, layer: int) -> int:
+        """The dense MLP's width in `layer`."""
+        return self.intermediate_size * (2 if self.double_wide_mlp and not self.owns_kv(layer) else 1)
+
+    def rope_dim_of(self, sliding: bool) -> int:
+        """Channels that rotary embeddings rotate in a sliding or a full-attention layer (the first ones)."""
+        return self.head_dim if sliding and self.global_head_dim else self.rope_dim
+
     def linear(self, layer: int) -> bool:
         """Whether `layer` is a gated DeltaNet (linear attention, a recurrent state) rather than attention."""
         return self.layer_types is not None and self.layer_types[layer] == "linear_attention"
@@ -118,8 +156,8 @@ class ModelConfig:
 
     @property
     def rope_dim(self) -> int:
-        """Channels of each head that rotary embeddings rotate (the first ones)."""
-        return self.rotary_dim or self.head_dim
+        """Channels of each head that rotary embeddings rotate (the first ones), of full-attention layers."""
+        return self.rotary_dim or self.global_head_dim or self.head_dim
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "ModelConfig":

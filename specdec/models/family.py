@@ -31,7 +31,9 @@ LLAMA_LAYER = (
 QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 TOP = ("model.embed_tokens", "model.norm", "lm_head")
 
-Meta = Callable[..., Any]  # GGUF metadata of the file's architecture: meta("rope.freq_base", default) -> value
+# GGUF metadata of the file's architecture: meta("rope.freq_base", default) -> value; meta.tensors: the file's tensor
+# shapes by name (rows first, as numpy and torch order them)
+Meta = Callable[..., Any]
 
 
 def _nothing(_: Any) -> dict:
@@ -45,8 +47,9 @@ class Family:
     recipe: `ModelConfig` fields every model of the family has (norm placement, activation, q/k norms, ...).
     hf_fields(config.json dict) / gguf_fields(meta): the family's own `ModelConfig` fields read from each format
     (the common ones, sizes and rope, are read by `models.config`).
-    layer: the per-layer tensors by Hugging Face module name; permute_qk: llama.cpp's converter interleaves q/k rows
-    (its llama-style archs), undone when reading a GGUF; from_gguf: the family's other converter changes, undone.
+    layer: the per-layer tensors by Hugging Face module name (`top`: others beside TOP); permute_qk: llama.cpp's
+    converter interleaves q/k rows (its llama-style archs), undone when reading a GGUF; from_gguf: the family's other
+    converter changes, undone.
     """
 
     name: str
@@ -56,6 +59,7 @@ class Family:
     hf_fields: Callable[[dict], dict] = _nothing
     gguf_fields: Callable[[Meta], dict] = _nothing
     layer: tuple[str, ...] = LLAMA_LAYER
+    top: tuple[str, ...] = ()  # tensors outside the layers beside `TOP` (Gemma 4's per-layer input tables)
     permute_qk: bool = False
     from_gguf: Callable[[str, np.ndarray], np.ndarray] = lambda name, w: w  # undo a converter change (by GGUF name)
     unshifted_norms: tuple[str, ...] = ()  # GGUF names of norms the converter left without the recipe's + offset
@@ -67,7 +71,7 @@ class Family:
 
         arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
         table = gguf.TensorNameMap(arch_id, num_layers)
-        hf = list(TOP) + [f"model.layers.{i}.{m}" for i in range(num_layers) for m in self.layer]
+        hf = list(TOP + self.top) + [f"model.layers.{i}.{m}" for i in range(num_layers) for m in self.layer]
         return {g: n for n in hf if (g := table.get_name(n)) is not None}
 
     def gguf_norm_shifted(self, name: str) -> bool:

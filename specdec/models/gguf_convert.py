@@ -122,8 +122,10 @@ def config_from_gguf(reader, path: Path) -> ModelConfig:
     except SpecdecError as e:
         raise SpecdecError(f"{path}: {e}") from None
     g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
-    num = lambda k, d=None, kind=int: meta_number(g(k, d), f"{arch}.{k}", path, kind)  # noqa: E731
+    first = lambda v: v[0] if isinstance(v, list) and v else v  # per-layer arrays (Gemma 4): the first layer's  # noqa: E731
+    num = lambda k, d=None, kind=int: meta_number(first(g(k, d)), f"{arch}.{k}", path, kind)  # noqa: E731
     names = {t.name: t for t in reader.tensors}
+    g.tensors = {n: tuple(int(x) for x in reversed(t.shape)) for n, t in names.items()}  # (`family.Meta`)
     if "token_embd.weight" not in names:
         raise SpecdecError(f"{path}: GGUF has no token_embd.weight tensor")
     hidden, heads = num("embedding_length"), num("attention.head_count")
@@ -322,11 +324,13 @@ def _save_tokenizer(gguf_path: Path, out: Path) -> None:
     class TokenizerReader(fast_reader_class()):
         """Without the rope scaling fields, which the tokenizer does not need and transformers' gpt-oss branch cannot
         read (it takes each field's first part, the key's length, for the value: 'only 0-dimensional arrays can be
-        converted to Python scalars')."""
+        converted to Python scalars'), nor the model's per-layer arrays (Gemma 4's MLP widths: its config wants one)."""
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            for key in [k for k in self.fields if ".rope.scaling." in k]:
+            arrays = [k for k, f in self.fields.items() if f.types[:1] == [gguf.GGUFValueType.ARRAY]]
+            model_arrays = {k for k in arrays if not k.startswith(("tokenizer.", "general."))}
+            for key in [k for k in self.fields if ".rope.scaling." in k or k in model_arrays]:
                 del self.fields[key]
 
     archs = [*hf_gguf.GGUF_SUPPORTED_ARCHITECTURES, *(a for f in families.ALL for a in f.gguf_archs)]

@@ -53,7 +53,7 @@ class GGUFExperts(ExpertMath, nn.Module):
     def __init__(self, gate_up: list[GGUFConcatLinear], down: list[GGUFLinear], like: ExpertMath):
         super().__init__()
         self.gate_up, self.down = nn.ModuleList(gate_up), nn.ModuleList(down)
-        self.limit, self.alpha = like.limit, like.alpha
+        self.limit, self.alpha, self.gelu = like.limit, like.alpha, like.gelu
         self.gate_up_bias, self.down_bias = like.gate_up_bias, like.down_bias  # placeholders the file's biases fill
 
     def forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
@@ -97,15 +97,17 @@ def _blocks(data: np.ndarray, qtype: int, inp: int, out: int, bias: torch.Tensor
     return lin, lin.qweight.data_ptr() != blocks.data_ptr()
 
 
-def _experts(gate, up, down, reader, like: ExpertMath) -> GGUFExperts:
-    """`GGUFExperts` from a layer's 3-D expert tensors (GGUF ne: gate/up [H, F, E], down [F, H, E])."""
-    h, f, n = (int(x) for x in gate.shape)
+def _experts(gate_up_parts: list, down, reader, like: ExpertMath) -> GGUFExperts:
+    """`GGUFExperts` from a layer's 3-D expert tensors (GGUF ne: gate and up [H, F, E], or one fused gate/up
+    [H, 2F, E] (Gemma 4); down [F, H, E])."""
+    f, h, n = (int(x) for x in down.shape)
     copied = False
     gate_up, downs = [], []
     for e in range(n):
         parts = []
-        for t in (gate, up):
-            lin, c = _blocks(t.data[e].reshape(f, -1), int(t.tensor_type), h, f, None)
+        for t in gate_up_parts:
+            rows = int(t.shape[1])
+            lin, c = _blocks(t.data[e].reshape(rows, -1), int(t.tensor_type), h, rows, None)
             parts.append(lin)
             copied |= c
         lin, c = _blocks(down.data[e].reshape(h, -1), int(down.tensor_type), f, h, None)
@@ -113,7 +115,7 @@ def _experts(gate, up, down, reader, like: ExpertMath) -> GGUFExperts:
         downs.append(lin)
         copied |= c
     if copied:
-        for t in (gate, up, down):
+        for t in (*gate_up_parts, down):
             _release(reader, t)
     return GGUFExperts(gate_up, downs, like)
 
@@ -190,16 +192,18 @@ def load_layers(
         if not isinstance(moe, MoE):  # dense as `Experts` holds them
             continue
         pre = f"{name}.experts."
-        parts = [f"{pre}{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+        fused = f"{pre}gate_up_proj.weight" in tensors  # Gemma 4's
+        parts = [f"{pre}{p}.weight" for p in ("gate_up_proj",) * fused or ("gate_proj", "up_proj")]
+        parts.append(f"{pre}down_proj.weight")
         if not all(p in tensors for p in parts):
             continue
         biases = [f"{pre}{p}.bias" for p in ("gate_proj", "up_proj", "down_proj")]
         used.update(parts + biases)
         if all(quantized(p) for p in parts):
-            moe.experts = _experts(*(tensors[p] for p in parts), reader, moe.experts)
+            moe.experts = _experts([tensors[p] for p in parts[:-1]], tensors[parts[-1]], reader, moe.experts)
         else:
-            state[f"{pre}gate_up_proj"] = torch.cat([dense(parts[0]), dense(parts[1])], dim=1)
-            state[f"{pre}down_proj"] = dense(parts[2])
+            state[f"{pre}gate_up_proj"] = torch.cat([dense(p) for p in parts[:-1]], dim=1)
+            state[f"{pre}down_proj"] = dense(parts[-1])
         if biases[0] in tensors:  # gpt-oss
             state[f"{pre}gate_up_bias"] = torch.cat([dense(biases[0]), dense(biases[1])], dim=1)
             state[f"{pre}down_bias"] = dense(biases[2])
@@ -235,6 +239,17 @@ def quantize_from_gguf(
     else:
         state["lm_head.weight"] = state[emb] if head == emb else _dense(tensors[head], cfg, dtype)
     state["model.norm.weight"] = _dense(tensors["model.norm.weight"], cfg, dtype)
+    for name in [n for n in tensors if n.startswith("model.") and n.endswith(".weight")]:  # the family's other tables
+        if name.startswith("model.layers.") or name in state or name == emb:  # (Gemma 4's per-layer inputs)
+            continue
+        module = model.get_submodule(name.removesuffix(".weight"))
+        if not quantized(name) or not isinstance(module, (nn.Embedding, nn.Linear)):
+            state[name] = _dense(tensors[name], cfg, dtype)
+        else:
+            lin = _linear(tensors[name], cfg, reader)
+            parent, attr = name.removesuffix(".weight").rsplit(".", 1)
+            blocks = lin if isinstance(module, nn.Linear) else GGUFEmbedding(lin, dtype)
+            setattr(model.get_submodule(parent), attr, blocks)
 
     dense_types = {tensors[n].tensor_type.name for n in tensors if len(tensors[n].shape) > 1 and not quantized(n)}
     model.gguf_dense_types = sorted(dense_types)  # matrices of types the kernels do not take: held dense in dtype
@@ -254,7 +269,8 @@ def _parts(module: str, tensors: dict) -> list[str]:
     sub = module.partition(".layers.")[2].partition(".")[2]  # "self_attn.qkv_proj"
     if f"{module}.weight" in tensors or sub not in FUSED:
         return [module]
-    return [module.removesuffix(sub) + part for part in FUSED[sub]]
+    parts = [module.removesuffix(sub) + part for part in FUSED[sub]]
+    return [p for p in parts if f"{p}.weight" in tensors]  # (Gemma 4: attention without its own v, or k and v)
 
 
 def densify(module: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -266,7 +282,7 @@ def densify(module: nn.Module, dtype: torch.dtype) -> nn.Module:
         gate_up = [torch.cat([p.dequantize(dtype) for p in m.parts]) for m in module.gate_up]
         biases = [None if b is None else b.detach().to(dtype) for b in (module.gate_up_bias, module.down_bias)]
         experts = Experts(torch.stack(gate_up), torch.stack([m.dequantize(dtype) for m in module.down]), *biases)
-        experts.limit, experts.alpha = module.limit, module.alpha
+        experts.limit, experts.alpha, experts.gelu = module.limit, module.alpha, module.gelu
         return experts
     if isinstance(module, (GGUFLinear, GGUFConcatLinear)):
         parts = list(module.parts) if isinstance(module, GGUFConcatLinear) else [module]

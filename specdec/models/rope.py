@@ -85,7 +85,10 @@ def inv_freq_and_scale(
         return _yarn(theta, dim, scaling, max_pos)
     if kind == "longrope":
         return _longrope(inv, scaling, max_pos, max_pos if context is None else context)
-    raise SpecdecError(f"unsupported rope scaling {kind!r} (supported: linear, llama3, yarn, longrope)")
+    if kind == "proportional":  # Gemma 4's full layers: the first pairs rotate at the whole head's frequencies
+        rotated = int(scaling.get("partial_rotary_factor", 1.0) * dim // 2)
+        return torch.cat([inv[:rotated], torch.zeros(len(inv) - rotated)]) / scaling.get("factor", 1.0), 1.0
+    raise SpecdecError(f"unsupported rope scaling {kind!r} (supported: linear, llama3, yarn, longrope, proportional)")
 
 
 class Rotary:

@@ -49,58 +49,92 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer, self.cfg = layer, cfg
-        hd = cfg.head_dim
-        self.q_size, self.kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
-        q_rows = 2 * self.q_size if cfg.attn_gate else self.q_size  # Qwen3.5: each head's q rows, then its gate's
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q_rows + 2 * self.kv_size, bias=cfg.attention_bias)  # q, k, v
-        self.o_proj = nn.Linear(cfg.num_heads * hd, cfg.hidden_size, bias=cfg.o_bias)
+        self.kv_heads, hd = cfg.attn_shape(layer)
+        self.head_dim, self.kv_layer = hd, cfg.kv_layer(layer)
+        self.q_size, self.kv_size = cfg.num_heads * hd, self.kv_heads * hd
         self.sliding = cfg.sliding(layer)  # attends to the last `cfg.sliding_window` positions only
+        # what qkv_proj gives beside q: k and v; k alone where values are the keys (Gemma 4's full layers); nothing
+        # where the layer reads another layer's K/V
+        self.kv_parts = 0 if self.kv_layer != layer else 1 if cfg.k_eq_v and not self.sliding else 2
+        q_rows = 2 * self.q_size if cfg.attn_gate else self.q_size  # Qwen3.5: each head's q rows, then its gate's
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_rows + self.kv_parts * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * hd, cfg.hidden_size, bias=cfg.o_bias)
         self.rope = layer not in cfg.no_rope_layers
         if cfg.attn_sinks:
             self.sinks = nn.Parameter(torch.zeros(cfg.num_heads))
         if cfg.qk_norm:  # "head": one norm shared by every head; "full": over all heads at once (OLMo 2)
             full = cfg.qk_norm == "full"
             self.q_norm = RMSNorm(self.q_size if full else hd, cfg.rms_norm_eps, cfg.norm_offset)
-            self.k_norm = RMSNorm(self.kv_size if full else hd, cfg.rms_norm_eps, cfg.norm_offset)
+            if self.kv_parts:
+                self.k_norm = RMSNorm(self.kv_size if full else hd, cfg.rms_norm_eps, cfg.norm_offset)
 
-    def forward(self, x: torch.Tensor, batch: "Batch", cache: KVCache) -> torch.Tensor:
-        B, T, _ = x.shape
-        c, hd = self.cfg, self.cfg.head_dim
-        qkv = self.qkv_proj(x)  # [B, T, q + 2 kv]
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [B, T, H] -> (q, k, v [B, T, (heads | kv heads) * hd] side by side, per-head q/k norms applied; k, v
+        absent in a layer reading another's K/V), the output gate [B, T, heads * hd] or None."""
+        c, hd = self.cfg, self.head_dim
+        qkv = self.qkv_proj(x)  # [B, T, q + parts * kv]
         gate = None
         if c.attn_gate:  # [B, T, heads * 2 hd + 2 kv]: per head its q then its gate
             q_gate, kv = qkv.split([2 * self.q_size, 2 * self.kv_size], dim=-1)
             q, gate = q_gate.unflatten(-1, (c.num_heads, 2 * hd)).split(hd, dim=-1)
             qkv, gate = torch.cat([q.flatten(-2), kv], dim=-1), gate.flatten(-2)
+        if self.kv_parts == 1:  # values are the keys' projection (normed apart below)
+            qkv = torch.cat([qkv, qkv[..., self.q_size :]], dim=-1)
+        if c.qk_norm != "head" and not c.v_norm:
+            return qkv, gate
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size] if self.kv_parts else [self.q_size], dim=-1) + (
+            () if self.kv_parts else (None, None)
+        )
+        heads = lambda t: t.unflatten(-1, (-1, hd))  # noqa: E731
         if c.qk_norm == "head":  # each head of q and k before rotary, as the C layer (`runtime/layer_kernel.py`)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q, k = self.q_norm(q.unflatten(-1, (-1, hd))), self.k_norm(k.unflatten(-1, (-1, hd)))
-            qkv = torch.cat([q.flatten(-2), k.flatten(-2), v], dim=-1)  # (not in place: heads train through it)
+            q = self.q_norm(heads(q)).flatten(-2)
+            k = None if k is None else self.k_norm(heads(k)).flatten(-2)
+        if c.v_norm and v is not None:
+            v = rms(heads(v), c.rms_norm_eps).flatten(-2)
+        qkv = torch.cat([t for t in (q, k, v) if t is not None], dim=-1)  # (not in place: heads train through it)
+        return qkv, gate
+
+    def forward(self, x: torch.Tensor, batch: "Batch", cache: KVCache) -> torch.Tensor:
+        B, T, _ = x.shape
+        c, hd = self.cfg, self.head_dim
+        qkv, gate = self._project(x)
         cos, sin = batch.rotary(self.sliding)
-        roped = self.rope and c.qk_norm != "full" and small_ops.rope_(qkv, c.num_heads + c.num_kv_heads, hd, cos, sin)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        heads = c.num_heads + (self.kv_heads if self.kv_parts else 0)
+        roped = self.rope and c.qk_norm != "full" and small_ops.rope_(qkv, heads, hd, cos, sin)
+        q = qkv[..., : self.q_size]
         if c.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q.reshape(B, T, c.num_heads, hd)
-        k = k.reshape(B, T, c.num_kv_heads, hd)
-        v = v.reshape(B, T, c.num_kv_heads, hd)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
+            q = self.q_norm(q)
+        q = q.reshape(B, T, c.num_heads, hd).transpose(1, 2)  # [B, heads, T, hd]
         if self.rope and not roped:
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        cache.write(self.layer, batch.slots, batch.cache_index, k, v, batch.write_span)
-        keys, values = cache.read(self.layer, batch.slots, batch.kv_len)  # [B, kv_heads, S, hd]
+            q = apply_rotary(q, cos, sin)
+        if self.kv_parts:
+            k, v = qkv[..., self.q_size :].split(self.kv_size, dim=-1)
+            if c.qk_norm == "full":
+                k = self.k_norm(k)
+            k = k.reshape(B, T, self.kv_heads, hd).transpose(1, 2)  # [B, kv_heads, T, hd]
+            v = v.reshape(B, T, self.kv_heads, hd).transpose(1, 2)
+            if self.rope and not roped:
+                k = apply_rotary(k, cos, sin)
+            cache.write(self.layer, batch.slots, batch.cache_index, k, v, batch.write_span)
+        keys, values = cache.read(self.kv_layer, batch.slots, batch.kv_len)  # [B, kv_heads, S, hd]
         mask = batch.local_mask if self.sliding and batch.local_mask is not None else batch.mask
         out = attention(q, keys, values, mask, c.attn_scale, c.attn_softcap, getattr(self, "sinks", None))
         out = out.reshape(B, T, c.num_heads * hd)
         return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
 
 
+def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dimension, without a weight (Gemma 4's value norm)."""
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, width: int | None = None):
         super().__init__()
-        b = cfg.mlp_bias
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=b)  # gate, up fused
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=b)
+        b, f = cfg.mlp_bias, width or cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * f, bias=b)  # gate, up fused
+        self.down_proj = nn.Linear(f, cfg.hidden_size, bias=b)
         self.gelu = cfg.hidden_act == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -131,17 +165,18 @@ class ExpertMath:
     """What every expert of a layer does around its two matrices: biases (gpt-oss; `gate_up_bias` [E, 2F] and
     `down_bias` [E, H], or None, set by the subclass) and the activation."""
 
-    limit: float | None = None  # gpt-oss's clamped SwiGLU (`clamped_swiglu`), None: SiLU(gate) * up
+    limit: float | None = None  # gpt-oss's clamped SwiGLU (`clamped_swiglu`), None: act(gate) * up
     alpha: float = 1.702
+    gelu: bool = False  # act: tanh-GELU (Gemma 4), else SiLU
 
     def configure(self, cfg: ModelConfig) -> None:
-        self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
+        self.limit, self.alpha, self.gelu = cfg.swiglu_limit, cfg.swiglu_alpha, cfg.hidden_act == "gelu_tanh"
 
     def activate(self, expert: int, gate_up: torch.Tensor) -> torch.Tensor:
         """The expert's gate/up outputs [n, 2F] (plus its bias) -> the down projection's input [n, F]."""
         if self.gate_up_bias is not None:
             gate_up = gate_up + self.gate_up_bias[expert]
-        return gated(gate_up) if self.limit is None else clamped_swiglu(gate_up, self.limit, self.alpha)
+        return gated(gate_up, self.gelu) if self.limit is None else clamped_swiglu(gate_up, self.limit, self.alpha)
 
     def finish(self, expert: int, y: torch.Tensor) -> torch.Tensor:
         """The down projection's output [n, H], plus the expert's bias."""
@@ -194,7 +229,8 @@ class MoE(nn.Module):
     """A mixture-of-experts MLP (Qwen3-MoE): the router `gate` scores the experts of each token, the top
     `experts_per_token` of the softmax run, weighted (renormalised to 1 with `norm_topk`). Each chosen expert runs
     once over the rows that chose it, experts nobody chose are not touched, and each token sums its experts' outputs
-    in expert order: its result does not depend on the rows beside it."""
+    in expert order: its result does not depend on the rows beside it. Gemma 4's router ("scaled") scores the rows
+    RMS-normalised times `scale` / sqrt(hidden) and weights each expert by its `per_expert_scale` too."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -205,13 +241,19 @@ class MoE(nn.Module):
         self.experts.configure(cfg)
         self.top_k, self.norm_topk, self.router = cfg.experts_per_token, cfg.norm_topk, cfg.router
         if cfg.shared_expert_intermediate_size:  # Qwen3.5-MoE
-            self.shared_expert = MLP(replace(cfg, intermediate_size=cfg.shared_expert_intermediate_size))
+            self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        if cfg.router == "scaled":
+            self.scale = nn.Parameter(torch.ones(h))
+            self.per_expert_scale = nn.Parameter(torch.ones(e))
+        self.eps = cfg.rms_norm_eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, expert_norm: nn.Module | None = None) -> torch.Tensor:
+        """x [B, T, H] -> [B, T, H]; `expert_norm`: the experts take expert_norm(x), the router x (Gemma 4)."""
         rows = x.reshape(-1, x.shape[-1])  # [N, H]
         weights, chosen = self.route(rows)  # [N, k] each
         out = torch.zeros_like(rows) if not hasattr(self, "shared_expert") else self._shared(rows)
+        rows = rows if expert_norm is None else expert_norm(rows)
         if len(rows) == 1:  # a decode step: every chosen expert takes the one row (GGUF: their gate/up in one call)
             order = chosen[0].argsort()
             for y, w in zip(self.experts.shared(chosen[0, order].tolist(), rows), weights[0, order]):
@@ -231,7 +273,8 @@ class MoE(nn.Module):
 
     def route(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k] in the rows' dtype, expert ids [N, k]) of each row's top-k experts."""
-        logits = row_by_row(self.gate, rows)
+        scaled = self.router == "scaled"
+        logits = row_by_row(self.gate, rms(rows, self.eps) * (self.scale * rows.shape[-1] ** -0.5) if scaled else rows)
         if self.router == "topk_softmax":  # gpt-oss: the top k logits, softmaxed
             top, chosen = torch.topk(logits, self.top_k, dim=-1)
             return torch.softmax(top, dim=-1).to(rows.dtype), chosen
@@ -239,6 +282,8 @@ class MoE(nn.Module):
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if scaled:
+            weights = weights * self.per_expert_scale[chosen]
         return weights.to(rows.dtype), chosen
 
 
@@ -255,8 +300,19 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(cfg, layer)
         else:
             self.self_attn = Attention(cfg, layer)
-        self.mlp = MoE(cfg) if cfg.moe(layer) else MLP(cfg)
+        self.index = layer
+        self.mlp = MoE(cfg) if cfg.moe(layer) and not cfg.moe_beside_mlp else MLP(cfg, cfg.mlp_size(layer))
         norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)  # noqa: E731
+        if cfg.moe(layer) and cfg.moe_beside_mlp:  # Gemma 4: the experts beside the MLP, each with its norms
+            self.moe = MoE(cfg)
+            self.pre_feedforward_layernorm_2, self.post_feedforward_layernorm_2 = norm(), norm()
+            self.post_feedforward_layernorm_1 = norm()
+        if cfg.per_layer_dim:  # Gemma 4: gate(x) times this layer's per-layer input, projected back, added
+            self.per_layer_input_gate = nn.Linear(cfg.hidden_size, cfg.per_layer_dim, bias=False)
+            self.per_layer_projection = nn.Linear(cfg.per_layer_dim, cfg.hidden_size, bias=False)
+            self.post_per_layer_input_norm = norm()
+        if cfg.layer_scalar:
+            self.register_buffer("layer_scalar", torch.ones(1))
         if cfg.norms != "post":
             self.input_layernorm = norm()
         self.post_attention_layernorm = norm()
@@ -285,7 +341,19 @@ class DecoderLayer(nn.Module):
             )
         mixer = self.linear_attn if self.linear else self.self_attn
         x = self._block(x, lambda h: mixer(h, batch, cache), *around[0])
-        return self._block(x, self.mlp, *around[1])
+        if hasattr(self, "moe"):
+            x = self._block(x, self._mlp_and_experts, None, self.post_feedforward_layernorm)
+        else:
+            x = self._block(x, self.mlp, *around[1])
+        if batch.per_layer is not None:
+            h = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * batch.per_layer[:, :, self.index]
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(h))
+        return x if get("layer_scalar") is None else x * self.layer_scalar
+
+    def _mlp_and_experts(self, x: torch.Tensor) -> torch.Tensor:
+        """Gemma 4's feed-forward of x [B, T, H]: the MLP and the experts (routed on x itself), each normed."""
+        h = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
+        return h + self.post_feedforward_layernorm_2(self.moe(x, self.pre_feedforward_layernorm_2))
 
     def _block(self, x: torch.Tensor, f, before: nn.Module | None, after: nn.Module | None) -> torch.Tensor:
         h = f(x if before is None else before(x))
@@ -331,6 +399,11 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        if cfg.per_layer_dim:  # Gemma 4's per-layer inputs (`Transformer.per_layer_inputs`)
+            n = cfg.num_layers * cfg.per_layer_dim
+            self.embed_tokens_per_layer = nn.Embedding(cfg.per_layer_vocab, n)
+            self.per_layer_model_projection = nn.Linear(cfg.hidden_size, n, bias=False)
+            self.per_layer_projection_norm = RMSNorm(cfg.per_layer_dim, cfg.rms_norm_eps, cfg.norm_offset)
 
 
 @dataclass
@@ -348,6 +421,7 @@ class Batch:
     local_mask: torch.Tensor | None = None  # [B, 1, T, kv_len] the mask of sliding-window layers, where it differs
     cos_local: torch.Tensor | None = None  # [B, 1, T, hd] sliding layers' own rotary tables (Gemma 3), or None
     sin_local: torch.Tensor | None = None
+    per_layer: torch.Tensor | None = None  # [B, T, layers, per_layer_dim] Gemma 4's per-layer inputs, or None
 
     def rotary(self, sliding: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) for a layer: its own tables where sliding layers have them."""
@@ -368,6 +442,7 @@ class Batch:
             move(self.local_mask),
             move(self.cos_local),
             move(self.sin_local),
+            move(self.per_layer),
         )
 
 
@@ -387,6 +462,16 @@ RENAMED = {
     "mlp.router.bias": "mlp.gate.bias",
     "self_attn.sinks.weight": "self_attn.sinks",
     "linear_attn.dt_proj.bias": "linear_attn.dt_bias",
+    "router.proj.weight": "moe.gate.weight",  # Gemma 4's router and experts beside its MLP
+    "router.scale": "moe.scale",
+    "router.per_expert_scale": "moe.per_expert_scale",
+    "experts.gate_up_proj": "moe.experts.gate_up_proj",
+    "experts.down_proj": "moe.experts.down_proj",
+    "layer_scalar.weight": "layer_scalar",  # ... as a GGUF names them
+    "router.proj.scale": "moe.scale",
+    "experts.down_proj.scale": "moe.per_expert_scale",
+    "experts.gate_up_proj.weight": "moe.experts.gate_up_proj.weight",
+    "experts.down_proj.weight": "moe.experts.down_proj.weight",
 }
 
 
@@ -405,9 +490,11 @@ def fuse_projections(state: dict[str, torch.Tensor], num_layers: int) -> dict[st
         for fused, parts in FUSED.items():
             for kind in ("weight", "bias"):
                 names = [f"model.layers.{i}.{p}.{kind}" for p in parts]
-                if all(n in state for n in names):
-                    state[f"model.layers.{i}.{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
-        _fuse_experts(state, f"model.layers.{i}.mlp.experts.")
+                if all(n in state for n in names) or (fused == "self_attn.qkv_proj" and names[0] in state):
+                    # (attention without its own v or k and v: Gemma 4's full and K/V-sharing layers)
+                    state[f"model.layers.{i}.{fused}.{kind}"] = torch.cat([state.pop(n) for n in names if n in state])
+        for where in ("mlp", "moe"):
+            _fuse_experts(state, f"model.layers.{i}.{where}.experts.")
         conv = f"model.layers.{i}.linear_attn.conv1d.weight"
         if conv in state and state[conv].dim() == 3:  # HF's Conv1d [C, 1, K] -> [C, K]
             state[conv] = state[conv][:, 0]
@@ -435,6 +522,9 @@ def _fuse_experts(state: dict[str, torch.Tensor], prefix: str) -> None:
         )
         if per:
             state[f"{prefix}{part}.weight"] = torch.stack([state.pop(k) for _, k in per])
+    if f"{prefix}gate_up_proj.weight" in state:  # fused and 3-D already, as a GGUF names them (Gemma 4)
+        for part in ("gate_up_proj", "down_proj"):
+            state[f"{prefix}{part}"] = state.pop(f"{prefix}{part}.weight")
     if f"{prefix}gate_proj.weight" in state:
         gate, up = state.pop(f"{prefix}gate_proj.weight"), state.pop(f"{prefix}up_proj.weight")
         state[f"{prefix}gate_up_proj"] = torch.cat([gate, up], dim=1)
@@ -458,7 +548,7 @@ class Transformer(nn.Module):
             self.rotary_local = (
                 None
                 if cfg.rope_local_theta is None
-                else Rotary(cfg.rope_dim, cfg.rope_local_theta, None, cfg.max_position_embeddings)
+                else Rotary(cfg.rope_dim_of(True), cfg.rope_local_theta, None, cfg.max_position_embeddings)
             )
         self.split = False  # layers on more than one device (`place`)
 
@@ -590,6 +680,8 @@ class Transformer(nn.Module):
         batch.local_mask = self._local_mask(positions, mask, kv_len)
         if self.rotary_local is not None:
             batch.cos_local, batch.sin_local = self.rotary_local.tables(positions, x.dtype)
+        if self.config.per_layer_dim:
+            batch.per_layer = self.per_layer_inputs(tokens, self.embed(tokens) if resume is not None else x)
         batch.fast = None if self.split else step_args(x, batch)
         hidden: dict[int, torch.Tensor] = {}
         batches = {x.device: batch}
@@ -624,6 +716,16 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(tokens)
         scale = self.config.embed_scale
         return x if scale == 1.0 else x * torch.tensor(scale, dtype=x.dtype)
+
+    def per_layer_inputs(self, tokens: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Gemma 4's per-layer inputs [B, T, layers, P] of tokens [B, T] with embeddings x [B, T, H]: the token's row
+        of the per-layer table (times sqrt(P)) and the normed projection of x (times 1 / sqrt(H)), averaged times
+        sqrt(2)."""
+        m, c = self.model, self.config
+        split = lambda t: t.unflatten(-1, (c.num_layers, c.per_layer_dim))  # noqa: E731
+        own = split(m.embed_tokens_per_layer(tokens) * torch.tensor(c.per_layer_dim**0.5, dtype=x.dtype))
+        projected = m.per_layer_projection_norm(split(m.per_layer_model_projection(x) * c.hidden_size**-0.5))
+        return (projected + own) * 2**-0.5
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states [..., H] -> float32 logits [..., V] (the family's divisor and soft cap)."""

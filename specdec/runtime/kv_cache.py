@@ -24,18 +24,22 @@ class KVCache:
         cls,
         num_layers: int,
         num_slots: int,
-        kv_heads: int,
+        kv_heads: int | list[int],
         max_len: int,
-        head_dim: int,
+        head_dim: int | list[int],
         dtype: torch.dtype,
         device: torch.device | str | list = "cpu",
         states: RecurrentStates | None = None,
     ) -> "KVCache":
-        """`device`: one for every layer, or a list with each layer's (a model split across devices); the layers of
-        `states` keep no K/V."""
-        devices = device if isinstance(device, list) else [device] * num_layers
+        """`kv_heads`, `head_dim`, `device`: one for every layer, or a list with each layer's (Gemma 4's full layers
+        have their own sizes; a model split across devices); a layer of 0 K/V heads, or of `states`, keeps no K/V."""
+        per_layer = lambda x: x if isinstance(x, list) else [x] * num_layers  # noqa: E731
         skip = () if states is None else states.layers
-        shapes = [(num_slots, kv_heads, 0 if i in skip else max_len, head_dim) for i in range(num_layers)]
+        shapes = [
+            (num_slots, h, 0 if i in skip or h == 0 else max_len, d)
+            for i, (h, d) in enumerate(zip(per_layer(kv_heads), per_layer(head_dim)))
+        ]
+        devices = per_layer(device)
         return cls(
             [torch.zeros(shape, dtype=dtype, device=d) for shape, d in zip(shapes, devices)],
             [torch.zeros(shape, dtype=dtype, device=d) for shape, d in zip(shapes, devices)],

@@ -96,12 +96,13 @@ class ModelRunner:
         self.model, self.context = model, context
         model.use_context(context)
         dtype = model.model.embed_tokens.weight.dtype
+        shapes = [cfg.attn_shape(i) if cfg.owns_kv(i) else (0, cfg.head_dim) for i in range(cfg.num_layers)]
         self.cache = KVCache.allocate(
             cfg.num_layers,
             num_slots,
-            cfg.num_kv_heads,
+            [heads for heads, _ in shapes],
             context + HEADROOM,
-            cfg.head_dim,
+            [dim for _, dim in shapes],
             dtype,
             model.layer_devices,
             model.recurrent_states(),

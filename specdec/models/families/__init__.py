@@ -6,6 +6,7 @@ from specdec.errors import SpecdecError
 from specdec.models.families import (
     gemma2,
     gemma3,
+    gemma4,
     gpt_oss,
     granite,
     llama,
@@ -29,6 +30,7 @@ ALL: tuple[Family, ...] = (
     qwen3_5_moe.FAMILY,
     gemma2.FAMILY,
     gemma3.FAMILY,
+    gemma4.FAMILY,
     phi3.FAMILY,
     gpt_oss.FAMILY,
     granite.FAMILY,
