@@ -146,6 +146,7 @@ class LLM:
                 self.config.model,
                 self._load_draft,
                 lambda: self._draft_tokenizers,
+                self.config.draft,
             )
         )
 

@@ -15,10 +15,12 @@ from typing import Any, Mapping
 import torch
 
 from specdec.drafters.draft_model import P_MIN
+from specdec.drafters.gemma4_assistant import AssistantDrafter
 from specdec.drafters.heads import HeadShape, find_head, layer_params, planned_memory, safetensors_params
 from specdec.drafters.paired_head import PairedHeadDrafter
 from specdec.drafters.registry import BuildContext, DrafterType, HeadMemory, MemoryQuery, Option
 from specdec.errors import SpecdecError
+from specdec.models.gemma4_assistant import is_assistant, load_assistant
 from specdec.models.mtp import MtpHead, checkpoint_config, load_head, native_blocks
 from specdec.models.state import is_mtp_tensor
 from specdec.models.transformer import Batch
@@ -82,8 +84,12 @@ def _memory(q: MemoryQuery) -> HeadMemory:
     return planned_memory(q, "mtp", lambda: head_path(q.options, q.model), _shape, _estimate)
 
 
-def _build(ctx: BuildContext) -> MtpDrafter:
-    path, target = head_path(ctx.options, ctx.model), ctx.target
+def _build(ctx: BuildContext) -> MtpDrafter | AssistantDrafter:
+    target = ctx.target
+    if is_assistant(ctx.draft):  # -md: a Gemma 4 assistant, which drafts from the target's K/V
+        assistant = load_assistant(ctx.draft, target.model.model.norm.weight.dtype)
+        return AssistantDrafter(assistant.to(target.head_device), target, ctx.options["draft_p_min"])
+    path = head_path(ctx.options, ctx.model)
     head = load_head(path, target.model.model.norm.weight.dtype)
     c, t = head.config.layer, target.model.config
     if c.vocab_size != target.vocab_size or c.hidden_size != t.hidden_size:
@@ -107,7 +113,8 @@ TYPES = (
     DrafterType(
         "mtp",
         _build,
-        "MTP blocks (the checkpoint's own next-n layers or a trained one) on the target's last hidden state",
+        "MTP blocks (the checkpoint's own next-n layers or a trained one) on the target's last hidden state; "
+        "with -md, a Gemma 4 assistant",
         (HEAD, P_MIN),
         target_features=True,
         per_scope=False,

@@ -79,6 +79,7 @@ class BuildContext:
     load_draft: Callable[[], ModelRunner] | None = None  # the -md model in a runner of its own, loaded on call
     # (target, draft) tokenizers when the -md model's vocabulary differs from the target's, else None (after load_draft)
     draft_tokenizers: Callable[[], tuple[Tokenizer, Tokenizer] | None] = lambda: None
+    draft: str | None = None  # the -md model's name or path, as given
 
     def draft_runner(self) -> ModelRunner:
         if self.load_draft is None:
