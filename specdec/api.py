@@ -18,6 +18,7 @@ from specdec.drafters.chain import assemble
 from specdec.engine.engine import Engine
 from specdec.errors import SpecdecError
 from specdec.models import packs
+from specdec.models.gemma4_assistant import is_assistant
 from specdec.models.loader import load_checkpoint, resolve_dtype, resolve_gguf, resolve_model, resolve_quant
 from specdec.models.tokenizer import Tokenizer
 from specdec.runtime import kernels
@@ -240,6 +241,8 @@ def describe_quant(model, quant: str) -> str:
 def load_model(name: str, quant: str, dtype: str, n_gpu_layers: int = 0, progress: bool = True):
     """(model, tokenizer, quant, dtype) for a target or a draft: `quant` auto|gguf|int8|int4|none (auto: the file's
     own precision, see `resolve_quant`), `dtype` auto|bf16|fp16|fp32, the first `n_gpu_layers` on the GPU."""
+    if is_assistant(name):
+        raise SpecdecError(f"{name} is a Gemma 4 assistant, which drafts for its target: --spec-type mtp -md {name}")
     quant = resolve_quant(quant, name)
     dt = resolve_dtype(dtype, quant=quant)
     if quant == "gguf":  # the file's own blocks through the GGUF kernels (no 16/32-bit weight copies)

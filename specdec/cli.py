@@ -354,11 +354,14 @@ def cmd_models(args: argparse.Namespace) -> int:
 def _describe(name: str) -> str:
     """One line for a GGUF file or a checkpoint directory: its family, layers and the MTP layers it ships."""
     from specdec.models.config import ModelConfig
+    from specdec.models.gemma4_assistant import is_assistant
     from specdec.models.gguf_convert import config_from_gguf, open_gguf
     from specdec.models.mtp import native_blocks
     from specdec.models.packs import local_path
 
     path = local_path(name)
+    if is_assistant(path):
+        return f"{name}: a Gemma 4 assistant, the drafter of a gemma4 target (--spec-type mtp -md {name})"
     if path.is_dir():
         cfg = ModelConfig.from_file(path / "config.json")
     else:

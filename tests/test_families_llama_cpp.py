@@ -40,9 +40,10 @@ RECURRENT_MOE = {"qwen3_5_moe": (1.0, {"q8_0": 0.1, "q4_k_m": 0.15})}
 
 
 @contextmanager
-def llama_server(gguf: Path, method: str = "llama-none", draft_max: int = 0) -> Iterator:
+def llama_server(gguf: Path, method: str = "llama-none", draft_max: int = 0, draft: Path | None = None) -> Iterator:
     """A `LlamaServer` (specdec/bench/llama.py) on `gguf` with f32 K/V, one slot, greedy; `method` one of its
-    LLAMA_METHODS at `draft_max` tokens a step; skips without a llama-server built for this CPU."""
+    LLAMA_METHODS at `draft_max` tokens a step (`draft`: its -md GGUF); skips without a llama-server built for this
+    CPU."""
     from specdec.bench.llama import LlamaServer, ServerConfig, server_help
     from specdec.bench.llama_build import cache_key, cmake_cpu_options, installed
 
@@ -52,7 +53,7 @@ def llama_server(gguf: Path, method: str = "llama-none", draft_max: int = 0) -> 
     cfg = ServerConfig(
         str(binary),
         gguf,
-        None,
+        draft,
         1,
         2 * SERVER_CONTEXT,
         0.0,

@@ -6,21 +6,29 @@ random checkpoints made by `transformers`:
    without ordered embeddings; the engine's first draft after the prompt is the same tokens;
 2. an assistant that copies a bigram target (the target's layers add nothing; the assistant passes the embedding
    through) gets its drafts accepted, and the output equals plain decoding;
-3. sampling through the engine with a random assistant samples the target's distribution.
+3. from llama.cpp's GGUFs of both (its converter's `gemma4-assistant`), the same drafted and accepted counts
+   (`timings.draft_n` / `draft_n_accepted`) and tokens as llama-server's `--spec-type draft-mtp -md ASSISTANT.gguf`:
+   on the copying pair, and on one whose attention adds a little in both, so that part of the drafts fail, its
+   context within the sliding window (where llama.cpp's window, window - 1 keys before the position, and
+   transformers', window + 1, see the same keys);
+4. sampling through the engine with a random assistant samples the target's distribution.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from families import make_checkpoint, prompt_ids, randomize
+from families import make_checkpoint, need_converter, prompt_ids, randomize
 
 import specdec
 
 STEPS = 4
+DRAFT_MAX = 3
+ATTENTION = 2.0  # 90 drafted, 7 accepted
 
 
 @pytest.fixture(autouse=True)
@@ -126,28 +134,41 @@ def test_draft_steps_equal_transformers(family_files, tmp_path, ordered):
     assert drafts[0].tokens == want
 
 
-def _bigram_pair(directory: Path) -> tuple[Path, Path]:
-    """A Gemma 4 target whose layers add nothing (o_proj, down_proj and the per-layer projection zero: logits are a
-    function of the last token) and an assistant that computes the same function: hidden as wide as the target's,
-    pre_projection passing the embedding through, its layers adding nothing, the target's embeddings and final norm."""
+def _bigram_pair(directory: Path, attention: float = 0.0, **overrides) -> tuple[Path, Path]:
+    """A Gemma 4 target whose layers add nothing (o_proj, down_proj and the per-layer projection zero: its logits are
+    a function of the last token, W_j . norm(E_t)) and an assistant that computes the same function at half the width
+    (llama.cpp wants the two widths apart): the target's embeddings E = B U^T and its LM head W = C U^T lie in the span
+    of U [64, 32] (orthonormal columns); the assistant's pre_projection U^T passes the embedding through and drops the
+    state, its layers add nothing, its LM head is C; both final norms scale by 1. `attention`: the attention is kept in
+    both, its output normed to that RMS (the assistant's drafts then depend on what it reads of the target's K/V)."""
     from safetensors.torch import load_file, save_file
 
-    target = make_checkpoint(directory / "target", "gemma4")
+    target = make_checkpoint(directory / "target", "gemma4", tie_word_embeddings=False, **overrides)
     path = target / "model.safetensors"
     state = load_file(str(path))
-    for k in [k for k in state if k.endswith(("o_proj.weight", "down_proj.weight", "per_layer_projection.weight"))]:
-        state[k] = torch.zeros_like(state[k])
+    _quiet(state, ("down_proj.weight", "per_layer_projection.weight"), attention)
+    g = torch.Generator().manual_seed(5)
+    u = torch.linalg.qr(torch.randn(64, 64, generator=g))[0][:, :32]  # [64, 32]
+    b, c = torch.randn(2, state["model.embed_tokens.weight"].shape[0], 32, generator=g)
+    state["model.embed_tokens.weight"], state["lm_head.weight"] = b @ u.T, c @ u.T
+    state["model.norm.weight"] = torch.ones(64)
     save_file(state, str(path), {"format": "pt"})
-    assistant = make_assistant(target, directory / "assistant", hidden=64)
+    assistant = make_assistant(target, directory / "assistant")
     a_path = assistant / "model.safetensors"
     a = load_file(str(a_path))
-    for k in [k for k in a if k.endswith(("o_proj.weight", "down_proj.weight"))]:
-        a[k] = torch.zeros_like(a[k])
-    a["pre_projection.weight"] = torch.cat([torch.eye(64), torch.zeros(64, 64)], dim=1)
-    a["model.embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
-    a["model.norm.weight"] = state["model.norm.weight"].clone()
+    _quiet(a, ("down_proj.weight",), attention)
+    a["pre_projection.weight"] = torch.cat([u.T, torch.zeros(32, 64)], dim=1)
+    a["model.embed_tokens.weight"], a["model.norm.weight"] = c, torch.ones(32)
     save_file({k: v.contiguous() for k, v in a.items()}, str(a_path), {"format": "pt"})
     return target, assistant
+
+
+def _quiet(state: dict[str, torch.Tensor], zeroed: tuple[str, ...], attention: float) -> None:
+    """Zero the `zeroed` matrices; the attention's output too, or with `attention` its post-norm weight to that."""
+    for k in [k for k in state if k.endswith(zeroed) or k.endswith("o_proj.weight") and not attention]:
+        state[k] = torch.zeros_like(state[k])
+    for k in [k for k in state if attention and k.endswith("post_attention_layernorm.weight")]:
+        state[k] = torch.full_like(state[k], attention)
 
 
 def test_a_copying_assistant_is_accepted_and_lossless(tmp_path):
@@ -160,6 +181,48 @@ def test_a_copying_assistant_is_accepted_and_lossless(tmp_path):
     r = llm.generate(ids, max_tokens=30)
     assert r.token_ids == plain
     assert r.stats.accepted == r.stats.drafted > 0  # the softcap (no argmax change) aside, the same computation
+
+
+def _with_tokenizer(assistant: Path, target: Path) -> Path:
+    """The target's tokenizer files beside the assistant (llama.cpp's converter writes the vocabulary into its GGUF)."""
+    for f in target.glob("tokenizer*"):
+        shutil.copy(f, assistant / f.name)
+    return assistant
+
+
+def _ours(target: Path, assistant: Path, ids: list[int], tokens: int) -> tuple[list[int], int, int]:
+    """(tokens, drafted, accepted) of greedy decoding with the assistant at DRAFT_MAX tokens a step (up to EOS, as
+    llama-server stops), checked against plain decoding."""
+    llm = specdec.LLM(str(target), draft=str(assistant), spec_type="mtp", context=128, progress=False)
+    llm.engine.spec.adaptive, llm.engine.spec.draft_max = False, DRAFT_MAX
+    plain = llm.generate(ids, max_tokens=tokens, spec_type="none").token_ids
+    r = llm.generate(ids, max_tokens=tokens)
+    assert r.token_ids == plain
+    return plain, r.stats.drafted, r.stats.accepted
+
+
+@pytest.mark.parametrize("pair", ["copying", "attending"])
+def test_drafted_and_accepted_as_llama_cpp_draft_mtp(tmp_path, pair):
+    from families import convert
+    from test_families_llama_cpp import llama_server
+
+    need_converter()
+    if pair == "copying":
+        target, assistant = _bigram_pair(tmp_path)
+    else:  # 8 + 40 positions: inside the window
+        target, assistant = _bigram_pair(tmp_path, attention=ATTENTION, sliding_window=64)
+    gguf = convert(target, "f32", tmp_path / "target.gguf")
+    helper = convert(_with_tokenizer(assistant, target), "f32", tmp_path / "assistant.gguf")
+    ids = prompt_ids(target, 8)
+    tokens = 40
+    tokens_out, drafted, accepted = _ours(gguf, helper, ids, tokens)
+    with llama_server(gguf, "llama-mtp", DRAFT_MAX, helper) as server:
+        body = {"prompt": ids, "n_predict": tokens, "temperature": 0.0, "cache_prompt": False}
+        resp = server.complete({**body, "return_tokens": True})
+    timings = resp["timings"]
+    assert resp["tokens"] == tokens_out
+    assert (timings["draft_n"], timings["draft_n_accepted"]) == (drafted, accepted), timings
+    assert 0 < accepted == drafted if pair == "copying" else 0 < accepted < drafted, timings
 
 
 def test_sampling_through_the_engine_matches_plain(tmp_path):

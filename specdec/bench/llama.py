@@ -26,7 +26,7 @@ LLAMA_METHODS = {
     "llama-ngram-map-k": "ngram-map-k",
     "llama-ngram-map-k4v": "ngram-map-k4v",
     "llama-eagle3": "draft-eagle3",
-    "llama-mtp": "draft-mtp",  # the GGUF's own nextn / MTP layers
+    "llama-mtp": "draft-mtp",  # the GGUF's own nextn / MTP layers, or -md a Gemma 4 assistant
 }
 HEAD_PEERS = ("llama-eagle3", "llama-mtp")  # need a trained head or MTP layers: in `--methods all` only when named
 # GGUF architectures of the models specdec loads whose llama.cpp graph (src/models/ARCH.cpp of the pinned llama.cpp)
@@ -98,7 +98,8 @@ def server_command(method: str, cfg: ServerConfig, help_text: str, port: int) ->
     elif spec == "draft-eagle3" and cfg.eagle3_gguf is None:
         raise Skip(f"{method} needs an EAGLE-3 head for the target (specdec train eagle3, or --spec-eagle3-head DIR)")
     elif _lists(help_text, "--spec-type") and _lists(help_text, spec):
-        cmd += (["-md", str(cfg.eagle3_gguf)] if spec == "draft-eagle3" else []) + ["--spec-type", spec]
+        head = {"draft-eagle3": cfg.eagle3_gguf, "draft-mtp": cfg.draft_gguf}.get(spec)  # (mtp: a Gemma 4 assistant)
+        cmd += (["-md", str(head)] if head is not None else []) + ["--spec-type", spec]
     else:
         raise Skip(f"this llama-server has no --spec-type {spec}")
     for value, names in (

@@ -69,7 +69,9 @@ class Family:
         for this family's tensors, from the gguf package's tables."""
         import gguf
 
-        arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+        ids = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
+        # an architecture the installed gguf package does not know (gemma4-assistant): the family's first one's names
+        arch_id = ids.get(arch, ids[self.gguf_archs[0]])
         table = gguf.TensorNameMap(arch_id, num_layers)
         hf = list(TOP + self.top) + [f"model.layers.{i}.{m}" for i in range(num_layers) for m in self.layer]
         return {g: n for n in hf if (g := table.get_name(n)) is not None}

@@ -31,12 +31,17 @@ from specdec.models.state import load_exact, read_tensors
 from specdec.models.transformer import Transformer, fuse_projections
 from specdec.runtime.kv_cache import KVCache
 
-MODEL_TYPE = "gemma4_assistant"
+MODEL_TYPE, GGUF_ARCH = "gemma4_assistant", "gemma4-assistant"  # (llama.cpp's converter: conversion/gemma.py)
 
 
 def is_assistant(path: Path | str | None) -> bool:
-    """Whether `path` is a Gemma 4 assistant checkpoint directory."""
-    config = Path(path or "") / "config.json"
+    """Whether `path` is a Gemma 4 assistant: a checkpoint directory, or llama.cpp's GGUF of one."""
+    path = Path(path or "")
+    if path.suffix == ".gguf" and path.is_file():
+        from specdec.models.gguf_convert import _field, open_gguf
+
+        return _field(open_gguf(path), "general.architecture") == GGUF_ARCH
+    config = path / "config.json"
     return config.is_file() and json.loads(config.read_text()).get("model_type") == MODEL_TYPE
 
 
@@ -104,15 +109,21 @@ def _our_name(name: str) -> str:
     return "text." + name if name.startswith("model.") else name.removeprefix("masked_embedding.")
 
 
-def load_assistant(path: Path | str, dtype: torch.dtype = torch.float32) -> Gemma4Assistant:
-    """A Gemma 4 assistant checkpoint directory."""
-    path = Path(path)
-    d = json.loads((path / "config.json").read_text())
-    text = ModelConfig.from_hf_dict(d["text_config"])
-    # every layer reads the target's K/V; no soft cap on its logits (transformers' assistant applies none); keys above
-    # p - (window + 2) for a query at p: the window + 1 keys before p
+def _text_config(text: ModelConfig) -> ModelConfig:
+    """The assistant's layers as they run: every one reading the target's K/V; no soft cap on the logits
+    (transformers' assistant applies none); sliding layers keeping keys above p - (window + 2) for a query at p: the
+    window + 1 keys before p."""
     window = None if text.sliding_window is None else text.sliding_window + 2
-    text = replace(text, kv_shared_layers=text.num_layers, final_softcap=None, sliding_window=window)
+    return replace(text, kv_shared_layers=text.num_layers, final_softcap=None, sliding_window=window)
+
+
+def load_assistant(path: Path | str, dtype: torch.dtype = torch.float32) -> Gemma4Assistant:
+    """A Gemma 4 assistant checkpoint directory or llama.cpp's GGUF of one."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        return _load_gguf(path, dtype)
+    d = json.loads((path / "config.json").read_text())
+    text = _text_config(ModelConfig.from_hf_dict(d["text_config"]))
     clusters = (d["num_centroids"], d["centroid_intermediate_top_k"]) if d.get("use_ordered_embeddings") else None
     model = Gemma4Assistant(text, d["backbone_hidden_size"], clusters)
     state = read_tensors(path, lambda name: name != "lm_head.weight")
@@ -121,3 +132,22 @@ def load_assistant(path: Path | str, dtype: torch.dtype = torch.float32) -> Gemm
     load_exact(model, ours, path, "a Gemma 4 assistant", optional=("text.lm_head.weight",))
     model.text.lm_head.weight = model.text.model.embed_tokens.weight
     return model.to(dtype).requires_grad_(False).eval()
+
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> Gemma4Assistant:
+    """llama.cpp's GGUF of an assistant: Gemma 4 metadata and layers under `gemma4-assistant`, the projections as
+    `nextn.pre_projection` / `nextn.post_projection`; its converter leaves ordered embeddings out (all logits)."""
+    from specdec.models import families
+    from specdec.models.gguf_convert import _field, config_from_gguf, open_gguf
+    from specdec.models.gguf_quantized import _dense, quantize_from_gguf
+
+    reader = open_gguf(path)
+    text = _text_config(config_from_gguf(reader, path, families.by_gguf_arch("gemma4")))
+    with torch.device("meta"):
+        model = Gemma4Assistant(text, int(_field(reader, f"{GGUF_ARCH}.embedding_length_out")))
+    quantize_from_gguf(model.text, path, dtype, reader)
+    tensors = {t.name: t for t in reader.tensors}
+    for name in ("pre_projection", "post_projection"):
+        weight = _dense(tensors[f"nextn.{name}.weight"], text, dtype)
+        getattr(model, name).weight = nn.Parameter(weight, requires_grad=False)
+    return model.requires_grad_(False).eval()

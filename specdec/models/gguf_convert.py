@@ -31,6 +31,7 @@ import numpy as np
 from specdec.errors import SpecdecError
 from specdec.models import families
 from specdec.models.config import ModelConfig
+from specdec.models.family import Family
 
 MARKER = "specdec-converted.json"  # written last: {"sha256": GGUF's SHA-256}
 PARTIAL = ".partial"  # temp dirs `HOST.PID.RANDOM` of conversions under way
@@ -60,9 +61,10 @@ def hf_names(reader, cfg: ModelConfig) -> dict[str, str]:
 
 
 def _next_n(name: str, num_layers: int) -> bool:
-    """Whether a GGUF tensor belongs to a block past the model's layers (the next-n / MTP layers)."""
+    """Whether a GGUF tensor belongs to the next-n / MTP layers: a block past the model's layers, or `nextn.*` (the
+    Gemma 4 assistant's projections)."""
     layer = name.split(".")[1] if name.startswith("blk.") else ""
-    return layer.isdigit() and int(layer) >= num_layers
+    return layer.isdigit() and int(layer) >= num_layers or name.startswith("nextn.")
 
 
 def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -114,11 +116,13 @@ def meta_number(value, key: str, path: Path, kind: type = int) -> int | float:
     return v
 
 
-def config_from_gguf(reader, path: Path) -> ModelConfig:
-    """The model's config from GGUF metadata: the common keys here, the family's own through its `gguf_fields`."""
+def config_from_gguf(reader, path: Path, family: Family | None = None) -> ModelConfig:
+    """The model's config from GGUF metadata: the common keys here, the family's own through its `gguf_fields`;
+    `family`: the one that reads the file's architecture, where the registry does not list it as a model (the Gemma 4
+    assistant's `gemma4-assistant`)."""
     arch = _field(reader, "general.architecture")
     try:
-        fam = families.by_gguf_arch(arch)
+        fam = family or families.by_gguf_arch(arch)
     except SpecdecError as e:
         raise SpecdecError(f"{path}: {e}") from None
     g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731

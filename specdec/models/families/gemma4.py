@@ -43,6 +43,7 @@ def _hf(d: dict) -> dict:
             "router": "scaled",
         }
     return {
+        "tie_word_embeddings": d.get("tie_word_embeddings", True),  # (Gemma4TextConfig's default)
         "final_softcap": d.get("final_logit_softcapping"),
         "embed_scale": d["hidden_size"] ** 0.5,
         "rope_theta": float(full.get("rope_theta", 1_000_000.0)),
@@ -114,7 +115,6 @@ FAMILY = Family(
     recipe={
         "norms": "sandwich",
         "hidden_act": "gelu_tanh",
-        "tie_word_embeddings": True,
         "qk_norm": "head",
         "v_norm": True,
         "attn_scale": 1.0,
