@@ -253,3 +253,28 @@ def test_a_multimodal_qwen3_5_checkpoint_runs_its_text_model(tmp_path):
     assert model.config.family == "qwen3_5"
     diff = (_ours(model, ids).double() - refs[torch.float64]).abs().max()
     assert diff <= max(TOL, float((refs[torch.float32] - refs[torch.float64]).abs().max())), float(diff)
+
+
+def test_a_multimodal_gemma4_checkpoint_runs_its_text_model(tmp_path):
+    """Gemma 4 ships as `Gemma4ForConditionalGeneration` (config `text_config`, weights `model.language_model.*` beside
+    the vision and audio towers and their embedders): its text model loads, with transformers' logits."""
+    from families import GEMMA4, _write_tokenizer, randomize
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    from specdec.models.loader import load_checkpoint
+
+    vocab, _ = _write_tokenizer(tmp_path, "gemma")
+    layers = ["sliding_attention", "full_attention"]
+    text = {"model_type": "gemma4_text", **BASE, **GEMMA4, "vocab_size": vocab, "layer_types": layers}
+    text |= {"hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": vocab}
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    audio = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "output_proj_dims": 16}
+    hf = Gemma4ForConditionalGeneration(Gemma4Config(text_config=text, vision_config=vision, audio_config=audio))
+    randomize(hf, 0)
+    hf.save_pretrained(str(tmp_path))
+    ids = torch.randint(0, vocab, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([ids])).logits[0]
+    model, _ = load_checkpoint(tmp_path, torch.float32)
+    assert model.config.family == "gemma4"
+    assert (_ours(model, ids) - ref).abs().max() <= TOL

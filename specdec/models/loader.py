@@ -125,7 +125,15 @@ def gguf_tokenizer(path: Path, sha: str | None = None) -> Path:
     return out
 
 
-VISION = ("model.visual.", "model.vision_tower.", "model.multi_modal_projector.")  # multimodal checkpoints' other parts
+# multimodal checkpoints' other parts (Qwen3.5, Gemma 3, Gemma 4's vision and audio)
+VISION = (
+    "model.visual.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+    "model.audio_tower.",
+    "model.embed_vision.",
+    "model.embed_audio.",
+)
 
 
 def text_name(name: str) -> str | None:
