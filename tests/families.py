@@ -159,12 +159,13 @@ TINY: dict[str, dict[str, Any]] = {
         "shared_expert_intermediate_size": 48,
     },
     # layers [sliding, full] x 3, the last two reading the K/V of the two before; full layers with their own head
-    # size (32) and one K/V head whose values are the keys; per-layer inputs; the MLPs of the sharing layers doubled
+    # size (32) and one K/V head whose values are the keys; per-layer inputs of 32 (a Q8_0 row: the GGUF's per-layer
+    # projection goes through the kernels, as a released model's 256 does); the MLPs of the sharing layers doubled
     "gemma4": {
         "model_type": "gemma4_text",
         **GEMMA4,
         "num_hidden_layers": 6,
-        "hidden_size_per_layer_input": 8,
+        "hidden_size_per_layer_input": 32,
         "num_kv_shared_layers": 2,
         "use_double_wide_mlp": True,
     },

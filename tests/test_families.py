@@ -278,3 +278,29 @@ def test_a_multimodal_gemma4_checkpoint_runs_its_text_model(tmp_path):
     model, _ = load_checkpoint(tmp_path, torch.float32)
     assert model.config.family == "gemma4"
     assert (_ours(model, ids) - ref).abs().max() <= TOL
+
+
+# widths the Q8_0 blocks take (multiples of 32: every matrix through the kernels, as in a released model's GGUF)
+ROW_INVARIANT = {"gemma4": {}, "gemma4_moe": {}, "qwen3_5_moe": {"shared_expert_intermediate_size": 64}}
+
+
+@pytest.mark.parametrize("case", list(ROW_INVARIANT))
+def test_a_tokens_logits_do_not_depend_on_chunks_or_batch(tmp_path, case):
+    """Same request, same answer for the families whose layers run Python around the block kernels: a Q8_0 GGUF's
+    logits are the same bits for a prompt in one forward, in chunks of other sizes, and beside another prompt."""
+    from families import convert, make_checkpoint
+
+    from specdec.models.gguf_quantized import load_gguf_quantized
+    from specdec.runtime.runner import ModelRunner
+
+    need_converter()
+    hf = make_checkpoint(tmp_path / "hf", case, **ROW_INVARIANT[case])
+    ids = prompt_ids(hf, 24)
+    other = list(reversed(ids))[:17]
+    model, _ = load_gguf_quantized(convert(hf, "q8_0", tmp_path / "q8_0.gguf"), torch.float32)
+    runner = ModelRunner(model, num_slots=2, context=64)
+    whole = runner.forward([ids], [0], [0])[0]
+    chunks = [runner.forward([ids[a:b]], [a], [1])[0] for a, b in ((0, 5), (5, 6), (6, 17), (17, 24))]
+    assert torch.equal(torch.cat(chunks), whole)
+    batched = runner.forward([ids, other], [0, 0], [0, 1])[0]
+    assert torch.equal(batched, whole)

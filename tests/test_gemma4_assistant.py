@@ -123,7 +123,7 @@ def test_draft_steps_equal_transformers(family_files, tmp_path, ordered):
         got, got_state = ours(e, h, len(ids), 0, runner.cache)
         assert (got - logits).abs().max() < 1e-4 and (got_state - state).abs().max() < 1e-4
 
-    llm = specdec.LLM(str(target), draft=str(assistant), spec_type="mtp", context=64, progress=False)
+    llm = specdec.LLM(str(target), draft=str(assistant), spec_type="mtp", dtype="fp32", context=64, progress=False)
     llm.engine.spec.adaptive, llm.engine.spec.draft_max = False, STEPS
     drafts = []
     propose = llm.drafter.propose
@@ -173,7 +173,7 @@ def _quiet(state: dict[str, torch.Tensor], zeroed: tuple[str, ...], attention: f
 
 def test_a_copying_assistant_is_accepted_and_lossless(tmp_path):
     target, assistant = _bigram_pair(tmp_path)
-    llm = specdec.LLM(str(target), draft=str(assistant), spec_type="mtp", context=128, progress=False)
+    llm = specdec.LLM(str(target), draft=str(assistant), spec_type="mtp", dtype="fp32", context=128, progress=False)
     llm.engine.stop_ids = set()
     llm.engine.spec.adaptive, llm.engine.spec.draft_max = False, 3
     ids = prompt_ids(target, 8)
@@ -193,7 +193,7 @@ def _with_tokenizer(assistant: Path, target: Path) -> Path:
 def _ours(target: Path, assistant: Path, ids: list[int], tokens: int) -> tuple[list[int], int, int]:
     """(tokens, drafted, accepted) of greedy decoding with the assistant at DRAFT_MAX tokens a step (up to EOS, as
     llama-server stops), checked against plain decoding."""
-    llm = specdec.LLM(str(target), draft=str(assistant), spec_type="mtp", context=128, progress=False)
+    llm = specdec.LLM(str(target), draft=str(assistant), spec_type="mtp", dtype="fp32", context=128, progress=False)
     llm.engine.spec.adaptive, llm.engine.spec.draft_max = False, DRAFT_MAX
     plain = llm.generate(ids, max_tokens=tokens, spec_type="none").token_ids
     r = llm.generate(ids, max_tokens=tokens)
