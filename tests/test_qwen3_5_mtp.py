@@ -10,7 +10,8 @@
    (common/speculative.cpp, draft-mtp `process`), where we, like vLLM and the MTP training layout, start at
    (token 1, state 0); with attention the two differ by that first entry (on the copy below: 28 of 30 accepted
    there, 20 of 56 here);
-4. `specdec models list FILE` says that a model ships MTP layers.
+4. `specdec models list FILE` says that a model ships MTP layers;
+5. sampling through the engine with its MTP layer samples the target's distribution (rollbacks included).
 """
 
 from __future__ import annotations
@@ -148,3 +149,35 @@ def test_models_list_shows_the_mtp_layers(family_files, capsys):
     assert main(["models", "list", str(f.hf), str(f.gguf("q8_0"))]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert all("qwen3_5, 4 layers (3 linear-attention), 1 MTP layer (--spec-type mtp)" in line for line in lines), lines
+
+
+def test_sampling_through_the_engine_matches_plain(tmp_path):
+    """Rejection sampling with the MTP layer of a [linear, full] Qwen3.5 (vocabulary 8) samples the target's
+    distribution, its recurrent state rolled back on each rejection (the EAGLE-3 test's runs and bounds)."""
+    from conftest import word_tokenizer
+    from families import QWEN3_5, _add_qwen3_5_mtp
+    from test_eagle3 import V, engine_fit
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    layers = ["linear_attention", "full_attention"]
+    sizes = {**QWEN3_5, "num_hidden_layers": 2, "layer_types": layers}
+    cfg = AutoConfig.for_model(
+        "qwen3_5_text",
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        eos_token_id=0,
+        **sizes,
+    )
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # peaked logits, as tests/conftest.py's tiny models
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    model.save_pretrained(str(tmp_path))
+    word_tokenizer(tmp_path, V)
+    _add_qwen3_5_mtp(tmp_path, model, 3)
+    drafted, p_value, tv, bound = engine_fit(tmp_path, spec_type="mtp")
+    assert drafted > 0 and p_value > 1e-3 and tv < bound, (drafted, p_value, tv)
