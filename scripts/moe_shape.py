@@ -11,11 +11,16 @@ N(0, 0.02^2) and centred:
   sinks and the router F32;
 - qwen3.5-35b-a3b, Q4_K_M as for Qwen3-MoE (the shared expert's down_proj as the experts'), its gated DeltaNet
   layers' small tensors (conv, A, dt bias, norms) F32 and their beta/alpha projections Q8_0, its MTP block as the
-  converter writes it (a nextn layer after the model's), Qwen3.5's tokenizer.
+  converter writes it (a nextn layer after the model's), Qwen3.5's tokenizer;
+- gemma4-26b-a4b, Q4_K_M: five sliding layers to one full (K/V heads 8 x 256, 2 x 512 whose values are the keys),
+  experts beside a dense MLP in every layer (gate and up fused), the rows of 2112 and 704 (not whole Q4_K/Q6_K
+  blocks) as llama-quantize's fallback gives them (Q5_0, Q8_0 where it would take Q6_K), the embedding Q6_K (it is
+  also the LM head), Gemma 4's tokenizer.
 
     python scripts/moe_shape.py qwen3-30b-a3b OUT_DIR --layers 24   # OUT_DIR/qwen3-30b-a3b-24l-q4_k_m.gguf
     python scripts/moe_shape.py gpt-oss-20b OUT_DIR                 # OUT_DIR/gpt-oss-20b-24l-mxfp4.gguf
     python scripts/moe_shape.py qwen3.5-35b-a3b OUT_DIR --layers 16 # OUT_DIR/qwen3.5-35b-a3b-16l-q4_k_m.gguf
+    python scripts/moe_shape.py gemma4-26b-a4b OUT_DIR --layers 12  # OUT_DIR/gemma4-26b-a4b-12l-q4_k_m.gguf
     specdec bench -m OUT_DIR/qwen3-30b-a3b-24l-q4_k_m.gguf --methods none,synthetic,llama-none --llama-server auto
 """
 
@@ -33,7 +38,7 @@ from families import source  # noqa: E402
 
 T = gguf.MODEL_TENSOR
 Q = gguf.GGMLQuantizationType
-Q4_K, Q6_K, Q8_0, MXFP4, F32 = Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.MXFP4, Q.F32
+Q4_K, Q6_K, Q8_0, Q5_0, MXFP4, F32 = Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.MXFP4, Q.F32
 SHAPES = {  # config.json values of the released models
     "qwen3-30b-a3b": dict(
         arch=gguf.MODEL_ARCH.QWEN3MOE,
@@ -92,6 +97,26 @@ SHAPES = {  # config.json values of the released models
         rope_theta=10_000_000.0,
         eps=1e-6,
     ),
+    "gemma4-26b-a4b": dict(
+        arch=gguf.MODEL_ARCH.GEMMA4,
+        file="q4_k_m",
+        vocab=262_144,
+        vocab_file="ggml-vocab-gemma-4.gguf",
+        layers=30,
+        hidden=2816,
+        ff=2112,
+        expert_ff=704,
+        experts=128,
+        used=8,
+        heads=16,
+        kv_heads=8,
+        head_dim=256,
+        context=262_144,
+        rope_theta=1_000_000.0,
+        eps=1e-6,
+        sliding_window=1024,
+        gemma4=dict(full_head_dim=512, full_kv_heads=2, pattern=6, local_theta=10_000.0, rotary=0.25, softcap=30.0),
+    ),
 }
 FILE_TYPE = {"q4_k_m": 15, "mxfp4": 38}  # llama_ftype: LLAMA_FTYPE_MOSTLY_Q4_K_M, LLAMA_FTYPE_MOSTLY_MXFP4_MOE
 META = {  # shape key -> the GGUFWriter method (add_...) that writes its metadata, as the converter does
@@ -124,6 +149,8 @@ def blocks(kind: gguf.GGMLQuantizationType, rows: int, row_len: int, rng: np.ran
         data[:, 0:4] = np.array([1.0e-4, 7.5e-4], dtype=np.float16).view(np.uint8)
     elif kind == Q8_0:  # d first; int8 quants, rms 74
         data[:, 0:2] = np.array([2.7e-4], dtype=np.float16).view(np.uint8)
+    elif kind == Q5_0:  # d first; 5-bit quants, rms 9.2
+        data[:, 0:2] = np.array([2.2e-3], dtype=np.float16).view(np.uint8)
     elif kind == MXFP4:  # e8m0 e first: 2^(e - 128) x doubled e2m1 values (rms 5.7)
         data[:, 0] = 120
     else:  # Q6_K: d (fp16) last
@@ -140,7 +167,7 @@ def name(t: T, i: int | None = None, part: str = "weight") -> str:
 
 def tensors(s: dict) -> Tensors:
     """(name, numpy shape, type) of every tensor, in the converter's order."""
-    writers = {gguf.MODEL_ARCH.GPT_OSS: gpt_oss, gguf.MODEL_ARCH.QWEN35MOE: qwen3_5_moe}
+    writers = {gguf.MODEL_ARCH.GPT_OSS: gpt_oss, gguf.MODEL_ARCH.QWEN35MOE: qwen3_5_moe, gguf.MODEL_ARCH.GEMMA4: gemma4}
     return writers.get(s["arch"], qwen3_moe)(s)
 
 
@@ -196,6 +223,49 @@ def qwen3_5_moe(s: dict) -> Tensors:
     return out + [(name(T.OUTPUT_NORM), (h,), F32), (name(T.OUTPUT), (vocab, h), Q6_K)]
 
 
+def full_layer(s: dict, i: int) -> bool:
+    """Gemma 4: the last layer of every `pattern` is a full-attention one, and the model's last (transformers'
+    Gemma4TextConfig forces it)."""
+    return (i + 1) % s["gemma4"]["pattern"] == 0 or i == s["layers"] - 1
+
+
+def gemma4(s: dict) -> Tensors:
+    """Gemma 4 MoE: per layer attention (no attn_v in full layers: values are the keys), a dense GELU MLP and the
+    experts beside it with their norms, the router's scale and per-expert scale, the layer's output scale."""
+    h, n, e, f, vocab, g = s["hidden"], s["layers"], s["experts"], s["expert_ff"], s["vocab"], s["gemma4"]
+    dense_down = lambda i: Q8_0 if use_more_bits(i, n) else Q5_0  # noqa: E731 (rows of 2112 / 704: no K blocks)
+    out = [(name(T.TOKEN_EMBD), (vocab, h), Q6_K), ("rope_freqs.weight", (g["full_head_dim"] // 2,), F32)]
+    for i in range(n):
+        full = full_layer(s, i)
+        hd, kvh = (g["full_head_dim"], g["full_kv_heads"]) if full else (s["head_dim"], s["kv_heads"])
+        more = Q6_K if use_more_bits(i, n) else Q4_K
+        out += [
+            (name(T.ATTN_NORM, i), (h,), F32),
+            (name(T.ATTN_Q, i), (s["heads"] * hd, h), Q4_K),
+            (name(T.ATTN_K, i), (kvh * hd, h), Q4_K),
+            *([] if full else [(name(T.ATTN_V, i), (kvh * hd, h), more)]),
+            (name(T.ATTN_OUT, i), (h, s["heads"] * hd), Q4_K),
+            (name(T.ATTN_Q_NORM, i), (hd,), F32),
+            (name(T.ATTN_K_NORM, i), (hd,), F32),
+            (name(T.ATTN_POST_NORM, i), (h,), F32),
+            (name(T.FFN_NORM, i), (h,), F32),
+            (name(T.FFN_GATE, i), (s["ff"], h), Q4_K),
+            (name(T.FFN_UP, i), (s["ff"], h), Q4_K),
+            (name(T.FFN_DOWN, i), (h, s["ff"]), dense_down(i)),
+            (f"blk.{i}.post_ffw_norm_1.weight", (h,), F32),
+            (f"blk.{i}.pre_ffw_norm_2.weight", (h,), F32),
+            (f"blk.{i}.post_ffw_norm_2.weight", (h,), F32),
+            (name(T.FFN_GATE_INP, i), (e, h), F32),
+            (name(T.FFN_GATE_INP, i, "scale"), (h,), F32),
+            (f"blk.{i}.ffn_gate_up_exps.weight", (e, 2 * f, h), Q4_K),
+            (name(T.FFN_DOWN_EXP, i), (e, h, f), dense_down(i)),
+            (name(T.FFN_DOWN_EXP, i, "scale"), (e,), F32),
+            (name(T.FFN_POST_NORM, i), (h,), F32),
+            (f"blk.{i}.layer_output_scale.weight", (1,), F32),
+        ]
+    return out + [(name(T.OUTPUT_NORM), (h,), F32)]
+
+
 def gpt_oss(s: dict) -> Tensors:
     h, e, f, vocab = s["hidden"], s["experts"], s["expert_ff"], s["vocab"]
     q, kv = s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
@@ -242,8 +312,10 @@ def data(name: str, shape: tuple[int, ...], kind: gguf.GGMLQuantizationType, rng
     if kind != F32:
         rows = int(np.prod(shape[:-1]))
         return blocks(kind, rows, shape[-1], rng).reshape(*shape[:-1], -1)
-    if name.endswith("norm.weight"):
+    if name.endswith(("norm.weight", "norm_1.weight", "norm_2.weight", "scale", "scale.weight")):
         return np.ones(shape, np.float32)
+    if name == "rope_freqs.weight":  # Gemma 4's proportional rope: the first quarter of the pairs rotate
+        return np.where(np.arange(shape[0]) < shape[0] // 4, 1.0, 1e30).astype(np.float32)
     if name.endswith(".ssm_a"):  # -exp(A_log): negative
         return -np.exp(rng.normal(0.0, 0.5, shape)).astype(np.float32)
     return rng.normal(0.0, 0.02, shape).astype(np.float32)  # the router, biases, sinks, the conv
@@ -273,15 +345,32 @@ def write(shape: str, out: Path, layers: int | None, seed: int = 0) -> Path:
     arch = gguf.MODEL_ARCH_NAMES[s["arch"]]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"{shape} shape, random weights, {s['layers']} layers")
+    per_layer = ("kv_heads", "head_dim") if "gemma4" in s else ()  # Gemma 4 writes its own below
     for key, add in META.items():  # Qwen3.5's block_count also counts its MTP block
-        getattr(w, f"add_{add}")(s[key] + (key == "layers" and "linear" in s))
-    w.add_value_length(s["head_dim"])
+        if key not in per_layer:
+            getattr(w, f"add_{add}")(s[key] + (key == "layers" and "linear" in s))
+    if not per_layer:
+        w.add_value_length(s["head_dim"])
     if "sliding_window" in s:
         w.add_sliding_window(s["sliding_window"])
     if "yarn" in s:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         for key, value in s["yarn"].items():
             getattr(w, f"add_rope_scaling_{key}")(value)
+    if "gemma4" in s:  # per-layer K/V heads, the two head sizes, the layer pattern, the local rope base
+        g, n = s["gemma4"], s["layers"]
+        w.add_head_count_kv([g["full_kv_heads"] if full_layer(s, i) else s["kv_heads"] for i in range(n)])
+        w.add_key_length(g["full_head_dim"])
+        w.add_value_length(g["full_head_dim"])
+        w.add_key_length_swa(s["head_dim"])
+        w.add_value_length_swa(s["head_dim"])
+        w.add_sliding_window_pattern([not full_layer(s, i) for i in range(n)])
+        w.add_shared_kv_layers(0)
+        w.add_embedding_length_per_layer_input(0)
+        w.add_rope_freq_base_swa(g["local_theta"])
+        w.add_rope_dimension_count(g["full_head_dim"])
+        w.add_rope_dimension_count_swa(s["head_dim"])
+        w.add_final_logit_softcapping(g["softcap"])
     if "linear" in s:  # Qwen3.5: block_count counts the MTP block
         lin = s["linear"]
         w.add_nextn_predict_layers(1)
