@@ -82,9 +82,8 @@ class Attention(nn.Module):
             qkv = torch.cat([qkv, qkv[..., self.q_size :]], dim=-1)
         if c.qk_norm != "head" and not c.v_norm:
             return qkv, gate
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size] if self.kv_parts else [self.q_size], dim=-1) + (
-            () if self.kv_parts else (None, None)
-        )
+        q = qkv[..., : self.q_size]
+        k, v = qkv[..., self.q_size :].split(self.kv_size, dim=-1) if self.kv_parts else (None, None)
         heads = lambda t: t.unflatten(-1, (-1, hd))  # noqa: E731
         if c.qk_norm == "head":  # each head of q and k before rotary, as the C layer (`runtime/layer_kernel.py`)
             q = self.q_norm(heads(q)).flatten(-2)
