@@ -235,3 +235,15 @@ def test_sampling_through_the_engine_matches_plain(tmp_path):
     assistant = make_assistant(target, tmp_path / "assistant", seed=2)
     drafted, p_value, tv, bound = engine_fit(target, spec_type="mtp", draft=str(assistant))
     assert drafted > 0 and p_value > 1e-3 and tv < bound, (drafted, p_value, tv)
+
+
+def test_plan_counts_the_assistant(family_files, tmp_path):
+    """`specdec plan -md ASSISTANT --spec-type mtp`: the assistant's weights in the runtime dtype, no KV of its own."""
+    from specdec.drafters.heads import safetensors_params
+    from specdec.plan import PlanInputs, make_plan
+
+    target = family_files("gemma4").hf
+    assistant = make_assistant(target, tmp_path / "assistant")
+    plan = make_plan(PlanInputs(model=str(target), draft=str(assistant), spec_type="mtp", context=256, dtype="fp32"))
+    assert plan.heads == {"mtp assistant weights": 4 * safetensors_params(assistant)}
+    assert any(n.startswith("mtp: the Gemma 4 assistant") for n in plan.notes)

@@ -81,6 +81,12 @@ def _estimate(q: MemoryQuery) -> HeadShape:
 
 
 def _memory(q: MemoryQuery) -> HeadMemory:
+    if is_assistant(q.draft):  # its weights only: it reads the target's K/V
+        path = Path(q.draft)
+        gguf = path.suffix == ".gguf"
+        size = path.stat().st_size if gguf else safetensors_params(path) * q.dtype_bytes
+        what = "its blocks as the file holds them" if gguf else f"{safetensors_params(path) / 1e6:.1f} M parameters"
+        return HeadMemory({"mtp assistant weights": size}, f"mtp: the Gemma 4 assistant in {path} ({what}), no KV")
     return planned_memory(q, "mtp", lambda: head_path(q.options, q.model), _shape, _estimate)
 
 

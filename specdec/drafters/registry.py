@@ -103,6 +103,7 @@ class MemoryQuery:
     slots: int
     dtype_bytes: int  # bytes per element of the runtime's activations (the head loads in that dtype)
     options: Mapping[str, Any] = field(default_factory=dict)  # drafter options (e.g. a head directory)
+    draft: str | None = None  # the -md model's name or path (a Gemma 4 assistant for `mtp`)
 
 
 @dataclass(frozen=True)

@@ -554,7 +554,7 @@ def make_plan(i: PlanInputs) -> Plan:
         raise SpecdecError(f"spec type {spec_type} needs a draft model (-md)")
     k, gain = (v.k, v.gain) if v.k is not None and v.gain is not None and drafting else (i.draft_max, 1.0)
     pl.use_draft = d is not None and drafting
-    heads = drafter_memory(spec_type, model, tspec, t, i.slots, i.drafter_options)
+    heads = drafter_memory(spec_type, model, tspec, t, i.slots, i.drafter_options, i.draft)
     parts = {k: v for h in heads for k, v in h.parts.items()}
     rss = runtime_rss(t, d if pl.use_draft else None, parts) if tfmt.runtime else None
     plan = Plan(
@@ -585,7 +585,13 @@ def make_plan(i: PlanInputs) -> Plan:
 
 
 def drafter_memory(
-    spec_type: str, model: str, tspec: ModelSpec, t: ModelMemory, slots: int, options: dict | None = None
+    spec_type: str,
+    model: str,
+    tspec: ModelSpec,
+    t: ModelMemory,
+    slots: int,
+    options: dict | None = None,
+    draft: str | None = None,
 ) -> list[HeadMemory]:
     """The memory of each drafter in the chain that holds its own (a trained head), as the drafter estimates it."""
     from specdec.drafters import REGISTRY, parse_spec_type
@@ -605,6 +611,7 @@ def drafter_memory(
         slots,
         RUNTIME_DTYPES.get(t.fmt.weights, 4) if t.fmt.quant != "gguf" else 4,
         REGISTRY.option_values(options),
+        draft,
     )
     kinds = [REGISTRY.get(p) for p in parse_spec_type(spec_type) if p != "none"]
     return [k.memory(q) for k in kinds if k.memory is not None]
