@@ -70,6 +70,29 @@ def test_same_bits_as_the_python_layer(tiny_gguf, monkeypatch):
     _compare(llm.runner.model, monkeypatch)
 
 
+GEMMA = {
+    "gemma2": {},  # sandwich norms, GeGLU, a query scale, soft-capped scores, sliding layers
+    "gemma3_text": {},  # per-head q/k norms, the sliding layers' own rotary base
+    # full layers with their own head size whose values are the keys, value norms, layer scalars (not the per-layer
+    # inputs and shared K/V: Python around the kernels)
+    "gemma4": {"hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0},
+    "gemma4_moe": {},  # experts beside the MLP, the router in Python between two calls
+}
+
+
+@pytest.mark.parametrize("case", list(GEMMA))
+def test_same_bits_on_gemma(tmp_path, monkeypatch, case):
+    """Gemma's recipes in C: the same bits as their Python layers, on Q8_0 GGUFs from llama.cpp's converter."""
+    from families import convert, make_checkpoint, need_converter
+
+    from specdec.models.gguf_quantized import load_gguf_quantized
+
+    need_converter()
+    hf = make_checkpoint(tmp_path / "hf", case, **GEMMA[case])
+    model, _ = load_gguf_quantized(convert(hf, "q8_0", tmp_path / "q8_0.gguf"), torch.float32)
+    _compare(model, monkeypatch)
+
+
 @pytest.mark.real
 def test_same_bits_on_smollm2(smollm_dir, monkeypatch):
     llm = LLM("smollm2-135m", quant="gguf", dtype="fp32", progress=False)

@@ -52,6 +52,16 @@ def test_silu_mul_matches_torch_and_rows_are_independent():
     assert torch.equal(S.silu_mul(gu[2, 1:2]), out[2, 1:2])
 
 
+def test_gelu_mul_matches_torch_and_rows_are_independent():
+    gu = torch.randn(3, 4, 2 * 64, generator=torch.Generator().manual_seed(3)) * 4
+    gu[0, 0, :4] = torch.tensor([-100.0, -3.0, 0.0, 100.0])  # the exponential's clamp and zero
+    gate, up = gu.chunk(2, dim=-1)
+    out = S.gelu_mul(gu)
+    assert out.shape == (3, 4, 64)
+    assert torch.allclose(out, F.gelu(gate, approximate="tanh") * up, atol=1e-5, rtol=1e-5)
+    assert torch.equal(S.gelu_mul(gu[2, 1:2]), out[2, 1:2])
+
+
 @pytest.mark.parametrize("vocab", [5, 8, 13, 1000, 151936])
 def test_top2_matches_argmax_and_topk(vocab):
     torch.manual_seed(3)

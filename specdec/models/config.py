@@ -95,26 +95,6 @@ class ModelConfig:
     def sliding(self, layer: int) -> bool:
         return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
 
-    @property
-    def plain_layers(self) -> bool:
-        """Whether every layer is the Llama recipe (with or without Qwen3's per-head q/k norms, with dense or
-        mixture-of-experts MLPs, gpt-oss's sinks, biased experts and sliding layers) the C layer kernel runs
-        (`runtime/layer_kernel.py`)."""
-        return (
-            self.norms == "pre"
-            and self.hidden_act == "silu"
-            and self.qk_norm != "full"
-            and self.attn_scale is None
-            and self.attn_softcap is None
-            and self.residual_scale == 1.0
-            and self.norm_offset == 0.0
-            and not self.no_rope_layers
-            and self.rope_local_theta is None
-            and self.rotary_dim is None
-            and not self.attn_gate
-            and not self.linear_layers
-        )
-
     def attn_shape(self, layer: int) -> tuple[int, int]:
         """(K/V heads, head size) of an attention layer."""
         if self.global_head_dim and not self.sliding(layer):

@@ -63,7 +63,7 @@ class GGUFExperts(ExpertMath, nn.Module):
     def kernel_parts(self) -> ExpertParts:
         """Each expert's [gate, up] and each one's down, with the biases and activation, as the C layer takes them."""
         biases = (None if b is None else b.data for b in (self.gate_up_bias, self.down_bias))
-        return ExpertParts([list(gu.parts) for gu in self.gate_up], list(self.down), *biases, self.limit, self.alpha)
+        return ExpertParts([_gate_and_up(gu) for gu in self.gate_up], list(self.down), *biases, self.limit, self.alpha)
 
     def shared(self, experts: list[int], x: torch.Tensor) -> list[torch.Tensor]:
         """Each of `experts` over the same rows x [n, H] -> [n, H] each: their gate/up in one kernel call (the
@@ -76,6 +76,17 @@ class GGUFExperts(ExpertMath, nn.Module):
             self.finish(e, self.down[e](self.activate(e, gate_up[:, j * width : (j + 1) * width].contiguous())))
             for j, e in enumerate(experts)
         ]
+
+
+def _gate_and_up(gate_up: GGUFConcatLinear) -> list[GGUFLinear]:
+    """An expert's gate and up: its two parts, or the two halves of a fused one (Gemma 4's), sharing its blocks (in
+    the x16 layout only where each half is whole groups of 16 outputs)."""
+    parts = list(gate_up.parts)
+    p = parts[0]
+    f = p.out_features // 2
+    if len(parts) != 1 or p.bias is not None or (p.qtype & K.X16 and f % 16):
+        return parts
+    return [GGUFLinear(p.qweight[a : a + f], p.qtype, p.in_features, f, None) for a in (0, f)]
 
 
 def _linear(t, cfg: ModelConfig, reader, bias: torch.Tensor | None = None) -> GGUFLinear:

@@ -23,7 +23,7 @@ from specdec.runtime import kernels as K
 from specdec.runtime import small_ops
 from specdec.runtime.attention import attention
 from specdec.runtime.kv_cache import KVCache
-from specdec.runtime.layer_kernel import LayerKernel, LayerStack, StepArgs, step_args
+from specdec.runtime.layer_kernel import LayerKernel, LayerParts, LayerStack, StepArgs, step_args
 from specdec.runtime.recurrent import RecurrentStates
 
 
@@ -123,7 +123,11 @@ class Attention(nn.Module):
 
 
 def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) over the last dimension, without a weight (Gemma 4's value norm)."""
+    """x / rms(x) over the last dimension, without a weight (Gemma 4's value norm; as `RMSNorm` with weight 1, whose
+    C form the C layer shares)."""
+    fast = small_ops.rms_norm(x, torch.ones(x.shape[-1]), eps)
+    if fast is not None:
+        return fast
     h = x.float()
     return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
@@ -142,7 +146,7 @@ class MLP(nn.Module):
 
 def gated(gate_up: torch.Tensor, gelu: bool = False) -> torch.Tensor:
     """act(gate) * up of a fused [..., 2F] gate/up projection: SiLU (SwiGLU), or tanh-GELU (Gemma's GeGLU)."""
-    act = None if gelu else small_ops.silu_mul(gate_up)
+    act = small_ops.gelu_mul(gate_up) if gelu else small_ops.silu_mul(gate_up)
     if act is None:
         gate, up = gate_up.chunk(2, dim=-1)
         act = (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
@@ -320,13 +324,13 @@ class DecoderLayer(nn.Module):
         if cfg.norms != "pre":
             self.post_feedforward_layernorm = norm()
         self.norms, self.residual_scale = cfg.norms, cfg.residual_scale
-        self.plain = cfg.plain_layers
         self._layer_kernel: tuple | None = None  # see _kernel
 
     def forward(self, x: torch.Tensor, batch: "Batch", cache: KVCache) -> torch.Tensor:
-        if batch.fast is not None and self.plain:  # float32 on the CPU, any row count: the layer in one C call
+        if batch.fast is not None:  # float32 on the CPU, any row count: the layer in one C call where it runs there
             lk = self._kernel()
-            route = self.mlp.route if isinstance(self.mlp, MoE) else None
+            moe = self.mlp if isinstance(self.mlp, MoE) else getattr(self, "moe", None)
+            route = None if moe is None else moe.route
             out = None if lk is None else lk.run(x, batch.fast, self.self_attn.layer, cache, route)
             if out is not None:
                 return out
@@ -360,31 +364,38 @@ class DecoderLayer(nn.Module):
         return x + (h if self.residual_scale == 1.0 else h * self.residual_scale)
 
     def _kernel(self) -> LayerKernel | None:
-        """This layer's C form (`runtime.layer_kernel`), described once; None where it cannot run here (a recipe
-        other than Llama's, or weights the kernels do not take)."""
-        if not self.plain:
+        """This layer's C form (`runtime.layer_kernel`), described once; None where it cannot run here (a recipe the
+        C layer does not take, or weights the kernels do not take)."""
+        if self.linear or self.norms == "post":
             return None
-        a, m = self.self_attn, self.mlp
-        moe = isinstance(m, MoE)
-        modules = (
-            self.input_layernorm,
-            self.post_attention_layernorm,
-            a.qkv_proj,
-            a.o_proj,
-            None if moe else m.gate_up_proj,
-            None if moe else m.down_proj,
-            getattr(a, "q_norm", None),
-            getattr(a, "k_norm", None),
-            m.experts if moe else None,
-            getattr(a, "sinks", None),
-        )
+        a, m, get = self.self_attn, self.mlp, lambda name: getattr(self, name, None)  # noqa: E731
+        moe, sandwich = isinstance(m, MoE), self.norms == "sandwich"
+        beside = get("moe")  # Gemma 4's experts beside the MLP
+        parts = {
+            "norm1": self.input_layernorm,
+            "norm2": self.pre_feedforward_layernorm if sandwich else self.post_attention_layernorm,
+            "qkv": a.qkv_proj,
+            "o": a.o_proj,
+            "gate_up": None if moe else m.gate_up_proj,
+            "down": None if moe else m.down_proj,
+            "q_norm": getattr(a, "q_norm", None),
+            "k_norm": getattr(a, "k_norm", None),
+            "attn_out_norm": self.post_attention_layernorm if sandwich else None,
+            "mlp_out_norm": self.post_feedforward_layernorm if sandwich else None,
+            "experts": m.experts if moe else None if beside is None else beside.experts,
+            "sinks": getattr(a, "sinks", None),
+            "out_scale": get("layer_scalar"),
+            "expert_in_norm": get("pre_feedforward_layernorm_2"),
+            "expert_out_norm": get("post_feedforward_layernorm_2"),
+            "dense_out_norm": get("post_feedforward_layernorm_1"),
+        }
         built = self._layer_kernel  # (the modules it was built from, the C form or None)
-        if built is None or any(x is not y for x, y in zip(built[0], modules)):  # first use, or a module replaced
-            experts = m.experts.kernel_parts() if moe else None
+        if built is None or any(x is not y for x, y in zip(built[0], parts.values())):  # first use, or one replaced
+            experts = None if parts["experts"] is None else parts["experts"].kernel_parts()
             kernel = None
-            if not moe or experts is not None:
-                kernel = LayerKernel.of(a.cfg, *modules[:-2], experts=experts, sinks=modules[-1], sliding=a.sliding)
-            built = self._layer_kernel = (modules, kernel)
+            if parts["experts"] is None or experts is not None:
+                kernel = LayerKernel.of(a.cfg, self.index, LayerParts(**{**parts, "experts": experts}))
+            built = self._layer_kernel = (tuple(parts.values()), kernel)
         return built[1]
 
     def _apply(self, fn, recurse=True):  # weights moved or converted: describe them again at the next step

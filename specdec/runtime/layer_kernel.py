@@ -1,22 +1,24 @@
 """A decoder layer in one C call (`kernels/layer.c`) for decode and verification steps: float32 activations on the
 CPU, GGUF weights through the kernels. It runs the same C functions in the same order as the layer's Python code
-(norm, q/k/v + bias, per-head q/k norms, rotary, K/V write, attention, o_proj + residual, norm, gate/up, SiLU * up,
-down + residual), so the result is the same bits; at a few rows the Python between those calls is a large share of a
-step (Zen 3: ~0.5 ms of a layer's ~4 ms).
+(norm, q/k/v + bias, per-head q/k/v norms, rotary, K/V write, attention, o_proj (+ norm) + residual, norm, gate/up,
+SiLU or tanh-GELU * up, down (+ norm) + residual), so the result is the same bits; at a few rows the Python between
+those calls is a large share of a step (Zen 3: ~0.5 ms of a layer's ~4 ms).
 
-`LayerKernel.of(...)` describes a layer's weights once (None where the layer cannot run here: not GGUF, OLMo 2's q/k
-norms, not on the CPU, no library); `step_args(...)` describes a forward's rows once for every layer; `run(...)`
-returns the layer's output, or None where the C path does not take this step (the caller then runs the Python
-layer)."""
+`LayerKernel.of(...)` describes a layer's weights once (None where the layer cannot run here: not GGUF, a recipe it
+does not take, not on the CPU, no library); `step_args(...)` describes a forward's rows once for every layer;
+`run(...)` returns the layer's output, or None where the C path does not take this step (the caller then runs the
+Python layer)."""
 
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
+from torch import nn
 
 from specdec.runtime import kernels as K
 from specdec.runtime.gguf_linear import GGUFConcatLinear, GGUFLinear, matmul_args
@@ -54,8 +56,11 @@ class _Layer(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("norm1", ptr),
         ("norm2", ptr),
+        ("attn_out_norm", ptr),
+        ("mlp_out_norm", ptr),
         ("q_norm", ptr),
         ("k_norm", ptr),
+        ("v_norm", ptr),
         ("qkv", _Linear),
         ("o", _Linear),
         ("gate_up", _Linear),
@@ -63,6 +68,14 @@ class _Layer(ctypes.Structure):
         ("moe", _Moe),
         ("sinks", ptr),
         ("sliding", i64),
+        ("scale", ctypes.c_float),
+        ("softcap", ctypes.c_float),
+        ("gelu", i64),
+        ("kv_parts", i64),
+        ("out_scale", ptr),
+        ("expert_in_norm", ptr),
+        ("expert_out_norm", ptr),
+        ("dense_out_norm", ptr),
     ]
 
 
@@ -81,6 +94,8 @@ class _Step(ctypes.Structure):
         ("index", ptr),
         ("mask", ptr),
         ("local_mask", ptr),
+        ("cos_local", ptr),
+        ("sin_local", ptr),
     ]
 
 
@@ -105,6 +120,52 @@ class ExpertParts:
     alpha: float = 1.702
 
 
+@dataclass
+class LayerParts:
+    """A decoder layer's modules as the C layer takes them (norms: `RMSNorm`s; linear layers: GGUF matrices), None
+    where the layer has none."""
+
+    norm1: nn.Module  # before attention
+    norm2: nn.Module  # before the MLP
+    qkv: nn.Module
+    o: nn.Module
+    gate_up: nn.Module | None = None  # None: experts
+    down: nn.Module | None = None
+    q_norm: nn.Module | None = None  # each head of q / k (Qwen3, Gemma 3)
+    k_norm: nn.Module | None = None
+    attn_out_norm: nn.Module | None = None  # after attention / after the MLP (Gemma's sandwich norms)
+    mlp_out_norm: nn.Module | None = None
+    experts: ExpertParts | None = None  # in place of gate_up and down, or (Gemma 4) beside them
+    sinks: torch.Tensor | None = None  # [heads] gpt-oss's
+    out_scale: torch.Tensor | None = None  # [1] Gemma 4's layer scalar
+    expert_in_norm: nn.Module | None = None  # Gemma 4's experts beside the MLP: normed before and after, the MLP after
+    expert_out_norm: nn.Module | None = None
+    dense_out_norm: nn.Module | None = None
+
+
+def _recipe_runs(cfg, layer: int) -> bool:
+    """Whether the C layer takes this layer's recipe: Llama's pre-norms or Gemma's sandwich, SiLU or tanh-GELU, per-head
+    q/k norms or none, its own K/V; not Granite's multipliers, OLMo 2's norms, SmolLM3's rope-less layers, Qwen3.5's
+    gated and linear attention, or Gemma 4's per-layer inputs and shared K/V."""
+    return (
+        cfg.norms in ("pre", "sandwich")
+        and cfg.hidden_act in ("silu", "gelu_tanh")
+        and cfg.qk_norm in ("", "head")
+        and cfg.residual_scale == 1.0
+        and not cfg.no_rope_layers
+        and not cfg.attn_gate
+        and not cfg.linear(layer)
+        and not cfg.per_layer_dim
+        and cfg.kv_layer(layer) == layer
+    )
+
+
+def _weight(norm: nn.Module) -> torch.Tensor:
+    """An `RMSNorm`'s multiplier as its forward computes it (Gemma's offset + weight)."""
+    w = norm.weight.detach()
+    return (norm.offset + w if norm.offset else w).contiguous()
+
+
 class LayerKernel:
     """One decoder layer's weights as `gq_decoder_layer` takes them (the tensors and arrays kept alive here)."""
 
@@ -116,42 +177,37 @@ class LayerKernel:
         return self.spec.moe.n > 0
 
     @classmethod
-    def of(
-        cls,
-        cfg,
-        norm1,
-        norm2,
-        qkv,
-        o,
-        gate_up,
-        down,
-        q_norm=None,
-        k_norm=None,
-        experts: ExpertParts | None = None,
-        sinks: torch.Tensor | None = None,
-        sliding: bool = False,
-    ) -> "LayerKernel | None":
-        """The C layer for these modules (q_norm, k_norm: per-head norms or None; experts: a mixture of experts in
-        place of gate_up and down; sinks: gpt-oss's [heads]; sliding: a sliding-window layer), or None where it
-        cannot run them (the caller keeps its Python path)."""
-        mlp = [] if experts is not None else [gate_up, down]
-        lins = [_parts(m) for m in [qkv, o, *mlp]]
-        norms = tuple(n.weight for n in (norm1, norm2, q_norm, k_norm) if n is not None)
+    def of(cls, cfg, layer: int, parts: LayerParts) -> "LayerKernel | None":
+        """The C layer for layer `layer`'s parts, or None where it cannot run them (the caller keeps its Python
+        path)."""
+        kv_heads, hd = cfg.attn_shape(layer)
+        sliding = cfg.sliding(layer)
+        mlp = [] if parts.gate_up is None else [parts.gate_up, parts.down]
+        beside = [parts.expert_in_norm, parts.expert_out_norm, parts.dense_out_norm]
+        lins = [_parts(m) for m in [parts.qkv, parts.o, *mlp]]
+        norms = [parts.norm1, parts.norm2, parts.attn_out_norm, parts.mlp_out_norm, parts.q_norm, parts.k_norm]
+        tensors = [n.weight for n in norms + beside if n is not None]
+        tensors += [t for t in (parts.sinks, parts.out_scale) if t is not None]
         if (
             K.library() is None
-            or cfg.qk_norm not in ("", "head")
-            or (cfg.qk_norm == "head") != (len(norms) == 4)
+            or not _recipe_runs(cfg, layer)
+            or (cfg.qk_norm == "head") != (parts.q_norm is not None and parts.k_norm is not None)
+            or (cfg.norms == "sandwich") != (parts.attn_out_norm is not None and parts.mlp_out_norm is not None)
+            or (cfg.moe(layer) and cfg.moe_beside_mlp) != all(n is not None for n in beside + mlp)
+            or (parts.experts is None and not mlp)
             or any(x is None for x in lins)
-            or cfg.head_dim % 16
-            or any(n.dtype != torch.float32 or not n.is_cpu for n in norms)
+            or hd % 16
+            or cfg.rope_dim_of(sliding) != hd
+            or any(t.dtype != torch.float32 or not t.is_cpu for t in tensors)
             or any(p.qweight.device.type != "cpu" for ps, _ in lins for p in ps)
-            or (experts is not None and not _experts_run(experts))
-            or (sinks is not None and (sinks.dtype != torch.float32 or not sinks.is_cpu))
+            or (parts.experts is not None and not _experts_run(parts.experts))
         ):
             return None
-        keep: list = [n.detach().contiguous() for n in norms]
-        sink = None if sinks is None else sinks.detach().contiguous()
-        qk = [n.data_ptr() for n in keep[2:]] or [None, None]
+        keep: list = [None if n is None else _weight(n) for n in norms]
+        keep.append(torch.ones(hd) if cfg.v_norm else None)
+        keep += [None if t is None else t.detach().contiguous() for t in (parts.sinks, parts.out_scale)]
+        keep += [None if n is None else _weight(n) for n in beside]
+        addr = [None if t is None else t.data_ptr() for t in keep]
         structs = []
         for ps, bias in lins + [([], None)] * (2 - len(mlp)):  # a mixture of experts: no dense gate_up, down
             n, types, weights, outs, _ = args = matmul_args(ps)
@@ -163,26 +219,29 @@ class LayerKernel:
         spec = _Layer(
             cfg.hidden_size,
             cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            cfg.intermediate_size,
-            norm1.eps,
-            keep[0].data_ptr(),
-            keep[1].data_ptr(),
-            *qk,
+            kv_heads,
+            hd,
+            cfg.mlp_size(layer),
+            parts.norm1.eps,
+            *addr[:7],
             *structs,
-            _Moe() if experts is None else _moe(experts, keep),
-            None if sink is None else sink.data_ptr(),
+            _Moe() if parts.experts is None else _moe(parts.experts, keep),
+            addr[7],
             int(sliding),
+            1.0 / math.sqrt(hd) if cfg.attn_scale is None else cfg.attn_scale,
+            cfg.attn_softcap or 0.0,
+            int(cfg.hidden_act == "gelu_tanh"),
+            1 if cfg.k_eq_v and not sliding else 2,
+            *addr[8:],
         )
-        return cls(spec, keep + [sink])
+        return cls(spec, keep)
 
     def run(
         self, x: torch.Tensor, step: "StepArgs | None", layer: int, cache, route: Route | None = None
     ) -> torch.Tensor | None:
         """x [B, T, hidden] -> the layer's output, its K/V written to `cache`; None where the C path does not apply.
-        A mixture of experts: the attention half in C, `route` (the layer's router, in Python) on its MLP input,
-        then the experts in C."""
+        A mixture of experts: the attention half in C, `route` (the layer's router, in Python) on its MLP input
+        (Gemma 4: on the attention half's output), then the experts in C."""
         if step is None or not x.is_contiguous():  # step: None where the kernels do not take these rows
             return None
         kc, vc = cache.k[layer], cache.v[layer]
@@ -201,8 +260,9 @@ class LayerKernel:
             or lib.gq_attention_half(spec, step_spec, x.data_ptr(), out.data_ptr(), h.data_ptr(), threads, path) < 0
         ):
             return None
-        rows = h.reshape(-1, h.shape[-1])
-        weights, chosen = route(rows)  # [rows, k] each
+        routed = out if self.spec.expert_in_norm else h
+        weights, chosen = route(routed.reshape(-1, x.shape[-1]))  # [rows, k] each
+        rows = h.reshape(-1, x.shape[-1])
         w, idx = weights.float().contiguous(), chosen.to(torch.int64).contiguous()
         rc = lib.gq_moe_experts(
             spec,
@@ -264,16 +324,16 @@ class LayerStack:
         self.kernels, self.cache = kernels, cache
         self.specs = (ptr * n)(*[ctypes.addressof(k.spec) for k in kernels])
         self.kc, self.vc = ((ptr * n)(*[t.data_ptr() for t in ts]) for ts in (cache.k, cache.v))
+        self.sb, self.sh = ((i64 * n)(*[t.stride(d) for t in cache.k]) for d in (0, 1))
 
     @classmethod
     def of(cls, kernels: list, cache) -> "LayerStack | None":
-        k0 = cache.k[0]
         if (
             not kernels
             or any(k is None or k.moe for k in kernels)  # experts: routed in Python between two calls
             or len(cache.k) != len(kernels)
-            or k0.stride(-1) != 1
-            or any(t.dtype != torch.float32 or not t.is_cpu or t.stride() != k0.stride() for t in cache.k + cache.v)
+            or any(k.stride() != v.stride() for k, v in zip(cache.k, cache.v))
+            or any(t.dtype != torch.float32 or not t.is_cpu or t.stride(-1) != 1 for t in cache.k + cache.v)
         ):
             return None
         return cls(kernels, cache)
@@ -292,15 +352,15 @@ class LayerStack:
         take this step (the caller then runs the layers one by one, which write the same K/V again)."""
         if step is None or not x.is_contiguous():  # step: None where the kernels do not take these rows
             return None
-        s, k0 = step.spec, self.cache.k[0]
-        s.sb, s.sh = k0.stride(0), k0.stride(1)
         out, tmp = torch.empty_like(x), torch.empty_like(x)
         rc = K.library().gq_decoder_stack(
             self.specs,
             len(self.kernels),
-            ctypes.byref(s),
+            ctypes.byref(step.spec),
             self.kc,
             self.vc,
+            self.sb,
+            self.sh,
             x.data_ptr(),
             out.data_ptr(),
             tmp.data_ptr(),
@@ -321,16 +381,18 @@ class StepArgs:
     def spec(self) -> _Step:
         """Built at the first layer that runs in C (a model whose layers cannot pays nothing)."""
         batch, B, T = self.batch, self.B, self.T
-        hd = batch.cos.shape[-1]
+        rows = lambda t: None if t is None else t.reshape(B * T, t.shape[-1]).contiguous()  # noqa: E731
         self.keep = [
-            batch.cos.reshape(B * T, hd).contiguous(),
-            batch.sin.reshape(B * T, hd).contiguous(),
+            rows(batch.cos),
+            rows(batch.sin),
             batch.slots.to(torch.int64).contiguous(),
             batch.cache_index.to(torch.int64).contiguous(),
             None if batch.mask is None else batch.mask.expand(B, 1, T, batch.kv_len).contiguous(),
             None if batch.local_mask is None else batch.local_mask.expand(B, 1, T, batch.kv_len).contiguous(),
+            rows(batch.cos_local),
+            rows(batch.sin_local),
         ]
-        c, s, slots, index, mask, local = self.keep
+        c, s, slots, index, mask, local, c_local, s_local = self.keep
         return _Step(
             B,
             T,
@@ -345,6 +407,8 @@ class StepArgs:
             index.data_ptr(),
             None if mask is None else mask.data_ptr(),
             None if local is None else local.data_ptr(),
+            None if c_local is None else c_local.data_ptr(),
+            None if s_local is None else s_local.data_ptr(),
         )
 
 

@@ -1,9 +1,9 @@
 """The small operations of a decoder layer through the C library (`kernels/small_ops.c`): RMS norm, rotary
-embedding of q and k in place, SiLU(gate) * up, Qwen3.5's gated delta rule with its inputs and gated norm, one call
-each where torch takes 3 to 8 (at one row, their dispatch costs more than their arithmetic). Each returns None (or
-False) where the C path does not apply: no library, not float32 on the CPU, or gradients wanted; the caller then
-runs torch's operations. And each logit row's best token and its lead over the next (`top2`), which runs torch's own
-where the C path does not apply. A row's result is the same bits however many rows share the call."""
+embedding of q and k in place, SiLU(gate) * up, tanh-GELU(gate) * up, Qwen3.5's gated delta rule with its inputs and
+gated norm, one call each where torch takes 3 to 8 (at one row, their dispatch costs more than their arithmetic). Each
+returns None (or False) where the C path does not apply: no library, not float32 on the CPU, or gradients wanted; the
+caller then runs torch's operations. And each logit row's best token and its lead over the next (`top2`), which runs
+torch's own where the C path does not apply. A row's result is the same bits however many rows share the call."""
 
 from __future__ import annotations
 
@@ -43,6 +43,11 @@ def rope_(qkv: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """gate_up [..., 2 * inter] (gate, then up) -> silu(gate) * up [..., inter], or None."""
     return _gated(gate_up, lambda lib, *args: lib.gq_silu_mul(*args))
+
+
+def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """gate_up [..., 2 * inter] (gate, then up) -> tanh-GELU(gate) * up [..., inter] (Gemma's GeGLU), or None."""
+    return _gated(gate_up, lambda lib, *args: lib.gq_gelu_mul(*args))
 
 
 def swiglu_limit(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor | None:

@@ -1,6 +1,8 @@
-/* One decoder layer of a Llama / Qwen2 / Qwen3 / Mistral model in one call, for decode and verification steps on the
- * CPU (float32 activations, GGUF weights): RMS norm, q/k/v, per-head q/k norms (Qwen3), rotary, K/V written to the
- * cache, attention, o_proj and the residual, RMS norm, gate/up, SiLU * up, down and the residual. A mixture of experts
+/* One decoder layer of a Llama / Qwen2 / Qwen3 / Mistral / Gemma model in one call, for decode and verification steps
+ * on the CPU (float32 activations, GGUF weights): RMS norm, q/k/v, per-head q/k norms (Qwen3, Gemma 3) and v norms
+ * (Gemma 4), rotary, K/V written to the cache, attention (Gemma 2: its scale and soft cap), o_proj (Gemma: normed
+ * again) and the residual, RMS norm, gate/up, SiLU or tanh-GELU * up, down (Gemma: normed again) and the residual
+ * (Gemma 4: times its layer scalar). A mixture of experts
  * (Qwen3-MoE, gpt-oss) in two calls around its router: the attention half (gpt-oss: its sinks, its sliding layers'
  * mask), then the experts (gpt-oss: their biases and clamped SwiGLU). The same functions
  * in the same order as the layer's Python code (models/transformer.py) runs them one by one, so the two give the
@@ -16,6 +18,7 @@ int gq_matmul_parts(int nparts, const int *types, const uint8_t *const *Ws, cons
 int gq_rmsnorm(const float *x, const float *w, float eps, int64_t rows, int64_t dim, float *out);
 int gq_rope(float *x, int64_t stride, const float *cos, const float *sin, int64_t rows, int64_t heads, int64_t hd);
 int gq_silu_mul(const float *gu, int64_t rows, int64_t inter, float *out);
+int gq_gelu_mul(const float *gu, int64_t rows, int64_t inter, float *out);
 int gq_swiglu_limit(const float *gu, int64_t rows, int64_t inter, float limit, float alpha, float *out);
 int gq_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qst, const float *k, const float *v,
                  const int64_t *slots, int64_t sb, int64_t sh, const uint8_t *mask, int64_t B, int64_t H, int64_t kvh,
@@ -44,12 +47,21 @@ typedef struct { /* a mixture-of-experts MLP's experts (Qwen3-MoE, gpt-oss); n =
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter;
     float eps;
-    const float *norm1, *norm2; /* [hidden]: before attention, before the MLP */
-    const float *q_norm, *k_norm; /* [head_dim]: each head of q / k normed (Qwen3), or NULL */
+    const float *norm1, *norm2;                /* [hidden]: before attention, before the MLP */
+    const float *attn_out_norm, *mlp_out_norm; /* [hidden]: after attention, after the MLP (Gemma), or NULL */
+    const float *q_norm, *k_norm; /* [head_dim]: each head of q / k normed (Qwen3, Gemma 3), or NULL */
+    const float *v_norm;          /* [head_dim] of ones: each head of v normed (Gemma 4), or NULL */
     lin_t qkv, o, gate_up, down;
     moe_t moe;
     const float *sinks; /* [heads]: gpt-oss's attention sinks, or NULL */
-    int64_t sliding;    /* 1: the step's local_mask (a sliding-window layer) where it has one */
+    int64_t sliding;    /* 1: the step's local_mask and local rotary tables (a sliding-window layer) where it has them */
+    float scale, softcap; /* attention scores times scale, then softcap tanh(s / softcap) where softcap > 0 */
+    int64_t gelu;         /* 1: tanh-GELU(gate) * up (Gemma), 0: SiLU(gate) * up */
+    int64_t kv_parts;     /* qkv's outputs beside q: 2 = k, v; 1 = k, the values a copy of it (Gemma 4's full layers) */
+    const float *out_scale; /* [1]: the layer's output times it (Gemma 4's layer scalar), or NULL */
+    /* [hidden]: Gemma 4's experts beside a dense MLP (gate_up, down), each normed before and after, the dense one
+     * after, where the layer has them; else NULL */
+    const float *expert_in_norm, *expert_out_norm, *dense_out_norm;
 } layer_t;
 
 typedef struct {
@@ -61,6 +73,7 @@ typedef struct {
     const int64_t *index;   /* [B * T]: the cache position each row's K/V is written to */
     const uint8_t *mask;    /* [B][T][S], 1 = attend; NULL = every key */
     const uint8_t *local_mask; /* the same for sliding-window layers, or NULL: `mask` serves them */
+    const float *cos_local, *sin_local; /* [B * T][their head_dim]: sliding layers' own tables (Gemma 3, 4), or NULL */
 } step_t;
 
 static int linear(const lin_t *l, const float *x, int64_t rows, int64_t in, float *y, int nthreads, int path) {
@@ -73,8 +86,32 @@ static int linear(const lin_t *l, const float *x, int64_t rows, int64_t in, floa
     return rc;
 }
 
-/* The attention half of a layer: out [B * T][hidden] = x + attention(norm1(x)), its K/V written to the cache, and
- * h = norm2(out), the MLP's input. Returns as gq_decoder_layer. */
+/* qkv [rows][W]: each row's q and k, given side by side [rows][made] at its start, and v = k after them (made < W:
+ * a projection that gives k alone) */
+static void widen(float *qkv, int64_t rows, int64_t made, int64_t W, int64_t q, int64_t kv) {
+    for (int64_t r = rows - 1; r >= 0 && made < W; r--) { /* from the last row: a row never moves down */
+        float *row = qkv + r * W;
+        memmove(row, qkv + r * made, sizeof(float) * (size_t)made);
+        memcpy(row + q + kv, row + q, sizeof(float) * (size_t)kv);
+    }
+}
+
+/* Each row of qkv [rows][W]: its heads of q and k normed by q_norm / k_norm, of v by v_norm, where the layer has
+ * them, in place */
+static int head_norms(const layer_t *L, float *qkv, int64_t rows, int64_t W) {
+    const int64_t hd = L->head_dim, q = L->heads * hd, kv = L->kv_heads * hd;
+    int rc = 0;
+    for (int64_t r = 0; rc >= 0 && r < rows && (L->q_norm || L->v_norm); r++) {
+        float *row = qkv + r * W;
+        if (L->q_norm) rc = gq_rmsnorm(row, L->q_norm, L->eps, L->heads, hd, row);
+        if (L->q_norm && rc >= 0) rc = gq_rmsnorm(row + q, L->k_norm, L->eps, L->kv_heads, hd, row + q);
+        if (L->v_norm && rc >= 0) rc = gq_rmsnorm(row + q + kv, L->v_norm, L->eps, L->kv_heads, hd, row + q + kv);
+    }
+    return rc;
+}
+
+/* The attention half of a layer: out [B * T][hidden] = x + attention(norm1(x)) (normed by attn_out_norm where the
+ * layer has it), its K/V written to the cache, and h = norm2(out), the MLP's input. Returns as gq_decoder_layer. */
 int gq_attention_half(const layer_t *L, const step_t *s, const float *x, float *out, float *h, int nthreads,
                       int path) {
     const int64_t rows = s->B * s->T, H = L->hidden, hd = L->head_dim, q = L->heads * hd, kv = L->kv_heads * hd;
@@ -82,14 +119,14 @@ int gq_attention_half(const layer_t *L, const step_t *s, const float *x, float *
     float *buf = (float *)malloc(sizeof(float) * (size_t)(rows * (W + q)));
     if (!buf) return -3;
     float *qkv = buf, *att = qkv + rows * W;
+    const int local = L->sliding && s->cos_local;
     int rc = gq_rmsnorm(x, L->norm1, L->eps, rows, H, h);
     if (rc >= 0) rc = linear(&L->qkv, h, rows, H, qkv, nthreads, path);
-    for (int64_t r = 0; L->q_norm && rc >= 0 && r < rows; r++) { /* in place: q's heads, then k's */
-        float *row = qkv + r * W;
-        rc = gq_rmsnorm(row, L->q_norm, L->eps, L->heads, hd, row);
-        if (rc >= 0) rc = gq_rmsnorm(row + q, L->k_norm, L->eps, L->kv_heads, hd, row + q);
-    }
-    if (rc >= 0 && (rc = gq_rope(qkv, W, s->cos, s->sin, rows, L->heads + L->kv_heads, hd)) >= 0) {
+    if (rc >= 0) widen(qkv, rows, q + L->kv_parts * kv, W, q, kv);
+    if (rc >= 0) rc = head_norms(L, qkv, rows, W);
+    if (rc >= 0 &&
+        (rc = gq_rope(qkv, W, local ? s->cos_local : s->cos, local ? s->sin_local : s->sin, rows,
+                      L->heads + L->kv_heads, hd)) >= 0) {
         for (int64_t b = 0; b < s->B; b++)
             for (int64_t t = 0; t < s->T; t++) {
                 const float *row = qkv + (b * s->T + t) * W;
@@ -101,11 +138,11 @@ int gq_attention_half(const layer_t *L, const step_t *s, const float *x, float *
             }
         const uint8_t *mask = L->sliding && s->local_mask ? s->local_mask : s->mask;
         rc = gq_attention(qkv, s->T * W, hd, W, s->kc, s->vc, s->slots, s->sb, s->sh, mask, s->B, L->heads,
-                          L->kv_heads, s->T, s->S, hd, (float)(1.0 / sqrt((double)hd)), 0.0f, L->sinks, att, nthreads,
-                          path);
+                          L->kv_heads, s->T, s->S, hd, L->scale, L->softcap, L->sinks, att, nthreads, path);
     }
     int used = 0;
     if (rc >= 0) rc = used = linear(&L->o, att, rows, q, out, nthreads, path);
+    if (rc >= 0 && L->attn_out_norm) rc = gq_rmsnorm(out, L->attn_out_norm, L->eps, rows, H, out);
     if (rc >= 0) {
         for (int64_t i = 0; i < rows * H; i++) out[i] = x[i] + out[i];
         rc = gq_rmsnorm(out, L->norm2, L->eps, rows, H, h);
@@ -120,10 +157,13 @@ static void add_bias(float *y, const float *b, int64_t rows, int64_t n) {
         for (int64_t i = 0; i < n; i++) y[r * n + i] = y[r * n + i] + b[i];
 }
 
-/* Expert e's activation of its gate/up outputs gu [m][2 inter] (its bias added first, in place) -> act [m][inter] */
-static int activate(const moe_t *M, int64_t e, float *gu, int64_t m, float *act) {
+/* Expert e's activation of its gate/up outputs gu [m][2 inter] (its bias added first, in place) -> act [m][inter]:
+ * gpt-oss's clamped SwiGLU, or the layer's own (SiLU or tanh-GELU of gate, times up) */
+static int activate(const layer_t *L, int64_t e, float *gu, int64_t m, float *act) {
+    const moe_t *M = &L->moe;
     if (M->gate_up_bias) add_bias(gu, M->gate_up_bias + e * 2 * M->inter, m, 2 * M->inter);
-    return M->limit > 0 ? gq_swiglu_limit(gu, m, M->inter, M->limit, M->alpha, act) : gq_silu_mul(gu, m, M->inter, act);
+    if (M->limit > 0) return gq_swiglu_limit(gu, m, M->inter, M->limit, M->alpha, act);
+    return L->gelu ? gq_gelu_mul(gu, m, M->inter, act) : gq_silu_mul(gu, m, M->inter, act);
 }
 
 /* Expert e's down projection: y [m][hidden] = down(act [m][inter]) + its bias */
@@ -142,7 +182,7 @@ static int expert(const layer_t *L, int64_t e, const float *x, int64_t m, float 
     const int64_t gu_outs[2] = {M->inter, M->inter};
     int rc = gq_matmul_parts(2, M->gate_up_types + 2 * e, M->gate_up_w + 2 * e, gu_outs, L->hidden, x, m, gu,
                              nthreads, path);
-    if (rc >= 0) rc = activate(M, e, gu, m, act);
+    if (rc >= 0) rc = activate(L, e, gu, m, act);
     if (rc >= 0) rc = down(L, e, act, m, y, nthreads, path);
     return rc;
 }
@@ -154,22 +194,22 @@ static void add_scaled(float *acc, const float *y, float w, float *tmp, int64_t 
     for (int64_t i = 0; i < H; i++) acc[i] = acc[i] + tmp[i];
 }
 
-/* out [rows][hidden] += the experts' output for h [rows][hidden]: row r's k experts idx[r k + j] weighted w[r k + j],
- * summed into zeros in ascending expert order, as `transformer.MoE` does (one row: every chosen expert's gate/up in
+/* acc [rows][hidden] (zeros) += the experts' output for h [rows][hidden]: row r's k experts idx[r k + j] weighted
+ * w[r k + j], summed in ascending expert order, as `transformer.MoE` does (one row: every chosen expert's gate/up in
  * one call; more: each expert once over the rows that chose it). Returns the kernels' path or a negative error. */
-int gq_moe_experts(const layer_t *L, const float *h, int64_t rows, int64_t k, const int64_t *idx, const float *w,
-                   float *out, int nthreads, int path) {
+static int experts(const layer_t *L, const float *h, int64_t rows, int64_t k, const int64_t *idx, const float *w,
+                   float *acc, int nthreads, int path) {
     const moe_t *M = &L->moe;
     const int64_t H = L->hidden, I = M->inter;
     if (M->n <= 0 || k <= 0 || k > 32) return -2;
-    float *buf = (float *)calloc((size_t)(rows * (3 * H + 3 * I) + 2 * k * I + H), sizeof(float));
+    float *buf = (float *)calloc((size_t)(rows * (2 * H + 3 * I) + 2 * k * I + H), sizeof(float));
     int64_t *sel = (int64_t *)malloc(sizeof(int64_t) * (size_t)(rows > k ? rows : k));
     if (!buf || !sel) {
         free(buf);
         free(sel);
         return -3;
     }
-    float *acc = buf, *xg = acc + rows * H, *gu = xg + rows * H, *act = gu + rows * 2 * I + 2 * k * I;
+    float *xg = buf, *gu = xg + rows * H, *act = gu + rows * 2 * I + 2 * k * I;
     float *y = act + rows * I, *tmp = y + rows * H;
     int rc = 0;
     if (rows == 1) { /* sel: the k slots in ascending expert order */
@@ -192,7 +232,7 @@ int gq_moe_experts(const layer_t *L, const float *h, int64_t rows, int64_t k, co
         rc = gq_matmul_parts((int)(2 * k), types, ws, outs, H, h, 1, gu, nthreads, path);
         for (int64_t j = 0; j < k && rc >= 0; j++) {
             const int64_t e = idx[sel[j]];
-            rc = activate(M, e, gu + j * 2 * I, 1, act);
+            rc = activate(L, e, gu + j * 2 * I, 1, act);
             if (rc >= 0) rc = down(L, e, act, 1, y, nthreads, path);
             if (rc >= 0) add_scaled(acc, y, w[sel[j]], tmp, H);
         }
@@ -210,11 +250,48 @@ int gq_moe_experts(const layer_t *L, const float *h, int64_t rows, int64_t k, co
         rc = expert(L, e, xg, m, gu, act, y, nthreads, path);
         for (int64_t j = 0; j < m && rc >= 0; j++) add_scaled(acc + sel[j] / k * H, y + j * H, w[sel[j]], tmp, H);
     }
-    if (rc >= 0)
-        for (int64_t i = 0; i < rows * H; i++) out[i] = out[i] + acc[i];
     free(buf);
     free(sel);
     return rc;
+}
+
+/* The dense MLP of h [rows][hidden]: y [rows][hidden] = down(act(gate_up(h))); gu [rows][2 inter], act [rows][inter]
+ * scratch. Returns the kernels' path or a negative error. */
+static int dense_mlp(const layer_t *L, const float *h, int64_t rows, float *gu, float *act, float *y, int nthreads,
+                     int path) {
+    const int64_t H = L->hidden, I = L->inter;
+    int rc = linear(&L->gate_up, h, rows, H, gu, nthreads, path), used = 0;
+    if (rc >= 0) rc = L->gelu ? gq_gelu_mul(gu, rows, I, act) : gq_silu_mul(gu, rows, I, act);
+    if (rc >= 0) rc = used = linear(&L->down, act, rows, I, y, nthreads, path);
+    const float *after = L->expert_in_norm ? L->dense_out_norm : L->mlp_out_norm; /* beside experts: its own */
+    if (rc >= 0 && after) rc = gq_rmsnorm(y, after, L->eps, rows, H, y);
+    return rc < 0 ? rc : used;
+}
+
+/* The MLP half of a layer with experts, after gq_attention_half (out: its output, h: norm2 of it) and the router
+ * (row r's experts idx[r k + j] weighted w[r k + j]): out += the experts' output for h. Gemma 4 (experts beside a
+ * dense MLP): out += mlp_out_norm(dense_out_norm(MLP(h)) + expert_out_norm(experts(expert_in_norm(out)))), then
+ * out times out_scale. Returns the kernels' path or a negative error. */
+int gq_moe_experts(const layer_t *L, const float *h, int64_t rows, int64_t k, const int64_t *idx, const float *w,
+                   float *out, int nthreads, int path) {
+    const int64_t H = L->hidden, I = L->inter, beside = L->expert_in_norm != NULL;
+    float *buf = (float *)calloc((size_t)(rows * (3 * H + 3 * I)), sizeof(float));
+    if (!buf) return -3;
+    float *acc = buf, *xe = acc + rows * H, *y = xe + rows * H, *gu = y + rows * H, *act = gu + rows * 2 * I;
+    int rc = beside ? gq_rmsnorm(out, L->expert_in_norm, L->eps, rows, H, xe) : 0;
+    if (rc >= 0) rc = experts(L, beside ? xe : h, rows, k, idx, w, acc, nthreads, path);
+    int used = rc;
+    if (rc >= 0 && beside && (rc = gq_rmsnorm(acc, L->expert_out_norm, L->eps, rows, H, acc)) >= 0)
+        rc = dense_mlp(L, h, rows, gu, act, y, nthreads, path);
+    if (rc >= 0 && beside) {
+        for (int64_t i = 0; i < rows * H; i++) acc[i] = y[i] + acc[i];
+        rc = gq_rmsnorm(acc, L->mlp_out_norm, L->eps, rows, H, acc);
+    }
+    if (rc >= 0)
+        for (int64_t i = 0; i < rows * H; i++) out[i] = out[i] + acc[i];
+    for (int64_t i = 0; rc >= 0 && L->out_scale && i < rows * H; i++) out[i] = out[i] * L->out_scale[0];
+    free(buf);
+    return rc < 0 ? rc : used;
 }
 
 /* out [B * T][hidden] = the layer applied to x [B * T][hidden]. path as gq_matmul_parts (0 auto). Returns the
@@ -222,31 +299,32 @@ int gq_moe_experts(const layer_t *L, const float *h, int64_t rows, int64_t k, co
 int gq_decoder_layer(const layer_t *L, const step_t *s, const float *x, float *out, int nthreads, int path) {
     const int64_t rows = s->B * s->T, H = L->hidden, I = L->inter;
     if (L->moe.n > 0) return -2; /* experts: gq_attention_half, the router, then gq_moe_experts */
-    float *buf = (float *)malloc(sizeof(float) * (size_t)(rows * (H + 3 * I)));
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(rows * (2 * H + 3 * I)));
     if (!buf) return -3;
-    float *h = buf, *gu = h + rows * H, *act = gu + rows * 2 * I;
+    float *h = buf, *y = h + rows * H, *gu = y + rows * H, *act = gu + rows * 2 * I;
     int rc = gq_attention_half(L, s, x, out, h, nthreads, path);
-    if (rc >= 0) rc = linear(&L->gate_up, h, rows, H, gu, nthreads, path);
-    if (rc >= 0) rc = gq_silu_mul(gu, rows, I, act);
     int used = 0;
-    if (rc >= 0) rc = used = linear(&L->down, act, rows, I, h, nthreads, path);
+    if (rc >= 0) rc = used = dense_mlp(L, h, rows, gu, act, y, nthreads, path);
     if (rc >= 0)
-        for (int64_t i = 0; i < rows * H; i++) out[i] = out[i] + h[i];
+        for (int64_t i = 0; i < rows * H; i++) out[i] = out[i] + y[i];
+    for (int64_t i = 0; rc >= 0 && L->out_scale && i < rows * H; i++) out[i] = out[i] * L->out_scale[0];
     free(buf);
     return rc < 0 ? rc : used;
 }
 
-/* The decoder stack in one call: layers L[0..n) in a row, layer l's cache at kc[l] / vc[l] (s's strides), x -> out
- * [B * T][hidden], tmp a second buffer of that size (a layer's output may not overwrite its input). Returns as
- * gq_decoder_layer; on an error the layers after it have not run. */
-int gq_decoder_stack(const layer_t *const *L, int n, step_t *s, float *const *kc, float *const *vc, const float *x,
-                     float *out, float *tmp, int nthreads, int path) {
+/* The decoder stack in one call: layers L[0..n) in a row, layer l's cache at kc[l] / vc[l] with strides sb[l], sh[l]
+ * (as step_t's), x -> out [B * T][hidden], tmp a second buffer of that size (a layer's output may not overwrite its
+ * input). Returns as gq_decoder_layer; on an error the layers after it have not run. */
+int gq_decoder_stack(const layer_t *const *L, int n, step_t *s, float *const *kc, float *const *vc, const int64_t *sb,
+                     const int64_t *sh, const float *x, float *out, float *tmp, int nthreads, int path) {
     int rc = 0;
     const float *in = x;
     for (int l = 0; l < n && rc >= 0; l++) {
         float *dst = (n - 1 - l) % 2 ? tmp : out; /* the last layer writes out */
         s->kc = kc[l];
         s->vc = vc[l];
+        s->sb = sb[l];
+        s->sh = sh[l];
         rc = gq_decoder_layer(L[l], s, in, dst, nthreads, path);
         in = dst;
     }

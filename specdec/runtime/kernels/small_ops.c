@@ -1,6 +1,6 @@
 /* The small operations of a decoder layer in one call each (float32, CPU): RMS norm, rotary embedding of q and k in
- * place, SiLU(gate) * up, gpt-oss's clamped SwiGLU and Qwen3.5's gated delta rule. In torch each is 3 to 8 operator calls, and at one row (decode) their dispatch costs
- * more than their arithmetic.
+ * place, SiLU(gate) * up, tanh-GELU(gate) * up (Gemma), gpt-oss's clamped SwiGLU and Qwen3.5's gated delta rule. In
+ * torch each is 3 to 8 operator calls, and at one row (decode) their dispatch costs more than their arithmetic.
  *
  * And the best and second-best logit of each row (greedy decoding, verification and the near-tie gaps), one pass
  * where torch's argmax and topk each read the row with far more overhead (a 151936-entry row: 0.4-0.5 ms each).
@@ -74,6 +74,27 @@ INL int silu_mul(const float *gu, int64_t rows, int64_t inter, float *out) {
             const v8f e = exp_neg8((v8f)(((v8i)x & neg) | ((v8i)-x & ~neg)));
             const v8f num = (v8f)(((v8i)(x * e) & neg) | ((v8i)x & ~neg));
             *(v8f *)(void *)(o + i) = num / (1.0f + e) * *(const v8f *)(const void *)(u + i);
+        }
+    }
+    return 0;
+}
+
+/* Gemma's GeGLU: out[r][i] = gelu_tanh(gu[r][i]) * gu[r][inter + i], gu and out as silu_mul's. gelu_tanh(g) =
+ * g (1 + tanh(u)) / 2 = g sigmoid(2u) with u = sqrt(2 / pi) (g + 0.044715 g^3); sigmoid(a) from e = e^-|a|:
+ * 1 / (1 + e) for a >= 0, e / (1 + e) below. */
+INL int gelu_mul(const float *gu, int64_t rows, int64_t inter, float *out) {
+    if (inter % 8) return -2;
+    const v8f zero = {0}, one = zero + 1.0f;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gu + r * 2 * inter, *u = g + inter;
+        float *o = out + r * inter;
+        for (int64_t i = 0; i < inter; i += 8) {
+            const v8f x = *(const v8f *)(const void *)(g + i);
+            const v8f a = (x + 0.044715f * (x * x * x)) * 1.59576912160573071f; /* 2 sqrt(2 / pi) */
+            const v8i neg = a < zero;
+            const v8f e = exp_neg8((v8f)(((v8i)a & neg) | ((v8i)-a & ~neg)));
+            const v8f sig = (v8f)(((v8i)e & neg) | ((v8i)one & ~neg)) / (1.0f + e);
+            *(v8f *)(void *)(o + i) = x * sig * *(const v8f *)(const void *)(u + i);
         }
     }
     return 0;
@@ -272,6 +293,7 @@ DISPATCH(rmsnorm, (const float *x, const float *w, float eps, int64_t rows, int6
 DISPATCH(rope, (float *x, int64_t stride, const float *cos, const float *sin, int64_t rows, int64_t heads, int64_t hd),
          (x, stride, cos, sin, rows, heads, hd))
 DISPATCH(silu_mul, (const float *gu, int64_t rows, int64_t inter, float *out), (gu, rows, inter, out))
+DISPATCH(gelu_mul, (const float *gu, int64_t rows, int64_t inter, float *out), (gu, rows, inter, out))
 DISPATCH(swiglu_limit, (const float *gu, int64_t rows, int64_t inter, float limit, float alpha, float *out),
          (gu, rows, inter, limit, alpha, out))
 DISPATCH(top2, (const float *x, int64_t rows, int64_t cols, int64_t stride, int64_t *best, float *gap),
