@@ -73,9 +73,9 @@ def test_same_bits_as_the_python_layer(tiny_gguf, monkeypatch):
 GEMMA = {
     "gemma2": {},  # sandwich norms, GeGLU, a query scale, soft-capped scores, sliding layers
     "gemma3_text": {},  # per-head q/k norms, the sliding layers' own rotary base
-    # full layers with their own head size whose values are the keys, value norms, layer scalars (not the per-layer
-    # inputs and shared K/V: Python around the kernels)
-    "gemma4": {"hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0},
+    # full layers with their own head size whose values are the keys, value norms, layer scalars, per-layer inputs,
+    # layers reading the K/V of others
+    "gemma4": {},
     "gemma4_moe": {},  # experts beside the MLP, the router in Python between two calls
 }
 

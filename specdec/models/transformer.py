@@ -331,7 +331,7 @@ class DecoderLayer(nn.Module):
             lk = self._kernel()
             moe = self.mlp if isinstance(self.mlp, MoE) else getattr(self, "moe", None)
             route = None if moe is None else moe.route
-            out = None if lk is None else lk.run(x, batch.fast, self.self_attn.layer, cache, route)
+            out = None if lk is None else lk.run(x, batch.fast, cache, route)
             if out is not None:
                 return out
         get = lambda name: getattr(self, name, None)  # noqa: E731
@@ -349,7 +349,7 @@ class DecoderLayer(nn.Module):
         else:
             x = self._block(x, self.mlp, *around[1])
         if batch.per_layer is not None:
-            h = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * batch.per_layer[:, :, self.index]
+            h = gated(torch.cat([self.per_layer_input_gate(x), batch.per_layer[:, :, self.index]], dim=-1), gelu=True)
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(h))
         return x if get("layer_scalar") is None else x * self.layer_scalar
 
@@ -388,6 +388,9 @@ class DecoderLayer(nn.Module):
             "expert_in_norm": get("pre_feedforward_layernorm_2"),
             "expert_out_norm": get("post_feedforward_layernorm_2"),
             "dense_out_norm": get("post_feedforward_layernorm_1"),
+            "pl_gate": get("per_layer_input_gate"),
+            "pl_proj": get("per_layer_projection"),
+            "pl_norm": get("post_per_layer_input_norm"),
         }
         built = self._layer_kernel  # (the modules it was built from, the C form or None)
         if built is None or any(x is not y for x, y in zip(built[0], parts.values())):  # first use, or one replaced

@@ -76,6 +76,11 @@ class _Layer(ctypes.Structure):
         ("expert_in_norm", ptr),
         ("expert_out_norm", ptr),
         ("dense_out_norm", ptr),
+        ("pl_gate", _Linear),
+        ("pl_proj", _Linear),
+        ("pl_norm", ptr),
+        ("pl_index", i64),
+        ("pl_dim", i64),
     ]
 
 
@@ -96,6 +101,8 @@ class _Step(ctypes.Structure):
         ("local_mask", ptr),
         ("cos_local", ptr),
         ("sin_local", ptr),
+        ("per_layer", ptr),
+        ("per_layer_stride", i64),
     ]
 
 
@@ -141,12 +148,15 @@ class LayerParts:
     expert_in_norm: nn.Module | None = None  # Gemma 4's experts beside the MLP: normed before and after, the MLP after
     expert_out_norm: nn.Module | None = None
     dense_out_norm: nn.Module | None = None
+    pl_gate: nn.Module | None = None  # Gemma 4's per-layer input: its gate, projection and norm
+    pl_proj: nn.Module | None = None
+    pl_norm: nn.Module | None = None
 
 
 def _recipe_runs(cfg, layer: int) -> bool:
     """Whether the C layer takes this layer's recipe: Llama's pre-norms or Gemma's sandwich, SiLU or tanh-GELU, per-head
-    q/k norms or none, its own K/V; not Granite's multipliers, OLMo 2's norms, SmolLM3's rope-less layers, Qwen3.5's
-    gated and linear attention, or Gemma 4's per-layer inputs and shared K/V."""
+    q/k norms or none; not Granite's multipliers, OLMo 2's norms, SmolLM3's rope-less layers, Qwen3.5's gated and
+    linear attention."""
     return (
         cfg.norms in ("pre", "sandwich")
         and cfg.hidden_act in ("silu", "gelu_tanh")
@@ -155,8 +165,6 @@ def _recipe_runs(cfg, layer: int) -> bool:
         and not cfg.no_rope_layers
         and not cfg.attn_gate
         and not cfg.linear(layer)
-        and not cfg.per_layer_dim
-        and cfg.kv_layer(layer) == layer
     )
 
 
@@ -169,8 +177,8 @@ def _weight(norm: nn.Module) -> torch.Tensor:
 class LayerKernel:
     """One decoder layer's weights as `gq_decoder_layer` takes them (the tensors and arrays kept alive here)."""
 
-    def __init__(self, spec: _Layer, keep: list):
-        self.spec, self.keep = spec, keep
+    def __init__(self, spec: _Layer, keep: list, kv_layer: int):
+        self.spec, self.keep, self.kv_layer = spec, keep, kv_layer  # kv_layer: the layer whose K/V it reads
 
     @property
     def moe(self) -> bool:
@@ -181,17 +189,21 @@ class LayerKernel:
         """The C layer for layer `layer`'s parts, or None where it cannot run them (the caller keeps its Python
         path)."""
         kv_heads, hd = cfg.attn_shape(layer)
-        sliding = cfg.sliding(layer)
+        sliding, kv_layer = cfg.sliding(layer), cfg.kv_layer(layer)
+        kv_parts = 0 if kv_layer != layer else 1 if cfg.k_eq_v and not sliding else 2
         mlp = [] if parts.gate_up is None else [parts.gate_up, parts.down]
         beside = [parts.expert_in_norm, parts.expert_out_norm, parts.dense_out_norm]
-        lins = [_parts(m) for m in [parts.qkv, parts.o, *mlp]]
+        pl = [] if parts.pl_norm is None else [parts.pl_gate, parts.pl_proj]
+        lins = [_parts(m) for m in [parts.qkv, parts.o, *mlp, *pl]]
         norms = [parts.norm1, parts.norm2, parts.attn_out_norm, parts.mlp_out_norm, parts.q_norm, parts.k_norm]
-        tensors = [n.weight for n in norms + beside if n is not None]
+        tensors = [n.weight for n in norms + beside + [parts.pl_norm] if n is not None]
         tensors += [t for t in (parts.sinks, parts.out_scale) if t is not None]
         if (
             K.library() is None
             or not _recipe_runs(cfg, layer)
-            or (cfg.qk_norm == "head") != (parts.q_norm is not None and parts.k_norm is not None)
+            or (cfg.qk_norm == "head") != (parts.q_norm is not None)
+            or (cfg.qk_norm == "head" and kv_parts > 0) != (parts.k_norm is not None)
+            or (pl and (parts.experts is not None or cfg.per_layer_dim % 8))
             or (cfg.norms == "sandwich") != (parts.attn_out_norm is not None and parts.mlp_out_norm is not None)
             or (cfg.moe(layer) and cfg.moe_beside_mlp) != all(n is not None for n in beside + mlp)
             or (parts.experts is None and not mlp)
@@ -206,10 +218,11 @@ class LayerKernel:
         keep: list = [None if n is None else _weight(n) for n in norms]
         keep.append(torch.ones(hd) if cfg.v_norm else None)
         keep += [None if t is None else t.detach().contiguous() for t in (parts.sinks, parts.out_scale)]
-        keep += [None if n is None else _weight(n) for n in beside]
+        keep += [None if n is None else _weight(n) for n in beside + [parts.pl_norm]]
         addr = [None if t is None else t.data_ptr() for t in keep]
         structs = []
-        for ps, bias in lins + [([], None)] * (2 - len(mlp)):  # a mixture of experts: no dense gate_up, down
+        none = [([], None)]
+        for ps, bias in lins[:2] + (lins[2:4] or none * 2) + (lins[4:] or none * 2):  # no MLP / per-layer input
             n, types, weights, outs, _ = args = matmul_args(ps)
             b = None if bias is None else bias.detach().float().contiguous()
             keep += [args, b]
@@ -224,27 +237,29 @@ class LayerKernel:
             cfg.mlp_size(layer),
             parts.norm1.eps,
             *addr[:7],
-            *structs,
+            *structs[:4],
             _Moe() if parts.experts is None else _moe(parts.experts, keep),
             addr[7],
             int(sliding),
             1.0 / math.sqrt(hd) if cfg.attn_scale is None else cfg.attn_scale,
             cfg.attn_softcap or 0.0,
             int(cfg.hidden_act == "gelu_tanh"),
-            1 if cfg.k_eq_v and not sliding else 2,
-            *addr[8:],
+            kv_parts,
+            *addr[8:12],
+            *structs[4:],
+            addr[12],
+            layer,
+            cfg.per_layer_dim,
         )
-        return cls(spec, keep)
+        return cls(spec, keep, kv_layer)
 
-    def run(
-        self, x: torch.Tensor, step: "StepArgs | None", layer: int, cache, route: Route | None = None
-    ) -> torch.Tensor | None:
+    def run(self, x: torch.Tensor, step: "StepArgs | None", cache, route: Route | None = None) -> torch.Tensor | None:
         """x [B, T, hidden] -> the layer's output, its K/V written to `cache`; None where the C path does not apply.
         A mixture of experts: the attention half in C, `route` (the layer's router, in Python) on its MLP input
         (Gemma 4: on the attention half's output), then the experts in C."""
         if step is None or not x.is_contiguous():  # step: None where the kernels do not take these rows
             return None
-        kc, vc = cache.k[layer], cache.v[layer]
+        kc, vc = cache.k[self.kv_layer], cache.v[self.kv_layer]
         if kc.dtype != torch.float32 or not kc.is_cpu or kc.stride() != vc.stride() or kc.stride(-1) != 1:
             return None
         s = step.spec
@@ -314,6 +329,11 @@ def _moe(experts: ExpertParts, keep: list) -> _Moe:
     )
 
 
+def _read(kernels: list[LayerKernel], cache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The K and V cache tensors each layer reads (its own, or the layer's whose K/V it shares)."""
+    return [cache.k[k.kv_layer] for k in kernels], [cache.v[k.kv_layer] for k in kernels]
+
+
 class LayerStack:
     """Every decoder layer in one C call (`gq_decoder_stack`), where each would run in C on its own (`LayerKernel.run`):
     the layers' descriptions and their caches' addresses, built once per model and cache; at a few rows the Python
@@ -323,8 +343,9 @@ class LayerStack:
         n = len(kernels)
         self.kernels, self.cache = kernels, cache
         self.specs = (ptr * n)(*[ctypes.addressof(k.spec) for k in kernels])
-        self.kc, self.vc = ((ptr * n)(*[t.data_ptr() for t in ts]) for ts in (cache.k, cache.v))
-        self.sb, self.sh = ((i64 * n)(*[t.stride(d) for t in cache.k]) for d in (0, 1))
+        ks, vs = _read(kernels, cache)
+        self.kc, self.vc = ((ptr * n)(*[t.data_ptr() for t in ts]) for ts in (ks, vs))
+        self.sb, self.sh = ((i64 * n)(*[t.stride(d) for t in ks]) for d in (0, 1))
 
     @classmethod
     def of(cls, kernels: list, cache) -> "LayerStack | None":
@@ -344,7 +365,9 @@ class LayerStack:
             cache is self.cache
             and len(kernels) == len(self.kernels)
             and all(a is b for a, b in zip(kernels, self.kernels))
-            and all(t.data_ptr() == p for ts, ps in ((cache.k, self.kc), (cache.v, self.vc)) for t, p in zip(ts, ps))
+            and all(
+                t.data_ptr() == p for ts, ps in zip(_read(kernels, cache), (self.kc, self.vc)) for t, p in zip(ts, ps)
+            )
         )
 
     def run(self, x: torch.Tensor, step: "StepArgs | None") -> torch.Tensor | None:
@@ -391,8 +414,9 @@ class StepArgs:
             None if batch.local_mask is None else batch.local_mask.expand(B, 1, T, batch.kv_len).contiguous(),
             rows(batch.cos_local),
             rows(batch.sin_local),
+            None if batch.per_layer is None else batch.per_layer.reshape(B * T, -1).contiguous(),
         ]
-        c, s, slots, index, mask, local, c_local, s_local = self.keep
+        c, s, slots, index, mask, local, c_local, s_local, per_layer = self.keep
         return _Step(
             B,
             T,
@@ -409,6 +433,8 @@ class StepArgs:
             None if local is None else local.data_ptr(),
             None if c_local is None else c_local.data_ptr(),
             None if s_local is None else s_local.data_ptr(),
+            None if per_layer is None else per_layer.data_ptr(),
+            0 if per_layer is None else per_layer.shape[1],
         )
 
 

@@ -57,11 +57,17 @@ typedef struct {
     int64_t sliding;    /* 1: the step's local_mask and local rotary tables (a sliding-window layer) where it has them */
     float scale, softcap; /* attention scores times scale, then softcap tanh(s / softcap) where softcap > 0 */
     int64_t gelu;         /* 1: tanh-GELU(gate) * up (Gemma), 0: SiLU(gate) * up */
-    int64_t kv_parts;     /* qkv's outputs beside q: 2 = k, v; 1 = k, the values a copy of it (Gemma 4's full layers) */
+    int64_t kv_parts; /* qkv's outputs beside q: 2 = k, v; 1 = k, the values a copy of it (Gemma 4's full layers); 0 =
+                       * none, the layer reads the K/V the step's cache pointers give (another layer's: Gemma 4) */
     const float *out_scale; /* [1]: the layer's output times it (Gemma 4's layer scalar), or NULL */
     /* [hidden]: Gemma 4's experts beside a dense MLP (gate_up, down), each normed before and after, the dense one
      * after, where the layer has them; else NULL */
     const float *expert_in_norm, *expert_out_norm, *dense_out_norm;
+    /* Gemma 4's per-layer input: out += pl_norm(pl_proj(gelu(pl_gate(out)) * the step's per_layer row's entry
+     * pl_index [pl_dim])) before out_scale, where pl_norm is not NULL */
+    lin_t pl_gate, pl_proj;
+    const float *pl_norm;
+    int64_t pl_index, pl_dim;
 } layer_t;
 
 typedef struct {
@@ -74,6 +80,8 @@ typedef struct {
     const uint8_t *mask;    /* [B][T][S], 1 = attend; NULL = every key */
     const uint8_t *local_mask; /* the same for sliding-window layers, or NULL: `mask` serves them */
     const float *cos_local, *sin_local; /* [B * T][their head_dim]: sliding layers' own tables (Gemma 3, 4), or NULL */
+    const float *per_layer; /* [B * T][layers][pl_dim]: Gemma 4's per-layer inputs, or NULL */
+    int64_t per_layer_stride; /* floats from one row's to the next */
 } step_t;
 
 static int linear(const lin_t *l, const float *x, int64_t rows, int64_t in, float *y, int nthreads, int path) {
@@ -92,7 +100,7 @@ static void widen(float *qkv, int64_t rows, int64_t made, int64_t W, int64_t q, 
     for (int64_t r = rows - 1; r >= 0 && made < W; r--) { /* from the last row: a row never moves down */
         float *row = qkv + r * W;
         memmove(row, qkv + r * made, sizeof(float) * (size_t)made);
-        memcpy(row + q + kv, row + q, sizeof(float) * (size_t)kv);
+        if (made > q) memcpy(row + q + kv, row + q, sizeof(float) * (size_t)kv);
     }
 }
 
@@ -104,8 +112,9 @@ static int head_norms(const layer_t *L, float *qkv, int64_t rows, int64_t W) {
     for (int64_t r = 0; rc >= 0 && r < rows && (L->q_norm || L->v_norm); r++) {
         float *row = qkv + r * W;
         if (L->q_norm) rc = gq_rmsnorm(row, L->q_norm, L->eps, L->heads, hd, row);
-        if (L->q_norm && rc >= 0) rc = gq_rmsnorm(row + q, L->k_norm, L->eps, L->kv_heads, hd, row + q);
-        if (L->v_norm && rc >= 0) rc = gq_rmsnorm(row + q + kv, L->v_norm, L->eps, L->kv_heads, hd, row + q + kv);
+        if (L->q_norm && L->kv_parts && rc >= 0) rc = gq_rmsnorm(row + q, L->k_norm, L->eps, L->kv_heads, hd, row + q);
+        if (L->v_norm && L->kv_parts && rc >= 0)
+            rc = gq_rmsnorm(row + q + kv, L->v_norm, L->eps, L->kv_heads, hd, row + q + kv);
     }
     return rc;
 }
@@ -126,8 +135,8 @@ int gq_attention_half(const layer_t *L, const step_t *s, const float *x, float *
     if (rc >= 0) rc = head_norms(L, qkv, rows, W);
     if (rc >= 0 &&
         (rc = gq_rope(qkv, W, local ? s->cos_local : s->cos, local ? s->sin_local : s->sin, rows,
-                      L->heads + L->kv_heads, hd)) >= 0) {
-        for (int64_t b = 0; b < s->B; b++)
+                      L->heads + (L->kv_parts ? L->kv_heads : 0), hd)) >= 0) {
+        for (int64_t b = 0; b < s->B && L->kv_parts; b++)
             for (int64_t t = 0; t < s->T; t++) {
                 const float *row = qkv + (b * s->T + t) * W;
                 const int64_t at = s->slots[b] * s->sb + s->index[b * s->T + t] * hd;
@@ -294,6 +303,26 @@ int gq_moe_experts(const layer_t *L, const float *h, int64_t rows, int64_t k, co
     return rc < 0 ? rc : used;
 }
 
+/* Gemma 4's per-layer input, in place on out [rows][hidden]: out += pl_norm(pl_proj(gelu(pl_gate(out)) * this layer's
+ * per-layer input)). Returns the kernels' path or a negative error. */
+static int per_layer_input(const layer_t *L, const step_t *s, float *out, int64_t rows, int nthreads, int path) {
+    const int64_t H = L->hidden, P = L->pl_dim;
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(rows * (4 * P + H)));
+    if (!buf) return -3;
+    float *g = buf, *gp = g + rows * P, *act = gp + rows * 2 * P, *y = act + rows * P; /* gp: gate, then the input */
+    int rc = linear(&L->pl_gate, out, rows, H, g, nthreads, path), used = rc;
+    for (int64_t r = 0; rc >= 0 && r < rows; r++) {
+        memcpy(gp + r * 2 * P, g + r * P, sizeof(float) * (size_t)P);
+        memcpy(gp + r * 2 * P + P, s->per_layer + r * s->per_layer_stride + L->pl_index * P, sizeof(float) * (size_t)P);
+    }
+    if (rc >= 0) rc = gq_gelu_mul(gp, rows, P, act);
+    if (rc >= 0) rc = linear(&L->pl_proj, act, rows, P, y, nthreads, path);
+    if (rc >= 0) rc = gq_rmsnorm(y, L->pl_norm, L->eps, rows, H, y);
+    for (int64_t i = 0; rc >= 0 && i < rows * H; i++) out[i] = out[i] + y[i];
+    free(buf);
+    return rc < 0 ? rc : used;
+}
+
 /* out [B * T][hidden] = the layer applied to x [B * T][hidden]. path as gq_matmul_parts (0 auto). Returns the
  * kernels' path, or a negative error (then nothing but the cache rows of this step may have been written). */
 int gq_decoder_layer(const layer_t *L, const step_t *s, const float *x, float *out, int nthreads, int path) {
@@ -307,6 +336,7 @@ int gq_decoder_layer(const layer_t *L, const step_t *s, const float *x, float *o
     if (rc >= 0) rc = used = dense_mlp(L, h, rows, gu, act, y, nthreads, path);
     if (rc >= 0)
         for (int64_t i = 0; i < rows * H; i++) out[i] = out[i] + y[i];
+    if (rc >= 0 && L->pl_norm) rc = s->per_layer ? per_layer_input(L, s, out, rows, nthreads, path) : -2;
     for (int64_t i = 0; rc >= 0 && L->out_scale && i < rows * H; i++) out[i] = out[i] * L->out_scale[0];
     free(buf);
     return rc < 0 ? rc : used;
