@@ -29,7 +29,7 @@ from specdec.models.gguf_convert import config_from_gguf, hf_names, open_gguf, p
 from specdec.models.transformer import FUSED, ExpertMath, Experts, MoE, Transformer, our_name
 from specdec.runtime import kernels as K
 from specdec.runtime.gguf_linear import GGUFConcatLinear, GGUFLinear, for_this_cpu, kernel_matmul
-from specdec.runtime.layer_kernel import ExpertParts
+from specdec.runtime.layer_kernel import ExpertKernel, ExpertParts
 
 
 class GGUFEmbedding(nn.Module):
@@ -55,6 +55,7 @@ class GGUFExperts(ExpertMath, nn.Module):
         self.gate_up, self.down = nn.ModuleList(gate_up), nn.ModuleList(down)
         self.limit, self.alpha, self.gelu = like.limit, like.alpha, like.gelu
         self.gate_up_bias, self.down_bias = like.gate_up_bias, like.down_bias  # placeholders the file's biases fill
+        self._kernel: tuple | None = None  # (the gate_up it was built for, its ExpertKernel or None): see mixture
 
     def forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """Expert `expert`'s MLP over rows x [n, H] -> [n, H]."""
@@ -64,6 +65,18 @@ class GGUFExperts(ExpertMath, nn.Module):
         """Each expert's [gate, up] and each one's down, with the biases and activation, as the C layer takes them."""
         biases = (None if b is None else b.data for b in (self.gate_up_bias, self.down_bias))
         return ExpertParts([_gate_and_up(gu) for gu in self.gate_up], list(self.down), *biases, self.limit, self.alpha)
+
+    def mixture(self, rows: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """As `ExpertMath.mixture`, in one C call where the kernels take these rows and experts (`ExpertKernel`:
+        the same functions in the same order, so the same bits)."""
+        if self._kernel is None or self._kernel[0] is not self.gate_up:  # first use, or the experts replaced
+            self._kernel = (self.gate_up, ExpertKernel.of(self.kernel_parts(), rows.shape[-1], self.gelu))
+        out = None if self._kernel[1] is None else self._kernel[1].run(rows, weights, chosen)
+        return super().mixture(rows, weights, chosen) if out is None else out
+
+    def _apply(self, fn, recurse=True):  # weights moved or converted: describe them again at the next use
+        self._kernel = None
+        return super()._apply(fn, recurse)
 
     def shared(self, experts: list[int], x: torch.Tensor) -> list[torch.Tensor]:
         """Each of `experts` over the same rows x [n, H] -> [n, H] each: their gate/up in one kernel call (the

@@ -185,6 +185,20 @@ class ExpertMath:
         """The down projection's output [n, H], plus the expert's bias."""
         return y if self.down_bias is None else y + self.down_bias[expert]
 
+    def mixture(self, rows: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """Rows [N, H] through their chosen experts [N, k], weighted [N, k], summed into zeros in ascending expert
+        order -> [N, H]: a row's result does not depend on the rows beside it (`MoE`)."""
+        out = torch.zeros_like(rows)
+        if len(rows) == 1:  # a decode step: every chosen expert takes the one row (GGUF: their gate/up in one call)
+            order = chosen[0].argsort()
+            for y, w in zip(self.shared(chosen[0, order].tolist(), rows), weights[0, order]):
+                out += y * w
+            return out
+        for e in chosen.unique().tolist():  # ascending
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            out.index_add_(0, token, self(e, rows[token]) * weights[token, slot, None])
+        return out
+
 
 class Experts(ExpertMath, nn.Module):
     """A layer's experts as 3-D weights: gate_up_proj [E, 2F, H] (each expert's gate rows, then its up rows),
@@ -255,16 +269,9 @@ class MoE(nn.Module):
         """x [B, T, H] -> [B, T, H]; `expert_norm`: the experts take expert_norm(x), the router x (Gemma 4)."""
         rows = x.reshape(-1, x.shape[-1])  # [N, H]
         weights, chosen = self.route(rows)  # [N, k] each
-        out = torch.zeros_like(rows) if not hasattr(self, "shared_expert") else self._shared(rows)
-        rows = rows if expert_norm is None else expert_norm(rows)
-        if len(rows) == 1:  # a decode step: every chosen expert takes the one row (GGUF: their gate/up in one call)
-            order = chosen[0].argsort()
-            for y, w in zip(self.experts.shared(chosen[0, order].tolist(), rows), weights[0, order]):
-                out += y * w
-            return out.reshape(x.shape)
-        for e in chosen.unique().tolist():  # ascending
-            token, slot = (chosen == e).nonzero(as_tuple=True)
-            out.index_add_(0, token, self.experts(e, rows[token]) * weights[token, slot, None])
+        out = self.experts.mixture(rows if expert_norm is None else expert_norm(rows), weights, chosen)
+        if hasattr(self, "shared_expert"):
+            out = self._shared(rows) + out
         return out.reshape(x.shape)
 
     def _shared(self, rows: torch.Tensor) -> torch.Tensor:

@@ -293,6 +293,44 @@ class LayerKernel:
         return out if rc >= 0 else None
 
 
+class ExpertKernel:
+    """A layer's experts in one C call (`gq_moe_experts`) where the rest of the layer runs Python (Qwen3.5-MoE), or a
+    step the C layer does not take: the calls and order of `ExpertMath.mixture`, at one Python call per layer."""
+
+    def __init__(self, spec: _Layer, keep: list):
+        self.spec, self.keep = spec, keep
+
+    @classmethod
+    def of(cls, experts: ExpertParts, hidden: int, gelu: bool) -> "ExpertKernel | None":
+        """The C form of these experts over rows of `hidden`, or None where the kernels do not take them."""
+        if K.library() is None or not _experts_run(experts):
+            return None
+        keep: list = []
+        spec = _Layer(hidden=hidden, gelu=int(gelu))
+        spec.moe = _moe(experts, keep)
+        return cls(spec, keep)
+
+    def run(self, rows: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor | None:
+        """rows [N, H], their experts chosen [N, k] weighted [N, k] -> the weighted sum [N, H], or None where the C
+        path does not apply (not float32 on the CPU, gradients wanted)."""
+        if rows.dtype != torch.float32 or not rows.is_cpu or torch.is_grad_enabled() or not K.kernels_take(len(rows)):
+            return None
+        x, w, idx = rows.contiguous(), weights.float().contiguous(), chosen.to(torch.int64).contiguous()
+        out = torch.zeros_like(x)
+        rc = K.library().gq_moe_experts(
+            ctypes.byref(self.spec),
+            x.data_ptr(),
+            len(x),
+            idx.shape[1],
+            idx.data_ptr(),
+            w.data_ptr(),
+            out.data_ptr(),
+            torch.get_num_threads(),
+            K.requested_path(),
+        )
+        return out if rc >= 0 else None
+
+
 def _experts_run(experts: ExpertParts) -> bool:
     """Whether the C layer takes these experts: GGUF matrices on the CPU, float32 biases there, widths its activation
     kernels take (as `small_ops.silu_mul` and `small_ops.swiglu_limit`, whose bits the Python path has)."""
