@@ -70,17 +70,17 @@ def test_same_bits_as_the_python_layer(tiny_gguf, monkeypatch):
     _compare(llm.runner.model, monkeypatch)
 
 
-GEMMA = {
-    "gemma2": {},  # sandwich norms, GeGLU, a query scale, soft-capped scores, sliding layers
-    "gemma3_text": {},  # per-head q/k norms, the sliding layers' own rotary base
+GEMMA = [
+    "gemma2",  # sandwich norms, GeGLU, a query scale, soft-capped scores, sliding layers
+    "gemma3_text",  # per-head q/k norms, the sliding layers' own rotary base
     # full layers with their own head size whose values are the keys, value norms, layer scalars, per-layer inputs,
     # layers reading the K/V of others
-    "gemma4": {},
-    "gemma4_moe": {},  # experts beside the MLP, the router in Python between two calls
-}
+    "gemma4",
+    "gemma4_moe",  # experts beside the MLP, the router in Python between two calls
+]
 
 
-@pytest.mark.parametrize("case", list(GEMMA))
+@pytest.mark.parametrize("case", GEMMA)
 def test_same_bits_on_gemma(tmp_path, monkeypatch, case):
     """Gemma's recipes in C: the same bits as their Python layers, on Q8_0 GGUFs from llama.cpp's converter."""
     from families import convert, make_checkpoint, need_converter
@@ -88,7 +88,7 @@ def test_same_bits_on_gemma(tmp_path, monkeypatch, case):
     from specdec.models.gguf_quantized import load_gguf_quantized
 
     need_converter()
-    hf = make_checkpoint(tmp_path / "hf", case, **GEMMA[case])
+    hf = make_checkpoint(tmp_path / "hf", case)
     model, _ = load_gguf_quantized(convert(hf, "q8_0", tmp_path / "q8_0.gguf"), torch.float32)
     _compare(model, monkeypatch)
 

@@ -336,9 +336,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, batch: "Batch", cache: KVCache) -> torch.Tensor:
         if batch.fast is not None:  # float32 on the CPU, any row count: the layer in one C call where it runs there
             lk = self._kernel()
-            moe = self.mlp if isinstance(self.mlp, MoE) else getattr(self, "moe", None)
-            route = None if moe is None else moe.route
-            out = None if lk is None else lk.run(x, batch.fast, cache, route)
+            experts = self._experts()
+            out = None if lk is None else lk.run(x, batch.fast, cache, None if experts is None else experts.route)
             if out is not None:
                 return out
         get = lambda name: getattr(self, name, None)  # noqa: E731
@@ -370,14 +369,17 @@ class DecoderLayer(nn.Module):
         h = h if after is None else after(h)
         return x + (h if self.residual_scale == 1.0 else h * self.residual_scale)
 
+    def _experts(self) -> MoE | None:
+        """The layer's mixture of experts: its MLP, or (Gemma 4) the one beside it; None for a dense MLP."""
+        return self.mlp if isinstance(self.mlp, MoE) else getattr(self, "moe", None)
+
     def _kernel(self) -> LayerKernel | None:
         """This layer's C form (`runtime.layer_kernel`), described once; None where it cannot run here (a recipe the
         C layer does not take, or weights the kernels do not take)."""
         if self.linear or self.norms == "post":
             return None
         a, m, get = self.self_attn, self.mlp, lambda name: getattr(self, name, None)  # noqa: E731
-        moe, sandwich = isinstance(m, MoE), self.norms == "sandwich"
-        beside = get("moe")  # Gemma 4's experts beside the MLP
+        moe, sandwich, experts = isinstance(m, MoE), self.norms == "sandwich", self._experts()
         parts = {
             "norm1": self.input_layernorm,
             "norm2": self.pre_feedforward_layernorm if sandwich else self.post_attention_layernorm,
@@ -389,7 +391,7 @@ class DecoderLayer(nn.Module):
             "k_norm": getattr(a, "k_norm", None),
             "attn_out_norm": self.post_attention_layernorm if sandwich else None,
             "mlp_out_norm": self.post_feedforward_layernorm if sandwich else None,
-            "experts": m.experts if moe else None if beside is None else beside.experts,
+            "experts": None if experts is None else experts.experts,
             "sinks": getattr(a, "sinks", None),
             "out_scale": get("layer_scalar"),
             "expert_in_norm": get("pre_feedforward_layernorm_2"),

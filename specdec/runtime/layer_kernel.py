@@ -277,20 +277,7 @@ class LayerKernel:
             return None
         routed = out if self.spec.expert_in_norm else h
         weights, chosen = route(routed.reshape(-1, x.shape[-1]))  # [rows, k] each
-        rows = h.reshape(-1, x.shape[-1])
-        w, idx = weights.float().contiguous(), chosen.to(torch.int64).contiguous()
-        rc = lib.gq_moe_experts(
-            spec,
-            rows.data_ptr(),
-            rows.shape[0],
-            idx.shape[1],
-            idx.data_ptr(),
-            w.data_ptr(),
-            out.data_ptr(),
-            threads,
-            path,
-        )
-        return out if rc >= 0 else None
+        return out if _moe_experts(self.spec, h.reshape(-1, x.shape[-1]), weights, chosen, out) >= 0 else None
 
 
 class ExpertKernel:
@@ -315,20 +302,28 @@ class ExpertKernel:
         path does not apply (not float32 on the CPU, gradients wanted)."""
         if rows.dtype != torch.float32 or not rows.is_cpu or torch.is_grad_enabled() or not K.kernels_take(len(rows)):
             return None
-        x, w, idx = rows.contiguous(), weights.float().contiguous(), chosen.to(torch.int64).contiguous()
+        x = rows.contiguous()
         out = torch.zeros_like(x)
-        rc = K.library().gq_moe_experts(
-            ctypes.byref(self.spec),
-            x.data_ptr(),
-            len(x),
-            idx.shape[1],
-            idx.data_ptr(),
-            w.data_ptr(),
-            out.data_ptr(),
-            torch.get_num_threads(),
-            K.requested_path(),
-        )
-        return out if rc >= 0 else None
+        return out if _moe_experts(self.spec, x, weights, chosen, out) >= 0 else None
+
+
+def _moe_experts(
+    spec: _Layer, rows: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, out: torch.Tensor
+) -> int:
+    """`gq_moe_experts`: out [N, H] += the layer's experts over contiguous rows [N, H], each row's chosen [N, k]
+    weighted [N, k] (and Gemma 4's rest of the MLP half); the kernels' path or a negative error."""
+    w, idx = weights.float().contiguous(), chosen.to(torch.int64).contiguous()
+    return K.library().gq_moe_experts(
+        ctypes.byref(spec),
+        rows.data_ptr(),
+        len(rows),
+        idx.shape[1],
+        idx.data_ptr(),
+        w.data_ptr(),
+        out.data_ptr(),
+        torch.get_num_threads(),
+        K.requested_path(),
+    )
 
 
 def _experts_run(experts: ExpertParts) -> bool:

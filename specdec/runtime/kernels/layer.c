@@ -264,6 +264,11 @@ static int experts(const layer_t *L, const float *h, int64_t rows, int64_t k, co
     return rc;
 }
 
+/* The layer's output out [n] times its out_scale (Gemma 4's layer scalar), where it has one */
+static void scale_out(const layer_t *L, float *out, int64_t n) {
+    for (int64_t i = 0; L->out_scale && i < n; i++) out[i] = out[i] * L->out_scale[0];
+}
+
 /* The dense MLP of h [rows][hidden]: y [rows][hidden] = down(act(gate_up(h))); gu [rows][2 inter], act [rows][inter]
  * scratch. Returns the kernels' path or a negative error. */
 static int dense_mlp(const layer_t *L, const float *h, int64_t rows, float *gu, float *act, float *y, int nthreads,
@@ -296,9 +301,10 @@ int gq_moe_experts(const layer_t *L, const float *h, int64_t rows, int64_t k, co
         for (int64_t i = 0; i < rows * H; i++) acc[i] = y[i] + acc[i];
         rc = gq_rmsnorm(acc, L->mlp_out_norm, L->eps, rows, H, acc);
     }
-    if (rc >= 0)
+    if (rc >= 0) {
         for (int64_t i = 0; i < rows * H; i++) out[i] = out[i] + acc[i];
-    for (int64_t i = 0; rc >= 0 && L->out_scale && i < rows * H; i++) out[i] = out[i] * L->out_scale[0];
+        scale_out(L, out, rows * H);
+    }
     free(buf);
     return rc < 0 ? rc : used;
 }
@@ -337,7 +343,7 @@ int gq_decoder_layer(const layer_t *L, const step_t *s, const float *x, float *o
     if (rc >= 0)
         for (int64_t i = 0; i < rows * H; i++) out[i] = out[i] + y[i];
     if (rc >= 0 && L->pl_norm) rc = s->per_layer ? per_layer_input(L, s, out, rows, nthreads, path) : -2;
-    for (int64_t i = 0; rc >= 0 && L->out_scale && i < rows * H; i++) out[i] = out[i] * L->out_scale[0];
+    if (rc >= 0) scale_out(L, out, rows * H);
     free(buf);
     return rc < 0 ? rc : used;
 }
