@@ -202,7 +202,8 @@ def test_x16_row_is_the_same_bits_at_any_row_count(name, lib):
     """Decode (1 row) and verification (2 to 40 rows) give every row the same bits: greedy speculative decoding can
     then equal plain decoding exactly on a quantized target. The row counts cover each size of the AVX2 kernel's
     last row tile (1-4 rows), both sides of the row count from which it unpacks Q4_K first (16), and prefill-sized
-    calls (150 rows: three tiles of up to 64 rows, in two groups of up to 128: ggml_q.c ROW_GROUP)."""
+    calls (150 rows: three tiles of up to 64 rows, in two groups of up to 128: ggml_q.c ROW_GROUP); up to 7 rows of
+    8960 inputs walk each output group's input chunks in turn, more walk each chunk over the groups (gq_task)."""
     if not K.runs_x16():
         pytest.skip("the x16 layout runs on AVX2 and AVX-512 only")
     rng = np.random.default_rng(9)

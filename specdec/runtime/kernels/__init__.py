@@ -31,7 +31,7 @@ from specdec.paths import home
 
 SOURCES = [Path(__file__).with_name(f) for f in ("ggml_q.c", "attention.c", "small_ops.c", "layer.c")]
 HEADERS = [
-    Path(__file__).with_name(f) for f in ("x16_kernels.h", "x16_avx2.h", "attention_body.h", "vec_exp.h")
+    Path(__file__).with_name(f) for f in ("gq_matmul.h", "x16_kernels.h", "x16_avx2.h", "attention_body.h", "vec_exp.h")
 ]  # included: part of the hash
 CFLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno"]
 PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512bw": 3, "avx512": 4}  # avx512bw: AVX-512 without VNNI

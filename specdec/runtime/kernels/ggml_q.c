@@ -20,7 +20,9 @@
  * inputs are walked in chunks of 2048 (activations stay in L2).
  * On AVX2 and AVX-512 the loader repacks the blocks once (gq_repack, "x16": 16 outputs interleaved per block, the
  * same values) and the x16 kernel (x16_kernels.h; AVX2's Q4_K/Q6_K: x16_avx2.h) serves every row count: a row's
- * result is then the same bits however many rows share the call. Several matrices with the same input (fused q/k/v, gate/up) go in one call (gq_matmul_parts).
+ * result is then the same bits however many rows share the call. Several matrices with the same input (fused q/k/v,
+ * gate/up) go in one call (gq_matmul_parts), and so do matrices with inputs of their own (a layer's experts, each over
+ * the rows that chose it: gq_matmul_jobs).
  * Threads (OpenMP, count passed in) split the outputs in tasks of 32, each thread one contiguous range.
  *
  * One build runs on any x86-64: the AVX2 and AVX-512 paths carry function-level target attributes
@@ -28,6 +30,7 @@
  * portable scalar path runs. Written for specdec; layouts follow the GGUF format definitions.
  */
 #include <math.h>
+#include "gq_matmul.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -313,6 +316,8 @@ typedef struct {
                  * over inputs 4k, 4k + 1 and over 4k + 2, 4k + 3 (k < 4) as the low and high int16 (x16_avx2.h's -32) */
     int64_t in;
     int G, S;
+    const float *x; /* [rows][in]: what was quantized */
+    int64_t rows;
 } act_t;
 
 INL void quantize_rows(const float *x, int64_t r0, int64_t r1, act_t *A) {
@@ -893,20 +898,26 @@ static void gq_task(int type, const uint8_t *W, int64_t rb, const act_t *A, int6
      * MXFP4 has the scalar kernel there (its outputs a multiple of 16, the loader repacks it to x16) */
     if (type == GQ_MXFP4) path = PATH_SCALAR;
     const int p512 = path == PATH_AVX512 && (type & ~GQ_X16) != GQ_Q4_1;
+#ifdef GQ_X86
+    if (type & GQ_X16) {
+        /* Few rows: each group of 16 outputs from its first chunk to its last, so a thread reads its stretch of the
+         * weights front to back; more: chunk by chunk over the groups, so a chunk's activations stay in L2. Either
+         * way an output's chunks are added in the same order. */
+        const int64_t ng = (oe - oa + 15) / 16, nc = (nbk + kc - 1) / kc, by_group = (g1 - g0) * in <= (1 << 16);
+        for (int64_t i = 0; i < ng * nc; i++) {
+            const int64_t o = oa + 16 * (by_group ? i / nc : i % ng), b0 = kc * (by_group ? i % nc : i / ng);
+            const int64_t b1 = b0 + kc < nbk ? b0 + kc : nbk;
+            for (int64_t r0 = g0; r0 < g1; r0 += RT) {
+                const int nr = (int)(g1 - r0 < RT ? g1 - r0 : RT);
+                (path == PATH_AVX512 ? kx16_vnni_matmul : path == PATH_AVX512BW ? kx16_bw_matmul : kx16_avx2_matmul)(
+                    type, W + o * rb, A, r0, nr, yp + r0 * ystride + o, ystride, b0, b1, b0 > 0);
+            }
+        }
+        return;
+    }
+#endif
     for (int64_t b0 = 0; b0 < nbk; b0 += kc) {
         const int64_t b1 = b0 + kc < nbk ? b0 + kc : nbk;
-#ifdef GQ_X86
-        if (type & GQ_X16) {
-            for (int64_t o = oa; o < oe; o += 16)
-                for (int64_t r0 = g0; r0 < g1; r0 += RT) {
-                    const int nr = (int)(g1 - r0 < RT ? g1 - r0 : RT);
-                    (path == PATH_AVX512 ? kx16_vnni_matmul : path == PATH_AVX512BW ? kx16_bw_matmul
-                                                                                    : kx16_avx2_matmul)(
-                        type, W + o * rb, A, r0, nr, yp + r0 * ystride + o, ystride, b0, b1, b0 > 0);
-                }
-            continue;
-        }
-#endif
         for (int64_t o = oa; o < oe; o++) {
             const uint8_t *wr = W + o * rb;
             for (int64_t r0 = g0; r0 < g1; r0 += RT) {
@@ -928,69 +939,93 @@ static void gq_task(int type, const uint8_t *W, int64_t rb, const act_t *A, int6
     }
 }
 
-/* y[rows][sum outs] (float32) = x[rows][in] (float32) @ [W_0; W_1; ...]^T: up to MAXPARTS weight matrices that
- * share the input (a fused q/k/v or gate/up), their outputs side by side, in one call: the activations are
- * quantized once per kind of block and the threads split all parts' outputs between them. path: 0 auto,
- * 1 scalar, 2 avx2, 3 avx512 (a path the CPU lacks is lowered to the best it has). Returns the path used, or a
- * negative error. */
+/* y[rows][sum outs] (float32) = x[rows][in] (float32) @ [W_0; W_1; ...]^T: weight matrices that share the input (a
+ * fused q/k/v or gate/up), their outputs side by side, in one call (gq_matmul_jobs). path: 0 auto, 1 scalar, 2 avx2,
+ * 3 avx512 (a path the CPU lacks is lowered to the best it has). Returns the path used, or a negative error. */
 int gq_matmul_parts(int nparts, const int *types, const uint8_t *const *Ws, const int64_t *outs, int64_t in,
                     const float *x, int64_t rows, float *y, int nthreads, int path) {
-    if (nparts < 1 || nparts > MAXPARTS || in <= 0 || rows < 0) return -2;
-    int64_t col[MAXPARTS + 1], task0[MAXPARTS + 1], rowbytes[MAXPARTS];
-    const int64_t OC = 32;
-    col[0] = task0[0] = 0;
+    if (nparts < 1 || nparts > MAXPARTS) return -2;
+    gq_job_t jobs[MAXPARTS];
+    int64_t col = 0, ystride = 0;
+    for (int p = 0; p < nparts; p++) ystride += outs[p];
     for (int p = 0; p < nparts; p++) {
-        const int be = block_elems(types[p]), bb = block_bytes(types[p]);
-        if (bb == 0) return -1;
-        if (in % be != 0 || outs[p] <= 0) return -2;
-        if (types[p] & GQ_X16 && outs[p] % 16 != 0) return -2;
-        rowbytes[p] = (in / be) * bb;
-        col[p + 1] = col[p] + outs[p];
-        task0[p + 1] = task0[p] + (outs[p] + OC - 1) / OC;
+        jobs[p] = (gq_job_t){types[p], Ws[p], outs[p], x, rows, y + col, ystride};
+        col += outs[p];
     }
-    const int64_t ystride = col[nparts];
-    const int best = gq_best_path();
-    if (path == PATH_AUTO || path > best) path = best;
-    for (int p = 0; p < nparts; p++)
-        if (types[p] & GQ_X16 && path < PATH_AVX2) return -4; /* the x16 layout has AVX2 and AVX-512 kernels */
-    if (nthreads < 1) nthreads = 1;
-    if (rows == 0) return path;
-    /* activations quantized once per (block size, sum group): parts of the same kind share them */
-    act_t acts[MAXPARTS];
-    int act_of[MAXPARTS], nacts = 0, err = 0;
-    for (int p = 0; p < nparts; p++) {
-        const int G = block_elems(types[p]), S = sum_group(types[p]);
-        act_of[p] = -1;
+    return gq_matmul_jobs(nparts, jobs, in, nthreads, path);
+}
+
+/* Activations for jobs[j]: one per (input, rows, block size, sum group), so jobs of the same kind on the same input
+ * share them; acts[] and act_of[] filled, their count returned, or -3 (out of memory: what was allocated freed) */
+static int job_acts(int n, const gq_job_t *J, int64_t in, int path, act_t *acts, int *act_of) {
+    int nacts = 0, err = 0;
+    for (int j = 0; j < n; j++) {
+        const int G = block_elems(J[j].type), S = sum_group(J[j].type);
+        act_of[j] = -1;
         for (int a = 0; a < nacts; a++)
-            if (acts[a].G == G && acts[a].S == S) act_of[p] = a;
-        if (act_of[p] >= 0) continue;
+            if (acts[a].G == G && acts[a].S == S && acts[a].x == J[j].x && acts[a].rows == J[j].rows) act_of[j] = a;
+        if (act_of[j] >= 0) continue;
         act_t *A = &acts[nacts];
-        A->in = in;
-        A->G = G;
-        A->S = S;
+        const int64_t rows = J[j].rows;
+        *A = (act_t){.in = in, .G = G, .S = S, .x = J[j].x, .rows = rows};
         A->q = (int8_t *)malloc((size_t)(rows * in) + 64);
         A->d = (float *)malloc(sizeof(float) * (size_t)(rows * (in / G)) + 64);
         A->s = (float *)malloc(sizeof(float) * (size_t)(rows * (in / S)) + 64);
         const int with_p = S == 16 && path == PATH_AVX2; /* only the AVX2 x16 kernel reads it */
         A->p = with_p ? (int32_t *)malloc(sizeof(int32_t) * (size_t)(rows * (in / 16)) + 64) : NULL;
-        act_of[p] = nacts++;
+        act_of[j] = nacts++;
         if (!A->q || !A->d || !A->s || (with_p && !A->p)) err = 1;
     }
-    if (err) {
-        for (int a = 0; a < nacts; a++) act_free(&acts[a]);
-        return -3;
+    if (!err) return nacts;
+    for (int a = 0; a < nacts; a++) act_free(&acts[a]);
+    return -3;
+}
+
+/* Each job's y = its x @ its W^T, all in one parallel region (the experts of a layer: each over the rows that chose
+ * it): the threads split all jobs' outputs between them. A row's result is the same bits as in a call of its own.
+ * path as gq_matmul_parts. Returns the path used, or a negative error. */
+int gq_matmul_jobs(int n, const gq_job_t *J, int64_t in, int nthreads, int path) {
+    if (n < 1 || in <= 0) return -2;
+    const int64_t OC = 32;
+    int64_t maxrows = 0, quantized = 0;
+    for (int j = 0; j < n; j++) {
+        const int be = block_elems(J[j].type);
+        if (block_bytes(J[j].type) == 0) return -1;
+        if (in % be != 0 || J[j].out <= 0 || J[j].rows < 0) return -2;
+        if (J[j].type & GQ_X16 && J[j].out % 16 != 0) return -2;
+        maxrows = J[j].rows > maxrows ? J[j].rows : maxrows;
     }
+    const int best = gq_best_path();
+    if (path == PATH_AUTO || path > best) path = best;
+    for (int j = 0; j < n; j++)
+        if (J[j].type & GQ_X16 && path < PATH_AVX2) return -4; /* the x16 layout has AVX2 and AVX-512 kernels */
+    if (nthreads < 1) nthreads = 1;
+    if (maxrows == 0) return path;
+    void *mem = malloc((sizeof(act_t) + sizeof(int) + sizeof(int64_t)) * (size_t)n + sizeof(int64_t));
+    if (!mem) return -3;
+    act_t *acts = (act_t *)mem;
+    int64_t *task0 = (int64_t *)(acts + n); /* [n + 1]: job j's tasks are [task0[j], task0[j + 1]) */
+    int *act_of = (int *)(task0 + n + 1);
+    const int nacts = job_acts(n, J, in, path, acts, act_of);
+    if (nacts < 0) {
+        free(mem);
+        return nacts;
+    }
+    task0[0] = 0;
+    for (int j = 0; j < n; j++) task0[j + 1] = task0[j] + (J[j].out + OC - 1) / OC;
+    for (int a = 0; a < nacts; a++) quantized += acts[a].rows * in;
     /* few rows: quantize here, so the parallel region has one barrier (its end) instead of two, which
      * matters when the machine is oversubscribed and every barrier may wait for a descheduled thread */
-    const int quant_serial = rows * in <= (1 << 16);
+    const int quant_serial = quantized <= (1 << 16);
     if (quant_serial)
-        for (int a = 0; a < nacts; a++) quant_path(path, x, 0, rows, &acts[a]);
+        for (int a = 0; a < nacts; a++) quant_path(path, acts[a].x, 0, acts[a].rows, &acts[a]);
+    int err = 0;
 #pragma omp parallel num_threads(nthreads)
     {
         if (!quant_serial) {
             for (int a = 0; a < nacts; a++) {
 #pragma omp for schedule(static)
-                for (int64_t r = 0; r < rows; r++) quant_path(path, x, r, r + 1, &acts[a]);
+                for (int64_t r = 0; r < acts[a].rows; r++) quant_path(path, acts[a].x, r, r + 1, &acts[a]);
             }
         }
         float *off = (float *)malloc(sizeof(float) * (size_t)(2 * (in / 16) + 32));
@@ -998,7 +1033,7 @@ int gq_matmul_parts(int nparts, const int *types, const uint8_t *const *Ws, cons
 #pragma omp atomic write
             err = 1;
         }
-        /* Tasks of OC outputs of one part, split statically: each thread reads one contiguous stretch of the
+        /* Tasks of OC outputs of one job, split statically: each thread reads one contiguous stretch of the
          * weights. (A dynamic schedule, tasks handed out in turn, interleaved the threads' reads and halved the
          * memory throughput at one row: Q4_K 8960x1536 from DRAM, 2 threads, 0.41 vs 0.22 ms.) The inputs are
          * walked in chunks of 2048 so that the activations of one chunk (rows x 2048 bytes) stay in L2 while
@@ -1007,21 +1042,22 @@ int gq_matmul_parts(int nparts, const int *types, const uint8_t *const *Ws, cons
          * (a prefill chunk) go through every task a group of ROW_GROUP at a time, so a chunk's activations stay in
          * L2 (512 rows x 2048 bytes filled it: Q4_K 17920x1536 x16 on Zen 5 took 2.7x the time of 256 rows); a
          * row's arithmetic is the same in any group. */
-        for (int64_t g0 = 0; g0 < rows; g0 += ROW_GROUP) {
-            const int64_t g1 = g0 + ROW_GROUP < rows ? g0 + ROW_GROUP : rows;
+        for (int64_t g0 = 0; g0 < maxrows; g0 += ROW_GROUP) {
+            int j = 0; /* the job of this thread's task: its tasks come in ascending order */
 #pragma omp for schedule(static)
-            for (int64_t task = 0; task < task0[nparts]; task++) {
-                if (!off) continue;
-                int p = 0;
-                while (task >= task0[p + 1]) p++;
-                const int64_t oa = (task - task0[p]) * OC, oe = oa + OC < outs[p] ? oa + OC : outs[p];
-                gq_task(types[p], Ws[p], rowbytes[p], &acts[act_of[p]], in, oa, oe, g0, g1, y + col[p],
-                        ystride, off, path);
+            for (int64_t task = 0; task < task0[n]; task++) {
+                while (task >= task0[j + 1]) j++;
+                if (!off || g0 >= J[j].rows) continue;
+                const int64_t g1 = g0 + ROW_GROUP < J[j].rows ? g0 + ROW_GROUP : J[j].rows;
+                const int64_t oa = (task - task0[j]) * OC, oe = oa + OC < J[j].out ? oa + OC : J[j].out;
+                const int64_t rb = in / block_elems(J[j].type) * block_bytes(J[j].type);
+                gq_task(J[j].type, J[j].W, rb, &acts[act_of[j]], in, oa, oe, g0, g1, J[j].y, J[j].ystride, off, path);
             }
         }
         free(off);
     }
     for (int a = 0; a < nacts; a++) act_free(&acts[a]);
+    free(mem);
     return err ? -3 : path;
 }
 

@@ -13,8 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-int gq_matmul_parts(int nparts, const int *types, const uint8_t *const *Ws, const int64_t *outs, int64_t in,
-                    const float *x, int64_t rows, float *y, int nthreads, int path);
+#include "gq_matmul.h"
+
 int gq_rmsnorm(const float *x, const float *w, float eps, int64_t rows, int64_t dim, float *out);
 int gq_rope(float *x, int64_t stride, const float *cos, const float *sin, int64_t rows, int64_t heads, int64_t hd);
 int gq_silu_mul(const float *gu, int64_t rows, int64_t inter, float *out);
@@ -175,27 +175,6 @@ static int activate(const layer_t *L, int64_t e, float *gu, int64_t m, float *ac
     return L->gelu ? gq_gelu_mul(gu, m, M->inter, act) : gq_silu_mul(gu, m, M->inter, act);
 }
 
-/* Expert e's down projection: y [m][hidden] = down(act [m][inter]) + its bias */
-static int down(const layer_t *L, int64_t e, const float *act, int64_t m, float *y, int nthreads, int path) {
-    const moe_t *M = &L->moe;
-    const int64_t outs[1] = {L->hidden};
-    const int rc = gq_matmul_parts(1, M->down_types + e, M->down_w + e, outs, M->inter, act, m, y, nthreads, path);
-    if (rc >= 0 && M->down_bias) add_bias(y, M->down_bias + e * L->hidden, m, L->hidden);
-    return rc;
-}
-
-/* One expert over m rows: y [m][hidden] = down(act(gate, up))(x [m][hidden]); gu [m][2 inter], act [m][inter]. */
-static int expert(const layer_t *L, int64_t e, const float *x, int64_t m, float *gu, float *act, float *y,
-                  int nthreads, int path) {
-    const moe_t *M = &L->moe;
-    const int64_t gu_outs[2] = {M->inter, M->inter};
-    int rc = gq_matmul_parts(2, M->gate_up_types + 2 * e, M->gate_up_w + 2 * e, gu_outs, L->hidden, x, m, gu,
-                             nthreads, path);
-    if (rc >= 0) rc = activate(L, e, gu, m, act);
-    if (rc >= 0) rc = down(L, e, act, m, y, nthreads, path);
-    return rc;
-}
-
 /* acc[r] += y[j] * w, the product stored before the sum (no fused multiply-add: the bits of the Python path's
  * `y * w` then `index_add_`); tmp [hidden] scratch. */
 static void add_scaled(float *acc, const float *y, float w, float *tmp, int64_t H) {
@@ -203,64 +182,86 @@ static void add_scaled(float *acc, const float *y, float w, float *tmp, int64_t 
     for (int64_t i = 0; i < H; i++) acc[i] = acc[i] + tmp[i];
 }
 
+/* sel [rows k]: the (row, slot) pairs r k + j ordered by their expert idx[r k + j], rows ascending within one (a
+ * counting sort); count [n experts] scratch. Returns 0, or -2 for an expert out of range. */
+static int by_expert(const int64_t *idx, int64_t pairs, int64_t n, int64_t *count, int64_t *sel) {
+    memset(count, 0, sizeof(int64_t) * (size_t)n);
+    for (int64_t i = 0; i < pairs; i++) {
+        if (idx[i] < 0 || idx[i] >= n) return -2;
+        count[idx[i]]++;
+    }
+    for (int64_t e = 0, at = 0; e < n; e++) {
+        const int64_t c = count[e];
+        count[e] = at;
+        at += c;
+    }
+    for (int64_t i = 0; i < pairs; i++) sel[count[idx[i]]++] = i;
+    return 0;
+}
+
+/* The experts' matmuls in two grouped calls: gate/up of every chosen expert over its rows xs[g] (gu [pairs][2 inter],
+ * the expert's rows from start[g]), their activations, then every down (y [pairs][hidden]) and its bias. */
+static int expert_calls(const layer_t *L, int64_t groups, const int64_t *ge, const int64_t *start,
+                        const float *const *xs, float *gu, float *act, float *y, gq_job_t *jobs, int nthreads,
+                        int path) {
+    const moe_t *M = &L->moe;
+    const int64_t H = L->hidden, I = M->inter;
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t e = ge[g], s = start[g], m = start[g + 1] - s;
+        for (int h = 0; h < 2; h++)
+            jobs[2 * g + h] = (gq_job_t){M->gate_up_types[2 * e + h], M->gate_up_w[2 * e + h], I, xs[g], m,
+                                         gu + s * 2 * I + h * I, 2 * I};
+    }
+    int rc = gq_matmul_jobs((int)(2 * groups), jobs, H, nthreads, path);
+    for (int64_t g = 0; g < groups && rc >= 0; g++) {
+        const int64_t e = ge[g], s = start[g], m = start[g + 1] - s;
+        rc = activate(L, e, gu + s * 2 * I, m, act + s * I);
+        jobs[g] = (gq_job_t){M->down_types[e], M->down_w[e], H, act + s * I, m, y + s * H, H};
+    }
+    const int used = rc >= 0 ? (rc = gq_matmul_jobs((int)groups, jobs, I, nthreads, path)) : rc;
+    for (int64_t g = 0; g < groups && rc >= 0 && M->down_bias; g++)
+        add_bias(y + start[g] * H, M->down_bias + ge[g] * H, start[g + 1] - start[g], H);
+    return rc < 0 ? rc : used;
+}
+
 /* acc [rows][hidden] (zeros) += the experts' output for h [rows][hidden]: row r's k experts idx[r k + j] weighted
- * w[r k + j], summed in ascending expert order, as `transformer.MoE` does (one row: every chosen expert's gate/up in
- * one call; more: each expert once over the rows that chose it). Returns the kernels' path or a negative error. */
+ * w[r k + j], summed in ascending expert order, as `transformer.MoE` does: each chosen expert once over the rows that
+ * chose it (a row alone where one did: read in place), all experts' gate/up in one call and all downs in another.
+ * Returns the kernels' path or a negative error. */
 static int experts(const layer_t *L, const float *h, int64_t rows, int64_t k, const int64_t *idx, const float *w,
                    float *acc, int nthreads, int path) {
     const moe_t *M = &L->moe;
-    const int64_t H = L->hidden, I = M->inter;
+    const int64_t H = L->hidden, I = M->inter, P = rows * k;
     if (M->n <= 0 || k <= 0 || k > 32) return -2;
-    float *buf = (float *)calloc((size_t)(rows * (2 * H + 3 * I) + 2 * k * I + H), sizeof(float));
-    int64_t *sel = (int64_t *)malloc(sizeof(int64_t) * (size_t)(rows > k ? rows : k));
-    if (!buf || !sel) {
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(P * (2 * H + 3 * I) + H));
+    int64_t *ints = (int64_t *)malloc(sizeof(int64_t) * (size_t)(M->n + 3 * P + 1));
+    gq_job_t *jobs = (gq_job_t *)malloc((sizeof(gq_job_t) * 2 + sizeof(float *)) * (size_t)P);
+    if (!buf || !ints || !jobs) {
         free(buf);
-        free(sel);
+        free(ints);
+        free(jobs);
         return -3;
     }
-    float *xg = buf, *gu = xg + rows * H, *act = gu + rows * 2 * I + 2 * k * I;
-    float *y = act + rows * I, *tmp = y + rows * H;
-    int rc = 0;
-    if (rows == 1) { /* sel: the k slots in ascending expert order */
-        for (int64_t j = 0; j < k; j++) sel[j] = j;
-        for (int64_t a = 1; a < k; a++)
-            for (int64_t b = a; b > 0 && idx[sel[b]] < idx[sel[b - 1]]; b--) {
-                const int64_t t = sel[b];
-                sel[b] = sel[b - 1];
-                sel[b - 1] = t;
-            }
-        int types[64];
-        const uint8_t *ws[64];
-        int64_t outs[64];
-        for (int64_t j = 0; j < 2 * k; j++) {
-            const int64_t e = idx[sel[j / 2]];
-            types[j] = M->gate_up_types[2 * e + j % 2];
-            ws[j] = M->gate_up_w[2 * e + j % 2];
-            outs[j] = I;
+    float *xg = buf, *gu = xg + P * H, *act = gu + P * 2 * I, *y = act + P * I, *tmp = y + P * H;
+    int64_t *count = ints, *sel = count + M->n, *ge = sel + P, *start = ge + P; /* start [groups + 1] */
+    const float **xs = (const float **)(void *)(jobs + 2 * P);
+    int rc = by_expert(idx, P, M->n, count, sel);
+    int64_t groups = 0;
+    for (int64_t i = 0; i < P && rc >= 0; i++) { /* groups: runs of one expert in sel; xg: their rows, gathered */
+        if (i == 0 || idx[sel[i]] != idx[sel[i - 1]]) {
+            ge[groups] = idx[sel[i]];
+            start[groups++] = i;
         }
-        rc = gq_matmul_parts((int)(2 * k), types, ws, outs, H, h, 1, gu, nthreads, path);
-        for (int64_t j = 0; j < k && rc >= 0; j++) {
-            const int64_t e = idx[sel[j]];
-            rc = activate(L, e, gu + j * 2 * I, 1, act);
-            if (rc >= 0) rc = down(L, e, act, 1, y, nthreads, path);
-            if (rc >= 0) add_scaled(acc, y, w[sel[j]], tmp, H);
-        }
+        memcpy(xg + i * H, h + sel[i] / k * H, sizeof(float) * (size_t)H);
     }
-    for (int64_t e = 0; rows > 1 && e < M->n && rc >= 0; e++) {
-        int64_t m = 0;
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t j = 0; j < k; j++)
-                if (idx[r * k + j] == e) {
-                    sel[m] = r * k + j;
-                    memcpy(xg + m * H, h + r * H, sizeof(float) * (size_t)H);
-                    m++;
-                }
-        if (m == 0) continue;
-        rc = expert(L, e, xg, m, gu, act, y, nthreads, path);
-        for (int64_t j = 0; j < m && rc >= 0; j++) add_scaled(acc + sel[j] / k * H, y + j * H, w[sel[j]], tmp, H);
-    }
+    start[groups] = P;
+    for (int64_t g = 0; g < groups; g++) /* one row: its own place in h, so the rows many experts share quantize once */
+        xs[g] = start[g + 1] - start[g] == 1 ? h + sel[start[g]] / k * H : xg + start[g] * H;
+    if (rc >= 0) rc = expert_calls(L, groups, ge, start, xs, gu, act, y, jobs, nthreads, path);
+    for (int64_t i = 0; i < P && rc >= 0; i++) add_scaled(acc + sel[i] / k * H, y + i * H, w[sel[i]], tmp, H);
     free(buf);
-    free(sel);
+    free(ints);
+    free(jobs);
     return rc;
 }
 
