@@ -43,7 +43,7 @@ SHAPES = {  # config.json values of the released models
     "qwen3-30b-a3b": dict(
         arch=gguf.MODEL_ARCH.QWEN3MOE,
         file="q4_k_m",
-        vocab=151_646,
+        vocab=151_936,
         layers=48,
         hidden=2048,
         ff=6144,

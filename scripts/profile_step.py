@@ -7,6 +7,7 @@ the layers' Python path (the same arithmetic, one call per operation).
     python scripts/profile_step.py -m qwen2.5-coder-0.5b --context 1000 --rows 1,4,16
     python scripts/profile_step.py --rows 512 --context 100 --last-only   # a prefill chunk: logits of its last row
     python scripts/profile_step.py --rows 1 --other-thread [--keep-workers]  # forwards on a thread of their own
+    python scripts/profile_step.py -m MOE.gguf --rows 1,2,3,5 --routing uniform  # each row's experts drawn at random
 
 For a model with recurrent layers (Qwen3.5) it also times the rollback after each verify of R rows that keeps m of
 them (the held rows replayed in every linear-attention layer) and prints the memory a slot keeps for it.
@@ -18,6 +19,10 @@ ends its OpenMP workers, as the server's engine thread runs; `--keep-workers` le
 Above the kernels' row limit the projections dequantize and multiply in torch (`GGUFLinear._dequant_matmul`, fused
 parts in `GGUFConcatLinear._dequant_matmul`): timed as "dequantize + matmul" per shape.
 
+A mixture of experts prints the distinct experts a layer ran per forward. Random weights route nearly every row to
+the same experts, so `--routing uniform` draws each row's experts uniformly at random instead (a fixed seed, the
+router's weights kept): the most spread routing a verify step can meet, where a real model's lies between the two.
+
 Prints one Markdown table per row count."""
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import collections
 import threading
 import time
 from pathlib import Path
+
+import torch
 
 import specdec.models.transformer as T
 from specdec.api import LLM
@@ -49,7 +56,14 @@ def main() -> None:
         action="store_true",
         help="with --other-thread: the main thread's OpenMP workers kept (not `release_openmp_workers`)",
     )
+    ap.add_argument(
+        "--routing",
+        choices=["model", "uniform"],
+        default="model",
+        help="a mixture of experts: the router's choices, or each row's experts drawn uniformly at random",
+    )
     a = ap.parse_args()
+    spread = count_experts(a.routing == "uniform")
     llm = LLM(a.model, spec_type="none", threads=a.threads, progress=False)
     runner = llm.runner
     text = Path(__file__).resolve().parent.parent.joinpath("README.md").read_text()
@@ -104,7 +118,7 @@ def main() -> None:
         ts = []
         for _ in range(n):
             t0 = time.perf_counter()
-            runner.forward([[100] * rows], [len(ids)], [0], last_only=a.last_only)
+            runner.forward([(ids * rows)[:rows]], [len(ids)], [0], last_only=a.last_only)  # the text's tokens
             ts.append(time.perf_counter() - t0)
         GL.kernel_matmul, T.attention, LayerKernel.run = kernel, attention, c_layers
         for cls, (inner, _) in dequants.items():
@@ -122,13 +136,30 @@ def main() -> None:
     if runner.recurrent:
         replays(runner, len(ids), [int(r) for r in a.rows.split(",")], a.forwards)
     if not a.other_thread:
-        report(a, median_forward, spent, calls)
+        report(a, median_forward, spent, calls, spread)
         return
     if not a.keep_workers:
         release_openmp_workers()
-    t = threading.Thread(target=report, args=(a, median_forward, spent, calls))
+    t = threading.Thread(target=report, args=(a, median_forward, spent, calls, spread))
     t.start()
     t.join()
+
+
+def count_experts(uniform: bool) -> list[int]:
+    """Distinct experts per MoE layer call, appended to the list returned (`MoE.route` wrapped); `uniform`: each
+    row's experts drawn uniformly at random, distinct within the row."""
+    route, gen = T.MoE.route, torch.Generator().manual_seed(0)
+    spread: list[int] = []
+
+    def counted(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, chosen = route(self, rows)  # [N, k] each
+        if uniform:
+            chosen = torch.rand(len(rows), self.gate.out_features, generator=gen).argsort(dim=-1)[:, : chosen.shape[1]]
+        spread.append(len(chosen.unique()))
+        return weights, chosen
+
+    T.MoE.route = counted
+    return spread
 
 
 def replays(runner, start: int, rows: list[int], n: int) -> None:
@@ -161,15 +192,17 @@ def replays(runner, start: int, rows: list[int], n: int) -> None:
     )
 
 
-def report(a: argparse.Namespace, median_forward, spent: dict, calls: collections.Counter) -> None:
+def report(a: argparse.Namespace, median_forward, spent: dict, calls: collections.Counter, spread: list) -> None:
     """One Markdown table per row count: the forward's median, and where an instrumented forward's time goes."""
     for rows in (int(r) for r in a.rows.split(",")):
         median_forward(rows, 3, False)
+        spread.clear()
         plain = median_forward(rows, a.forwards, False)
+        experts = f"; {sum(spread) / len(spread):.2f} experts a layer" if spread else ""
         inst = median_forward(rows, a.forwards, True)
         print(
-            f"\n### {rows} row(s): forward {plain * 1e3:.1f} ms; with the layers' Python path {inst * 1e3:.1f} "
-            f"(instrumented)\n"
+            f"\n### {rows} row(s): forward {plain * 1e3:.1f} ms{experts}; with the layers' Python path "
+            f"{inst * 1e3:.1f} (instrumented)\n"
         )
         print("| part | ms per forward | calls per forward |\n|---|---|---|")
         total = 0.0
