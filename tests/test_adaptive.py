@@ -2,7 +2,7 @@
 
 import pytest
 
-from specdec.acceptance import AcceptanceEstimate
+from specdec.acceptance import PRIOR_ACCEPT, AcceptanceEstimate
 from specdec.engine.adaptive import PROBE_EVERY, RETRY_WASTE, CostModel, choose_draft_len, retry_pace
 
 
@@ -60,7 +60,9 @@ def test_retries_drift_slower_where_a_failed_draft_is_dear():
     cheap, dear = _cost(0.0), CostModel()
     for t, s in ((1, 23.8e-3), (2, 31.8e-3), (3, 35.9e-3), (5, 46.8e-3)):
         dear.observe_verify(t, s)
-    assert retry_pace(cheap) == 1.0 and retry_pace(dear) == pytest.approx(RETRY_WASTE * 23.8 / 8.0, rel=0.05)
+        assert retry_pace(dear, rows=t - 1) == 1.0  # a size measured once is a warm-up: retried at the full pace
+        dear.observe_verify(t, s)
+    assert retry_pace(cheap) == 1.0 and retry_pace(dear) < 0.1
 
     def steps_until_drafting(pace: float) -> int:
         acc = AcceptanceEstimate()
@@ -73,6 +75,24 @@ def test_retries_drift_slower_where_a_failed_draft_is_dear():
         return steps
 
     assert steps_until_drafting(retry_pace(dear)) > 10 * steps_until_drafting(1.0) > 0
+
+
+@pytest.mark.parametrize("second_row", [0.05, 0.34, 0.6])
+def test_retries_of_a_drafter_never_accepted_cost_retry_waste(second_row):
+    """A drafter whose drafts are never accepted, steps driven as the planner drives them: the one-token retries
+    the drift leads to cost about RETRY_WASTE of the time, however dear a second row is."""
+    cost = CostModel()
+    for t, s in ((1, 1.0), (2, 1.0 + second_row), (3, 1.0 + 1.8 * second_row)):
+        cost.observe_verify(t, s)
+        cost.observe_verify(t, s)
+    acc, spent, steps = AcceptanceEstimate([0.0]), 0.0, 5000
+    for _ in range(steps):
+        k = choose_draft_len(cost, acc, 0, 2)
+        acc.relax(retry_pace(cost), start=k)
+        if k:
+            acc.observe(k, 0)
+            spent += cost.verify_cost(1 + k) - 1.0
+    assert 0 < spent / steps < 1.5 * RETRY_WASTE
 
 
 def test_expensive_drafts_shorten_the_chain():
@@ -100,12 +120,50 @@ def test_probe_due_every_probe_every_undrafted_steps():
     assert due.count(True) == 3 and due[PROBE_EVERY - 1]
     cost.observe_draft(2, 0.1, "d")  # a draft resets the count
     assert not any(cost.probe_due("d") for _ in range(PROBE_EVERY - 1))
+    slow = [cost.probe_due("e", every=4 * PROBE_EVERY) for _ in range(8 * PROBE_EVERY)]  # a dear probe: rarer
+    assert slow.count(True) == 2 and slow[4 * PROBE_EVERY - 1]
+
+
+def test_a_size_measured_once_is_a_warm_up():
+    cost = CostModel()
+    cost.observe_verify(2, 0.08)  # a first forward that paid for a warm-up
+    cost.observe_verify(2, 0.05)
+    assert cost.verify_s[2] == 0.05  # replaced, not averaged
+    cost.observe_verify(2, 0.06)
+    assert cost.verify_s[2] == pytest.approx(0.05 + cost.ema * 0.01)
+
+
+def test_larger_sizes_move_with_the_smallest():
+    """A longer context makes the one-row forwards (measured every undrafted step) dearer: the larger sizes, measured
+    only when drafted, move with them, so a draft never looks free for a stale cost."""
+    cost = CostModel()
+    for t, s in ((1, 0.10), (1, 0.10), (2, 0.12), (2, 0.12)):
+        cost.observe_verify(t, s)
+    cost.observe_verify(1, 0.20)
+    assert cost.verify_s[1] == pytest.approx(0.12) and cost.verify_s[2] == pytest.approx(0.12 * 1.2)
+
+
+def test_drafts_grow_as_their_forwards_get_measured():
+    """A fresh engine's drafts ramp 1, 3, 7, 15 tokens: a forward is at most twice the largest measured."""
+    cost = CostModel()
+    assert cost.ramp(1) <= 0
+    lengths = []
+    for size in (1, 2, 4, 8):
+        cost.observe_verify(size, 0.01)
+        lengths.append(cost.ramp(1))
+    assert lengths == [1, 3, 7, 15] and cost.ramp(5) == 11  # in a batch, rows already held count
+
+
+def test_positions_a_step_does_not_draft_drift_back():
+    acc = AcceptanceEstimate([0.9, 0.3, 0.3])
+    acc.relax(start=1)
+    assert acc.rates[0] == 0.9 and all(0.3 < r < PRIOR_ACCEPT for r in acc.rates[1:])
 
 
 @pytest.mark.parametrize("spec", ["draft", "suffix"])
 def test_a_drafter_that_does_not_pay_drafts_only_probes(tmp_path, spec):
     """Drafting costs far more than a target forward: after its first measurement the drafter is asked for
-    nothing but a one-token probe every PROBE_EVERY steps (never slower than plain decoding, give or take)."""
+    nothing but one-token probes, at most one every PROBE_EVERY steps (fewer, the dearer a probe is)."""
     from test_lossless_sampling import _drafter
 
     from specdec.sampling import SamplingParams
@@ -251,12 +309,14 @@ def test_a_batched_chain_forward_is_measured_by_its_tokens(tmp_path):
     assert list(engine.cost.verify_s) == [2]
 
 
-def test_in_a_batch_a_probe_never_pays_a_catch_up_on_a_new_prompt(tmp_path):
+def test_in_a_batch_a_probe_never_pays_a_catch_up_on_a_new_prompt(tmp_path, monkeypatch):
     """Where drafting is not expected to pay, the draft model's one-token probes re-measure it; in a batch they do
     so only on sequences whose prompt it has already read: a probe there never buys its prefill of a new prompt
     (while the other sequences wait). Alone, a probe may."""
+    import specdec.engine.planner as planner
     from specdec.sampling import SamplingParams
 
+    monkeypatch.setattr(planner, "probe_every", lambda *a: PROBE_EVERY)  # probes every PROBE_EVERY steps, however dear
     drafted = []
     for batch in (1, 2):
         engine = _markov_engine(tmp_path, slots=batch)

@@ -28,7 +28,7 @@ from specdec.bench.report import Outcomes, bench_meta, report_tables, run_stamp,
 from specdec.bench.runner import compare_to_baselines, parse_methods, record
 from specdec.bench.workloads import Prompt, load_workload
 from specdec.config import Config
-from specdec.drafters import REGISTRY, BuildContext, build_drafter
+from specdec.drafters import REGISTRY, BuildContext, build_drafter, is_lossy
 from specdec.engine.adaptive import CostModel
 from specdec.engine.engine import Engine
 from specdec.errors import SpecdecError
@@ -73,7 +73,8 @@ def record_plain(args: argparse.Namespace) -> None:
 
     prompts = load_workload(args.workload, args.workload_dir, args.per_category, args.seed, args.categories)
     args.model = args.model or DEFAULT_TARGET
-    model_path = resolve_model(args.model)
+    given = Path(args.model).expanduser()
+    model_path = given.resolve() if given.exists() else resolve_model(args.model)  # a GGUF file stays one
     args.threads = args.threads or torch.get_num_threads()
     llm = build_llm(args, spec_type="none", cache_mb=0)  # the recorded prefill costs are fresh prefills
     out = []
@@ -89,8 +90,9 @@ def record_plain(args: argparse.Namespace) -> None:
         print(
             f"[{i}/{len(prompts)}] {p.category}/{p.id}: {sum(len(t['output']) for t in turns)} tokens", file=sys.stderr
         )
-    costs = measure_forward_costs(llm.runner)
-    tree_costs = measure_forward_costs(llm.runner, tuple(t for t in COST_SIZES if t <= TREE_SIZES_MAX), tree=True)
+    text = [t for p in out for turn in p["turns"] for t in turn["prompt"] + turn["output"]]
+    costs = measure_forward_costs(llm.runner, text)
+    tree_costs = measure_forward_costs(llm.runner, text, tuple(t for t in COST_SIZES if t <= TREE_SIZES_MAX), tree=True)
     target = {
         "path": str(model_path),
         "vocab_size": llm.runner.vocab_size,
@@ -118,20 +120,26 @@ def record_plain(args: argparse.Namespace) -> None:
 
 
 def measure_forward_costs(
-    runner, sizes: tuple[int, ...] = COST_SIZES, repeats: int = COST_REPEATS, tree: bool = False
+    runner,
+    text: list[int],
+    sizes: tuple[int, ...] = COST_SIZES,
+    repeats: int = COST_REPEATS,
+    tree: bool = False,
 ) -> dict[str, float]:
-    """Median seconds of a target forward over t tokens at the start of slot 0's cache, for each t: a chain,
-    or with `tree` a tree verify of t tokens (the root and t - 1 nodes, two children each)."""
+    """Median seconds of a target forward over t tokens of `text` (cycled) at the start of slot 0's cache, for each
+    t: a chain, or with `tree` a tree verify of t tokens (the root and t - 1 nodes, two children each). Text, not one
+    token repeated: on a mixture of experts the rows' tokens choose the experts a forward reads."""
     costs = {}
     with torch.inference_mode():
         for t in [t for t in sizes if t < runner.context and (t > 1 or not tree)]:
+            tokens = [text[i % len(text)] for i in range(t)]
             runs = []
             for _ in range(repeats + 1):  # the first is a warm-up
                 start = time.perf_counter()
                 if tree:
-                    runner.verify_tree(0, 0, [0] * t, [(j - 1) // 2 for j in range(t - 1)])
+                    runner.verify_tree(0, 0, tokens, [(j - 1) // 2 for j in range(t - 1)])
                 else:
-                    runner.forward([[0] * t], [0], [0])
+                    runner.forward([tokens], [0], [0])
                 runs.append(time.perf_counter() - start)
             costs[str(t)] = statistics.median(runs[1:])
     return costs
@@ -147,7 +155,9 @@ def _costs_line(costs: dict[str, float]) -> str:
 class ReplayRunner:
     """Stands in for ModelRunner over one recorded turn at a time: row i of any forward is a one-hot of
     the recorded token after that position's context (zeros once the context has left the recording,
-    where verification never looks), and every call adds its recorded cost to `virtual_s`."""
+    where verification never looks; with `by_position`, the recorded token at that position whatever came
+    before, for a lossy drafter whose forced tokens leave the recording), and every call adds its recorded cost to
+    `virtual_s`."""
 
     capture = features = None  # no target features (drafters that read them are not replayable)
     prefix = None  # no prefix cache: every turn's prefill costs what was recorded
@@ -160,6 +170,7 @@ class ReplayRunner:
         self.tree_costs = tree_costs or costs  # tree verifies (older recordings: as chains)
         self.model = SimpleNamespace(config=SimpleNamespace(eos_token_ids=eos_ids))
         self.truth: list[int] = []  # prompt + output (+ a stop token) of the turn being replayed
+        self.by_position = False
         self.virtual_s = 0.0
 
     def clock(self) -> float:
@@ -169,7 +180,7 @@ class ReplayRunner:
     def _row(self, context: list[int]) -> torch.Tensor:
         row = torch.zeros(self.vocab_size)  # [V]
         n = len(context)
-        if n < len(self.truth) and self.truth[:n] == context:
+        if n < len(self.truth) and (self.by_position or self.truth[:n] == context):
             row[self.truth[n]] = 1.0
         return row
 
@@ -204,29 +215,24 @@ class ReplayRunner:
 
 class Replayed(Method):
     def __init__(self, name: str):
-        self.name, self.baseline = name, "none"
+        self.name, self.baseline, self.lossy = name, "none", is_lossy(name.replace("+", ","))
 
 
 def replay_file(args: argparse.Namespace) -> Path:
     """Replay the spec types named by --methods against a recording; write the bench's result files."""
-    from specdec.models.loader import resolve_model
-    from specdec.models.tokenizer import Tokenizer
-
     rec = load_recording(Path(args.replay_from))
     names = parse_methods(args.methods)
     replayable = replayable_types()
     bad = [n for n in names if n != "none" and not all(p in replayable for p in n.split("+"))]
     if bad:
         raise SpecdecError(
-            f"bench replay runs lossless model-free spec types only (not {', '.join(bad)}); "
+            f"bench replay runs model-free spec types only (not {', '.join(bad)}); "
             f"choose from none, {', '.join(replayable)}"
         )
     cfg = Config.from_namespace(args, spec_type="none")
     ctx = BuildContext(cfg.drafter)
     recorded, target = rec["meta"], rec["target"]
-    tokenizer = Tokenizer(
-        Path(target["path"]) if Path(target["path"]).is_dir() else resolve_model(recorded["models"]["target"])
-    )
+    tokenizer = _tokenizer(Path(target["path"]), recorded["models"]["target"])
     costs, tree_costs = (
         CostModel(
             verify_s={int(t): s for t, s in rec[key].items()}, proportional_above=True, smooth=False
@@ -237,6 +243,9 @@ def replay_file(args: argparse.Namespace) -> Path:
     )
     runner = ReplayRunner(costs, target["vocab_size"], recorded["context"], target["eos_token_ids"], tree_costs)
     engines = {n: Engine(runner, tokenizer, cfg.spec, clock=runner.clock) for n in names}  # one cost model each
+    for name, engine in engines.items():  # an opt-in lossy drafter's verification (synthetic's forced tokens)
+        hooks = {p: REGISTRY.get(p).verify_hook for p in name.split("+") if p != "none"}
+        engine.verify_hooks.update({p: h for p, h in hooks.items() if h is not None})
     stop = min(engines[names[0]].stop_ids)
     records: list[dict] = []
     for p in rec["prompts"]:
@@ -246,6 +255,7 @@ def replay_file(args: argparse.Namespace) -> Path:
         for r in range(args.repeat):
             for name in names:  # a fresh drafter per turn, as `specdec bench` resets them
                 spec = name.replace("+", ",")
+                runner.by_position = Replayed(name).lossy
                 out = merge(
                     [
                         replay_turn(
@@ -289,18 +299,31 @@ def replay_file(args: argparse.Namespace) -> Path:
     return out_dir
 
 
+def _tokenizer(path: Path, model: str):
+    """The recorded target's tokenizer: from its checkpoint directory or GGUF file, else by the name it was
+    recorded under (a model pack)."""
+    from specdec.models.loader import gguf_tokenizer, resolve_model
+    from specdec.models.tokenizer import Tokenizer
+
+    if path.is_file():
+        return Tokenizer(gguf_tokenizer(path))
+    return Tokenizer(path if path.is_dir() else resolve_model(model))
+
+
 def replayable_types() -> list[str]:
-    """Spec types a recording can replay: lossless, and needing nothing but the tokens (no draft model, no
-    target features)."""
-    return [n for n, t in REGISTRY.types.items() if t.model_free]
+    """Spec types a recording can replay: those needing nothing but the tokens (no draft model, no target
+    features). The output of a lossless one must be the recording's; an opt-in lossy one's (synthetic) is not
+    compared."""
+    return [n for n, t in REGISTRY.types.items() if not (t.draft_model or t.target_features or t.target_layers)]
 
 
 def replay_turn(engine: Engine, runner: ReplayRunner, turn: Turn, drafter, stop: int, what: str):
-    """One recorded turn through the engine; the output must be the recording's."""
+    """One recorded turn through the engine; the output must be the recording's (unless `runner.by_position`: a
+    lossy drafter's)."""
     runner.truth = turn.prompt + turn.output + ([stop] if turn.stopped else [])
     limit = len(turn.output) + (1 if turn.stopped else 0)
     seq = engine.generate(turn.prompt, SamplingParams(max_tokens=max(1, limit)), drafter=drafter)
-    if seq.output_ids != turn.output:
+    if not runner.by_position and seq.output_ids != turn.output:
         at = next(
             (i for i, (x, y) in enumerate(zip(seq.output_ids, turn.output)) if x != y),
             min(len(seq.output_ids), len(turn.output)),

@@ -32,12 +32,17 @@ Every drafter, the draft model included, drafts nothing in a step where no k > 0
 plain decoding. Its acceptance estimates then drift back toward the prior, and after PROBE_EVERY
 undrafted steps it drafts one token anyway, so costs and acceptance that changed get measured again;
 in a batch, a probe skips a sequence whose prompt the drafter has not read (its catch-up would hold up the batch).
-The drift is slower where a failed one-token draft costs more than RETRY_WASTE of a plain token (`retry_pace`),
-and a new sequence of a drafter whose first position did badly starts that much of the way back to the prior, not at
-it: on a mixture of experts a second row reads more experts (Qwen3-30B-A3B shape: a 2-row forward costs 1.34x a
-1-row one), and at the full pace a drafter that is never accepted drafted again every third or fourth step and
-several tokens at each request's start, 0.93x plain (`specdec bench ... --methods none,synthetic
---spec-synth-rates 0.0`; 0.99-1.02x since).
+The positions past a step's draft drift back the same way, so a position that did badly a few times is tried again
+once drafts stop short of it. Where a failed one-token draft costs more than RETRY_WASTE of a plain token, the drift
+is paced so that the retries of a drafter that is never accepted cost RETRY_WASTE of the time (`retry_pace`), probes
+a quarter of it (`probe_every`), and a new sequence of a drafter whose first position did badly starts that much of
+the way back to the prior, not at it: on a mixture of experts a second row reads more experts (Qwen3-30B-A3B shape:
+a 2-row forward costs 1.34x a 1-row one), and at the full pace a drafter that is never accepted drafted again every
+third or fourth step and several tokens at each request's start, 0.93x plain (`specdec bench ... --methods
+none,synthetic --spec-synth-rates 0.0`).
+
+A fresh engine's drafts grow with its measurements (`CostModel.ramp`: a forward at most twice the largest measured),
+and a size's first measurement, which may carry a warm-up, is replaced by its second.
 
 Every draft is weighed against plain decoding at the step's batch, verify(B), so that cost must be measured, not
 guessed from larger forwards (a one-sequence server that always drafts 16 tokens would otherwise take a one-row
@@ -51,10 +56,11 @@ from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 from itertools import accumulate
 
-from specdec.acceptance import EMA, AcceptanceEstimate
+from specdec.acceptance import EMA, PRIOR_ACCEPT, RELAX, AcceptanceEstimate
 
+COST_EMA = 0.2  # weight of a new forward's or draft's time in its running average
 PROBE_EVERY = 32  # undrafted steps (per drafter, over all sequences) before a one-token probe
-RETRY_WASTE = 0.02  # what a failed one-token draft may cost, in plain tokens, at the full pace of `retry_pace`
+RETRY_WASTE = 0.01  # the share of the time retries may cost a drafter that is never accepted (`retry_pace`)
 REMEASURE = 64  # steps over B sequences without a forward over B tokens before a plain step re-measures it
 SPAN = 1.5  # `CostModel.smoothed`: a size's cost is fitted over the measured sizes within this factor of it
 
@@ -67,7 +73,8 @@ class CostModel:
     history: dict[str, AcceptanceEstimate] = field(default_factory=dict)  # drafter name -> over all sequences
     idle: dict[str, int] = field(default_factory=dict)  # drafter name -> undrafted steps since its last draft
     unmeasured: dict[int, int] = field(default_factory=dict)  # batch size -> steps since a forward of that size
-    ema: float = EMA
+    once: set[int] = field(default_factory=set)  # sizes measured once: a warm-up, replaced by the next measurement
+    ema: float = COST_EMA
     # Above the largest measured size, forwards grow by the measured slope per row (False: `row_cost`) or in
     # proportion to tokens (True: compute-bound, for batches much larger than any measured).
     proportional_above: bool = False
@@ -77,16 +84,39 @@ class CostModel:
     _slopes: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
+        """A forward over `tokens` took `seconds`. A size's first forward may pay for a warm-up (the gpt-oss-20b
+        shape, replayed: 80 ms for a 2-row forward's first, 49 after), so the second replaces it; then running
+        averages."""
         old = self.verify_s.get(tokens)
-        self.verify_s[tokens] = seconds if old is None else old + self.ema * (seconds - old)
+        first = old is None or tokens in self.once
+        self.verify_s[tokens] = seconds if first else old + self.ema * (seconds - old)
+        (self.once.add if old is None else self.once.discard)(tokens)
         self.unmeasured[tokens] = 0
         self._smooth_of = None
+        if not first and old > 0 and tokens == min(self.verify_s):
+            self._scale_above(tokens, self.verify_s[tokens] / old)
+
+    def _scale_above(self, tokens: int, factor: float) -> None:
+        """Sizes above `tokens` move with it: the smallest size is measured most often (every undrafted step), and a
+        longer context or a busier machine makes every forward dearer. Left where they were, a long prompt's one-row
+        forwards came to cost more than the two-row ones measured before it, so a draft looked free: a never-accepted
+        synthetic drafter on the Qwen3-30B-A3B shape drafted 47 tokens in a 128-token request."""
+        for t in self.verify_s:
+            if t > tokens:
+                self.verify_s[t] *= factor
 
     def plain_due(self, batch: int) -> bool:
         """Count a step over `batch` sequences; True when plain decoding at that batch (a forward over `batch`
         tokens) is unmeasured or was last measured REMEASURE such steps ago: time for a plain step."""
         n = self.unmeasured[batch] = self.unmeasured.get(batch, 0) + 1
         return batch not in self.verify_s or n > REMEASURE
+
+    def ramp(self, rows: int) -> int:
+        """The most draft tokens a forward already holding `rows` tokens may take: up to twice the largest forward
+        measured. Above it `verify_cost` guesses (with one size measured, that more rows are free), so a fresh
+        engine's drafts grow 1, 3, 7, 15 tokens as their forwards get measured, not 16 at once (a 17-row forward
+        of the gpt-oss-20b shape costs 3.8 one-row ones: `scripts/profile_step.py --rows 1,17`)."""
+        return 2 * max(self.verify_s, default=0) - rows
 
     def observe_draft(self, drafted: int, seconds: float, drafter: str = "") -> None:
         if drafted:
@@ -107,10 +137,11 @@ class CostModel:
         """`drafter`'s acceptance over every sequence so far (the engine feeds it)."""
         return self.history.setdefault(drafter, AcceptanceEstimate())
 
-    def probe_due(self, drafter: str = "") -> bool:
-        """Count one undrafted step of `drafter`; True once every PROBE_EVERY of them (time to re-measure)."""
+    def probe_due(self, drafter: str = "", every: float = PROBE_EVERY) -> bool:
+        """Count one undrafted step of `drafter`; True once every `every` of them (time to re-measure;
+        `probe_every`: rarer where a failed one-token draft is dear)."""
         self.idle[drafter] = self.idle.get(drafter, 0) + 1
-        if self.idle[drafter] < PROBE_EVERY:
+        if self.idle[drafter] < every:
             return False
         self.idle[drafter] = 0
         return True
@@ -247,14 +278,36 @@ def expected_saving(cost: CostModel, k_max: int, drafter: str = "", batch: int =
     return max(0.0, plain_cost(cost, batch) - 1.0 / rate)
 
 
-def retry_pace(cost: CostModel, drafter: str = "", batch: int = 1, rows: int | None = None) -> float:
-    """How fast an undrafted sequence's acceptance drifts back toward the prior (1: RELAX per step): slowed in
-    proportion where a failed one-token draft (drafting it, one more forward row) costs more than RETRY_WASTE of a
-    plain token, so the retries a drift leads to cost about that share of the time wherever they are dear."""
+def failed_share(cost: CostModel, drafter: str = "", batch: int = 1, rows: int | None = None) -> float | None:
+    """What a failed one-token draft costs (drafting it, one more forward row), in plain tokens; None while one more
+    row's cost is a warm-up's (measured once)."""
     rows = batch if rows is None else rows
-    plain = plain_cost(cost, batch)
+    if rows + 1 in cost.once:
+        return None
     failed = cost.draft_cost(drafter) + cost.verify_cost(rows + 1) - cost.verify_cost(rows)
-    return 1.0 if failed <= RETRY_WASTE * plain else RETRY_WASTE * plain / failed
+    return failed / plain_cost(cost, batch)
+
+
+def retry_pace(cost: CostModel, drafter: str = "", batch: int = 1, rows: int | None = None) -> float:
+    """How fast an undrafted position's acceptance drifts back toward the prior (1: RELAX per step), so that at no
+    acceptance at all the retries the drift leads to cost RETRY_WASTE of the time. A failed retry of share f lowers
+    the estimate by EMA of itself, from the break-even rate (about f) to (1 - EMA) f, and the drift brings it back
+    in EMA f / (RELAX pace (PRIOR_ACCEPT - (1 - EMA) f)) steps: a retry's share of those steps is RETRY_WASTE at the
+    pace below, whatever f (where f itself is below RETRY_WASTE, retrying every step costs no more: full pace). At
+    the pace of RETRY_WASTE / f, a never-accepted synthetic drafter on the Qwen3-30B-A3B shape drafted 55 single
+    tokens in its first 256-token request (`specdec bench ... --spec-synth-rates 0.0`)."""
+    f = failed_share(cost, drafter, batch, rows)
+    if f is None or f <= RETRY_WASTE:  # unmeasured (a warm-up's), or cheap: retry at the full pace
+        return 1.0
+    gap = PRIOR_ACCEPT - (1 - EMA) * f
+    return 1.0 if gap <= 0 else min(1.0, RETRY_WASTE * EMA / (RELAX * gap))
+
+
+def probe_every(cost: CostModel, drafter: str = "", batch: int = 1, rows: int | None = None) -> float:
+    """Undrafted steps between one-token probes: PROBE_EVERY, or more where a failed probe costs more than
+    PROBE_EVERY / 4 * RETRY_WASTE plain tokens, so probes cost at most a quarter of RETRY_WASTE of the time."""
+    f = failed_share(cost, drafter, batch, rows)
+    return PROBE_EVERY if f is None else max(PROBE_EVERY, 4 * f / RETRY_WASTE)
 
 
 def plain_cost(cost: CostModel, batch: int = 1) -> float:

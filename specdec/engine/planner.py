@@ -7,7 +7,14 @@ from dataclasses import dataclass
 from typing import Callable
 
 from specdec.drafters.base import time_shares
-from specdec.engine.adaptive import CostModel, choose_draft_len, expected_saving, plain_cost, retry_pace
+from specdec.engine.adaptive import (
+    CostModel,
+    choose_draft_len,
+    expected_saving,
+    plain_cost,
+    probe_every,
+    retry_pace,
+)
 from specdec.sequence import Budgets, Draft, Drafter, Sequence
 
 __all__ = ["DraftPlanner", "Proposal", "SpecConfig", "source"]
@@ -101,12 +108,15 @@ class DraftPlanner:
         """Per part of the sequence's drafter (`Drafter.parts`: a chain's members, judged apart), the tokens to ask
         it for and the path probability below which it should stop by itself; parts not expected to pay are left
         out, and in a light step those that run a model. Only drafts that can still matter: room in the context and
-        in max_tokens, less the bonus token."""
+        in max_tokens, less the bonus token; with adaptive lengths, no longer than `CostModel.ramp` lets a forward
+        of unmeasured size grow."""
         room = min(self.context - len(seq.tokens), seq.params.max_tokens - len(seq.output_ids)) - 1
         asked = seq.options.draft_max
         k_max = min(self.spec.draft_max if asked is None else asked, room)
         if self.cap is not None:
             k_max = min(k_max, self.cap)
+        if self.spec.adaptive:
+            k_max = min(k_max, self.cost.ramp(self.rows))
         if seq.drafter is None or k_max <= 0:
             return {}
         parts = [p for p in seq.drafter.parts(seq) if p.model_free or not self.light]
@@ -123,10 +133,10 @@ class DraftPlanner:
         pace = retry_pace(self.cost, part.name, self.batch, self.rows)
         acc = seq.acceptance_of(part.name, self.cost.acceptance(part.name), pace)
         k = choose_draft_len(self.cost, acc, min(self.spec.draft_min, k_max), k_max, part.name, self.batch, self.rows)
+        acc.relax(pace, start=k)  # the positions this step does not draft drift back toward the prior
         probe = k == 0
         if probe:  # drafting is not expected to pay: skip it, but now and then draft one token to re-measure
-            acc.relax(pace)
-            if not self.cost.probe_due(part.name):
+            if not self.cost.probe_due(part.name, probe_every(self.cost, part.name, self.batch, self.rows)):
                 return 0, 0.0, 0
             if self.batch > 1 and part.pending_setup(seq) > len(seq.output_ids):
                 return 0, 0.0, 0  # in a batch a probe never pays a catch-up on a new prompt: the batch would wait
