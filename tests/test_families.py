@@ -135,8 +135,8 @@ def test_c_layer_takes_qwen3(family_files, monkeypatch):
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "gpt_oss"])
 def test_c_layer_takes_mixtures_of_experts(family_files, monkeypatch, case):
-    """A mixture-of-experts layer runs its attention half and its experts in C around the Python router (gpt-oss: its
-    sinks, sliding layers, biased experts and clamped SwiGLU too): the same bits as its Python path (decode, chains, a
+    """A mixture-of-experts layer runs in C with its router, the whole stack in one call (gpt-oss: its sinks, sliding
+    layers, biased router and experts and clamped SwiGLU too): the same bits as its Python path (decode, chains, a
     ragged batch, a tree)."""
     from test_layer_kernel import _compare
 

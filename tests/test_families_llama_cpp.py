@@ -164,11 +164,13 @@ def _check_against_llama(
 @contextmanager
 def _routing_ties(llm, gap: float) -> Iterator[set[int]]:
     """Positions of the next forward (its only sequence) where a mixture-of-experts layer's k-th and next router
-    logits (bias included) are within `gap`; empty for a dense model. Each layer's `route` is wrapped: the C layer
-    calls it without going through the MoE module's forward."""
+    logits (bias included) are within `gap`; empty for a dense model. Each layer's `route` is wrapped, and the layers
+    run their Python path, which calls it (the C layers route inside C, to the same bits)."""
     from specdec.models.transformer import MoE, row_by_row
+    from specdec.runtime.layer_kernel import LayerKernel, LayerStack
 
     ties: set[int] = set()
+    c_paths = LayerKernel.run, LayerStack.run
 
     def watch(moe: MoE):
         route = moe.route
@@ -183,8 +185,11 @@ def _routing_ties(llm, gap: float) -> Iterator[set[int]]:
     moes = [m for m in llm.runner.model.modules() if isinstance(m, MoE)]
     for m in moes:
         m.route = watch(m)
+    if moes:
+        LayerKernel.run = LayerStack.run = lambda *args: None
     try:
         yield ties
     finally:
+        LayerKernel.run, LayerStack.run = c_paths
         for m in moes:
             del m.route

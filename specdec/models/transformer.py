@@ -23,7 +23,7 @@ from specdec.runtime import kernels as K
 from specdec.runtime import small_ops
 from specdec.runtime.attention import attention
 from specdec.runtime.kv_cache import KVCache
-from specdec.runtime.layer_kernel import LayerKernel, LayerParts, LayerStack, StepArgs, step_args
+from specdec.runtime.layer_kernel import LayerKernel, LayerParts, LayerStack, RouterParts, StepArgs, step_args
 from specdec.runtime.recurrent import RecurrentStates
 
 
@@ -281,9 +281,22 @@ class MoE(nn.Module):
         g = row_by_row(self.shared_expert_gate, rows)  # [N, 1]
         return self.shared_expert(rows) * torch.sigmoid(g.double()).to(rows.dtype)
 
+    def kernel_router(self) -> RouterParts | None:
+        """The router as `small_ops.route` and the C layer take it, or None where it runs in torch only (Gemma 4's,
+        a GGUF-quantized one)."""
+        gate = self.gate
+        if not isinstance(gate, nn.Linear) or self.router not in small_ops.ROUTERS:
+            return None
+        bias = None if gate.bias is None else gate.bias.detach()
+        return RouterParts(gate.weight.detach(), bias, self.top_k, self.router, self.norm_topk)
+
     def route(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k] in the rows' dtype, expert ids [N, k]) of each row's top-k experts."""
         scaled = self.router == "scaled"
+        r = self.kernel_router()
+        fast = None if r is None else small_ops.route(rows, r.weight, r.bias, r.k, r.router, r.norm)
+        if fast is not None:  # the C router, which the C layer runs too
+            return fast
         logits = row_by_row(self.gate, rms(rows, self.eps) * (self.scale * rows.shape[-1] ** -0.5) if scaled else rows)
         if self.router == "topk_softmax":  # gpt-oss: the top k logits, softmaxed
             top, chosen = torch.topk(logits, self.top_k, dim=-1)
@@ -400,13 +413,17 @@ class DecoderLayer(nn.Module):
             "pl_gate": get("per_layer_input_gate"),
             "pl_proj": get("per_layer_projection"),
             "pl_norm": get("post_per_layer_input_norm"),
+            "router": None if experts is None else experts.gate,
         }
         built = self._layer_kernel  # (the modules it was built from, the C form or None)
         if built is None or any(x is not y for x, y in zip(built[0], parts.values())):  # first use, or one replaced
             experts = None if parts["experts"] is None else parts["experts"].kernel_parts()
+            router = None if parts["router"] is None else self._experts().kernel_router()
             kernel = None
             if parts["experts"] is None or experts is not None:
-                kernel = LayerKernel.of(a.cfg, self.index, LayerParts(**{**parts, "experts": experts}))
+                kernel = LayerKernel.of(
+                    a.cfg, self.index, LayerParts(**{**parts, "experts": experts, "router": router})
+                )
             built = self._layer_kernel = (tuple(parts.values()), kernel)
         return built[1]
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from specdec.runtime import kernels as K
+from specdec.runtime import small_ops
 from specdec.runtime.gguf_linear import GGUFConcatLinear, GGUFLinear, matmul_args
 
 i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -44,6 +45,10 @@ class _Moe(ctypes.Structure):
         ("limit", ctypes.c_float),
         ("alpha", ctypes.c_float),
     ]
+
+
+class _Router(ctypes.Structure):
+    _fields_ = [("w", ptr), ("bias", ptr), ("k", i64), ("kind", i64), ("norm", i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -81,6 +86,7 @@ class _Layer(ctypes.Structure):
         ("pl_norm", ptr),
         ("pl_index", i64),
         ("pl_dim", i64),
+        ("router", _Router),
     ]
 
 
@@ -128,6 +134,18 @@ class ExpertParts:
 
 
 @dataclass
+class RouterParts:
+    """A mixture of experts' router as `small_ops.route` takes it: weight [E, H] and bias [E] (float32), k, the
+    `ModelConfig.router` kind and whether the top k are renormalised."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    k: int
+    router: str
+    norm: bool
+
+
+@dataclass
 class LayerParts:
     """A decoder layer's modules as the C layer takes them (norms: `RMSNorm`s; linear layers: GGUF matrices), None
     where the layer has none."""
@@ -151,6 +169,7 @@ class LayerParts:
     pl_gate: nn.Module | None = None  # Gemma 4's per-layer input: its gate, projection and norm
     pl_proj: nn.Module | None = None
     pl_norm: nn.Module | None = None
+    router: RouterParts | None = None  # the experts' router where it runs in C: the layer in one call
 
 
 def _recipe_runs(cfg, layer: int) -> bool:
@@ -183,6 +202,11 @@ class LayerKernel:
     @property
     def moe(self) -> bool:
         return self.spec.moe.n > 0
+
+    @property
+    def routed(self) -> bool:
+        """Whether the layer's experts are routed in C: the whole layer is one call."""
+        return bool(self.spec.router.w)
 
     @classmethod
     def of(cls, cfg, layer: int, parts: LayerParts) -> "LayerKernel | None":
@@ -250,13 +274,14 @@ class LayerKernel:
             addr[12],
             layer,
             cfg.per_layer_dim,
+            _router(parts.router, cfg.hidden_size, 0 if parts.experts is None else len(parts.experts.downs), keep),
         )
         return cls(spec, keep, kv_layer)
 
     def run(self, x: torch.Tensor, step: "StepArgs | None", cache, route: Route | None = None) -> torch.Tensor | None:
         """x [B, T, hidden] -> the layer's output, its K/V written to `cache`; None where the C path does not apply.
-        A mixture of experts: the attention half in C, `route` (the layer's router, in Python) on its MLP input
-        (Gemma 4: on the attention half's output), then the experts in C."""
+        A mixture of experts whose router does not run in C (Gemma 4's): the attention half in C, `route` (the layer's
+        router, in Python) on its MLP input (Gemma 4: on the attention half's output), then the experts in C."""
         if step is None or not x.is_contiguous():  # step: None where the kernels do not take these rows
             return None
         kc, vc = cache.k[self.kv_layer], cache.v[self.kv_layer]
@@ -266,7 +291,7 @@ class LayerKernel:
         s.kc, s.vc, s.sb, s.sh = kc.data_ptr(), vc.data_ptr(), kc.stride(0), kc.stride(1)
         out, lib, threads, path = torch.empty_like(x), K.library(), torch.get_num_threads(), K.requested_path()
         spec, step_spec = ctypes.byref(self.spec), ctypes.byref(s)
-        if not self.moe:
+        if not self.moe or self.routed:
             rc = lib.gq_decoder_layer(spec, step_spec, x.data_ptr(), out.data_ptr(), threads, path)
             return out if rc >= 0 else None
         h = torch.empty_like(x)
@@ -362,13 +387,29 @@ def _moe(experts: ExpertParts, keep: list) -> _Moe:
     )
 
 
+def _router(router: RouterParts | None, hidden: int, n: int, keep: list) -> _Router:
+    """The router as `router_t` (its tensors kept alive in `keep`), or all zeros where it does not run in C."""
+    if (
+        router is None
+        or tuple(router.weight.shape) != (n, hidden)
+        or not small_ops.router_runs(router.weight, router.bias, router.k, router.router)
+    ):
+        return _Router()
+    w, b = (None if t is None else t.contiguous() for t in (router.weight, router.bias))
+    keep += [w, b]
+    return _Router(
+        w.data_ptr(), None if b is None else b.data_ptr(), router.k, small_ops.ROUTERS[router.router], router.norm
+    )
+
+
 def _read(kernels: list[LayerKernel], cache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The K and V cache tensors each layer reads (its own, or the layer's whose K/V it shares)."""
     return [cache.k[k.kv_layer] for k in kernels], [cache.v[k.kv_layer] for k in kernels]
 
 
 class LayerStack:
-    """Every decoder layer in one C call (`gq_decoder_stack`), where each would run in C on its own (`LayerKernel.run`):
+    """Every decoder layer in one C call (`gq_decoder_stack`), where each would run in C on its own (`LayerKernel.run`)
+    and routes its experts, if any, in C:
     the layers' descriptions and their caches' addresses, built once per model and cache; at a few rows the Python
     around 28 layer calls is a measurable share of a decode step."""
 
@@ -384,7 +425,7 @@ class LayerStack:
     def of(cls, kernels: list, cache) -> "LayerStack | None":
         if (
             not kernels
-            or any(k is None or k.moe for k in kernels)  # experts: routed in Python between two calls
+            or any(k is None or (k.moe and not k.routed) for k in kernels)  # routed in Python between two calls
             or len(cache.k) != len(kernels)
             or any(k.stride() != v.stride() for k, v in zip(cache.k, cache.v))
             or any(t.dtype != torch.float32 or not t.is_cpu or t.stride(-1) != 1 for t in cache.k + cache.v)

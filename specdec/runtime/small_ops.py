@@ -3,7 +3,8 @@ embedding of q and k in place, SiLU(gate) * up, tanh-GELU(gate) * up, Qwen3.5's 
 gated norm, one call each where torch takes 3 to 8 (at one row, their dispatch costs more than their arithmetic). Each
 returns None (or False) where the C path does not apply: no library, not float32 on the CPU, or gradients wanted; the
 caller then runs torch's operations. And each logit row's best token and its lead over the next (`top2`), which runs
-torch's own where the C path does not apply. A row's result is the same bits however many rows share the call."""
+torch's own where the C path does not apply, and a mixture of experts' router (`route`: logits, softmax and top k in
+one call, which the C decoder layer runs too). A row's result is the same bits however many rows share the call."""
 
 from __future__ import annotations
 
@@ -124,6 +125,35 @@ def delta_rule(
     args = (state, q, k, v, decay, beta)
     lib.gq_delta_rule(*(t.data_ptr() for t in args), T, H, dk, dv, out.data_ptr())
     return state, out
+
+
+ROUTERS = {"softmax_topk": 0, "topk_softmax": 1}  # `ModelConfig.router`s the C router takes, as its `kind`
+ROUTER_MAX = 1024  # experts it scores at most (small_ops.c)
+
+
+def router_runs(weight: torch.Tensor, bias: torch.Tensor | None, k: int, router: str) -> bool:
+    """Whether the C router takes this router: weight [E, H] and bias float32 on the CPU, H a multiple of 8."""
+    E, H = weight.shape
+    tensors = [weight.detach()] + ([] if bias is None else [bias.detach()])
+    return _usable(*tensors) and router in ROUTERS and H % 8 == 0 and 0 < k <= E <= ROUTER_MAX
+
+
+def route(
+    rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int, router: str, norm: bool
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A mixture of experts' router: rows [N, H], weight [E, H] (+ bias [E]) -> each row's k experts' weights [N, k]
+    and ids [N, k] (int64), largest first: "softmax_topk" the softmax's top k (renormalised where `norm`),
+    "topk_softmax" (gpt-oss) the top k logits softmaxed; or None."""
+    E, H = weight.shape
+    lib = K.library() if _usable(rows) and router_runs(weight, bias, k, router) and rows.shape[-1] == H else None
+    if lib is None:
+        return None
+    x, w = rows.contiguous(), weight.detach().contiguous()
+    b = None if bias is None else bias.detach().contiguous()
+    weights, chosen = torch.empty(len(x), k), torch.empty(len(x), k, dtype=torch.int64)
+    args = (x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), len(x), H, E, k, ROUTERS[router])
+    lib.gq_route(*args, int(norm), chosen.data_ptr(), weights.data_ptr())
+    return weights, chosen
 
 
 def top2(logits: torch.Tensor) -> tuple[list[int], list[float]]:

@@ -3,10 +3,13 @@
  * torch each is 3 to 8 operator calls, and at one row (decode) their dispatch costs more than their arithmetic.
  *
  * And the best and second-best logit of each row (greedy decoding, verification and the near-tie gaps), one pass
- * where torch's argmax and topk each read the row with far more overhead (a 151936-entry row: 0.4-0.5 ms each).
+ * where torch's argmax and topk each read the row with far more overhead (a 151936-entry row: 0.4-0.5 ms each); a
+ * mixture of experts' router (its logits, softmax and top k: 74 us a row in torch's operators on gpt-oss-20b's
+ * shape, `python scripts/profile_step.py`).
  *
  * Each row is computed on its own in a fixed order, so a row's result is the same bits however many rows share the
- * call (decode and verification agree). Single-threaded: the work per call is small. Written for specdec.
+ * call (decode and verification agree). Single-threaded but for many rows: the work per call is small. Written for
+ * specdec.
  */
 #include <math.h>
 #include <stdint.h>
@@ -275,6 +278,63 @@ INL int delta_rule(float *ssm, const float *q, const float *k, const float *v, c
     return 0;
 }
 
+/* The dot products of x [hidden] with router rows w[e0 + j] [hidden], j < 4 (rows past n - 1 repeat the last one):
+ * each in 8 partial sums (element i into sum i % 8) added as rmsnorm's, so a logit is the same bits in any block. */
+INL void dot4(const float *x, const float *w, int64_t hidden, int64_t e0, int64_t n, float *dots) {
+    const float *wr[4];
+    for (int j = 0; j < 4; j++) wr[j] = w + (e0 + j < n ? e0 + j : n - 1) * hidden;
+    v8f acc[4] = {{0}, {0}, {0}, {0}};
+    for (int64_t i = 0; i < hidden; i += 8) {
+        const v8f xv = *(const v8f *)(const void *)(x + i);
+        for (int j = 0; j < 4; j++) acc[j] += xv * *(const v8f *)(const void *)(wr[j] + i);
+    }
+    for (int j = 0; j < 4 && e0 + j < n; j++) {
+        const v8f a = acc[j];
+        dots[e0 + j] = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+    }
+}
+
+/* top [k]: the indices of v's k largest of n, largest first (equal values: the lower index first) */
+INL void largest(const float *v, int64_t n, int64_t k, int64_t *top) {
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < n; e++) {
+            int taken = 0;
+            for (int64_t i = 0; i < j; i++) taken |= top[i] == e;
+            if (!taken && (best < 0 || v[e] > v[best])) best = e;
+        }
+        top[j] = best;
+    }
+}
+
+#define ROUTER_MAX 1024 /* experts a router may score (Qwen3-Next: 512) */
+
+/* A mixture of experts' router: each row's k of n experts from x [rows][hidden] and the router w [n][hidden] (+ b [n]
+ * or NULL). Logit e: x . w[e] (dot4) + b[e]. kind 0 (Qwen3-MoE): the softmax of all n logits (e^(l - max) / their sum
+ * in index order), its k largest, divided by their sum (largest first) where norm; kind 1 (gpt-oss): the k largest
+ * logits, softmaxed. idx [rows][k] and wt [rows][k], largest first. gq_route checks the sizes. */
+INL int route_rows(const float *x, const float *w, const float *b, int64_t rows, int64_t hidden, int64_t n, int64_t k,
+                   int32_t kind, int32_t norm, int64_t *idx, float *wt) {
+    float lg[ROUTER_MAX];
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t *top = idx + r * k;
+        float *out = wt + r * k;
+        for (int64_t e = 0; e < n; e += 4) dot4(x + r * hidden, w, hidden, e, n, lg);
+        for (int64_t e = 0; b && e < n; e++) lg[e] = lg[e] + b[e];
+        if (kind == 0) {
+            float m = lg[0], sum = 0.0f;
+            for (int64_t e = 1; e < n; e++) m = lg[e] > m ? lg[e] : m;
+            for (int64_t e = 0; e < n; e++) sum += lg[e] = expf(lg[e] - m);
+            for (int64_t e = 0; e < n; e++) lg[e] = lg[e] / sum;
+        }
+        largest(lg, n, k, top);
+        float sum = 0.0f;
+        for (int64_t j = 0; j < k; j++) sum += out[j] = kind == 0 ? lg[top[j]] : expf(lg[top[j]] - lg[top[0]]);
+        for (int64_t j = 0; j < k && (kind == 1 || norm); j++) out[j] = out[j] / sum;
+    }
+    return 0;
+}
+
 /* Each operation twice: for CPUs with AVX2 + FMA and for any other; the exported gq_NAME picks one */
 #if defined(__x86_64__) || defined(__i386__)
 #define T256 __attribute__((target("avx2,fma")))
@@ -296,6 +356,24 @@ DISPATCH(silu_mul, (const float *gu, int64_t rows, int64_t inter, float *out), (
 DISPATCH(gelu_mul, (const float *gu, int64_t rows, int64_t inter, float *out), (gu, rows, inter, out))
 DISPATCH(swiglu_limit, (const float *gu, int64_t rows, int64_t inter, float limit, float alpha, float *out),
          (gu, rows, inter, limit, alpha, out))
+DISPATCH(route_rows,
+         (const float *x, const float *w, const float *b, int64_t rows, int64_t hidden, int64_t n, int64_t k,
+          int32_t kind, int32_t norm, int64_t *idx, float *wt),
+         (x, w, b, rows, hidden, n, k, kind, norm, idx, wt))
+
+/* route_rows over rows split among threads where there are many (the split here, outside the dispatched code: an
+ * OpenMP region inside it would be compiled for the baseline CPU). A row's result does not depend on the rows beside
+ * it. hidden a multiple of 8, n <= ROUTER_MAX, 0 < k <= n. */
+int gq_route(const float *x, const float *w, const float *b, int64_t rows, int64_t hidden, int64_t n, int64_t k,
+             int32_t kind, int32_t norm, int64_t *idx, float *wt) {
+    if (hidden % 8 || n < 1 || n > ROUTER_MAX || k < 1 || k > n || kind < 0 || kind > 1) return -2;
+    const int64_t chunk = 8;
+#pragma omp parallel for schedule(static) if (rows * n * hidden >= (1 << 22))
+    for (int64_t r = 0; r < rows; r += chunk)
+        gq_route_rows(x + r * hidden, w, b, rows - r < chunk ? rows - r : chunk, hidden, n, k, kind, norm, idx + r * k,
+                      wt + r * k);
+    return 0;
+}
 DISPATCH(top2, (const float *x, int64_t rows, int64_t cols, int64_t stride, int64_t *best, float *gap),
          (x, rows, cols, stride, best, gap))
 DISPATCH(gdn_inputs,
