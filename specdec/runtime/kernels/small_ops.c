@@ -238,15 +238,13 @@ INL int gated_norm(const float *o, const float *z, const float *w, float eps, in
 /* The gated delta rule (Qwen3.5's linear attention) over T tokens of one sequence, the state updated in place. Per
  * value head h and token t, with S = ssm[h] [dk][dv], q, k [T][H][dk], v [T][H][dv], decay, beta [T][H]:
  *   S *= decay;  m = S^T k;  S += k (x) ((v - m) * beta);  out = S^T q
- * Each head's state stays in cache over its T tokens (heads in parallel); the sums over dk run in order per output
- * lane, so a token's result does not depend on T or the threads: a forward and a replay of its rows agree. dv a
- * multiple of 8, at most 512; out may be NULL (a replay). */
-INL int delta_rule(float *ssm, const float *q, const float *k, const float *v, const float *decay, const float *beta,
-                   int64_t T, int64_t H, int64_t dk, int64_t dv, float *out) {
-    if (dv % 8 || dv > 512) return -2;
+ * Heads h0 .. h1 - 1 here (gq_delta_rule splits the heads among threads); each head's state stays in cache over its
+ * T tokens, and the sums over dk run in order per output lane, so a token's result does not depend on T or the
+ * threads: a forward and a replay of its rows agree. dv a multiple of 8, at most 512; out may be NULL (a replay). */
+INL int delta_heads(float *ssm, const float *q, const float *k, const float *v, const float *decay, const float *beta,
+                    int64_t T, int64_t H, int64_t dk, int64_t dv, int64_t h0, int64_t h1, float *out) {
     const int64_t lanes = dv / 8;
-#pragma omp parallel for schedule(static) if (T * H * dk * dv >= (1 << 18))
-    for (int64_t h = 0; h < H; h++) {
+    for (int64_t h = h0; h < h1; h++) {
         float *S = ssm + h * dk * dv;
         v8f m[64], d[64], o[64];
         for (int64_t t = 0; t < T; t++) {
@@ -361,9 +359,8 @@ DISPATCH(route_rows,
           int32_t kind, int32_t norm, int64_t *idx, float *wt),
          (x, w, b, rows, hidden, n, k, kind, norm, idx, wt))
 
-/* route_rows over rows split among threads where there are many (the split here, outside the dispatched code: an
- * OpenMP region inside it would be compiled for the baseline CPU). A row's result does not depend on the rows beside
- * it. hidden a multiple of 8, n <= ROUTER_MAX, 0 < k <= n. */
+/* route_rows over rows split among threads where there are many (as gq_delta_rule's split). A row's result does not
+ * depend on the rows beside it. hidden a multiple of 8, n <= ROUTER_MAX, 0 < k <= n. */
 int gq_route(const float *x, const float *w, const float *b, int64_t rows, int64_t hidden, int64_t n, int64_t k,
              int32_t kind, int32_t norm, int64_t *idx, float *wt) {
     if (hidden % 8 || n < 1 || n > ROUTER_MAX || k < 1 || k > n || kind < 0 || kind > 1) return -2;
@@ -383,7 +380,17 @@ DISPATCH(gdn_inputs,
          (x, a, b, a_log, dt_bias, T, hk, hv, dk, dv, tiled, q, k, v, decay, beta))
 DISPATCH(gated_norm, (const float *o, const float *z, const float *w, float eps, int64_t rows, int64_t dv, float *out),
          (o, z, w, eps, rows, dv, out))
-DISPATCH(delta_rule,
+DISPATCH(delta_heads,
          (float *ssm, const float *q, const float *k, const float *v, const float *decay, const float *beta, int64_t T,
-          int64_t H, int64_t dk, int64_t dv, float *out),
-         (ssm, q, k, v, decay, beta, T, H, dk, dv, out))
+          int64_t H, int64_t dk, int64_t dv, int64_t h0, int64_t h1, float *out),
+         (ssm, q, k, v, decay, beta, T, H, dk, dv, h0, h1, out))
+
+/* The gated delta rule (delta_heads) with the heads split among threads where the work is large. The OpenMP regions
+ * here and in gq_route sit outside the dispatched code: a region inside it is outlined for the baseline CPU. */
+int gq_delta_rule(float *ssm, const float *q, const float *k, const float *v, const float *decay, const float *beta,
+                  int64_t T, int64_t H, int64_t dk, int64_t dv, float *out) {
+    if (dv % 8 || dv > 512) return -2;
+#pragma omp parallel for schedule(static) if (T * H * dk * dv >= (1 << 18))
+    for (int64_t h = 0; h < H; h++) gq_delta_heads(ssm, q, k, v, decay, beta, T, H, dk, dv, h, h + 1, out);
+    return 0;
+}
