@@ -19,9 +19,11 @@ ends its OpenMP workers, as the server's engine thread runs; `--keep-workers` le
 Above the kernels' row limit the projections dequantize and multiply in torch (`GGUFLinear._dequant_matmul`, fused
 parts in `GGUFConcatLinear._dequant_matmul`): timed as "dequantize + matmul" per shape.
 
-A mixture of experts prints the distinct experts a layer ran per forward. Random weights route nearly every row to
-the same experts, so `--routing uniform` draws each row's experts uniformly at random instead (a fixed seed, the
-router's weights kept): the most spread routing a verify step can meet, where a real model's lies between the two.
+A mixture of experts prints the distinct experts a layer ran per forward (counted in the instrumented forwards,
+whose router runs through `MoE.route`). Random weights route nearly every row to the same experts, so `--routing
+uniform` draws each row's experts uniformly at random instead (a fixed seed, the router's weights kept): the most
+spread routing a verify step can meet, where a real model's lies between the two. Its forwards route in Python
+between two C calls a layer, since the C router would choose the model's experts.
 
 Prints one Markdown table per row count."""
 
@@ -39,7 +41,7 @@ import specdec.models.transformer as T
 from specdec.api import LLM
 from specdec.runtime import gguf_linear as GL
 from specdec.runtime.cpu import release_openmp_workers
-from specdec.runtime.layer_kernel import LayerKernel
+from specdec.runtime.layer_kernel import LayerKernel, LayerStack
 
 
 def main() -> None:
@@ -106,11 +108,11 @@ def main() -> None:
     dequants = {
         cls: timed_dequant(cls) for cls in (GL.GGUFLinear, GL.GGUFConcatLinear) if hasattr(cls, "_dequant_matmul")
     }
-    c_layers = LayerKernel.run
+    c_layers, c_stack = LayerKernel.run, LayerStack.run
 
     def median_forward(rows: int, n: int, instrument: bool) -> float:
         GL.kernel_matmul, T.attention = (timed_kernel, timed_attention) if instrument else (kernel, attention)
-        LayerKernel.run = (lambda *args: None) if instrument else c_layers
+        LayerKernel.run, LayerStack.run = ((lambda *args: None),) * 2 if instrument else (c_layers, c_stack)
         for cls, (inner, timed) in dequants.items():
             cls._dequant_matmul = timed if instrument else inner
         spent.clear()
@@ -120,7 +122,7 @@ def main() -> None:
             t0 = time.perf_counter()
             runner.forward([(ids * rows)[:rows]], [len(ids)], [0], last_only=a.last_only)  # the text's tokens
             ts.append(time.perf_counter() - t0)
-        GL.kernel_matmul, T.attention, LayerKernel.run = kernel, attention, c_layers
+        GL.kernel_matmul, T.attention, LayerKernel.run, LayerStack.run = kernel, attention, c_layers, c_stack
         for cls, (inner, _) in dequants.items():
             cls._dequant_matmul = inner
         return sorted(ts)[n // 2]
@@ -150,6 +152,8 @@ def count_experts(uniform: bool) -> list[int]:
     row's experts drawn uniformly at random, distinct within the row."""
     route, gen = T.MoE.route, torch.Generator().manual_seed(0)
     spread: list[int] = []
+    if uniform:  # no C router in the layers: they call `MoE.route` between their two C calls
+        T.MoE.kernel_router = lambda self: None
 
     def counted(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         weights, chosen = route(self, rows)  # [N, k] each
@@ -196,10 +200,10 @@ def report(a: argparse.Namespace, median_forward, spent: dict, calls: collection
     """One Markdown table per row count: the forward's median, and where an instrumented forward's time goes."""
     for rows in (int(r) for r in a.rows.split(",")):
         median_forward(rows, 3, False)
-        spread.clear()
         plain = median_forward(rows, a.forwards, False)
-        experts = f"; {sum(spread) / len(spread):.2f} experts a layer" if spread else ""
+        spread.clear()
         inst = median_forward(rows, a.forwards, True)
+        experts = f"; {sum(spread) / len(spread):.2f} experts a layer" if spread else ""
         print(
             f"\n### {rows} row(s): forward {plain * 1e3:.1f} ms{experts}; with the layers' Python path "
             f"{inst * 1e3:.1f} (instrumented)\n"
