@@ -76,7 +76,7 @@ GEMMA = [
     # full layers with their own head size whose values are the keys, value norms, layer scalars, per-layer inputs,
     # layers reading the K/V of others
     "gemma4",
-    "gemma4_moe",  # experts beside the MLP, the router in Python between two calls
+    "gemma4_moe",  # experts beside the MLP, its scaled router in C too
 ]
 
 

@@ -83,37 +83,50 @@ def test_top2_ties_and_infinities_as_torch():
 
 
 @pytest.mark.parametrize(
-    "router,norm,bias", [("softmax_topk", True, False), ("softmax_topk", False, False), ("topk_softmax", False, True)]
+    "router,norm,bias",
+    [
+        ("softmax_topk", True, False),
+        ("softmax_topk", False, False),
+        ("topk_softmax", False, True),
+        ("scaled", True, False),
+    ],
 )
 @pytest.mark.parametrize("experts,k", [(6, 2), (32, 4), (128, 8)])
 def test_route_matches_torch_and_rows_are_independent(router, norm, bias, experts, k):
     """A mixture of experts' router (Qwen3-MoE's softmax then top k, renormalised or not; gpt-oss's top k logits
-    softmaxed, with a bias): torch's choices and weights, a row alone the same bits, many rows over threads too."""
+    softmaxed, with a bias; Gemma 4's over RMS-normed, scaled rows, weighted per expert): torch's choices and weights,
+    a row alone the same bits, many rows over threads too."""
     torch.manual_seed(experts + k)
     x, w = torch.randn(300, 64), torch.randn(experts, 64) / 8
-    b = torch.randn(experts) if bias else None
-    weights, chosen = S.route(x, w, b, k, router, norm)
-    logits = x @ w.T + (0 if b is None else b)
+    parts = S.RouterParts(w, torch.randn(experts) if bias else None, k, router, norm)
+    scored = x
+    if router == "scaled":
+        parts.in_scale, parts.expert_scale, parts.eps = torch.rand(64) + 0.5, torch.rand(experts) + 0.5, 1e-6
+        scored = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * parts.in_scale
+    weights, chosen = S.route(x, parts)
+    logits = scored @ w.T + (0 if parts.bias is None else parts.bias)
     if router == "topk_softmax":
         top, ref_chosen = logits.topk(k, dim=-1)
         ref = top.softmax(-1)
     else:
         ref, ref_chosen = logits.softmax(-1).topk(k, dim=-1)
         ref = ref / ref.sum(-1, keepdim=True) if norm else ref
+    if parts.expert_scale is not None:
+        ref = ref * parts.expert_scale[ref_chosen]
     assert torch.equal(chosen, ref_chosen) and torch.allclose(weights, ref, atol=1e-6, rtol=1e-5)
-    alone = S.route(x[7:8], w, b, k, router, norm)
+    alone = S.route(x[7:8], parts)
     assert torch.equal(alone[0], weights[7:8]) and torch.equal(alone[1], chosen[7:8])
-    many = S.route(x.repeat(40, 1), w, b, k, router, norm)  # enough rows to split over threads
+    many = S.route(x.repeat(40, 1), parts)  # enough rows to split over threads
     assert torch.equal(many[0][-300:], weights) and torch.equal(many[1][-300:], chosen)
 
 
 def test_route_takes_ties_lowest_expert_first_and_refuses_what_it_cannot_run():
     x, w = torch.ones(1, 8), torch.ones(4, 8)
-    weights, chosen = S.route(x, w, None, 2, "softmax_topk", True)
+    weights, chosen = S.route(x, S.RouterParts(w, None, 2, "softmax_topk", True))
     assert chosen.tolist() == [[0, 1]] and weights.tolist() == [[0.5, 0.5]]
-    assert S.route(x, w, None, 2, "scaled", True) is None  # Gemma 4's router: torch
-    assert S.route(torch.ones(1, 12), torch.ones(4, 12), None, 2, "softmax_topk", True) is None  # not 8 wide
-    assert S.route(x.double(), w.double(), None, 2, "softmax_topk", True) is None
+    assert S.route(x, S.RouterParts(w, None, 2, "sigmoid", True)) is None  # a kind it does not know
+    assert S.route(torch.ones(1, 12), S.RouterParts(torch.ones(4, 12), None, 2, "softmax_topk", True)) is None
+    assert S.route(x.double(), S.RouterParts(w.double(), None, 2, "softmax_topk", True)) is None
 
 
 def test_torch_runs_where_the_c_path_does_not_apply():

@@ -23,7 +23,7 @@ from specdec.runtime import kernels as K
 from specdec.runtime import small_ops
 from specdec.runtime.attention import attention
 from specdec.runtime.kv_cache import KVCache
-from specdec.runtime.layer_kernel import LayerKernel, LayerParts, LayerStack, RouterParts, StepArgs, step_args
+from specdec.runtime.layer_kernel import LayerKernel, LayerParts, LayerStack, StepArgs, step_args
 from specdec.runtime.recurrent import RecurrentStates
 
 
@@ -281,20 +281,24 @@ class MoE(nn.Module):
         g = row_by_row(self.shared_expert_gate, rows)  # [N, 1]
         return self.shared_expert(rows) * torch.sigmoid(g.double()).to(rows.dtype)
 
-    def kernel_router(self) -> RouterParts | None:
-        """The router as `small_ops.route` and the C layer take it, or None where it runs in torch only (Gemma 4's,
-        a GGUF-quantized one)."""
+    def kernel_router(self) -> small_ops.RouterParts | None:
+        """The router as `small_ops.route` and the C layer take it, or None where it runs in torch only (a
+        GGUF-quantized one)."""
         gate = self.gate
         if not isinstance(gate, nn.Linear) or self.router not in small_ops.ROUTERS:
             return None
         bias = None if gate.bias is None else gate.bias.detach()
-        return RouterParts(gate.weight.detach(), bias, self.top_k, self.router, self.norm_topk)
+        parts = small_ops.RouterParts(gate.weight.detach(), bias, self.top_k, self.router, self.norm_topk)
+        if self.router == "scaled":  # the products the torch path below multiplies by
+            parts.in_scale = (self.scale * gate.in_features**-0.5).detach()
+            parts.expert_scale, parts.eps = self.per_expert_scale.detach(), self.eps
+        return parts
 
     def route(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k] in the rows' dtype, expert ids [N, k]) of each row's top-k experts."""
         scaled = self.router == "scaled"
         r = self.kernel_router()
-        fast = None if r is None else small_ops.route(rows, r.weight, r.bias, r.k, r.router, r.norm)
+        fast = None if r is None else small_ops.route(rows, r)
         if fast is not None:  # the C router, which the C layer runs too
             return fast
         logits = row_by_row(self.gate, rms(rows, self.eps) * (self.scale * rows.shape[-1] ** -0.5) if scaled else rows)

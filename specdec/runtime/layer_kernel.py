@@ -48,7 +48,15 @@ class _Moe(ctypes.Structure):
 
 
 class _Router(ctypes.Structure):
-    _fields_ = [("w", ptr), ("bias", ptr), ("k", i64), ("kind", i64), ("norm", i64)]
+    _fields_ = [
+        ("w", ptr),
+        ("bias", ptr),
+        ("in_scale", ptr),
+        ("expert_scale", ptr),
+        ("k", i64),
+        ("kind", i64),
+        ("norm", i64),
+    ]
 
 
 class _Layer(ctypes.Structure):
@@ -134,18 +142,6 @@ class ExpertParts:
 
 
 @dataclass
-class RouterParts:
-    """A mixture of experts' router as `small_ops.route` takes it: weight [E, H] and bias [E] (float32), k, the
-    `ModelConfig.router` kind and whether the top k are renormalised."""
-
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-    k: int
-    router: str
-    norm: bool
-
-
-@dataclass
 class LayerParts:
     """A decoder layer's modules as the C layer takes them (norms: `RMSNorm`s; linear layers: GGUF matrices), None
     where the layer has none."""
@@ -169,7 +165,7 @@ class LayerParts:
     pl_gate: nn.Module | None = None  # Gemma 4's per-layer input: its gate, projection and norm
     pl_proj: nn.Module | None = None
     pl_norm: nn.Module | None = None
-    router: RouterParts | None = None  # the experts' router where it runs in C: the layer in one call
+    router: small_ops.RouterParts | None = None  # the experts' router where it runs in C: the layer in one call
 
 
 def _recipe_runs(cfg, layer: int) -> bool:
@@ -280,8 +276,9 @@ class LayerKernel:
 
     def run(self, x: torch.Tensor, step: "StepArgs | None", cache, route: Route | None = None) -> torch.Tensor | None:
         """x [B, T, hidden] -> the layer's output, its K/V written to `cache`; None where the C path does not apply.
-        A mixture of experts whose router does not run in C (Gemma 4's): the attention half in C, `route` (the layer's
-        router, in Python) on its MLP input (Gemma 4: on the attention half's output), then the experts in C."""
+        A mixture of experts whose router does not run in C (a GGUF-quantized one): the attention half in C, `route`
+        (the layer's router, in Python) on its MLP input (Gemma 4: on the attention half's output), then the experts
+        in C."""
         if step is None or not x.is_contiguous():  # step: None where the kernels do not take these rows
             return None
         kc, vc = cache.k[self.kv_layer], cache.v[self.kv_layer]
@@ -387,19 +384,14 @@ def _moe(experts: ExpertParts, keep: list) -> _Moe:
     )
 
 
-def _router(router: RouterParts | None, hidden: int, n: int, keep: list) -> _Router:
+def _router(router: small_ops.RouterParts | None, hidden: int, n: int, keep: list) -> _Router:
     """The router as `router_t` (its tensors kept alive in `keep`), or all zeros where it does not run in C."""
-    if (
-        router is None
-        or tuple(router.weight.shape) != (n, hidden)
-        or not small_ops.router_runs(router.weight, router.bias, router.k, router.router)
-    ):
+    if router is None or tuple(router.weight.shape) != (n, hidden) or not small_ops.router_runs(router):
         return _Router()
-    w, b = (None if t is None else t.contiguous() for t in (router.weight, router.bias))
-    keep += [w, b]
-    return _Router(
-        w.data_ptr(), None if b is None else b.data_ptr(), router.k, small_ops.ROUTERS[router.router], router.norm
-    )
+    tensors = router.tensors()
+    keep += tensors
+    addr = [None if t is None else t.data_ptr() for t in tensors]
+    return _Router(*addr, router.k, small_ops.ROUTERS[router.router], router.norm)
 
 
 def _read(kernels: list[LayerKernel], cache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

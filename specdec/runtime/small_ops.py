@@ -8,6 +8,8 @@ one call, which the C decoder layer runs too). A row's result is the same bits h
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from specdec.runtime import kernels as K
@@ -127,32 +129,53 @@ def delta_rule(
     return state, out
 
 
-ROUTERS = {"softmax_topk": 0, "topk_softmax": 1}  # `ModelConfig.router`s the C router takes, as its `kind`
+@dataclass
+class RouterParts:
+    """A mixture of experts' router as `route` and the C layer take it: weight [E, H] and bias [E], k, the
+    `ModelConfig.router` kind and whether the top k are renormalised; Gemma 4's in_scale [H] (the rows RMS-normed
+    with eps, times it, are scored) and expert_scale [E] (each chosen expert's weight times it)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    k: int
+    router: str
+    norm: bool
+    in_scale: torch.Tensor | None = None
+    expert_scale: torch.Tensor | None = None
+    eps: float = 0.0
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        """weight, bias, in_scale, expert_scale as the C router reads them (None where absent)."""
+        ts = (self.weight, self.bias, self.in_scale, self.expert_scale)
+        return [None if t is None else t.detach().contiguous() for t in ts]
+
+
+ROUTERS = {"softmax_topk": 0, "topk_softmax": 1, "scaled": 0}  # `ModelConfig.router`s the C router takes: its kind
 ROUTER_MAX = 1024  # experts it scores at most (small_ops.c)
 
 
-def router_runs(weight: torch.Tensor, bias: torch.Tensor | None, k: int, router: str) -> bool:
-    """Whether the C router takes this router: weight [E, H] and bias float32 on the CPU, H a multiple of 8."""
-    E, H = weight.shape
-    tensors = [weight.detach()] + ([] if bias is None else [bias.detach()])
-    return _usable(*tensors) and router in ROUTERS and H % 8 == 0 and 0 < k <= E <= ROUTER_MAX
+def router_runs(router: RouterParts) -> bool:
+    """Whether the C router takes this router: its tensors float32 on the CPU, hidden a multiple of 8."""
+    E, H = router.weight.shape
+    tensors = [t.detach() for t in (router.weight, router.bias, router.in_scale, router.expert_scale) if t is not None]
+    return _usable(*tensors) and router.router in ROUTERS and H % 8 == 0 and 0 < router.k <= E <= ROUTER_MAX
 
 
-def route(
-    rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int, router: str, norm: bool
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A mixture of experts' router: rows [N, H], weight [E, H] (+ bias [E]) -> each row's k experts' weights [N, k]
-    and ids [N, k] (int64), largest first: "softmax_topk" the softmax's top k (renormalised where `norm`),
-    "topk_softmax" (gpt-oss) the top k logits softmaxed; or None."""
-    E, H = weight.shape
-    lib = K.library() if _usable(rows) and router_runs(weight, bias, k, router) and rows.shape[-1] == H else None
+def route(rows: torch.Tensor, router: RouterParts) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A mixture of experts' router: rows [N, H] -> each row's k experts' weights [N, k] and ids [N, k] (int64),
+    largest first: "softmax_topk" the softmax's top k (renormalised where `norm`), "topk_softmax" (gpt-oss) the top k
+    logits softmaxed, "scaled" (Gemma 4) as the first over the rows RMS-normed times `in_scale`, each weight times its
+    expert's `expert_scale`; or None."""
+    E, H = router.weight.shape
+    lib = K.library() if _usable(rows) and rows.shape[-1] == H and router_runs(router) else None
     if lib is None:
         return None
-    x, w = rows.contiguous(), weight.detach().contiguous()
-    b = None if bias is None else bias.detach().contiguous()
-    weights, chosen = torch.empty(len(x), k), torch.empty(len(x), k, dtype=torch.int64)
-    args = (x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), len(x), H, E, k, ROUTERS[router])
-    lib.gq_route(*args, int(norm), chosen.data_ptr(), weights.data_ptr())
+    x, tensors = rows.contiguous(), router.tensors()
+    w, b, scale, expert_scale = (None if t is None else t.data_ptr() for t in tensors)
+    weights, chosen = torch.empty(len(x), router.k), torch.empty(len(x), router.k, dtype=torch.int64)
+    kind, norm = ROUTERS[router.router], int(router.norm)
+    out = (chosen.data_ptr(), weights.data_ptr())
+    lib.gq_route(x.data_ptr(), w, b, scale, router.eps, expert_scale, len(x), H, E, router.k, kind, norm, *out)
     return weights, chosen
 
 

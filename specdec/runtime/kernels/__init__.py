@@ -175,7 +175,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gq_gelu_mul.argtypes = [p, i64, i64, p]
     lib.gq_swiglu_limit.argtypes = [p, i64, i64, ctypes.c_float, ctypes.c_float, p]
     lib.gq_top2.argtypes = [p, i64, i64, i64, p, p]
-    lib.gq_route.argtypes = [p, p, p, i64, i64, i64, i64, i32, i32, p, p]
+    lib.gq_route.argtypes = [p, p, p, p, ctypes.c_float, p, i64, i64, i64, i64, i32, i32, p, p]
     lib.gq_delta_rule.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, p]
     lib.gq_gdn_inputs.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i32, p, p, p, p, p]
     lib.gq_gated_norm.argtypes = [p, p, p, ctypes.c_float, i64, i64, p]

@@ -2,10 +2,10 @@
  * on the CPU (float32 activations, GGUF weights): RMS norm, q/k/v, per-head q/k norms (Qwen3, Gemma 3) and v norms
  * (Gemma 4), rotary, K/V written to the cache, attention (Gemma 2: its scale and soft cap), o_proj (Gemma: normed
  * again) and the residual, RMS norm, gate/up, SiLU or tanh-GELU * up, down (Gemma: normed again) and the residual
- * (Gemma 4: times its layer scalar). A mixture of experts (Qwen3-MoE, gpt-oss): the attention half (gpt-oss: its
- * sinks, its sliding layers' mask), the router (small_ops.c's gq_route), then the experts (gpt-oss: their biases and
- * clamped SwiGLU); where the router runs in Python (Gemma 4), the two halves in two calls around it. The same functions
- * in the same order as the layer's Python code (models/transformer.py) runs them one by one, so the two give the
+ * (Gemma 4: times its layer scalar). A mixture of experts (Qwen3-MoE, gpt-oss, Gemma 4): the attention half
+ * (gpt-oss: its sinks, its sliding layers' mask), the router (small_ops.c's gq_route), then the experts (gpt-oss:
+ * their biases and clamped SwiGLU; Gemma 4: a dense MLP beside them); where the router runs in Python, two calls
+ * around it. The same functions in the same order as the layer's Python code (models/transformer.py) runs them one by one, so the two give the
  * same bits; at a few rows the Python between those calls costs more than the arithmetic. Written for specdec.
  */
 #include <math.h>
@@ -20,8 +20,9 @@ int gq_rope(float *x, int64_t stride, const float *cos, const float *sin, int64_
 int gq_silu_mul(const float *gu, int64_t rows, int64_t inter, float *out);
 int gq_gelu_mul(const float *gu, int64_t rows, int64_t inter, float *out);
 int gq_swiglu_limit(const float *gu, int64_t rows, int64_t inter, float limit, float alpha, float *out);
-int gq_route(const float *x, const float *w, const float *b, int64_t rows, int64_t hidden, int64_t n, int64_t k,
-             int32_t kind, int32_t norm, int64_t *idx, float *wt);
+int gq_route(const float *x, const float *w, const float *b, const float *in_scale, float eps,
+             const float *expert_scale, int64_t rows, int64_t hidden, int64_t n, int64_t k, int32_t kind, int32_t norm,
+             int64_t *idx, float *wt);
 int gq_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qst, const float *k, const float *v,
                  const int64_t *slots, int64_t sb, int64_t sh, const uint8_t *mask, int64_t B, int64_t H, int64_t kvh,
                  int64_t T, int64_t S, int64_t hd, float scale, float softcap, const float *sinks, float *out,
@@ -46,9 +47,11 @@ typedef struct { /* a mixture-of-experts MLP's experts (Qwen3-MoE, gpt-oss); n =
     float limit, alpha;              /* limit > 0: gpt-oss's clamped SwiGLU, else SiLU(gate) * up */
 } moe_t;
 
-typedef struct { /* the experts' router (gq_route's), or w = NULL: the caller routes between two calls (Gemma 4) */
-    const float *w;    /* [moe.n][hidden] */
-    const float *bias; /* [moe.n] or NULL */
+typedef struct { /* the experts' router (gq_route's), or w = NULL: the caller routes between two calls */
+    const float *w;            /* [moe.n][hidden] */
+    const float *bias;         /* [moe.n] or NULL */
+    const float *in_scale;     /* [hidden] or NULL: each row RMS-normed times it first (Gemma 4) */
+    const float *expert_scale; /* [moe.n] or NULL: each chosen expert's weight times it (Gemma 4) */
     int64_t k, kind, norm;
 } router_t;
 
@@ -346,9 +349,10 @@ static int routed_layer(const layer_t *L, const step_t *s, const float *x, float
     float *h = (float *)malloc(sizeof(float) * (size_t)(rows * (H + k)));
     int64_t *idx = (int64_t *)malloc(sizeof(int64_t) * (size_t)(rows * k));
     int rc = h && idx ? gq_attention_half(L, s, x, out, h, nthreads, path) : -3;
-    if (rc >= 0)
-        rc = gq_route(h, L->router.w, L->router.bias, rows, H, L->moe.n, k, (int32_t)L->router.kind,
-                      (int32_t)L->router.norm, idx, h + rows * H);
+    const router_t *R = &L->router;
+    if (rc >= 0) /* the MLP's input; beside a dense MLP (Gemma 4) the attention half's output */
+        rc = gq_route(L->expert_in_norm ? out : h, R->w, R->bias, R->in_scale, L->eps, R->expert_scale, rows, H,
+                      L->moe.n, k, (int32_t)R->kind, (int32_t)R->norm, idx, h + rows * H);
     if (rc >= 0) rc = gq_moe_experts(L, h, rows, k, idx, h + rows * H, out, nthreads, path);
     free(h);
     free(idx);
@@ -360,7 +364,7 @@ static int routed_layer(const layer_t *L, const step_t *s, const float *x, float
 int gq_decoder_layer(const layer_t *L, const step_t *s, const float *x, float *out, int nthreads, int path) {
     const int64_t rows = s->B * s->T, H = L->hidden, I = L->inter;
     if (L->moe.n > 0) /* experts not routed here: gq_attention_half, the caller's router, then gq_moe_experts */
-        return L->router.w && !L->expert_in_norm ? routed_layer(L, s, x, out, nthreads, path) : -2;
+        return L->router.w ? routed_layer(L, s, x, out, nthreads, path) : -2;
     float *buf = (float *)malloc(sizeof(float) * (size_t)(rows * (2 * H + 3 * I)));
     if (!buf) return -3;
     float *h = buf, *y = h + rows * H, *gu = y + rows * H, *act = gu + rows * 2 * I;

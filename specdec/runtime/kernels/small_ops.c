@@ -13,6 +13,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "vec_exp.h"
 
@@ -308,16 +309,21 @@ INL void largest(const float *v, int64_t n, int64_t k, int64_t *top) {
 #define ROUTER_MAX 1024 /* experts a router may score (Qwen3-Next: 512) */
 
 /* A mixture of experts' router: each row's k of n experts from x [rows][hidden] and the router w [n][hidden] (+ b [n]
- * or NULL). Logit e: x . w[e] (dot4) + b[e]. kind 0 (Qwen3-MoE): the softmax of all n logits (e^(l - max) / their sum
- * in index order), its k largest, divided by their sum (largest first) where norm; kind 1 (gpt-oss): the k largest
- * logits, softmaxed. idx [rows][k] and wt [rows][k], largest first. gq_route checks the sizes. */
-INL int route_rows(const float *x, const float *w, const float *b, int64_t rows, int64_t hidden, int64_t n, int64_t k,
-                   int32_t kind, int32_t norm, int64_t *idx, float *wt) {
+ * or NULL). Where in_scale is not NULL (Gemma 4) the router reads each row RMS-normed (eps) times in_scale [hidden].
+ * Logit e: that row . w[e] (dot4) + b[e]. kind 0 (Qwen3-MoE, Gemma 4): the softmax of all n logits (e^(l - max) /
+ * their sum in index order), its k largest, divided by their sum (largest first) where norm; kind 1 (gpt-oss): the k
+ * largest logits, softmaxed. Then times expert_scale [n] of each chosen expert where it is not NULL (Gemma 4).
+ * idx [rows][k] and wt [rows][k], largest first; xs [hidden] scratch. gq_route checks the sizes. */
+INL int route_rows(const float *x, const float *w, const float *b, const float *in_scale, float eps,
+                   const float *expert_scale, int64_t rows, int64_t hidden, int64_t n, int64_t k, int32_t kind,
+                   int32_t norm, int64_t *idx, float *wt, float *xs) {
     float lg[ROUTER_MAX];
     for (int64_t r = 0; r < rows; r++) {
         int64_t *top = idx + r * k;
         float *out = wt + r * k;
-        for (int64_t e = 0; e < n; e += 4) dot4(x + r * hidden, w, hidden, e, n, lg);
+        const float *xr = x + r * hidden;
+        if (in_scale) xr = (rmsnorm(xr, in_scale, eps, 1, hidden, xs), xs);
+        for (int64_t e = 0; e < n; e += 4) dot4(xr, w, hidden, e, n, lg);
         for (int64_t e = 0; b && e < n; e++) lg[e] = lg[e] + b[e];
         if (kind == 0) {
             float m = lg[0], sum = 0.0f;
@@ -329,6 +335,7 @@ INL int route_rows(const float *x, const float *w, const float *b, int64_t rows,
         float sum = 0.0f;
         for (int64_t j = 0; j < k; j++) sum += out[j] = kind == 0 ? lg[top[j]] : expf(lg[top[j]] - lg[top[0]]);
         for (int64_t j = 0; j < k && (kind == 1 || norm); j++) out[j] = out[j] / sum;
+        for (int64_t j = 0; j < k && expert_scale; j++) out[j] = out[j] * expert_scale[top[j]];
     }
     return 0;
 }
@@ -355,21 +362,31 @@ DISPATCH(gelu_mul, (const float *gu, int64_t rows, int64_t inter, float *out), (
 DISPATCH(swiglu_limit, (const float *gu, int64_t rows, int64_t inter, float limit, float alpha, float *out),
          (gu, rows, inter, limit, alpha, out))
 DISPATCH(route_rows,
-         (const float *x, const float *w, const float *b, int64_t rows, int64_t hidden, int64_t n, int64_t k,
-          int32_t kind, int32_t norm, int64_t *idx, float *wt),
-         (x, w, b, rows, hidden, n, k, kind, norm, idx, wt))
+         (const float *x, const float *w, const float *b, const float *in_scale, float eps, const float *expert_scale,
+          int64_t rows, int64_t hidden, int64_t n, int64_t k, int32_t kind, int32_t norm, int64_t *idx, float *wt,
+          float *xs),
+         (x, w, b, in_scale, eps, expert_scale, rows, hidden, n, k, kind, norm, idx, wt, xs))
 
 /* route_rows over rows split among threads where there are many (as gq_delta_rule's split). A row's result does not
  * depend on the rows beside it. hidden a multiple of 8, n <= ROUTER_MAX, 0 < k <= n. */
-int gq_route(const float *x, const float *w, const float *b, int64_t rows, int64_t hidden, int64_t n, int64_t k,
-             int32_t kind, int32_t norm, int64_t *idx, float *wt) {
+int gq_route(const float *x, const float *w, const float *b, const float *in_scale, float eps,
+             const float *expert_scale, int64_t rows, int64_t hidden, int64_t n, int64_t k, int32_t kind, int32_t norm,
+             int64_t *idx, float *wt) {
     if (hidden % 8 || n < 1 || n > ROUTER_MAX || k < 1 || k > n || kind < 0 || kind > 1) return -2;
     const int64_t chunk = 8;
+    int rc = 0;
 #pragma omp parallel for schedule(static) if (rows * n * hidden >= (1 << 22))
-    for (int64_t r = 0; r < rows; r += chunk)
-        gq_route_rows(x + r * hidden, w, b, rows - r < chunk ? rows - r : chunk, hidden, n, k, kind, norm, idx + r * k,
-                      wt + r * k);
-    return 0;
+    for (int64_t r = 0; r < rows; r += chunk) {
+        float *xs = in_scale ? (float *)malloc(sizeof(float) * (size_t)hidden) : NULL;
+        if (in_scale && !xs) {
+            rc = -3;
+            continue;
+        }
+        gq_route_rows(x + r * hidden, w, b, in_scale, eps, expert_scale, rows - r < chunk ? rows - r : chunk, hidden,
+                      n, k, kind, norm, idx + r * k, wt + r * k, xs);
+        free(xs);
+    }
+    return rc;
 }
 DISPATCH(top2, (const float *x, int64_t rows, int64_t cols, int64_t stride, int64_t *best, float *gap),
          (x, rows, cols, stride, best, gap))
