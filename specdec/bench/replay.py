@@ -254,8 +254,8 @@ def replay_file(args: argparse.Namespace) -> Path:
         done = []
         for r in range(args.repeat):
             for name in names:  # a fresh drafter per turn, as `specdec bench` resets them
-                spec = name.replace("+", ",")
-                runner.by_position = Replayed(name).lossy
+                spec, method = name.replace("+", ","), Replayed(name)
+                runner.by_position = method.lossy
                 out = merge(
                     [
                         replay_turn(
@@ -269,7 +269,7 @@ def replay_file(args: argparse.Namespace) -> Path:
                         for turn in turns
                     ]
                 )
-                done.append((Replayed(name), record(prompt, Replayed(name), r, out, args.draft_max), out))
+                done.append((method, record(prompt, method, r, out, args.draft_max), out))
         compare_to_baselines(done)
         records += [rec_ for _, rec_, _ in done]
     out_dir = Path(args.out or Path("bench-out") / datetime.now().strftime("replay-%Y%m%d-%H%M%S"))

@@ -4,8 +4,8 @@
  *
  * And the best and second-best logit of each row (greedy decoding, verification and the near-tie gaps), one pass
  * where torch's argmax and topk each read the row with far more overhead (a 151936-entry row: 0.4-0.5 ms each); a
- * mixture of experts' router (its logits, softmax and top k: 74 us a row in torch's operators on gpt-oss-20b's
- * shape, `python scripts/profile_step.py`).
+ * mixture of experts' router (its logits, softmax and top k: in torch's operators 63 us a layer at one row on
+ * gpt-oss-20b's shape, 93 us on Qwen3-30B-A3B's; Zen 5, timed around `MoE.route` in decode forwards, context 200).
  *
  * Each row is computed on its own in a fixed order, so a row's result is the same bits however many rows share the
  * call (decode and verification agree). Single-threaded but for many rows: the work per call is small. Written for
