@@ -17,7 +17,6 @@ from specdec.drafters import REGISTRY, BuildContext, Drafter, parse_spec_type
 from specdec.drafters.chain import assemble
 from specdec.engine.engine import Engine
 from specdec.errors import SpecdecError
-from specdec.models import packs
 from specdec.models.gemma4_assistant import is_assistant
 from specdec.models.loader import load_checkpoint, resolve_dtype, resolve_gguf, resolve_model, resolve_quant
 from specdec.models.tokenizer import Tokenizer
@@ -248,8 +247,7 @@ def load_model(name: str, quant: str, dtype: str, n_gpu_layers: int = 0, progres
     if quant == "gguf":  # the file's own blocks through the GGUF kernels (no 16/32-bit weight copies)
         from specdec.models.gguf_quantized import load_gguf_quantized
 
-        pack_sha = packs.PACKS[name].sha256 if name in packs.PACKS else None  # resolve_gguf checked the pack
-        model, tok = load_gguf_quantized(resolve_gguf(name, progress), dt, pack_sha)
+        model, tok = load_gguf_quantized(resolve_gguf(name, progress), dt)
     else:
         model, tok = load_checkpoint(resolve_model(name, progress), dt)
     _offload(model, n_gpu_layers)

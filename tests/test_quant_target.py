@@ -78,16 +78,36 @@ def test_gguf_target_loads_and_speculation_is_lossless(tiny_gguf):
         assert r.stats.target_forwards <= plain.stats.target_forwards
 
 
-def test_gguf_tokenizer_is_built_once_per_file(tiny_gguf, tmp_path, monkeypatch):
+def test_gguf_tokenizer_is_built_once_per_tokenizer(tiny_gguf, tmp_path, monkeypatch):
+    """Built once, and shared by a file with other weights and the same tokenizer metadata."""
     from specdec.models import gguf_convert
-    from specdec.models.loader import gguf_tokenizer
+    from specdec.models.gguf_convert import gguf_tokenizer
 
-    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
     first = gguf_tokenizer(tiny_gguf)
-    assert (first / "tokenizer.json").exists() and first.parent == tmp_path / "tokenizers"
+    assert (first / "tokenizer.json").exists() and first.parent == tmp_path / "home" / "tokenizers"
+    other = tmp_path / "other.gguf"
+    data = bytearray(tiny_gguf.read_bytes())
+    data[-1] ^= 0xFF  # the last tensor's last byte
+    other.write_bytes(data)
     monkeypatch.setattr(gguf_convert, "_save_tokenizer", lambda *a: pytest.fail("built again"))
-    assert gguf_tokenizer(tiny_gguf) == first
+    assert gguf_tokenizer(tiny_gguf) == first == gguf_tokenizer(other)
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temp folder left
+
+
+def test_gguf_architecture_from_the_header(tiny_gguf, tmp_path):
+    """The header's first key where llama.cpp's converter writes it, else the reader's answer."""
+    import gguf
+
+    from specdec.models.gguf_convert import gguf_architecture
+
+    assert gguf_architecture(tiny_gguf) == "qwen2"
+    w = gguf.GGUFWriter(tmp_path / "late.gguf", "llama")
+    w.kv_data[0] = {"general.name": gguf.GGUFValue("x", gguf.GGUFValueType.STRING), **w.kv_data[0]}
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    assert gguf_architecture(tmp_path / "late.gguf") == "llama"
 
 
 def test_unknown_quant_is_refused(tiny_gguf):

@@ -302,7 +302,8 @@ def replay_file(args: argparse.Namespace) -> Path:
 def _tokenizer(path: Path, model: str):
     """The recorded target's tokenizer: from its checkpoint directory or GGUF file, else by the name it was
     recorded under (a model pack)."""
-    from specdec.models.loader import gguf_tokenizer, resolve_model
+    from specdec.models.gguf_convert import gguf_tokenizer
+    from specdec.models.loader import resolve_model
     from specdec.models.tokenizer import Tokenizer
 
     if path.is_file():

@@ -82,6 +82,8 @@ class CostModel:
     _smooth: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
     _smooth_of: dict | None = field(default=None, init=False, repr=False, compare=False)  # the table fitted
     _slopes: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _sizes_of: dict | None = field(default=None, init=False, repr=False, compare=False)  # the table `_sorted` sorts
+    _sorted: list[int] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         """A forward over `tokens` took `seconds`. A size's first forward may pay for a warm-up (the gpt-oss-20b
@@ -168,22 +170,30 @@ class CostModel:
         costs = self.smoothed() if self.smooth else self.verify_s  # (smoothed() also fits _slopes)
         if tokens in costs:
             return costs[tokens]
-        lower = [t for t in costs if t < tokens]
-        upper = [t for t in costs if t > tokens]
-        if lower and upper:
-            lo, hi = max(lower), min(upper)
+        sizes = self._sizes(costs)
+        at = bisect_left(sizes, tokens)  # sizes[at - 1] < tokens < sizes[at]
+        if 0 < at < len(sizes):
+            lo, hi = sizes[at - 1], sizes[at]
             w = (tokens - lo) / (hi - lo)
             between = costs[lo] * (1 - w) + costs[hi] * w
             slope = self._slopes.get(lo) if self.smooth else None
             # In a gap, no dearer than the line fitted at its lower end goes on: a lone dear size beyond the gap (a
             # forward's first run at that size, a busy moment) would otherwise keep drafts out of it for good.
             return between if slope is None else min(between, costs[lo] + (tokens - lo) * slope)
-        if not lower:
-            return costs[min(upper)]
-        lo = max(lower)
+        if at == 0:
+            return costs[sizes[0]]
+        lo = sizes[-1]
         if self.proportional_above:
             return costs[lo] * tokens / lo
         return costs[lo] + (tokens - lo) * self.row_cost()
+
+    def _sizes(self, costs: dict[int, float]) -> list[int]:
+        """`costs`' sizes in order, sorted again when the table gains a size (none is ever removed) or is another
+        table: a step prices every sequence's draft lengths against it, and at 500 sequences a step there are
+        hundreds of sizes."""
+        if self._sizes_of is not costs or len(self._sorted) != len(costs):
+            self._sizes_of, self._sorted = costs, sorted(costs)
+        return self._sorted
 
     def smoothed(self) -> dict[int, float]:
         """Each measured size's cost read off a least-squares line through the sizes within a factor SPAN of it

@@ -38,9 +38,9 @@ def is_assistant(path: Path | str | None) -> bool:
     """Whether `path` is a Gemma 4 assistant: a checkpoint directory, or llama.cpp's GGUF of one."""
     path = Path(path or "")
     if path.suffix == ".gguf" and path.is_file():
-        from specdec.models.gguf_convert import _field, open_gguf
+        from specdec.models.gguf_convert import gguf_architecture
 
-        return _field(open_gguf(path), "general.architecture") == GGUF_ARCH
+        return gguf_architecture(path) == GGUF_ARCH
     config = path / "config.json"
     return config.is_file() and json.loads(config.read_text()).get("model_type") == MODEL_TYPE
 

@@ -32,6 +32,7 @@ from specdec.errors import SpecdecError
 from specdec.models import families
 from specdec.models.config import ModelConfig
 from specdec.models.family import Family
+from specdec.paths import home
 
 MARKER = "specdec-converted.json"  # written last: {"sha256": GGUF's SHA-256}
 PARTIAL = ".partial"  # temp dirs `HOST.PID.RANDOM` of conversions under way
@@ -76,9 +77,13 @@ def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 def fast_reader_class():
     """gguf.GGUFReader parsing a plain ndarray view of its memory map (`.memmap` keeps the map): slicing a
     numpy.memmap builds a memmap object per field part, and a 151K-token vocabulary has 1.8M of them (the 1.5B
-    pack: 10 s and 0.5 GB of transient memory to open; 1.6 s and none this way)."""
+    pack: 10 s and 0.5 GB of transient memory to open; 1.6 s and none this way). Its `_get` (one call per part)
+    skips the byte-order view where the file's order is the machine's, and sizes each dtype once: 1.1 s (llama.cpp's
+    models/ggml-vocab-qwen2.gguf, Zen 5)."""
     import gguf
     import numpy as np
+
+    sizes: dict = {}
 
     class FastGGUFReader(gguf.GGUFReader):
         @property
@@ -89,7 +94,49 @@ def fast_reader_class():
         def data(self, mm):
             self.memmap, self._plain = mm, mm.view(np.ndarray)
 
+        def _get(self, offset, dtype, count=1, override_order=None):
+            if self.byte_order != "I" or override_order not in (None, "I"):
+                return super()._get(offset, dtype, count, override_order)
+            size = sizes.get(dtype) or sizes.setdefault(dtype, np.dtype(dtype).itemsize)
+            return self._plain[offset : offset + size * int(count)].view(dtype)
+
     return FastGGUFReader
+
+
+_STRING = 8  # gguf.GGUFValueType.STRING
+
+
+def gguf_architecture(path: Path) -> str | None:
+    """`general.architecture` of a GGUF file read from its header alone, where it is the first key (llama.cpp's
+    converter writes it first): opening the whole file parses every vocabulary entry (1.1 s for a 151K one). Other
+    files: through the reader."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    if len(head) >= 24 + 8 and head[:4] == b"GGUF" and struct.unpack_from("<I", head, 4)[0] in (2, 3):
+        (klen,) = struct.unpack_from("<Q", head, 24)
+        key = head[32 : 32 + klen]
+        at = 32 + klen
+        if key == b"general.architecture" and len(head) >= at + 12 and struct.unpack_from("<I", head, at)[0] == _STRING:
+            (vlen,) = struct.unpack_from("<Q", head, at + 4)
+            if len(head) >= at + 12 + vlen:
+                return head[at + 12 : at + 12 + vlen].decode("utf-8", "replace")
+    return _field(open_gguf(path), "general.architecture")
+
+
+def tokenizer_digest(reader) -> str:
+    """SHA-256 of what a GGUF's tokenizer is built from: the architecture and every `tokenizer.*` key's bytes as
+    stored (fields follow each other in the file, so a field ends where the next begins). Files of one model in
+    several quantizations, and a draft model of its family, share it (and the tokenizer built from it), and no
+    file is read whole to key it."""
+    import hashlib
+
+    h = hashlib.sha256()
+    fields = list(reader.fields.values())
+    for f, nxt in zip(fields, [*fields[1:], None]):
+        if f.name == "general.architecture" or f.name.startswith("tokenizer."):
+            end = nxt.offset if nxt is not None else f.offset + sum(int(p.nbytes) for p in f.parts)
+            h.update(reader.data[f.offset : end].tobytes())
+    return h.hexdigest()
 
 
 def open_gguf(path: Path):
@@ -210,7 +257,7 @@ def convert_gguf(path: Path, out_dir: Path, sha256: str, progress: bool = True) 
         with _temp_dir(out_dir.parent) as tmp:
             _write_weights(reader, cfg, tmp / "model.safetensors", f"dequantize {path.name}", progress)
             (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(exact=True), indent=2))
-            _save_tokenizer(path, tmp)
+            shutil.copytree(gguf_tokenizer(path, reader), tmp, dirs_exist_ok=True)
             (tmp / MARKER).write_text(json.dumps({"sha256": sha256, "source": str(path)}))
             _publish(tmp, out_dir, sha256)
     except OSError as e:
@@ -309,6 +356,27 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:  # another user's live process
         return True
     return True
+
+
+def gguf_tokenizer(path: Path, reader=None) -> Path:
+    """A folder with the tokenizer of a GGUF file (`reader`: the file opened already), built once (transformers takes
+    ~6 s for a 151K vocabulary) and cached under the digest of what it is built from (`tokenizer_digest`); built in a
+    temp folder and renamed into place."""
+    out = home() / "tokenizers" / f"gguf-{tokenizer_digest(reader or open_gguf(path))[:16]}"
+    if (out / "tokenizer.json").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        _save_tokenizer(path, tmp)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process published it first
+            if not (out / "tokenizer.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def _save_tokenizer(gguf_path: Path, out: Path) -> None:

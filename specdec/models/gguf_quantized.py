@@ -25,7 +25,7 @@ from torch import nn
 
 from specdec.errors import SpecdecError
 from specdec.models.config import ModelConfig
-from specdec.models.gguf_convert import config_from_gguf, hf_names, open_gguf, permuted, unpermute
+from specdec.models.gguf_convert import config_from_gguf, gguf_tokenizer, hf_names, open_gguf, permuted, unpermute
 from specdec.models.transformer import FUSED, ExpertMath, Experts, MoE, Transformer, our_name
 from specdec.runtime import kernels as K
 from specdec.runtime.gguf_linear import GGUFConcatLinear, GGUFLinear, for_this_cpu, kernel_matmul
@@ -337,10 +337,8 @@ def describe(model: nn.Module) -> str:
     return text
 
 
-def load_gguf_quantized(path: Path | str, dtype: torch.dtype = torch.float32, sha: str | None = None):
-    """(model, tokenizer) straight from a GGUF file, quantized tensors kept as blocks (no fp32 conversion); `sha`:
-    the file's SHA-256 when already known (keys the tokenizer cache)."""
-    from specdec.models.loader import gguf_tokenizer
+def load_gguf_quantized(path: Path | str, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) straight from a GGUF file, quantized tensors kept as blocks (no fp32 conversion)."""
     from specdec.models.tokenizer import Tokenizer
 
     path = Path(path)
@@ -349,4 +347,4 @@ def load_gguf_quantized(path: Path | str, dtype: torch.dtype = torch.float32, sh
     with torch.device("meta"):
         model = Transformer(cfg)
     quantize_from_gguf(model, path, dtype, reader)
-    return model, Tokenizer(gguf_tokenizer(path, sha))
+    return model, Tokenizer(gguf_tokenizer(path, reader))

@@ -99,32 +99,6 @@ def converted_gguf(path: Path, progress: bool = True) -> Path:
         return convert_gguf(path, out, sha, progress=progress)
 
 
-def gguf_tokenizer(path: Path, sha: str | None = None) -> Path:
-    """A folder with the tokenizer of a GGUF file, built once (transformers takes ~13 s for a 151K vocabulary) and
-    cached under the file's content SHA-256 (`sha` when already known, e.g. a pack's pinned one: hashing the 1.5B
-    pack takes 0.7 s); built in a temp folder and renamed into place."""
-    import shutil
-    import tempfile
-
-    from specdec.models.gguf_convert import _save_tokenizer
-
-    out = home() / "tokenizers" / f"{path.stem}-{(sha or _content_sha(path))[:16]}"
-    if (out / "tokenizer.json").exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        _save_tokenizer(path, tmp)
-        try:
-            tmp.rename(out)
-        except OSError:  # another process published it first
-            if not (out / "tokenizer.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
 # multimodal checkpoints' other parts (Qwen3.5, Gemma 3, Gemma 4's vision and audio)
 VISION = (
     "model.visual.",
