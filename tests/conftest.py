@@ -149,32 +149,44 @@ def randomize(module: torch.nn.Module, seed: int, scale: float, matrices_only: b
                 p.copy_(torch.randn(p.shape, generator=g) * scale)
 
 
-@pytest.fixture(scope="module")
-def family_files(tmp_path_factory):
-    """case -> its `Files` (tests/families.py), made once per test module."""
-    made: dict[str, families.Files] = {}
+@pytest.fixture(scope="session")
+def shared_tmp(tmp_path_factory, request) -> Path:
+    """A folder every test worker of this run shares (xdist's workers' base folders sit in one per-run folder)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if hasattr(request.config, "workerinput") else base
+
+
+@pytest.fixture(scope="session")
+def family_files(shared_tmp):
+    """case -> its `Files` (tests/families.py), made once per run: the first worker to ask makes them, under a lock
+    per case, and the others use them (as they do the conversions `Files.gguf` makes)."""
+    from specdec.paths import file_lock
+
+    root = shared_tmp / "families"
 
     def get(case: str) -> families.Files:
-        if case not in made:
-            root = tmp_path_factory.mktemp(case)
-            hf = families.make_checkpoint(root / "hf", case)
-            over = families.GGUF_OVERRIDES.get(case)
-            gguf_hf = families.make_checkpoint(root / "hf-gguf", case, **over) if over else hf
-            made[case] = families.Files(hf, gguf_hf, root)
-        return made[case]
+        d = root / case
+        over = families.GGUF_OVERRIDES.get(case)
+        with file_lock(root / f"{case}.lock"):
+            if not (d / ".made").exists():
+                families.make_checkpoint(d / "hf", case)
+                if over:
+                    families.make_checkpoint(d / "hf-gguf", case, **over)
+                (d / ".made").touch()
+        return families.Files(d / "hf", d / ("hf-gguf" if over else "hf"), d)
 
     return get
 
 
 @pytest.fixture(scope="module")
-def family_home(tmp_path_factory):
-    """Conversions and tokenizers of these files go to a throwaway SPECDEC_HOME; the llama.cpp source and build stay
-    where they are cached."""
+def family_home(shared_tmp):
+    """Conversions and tokenizers of these files go to a SPECDEC_HOME of this run, shared by its workers (specdec
+    publishes each atomically); the llama.cpp source and build stay where they are cached."""
     from specdec.bench import llama_build
 
     mp = pytest.MonkeyPatch()
     mp.setattr(llama_build, "root", lambda cached=llama_build.root(): cached)
-    mp.setenv("SPECDEC_HOME", str(tmp_path_factory.mktemp("home")))
+    mp.setenv("SPECDEC_HOME", str(shared_tmp / "family-home"))
     yield
     mp.undo()
 

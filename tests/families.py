@@ -517,8 +517,10 @@ def _hf_from_llama_vocab(kind: str):
     from tokenizers import AddedToken
     from transformers import GPT2Tokenizer, Qwen2Tokenizer
 
+    from specdec.models.gguf_convert import fast_reader_class
+
     name = {"gpt2": "gpt-2", "qwen2": "qwen2"}[kind]
-    reader = gguf.GGUFReader(source() / "models" / f"ggml-vocab-{name}.gguf")
+    reader = fast_reader_class()(source() / "models" / f"ggml-vocab-{name}.gguf")
     tokens = reader.fields["tokenizer.ggml.tokens"].contents()
     types = reader.fields["tokenizer.ggml.token_type"].contents()
     merges = [tuple(m.split(" ")) for m in reader.fields["tokenizer.ggml.merges"].contents()]
@@ -678,12 +680,17 @@ class Files:
 
     def gguf(self, kind: str) -> Path | None:
         """f32 / q8_0 from the converter, q4_k_m and mxfp4 (experts only, `MXFP4_MOE`) from llama-quantize (None
-        where it is not built)."""
-        out = self.root / f"{kind}.gguf"
-        if not out.exists():
-            if kind in ("q4_k_m", "mxfp4"):
-                return llama_quantize(self.gguf("f32"), out, {"q4_k_m": "Q4_K_M", "mxfp4": "MXFP4_MOE"}[kind])
-            convert(self.gguf_hf, kind, out)
+        where it is not built); made once, under a lock per file, by whichever test worker asks first."""
+        from specdec.paths import file_lock
+
+        out, part = self.root / f"{kind}.gguf", self.root / f"{kind}.partial.gguf"
+        with file_lock(self.root / f"{kind}.lock"):
+            if not out.exists():
+                if kind not in ("q4_k_m", "mxfp4"):
+                    convert(self.gguf_hf, kind, part)
+                elif llama_quantize(self.gguf("f32"), part, {"q4_k_m": "Q4_K_M", "mxfp4": "MXFP4_MOE"}[kind]) is None:
+                    return None
+                part.replace(out)
         return out
 
 
