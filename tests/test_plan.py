@@ -391,13 +391,10 @@ def write_mixed_gguf(path, tied=False):
     return path
 
 
-def gguf_runtime_bytes(path, x16: bool) -> int:
-    """The GGUF's tensor sizes (gguf.GGUFReader) as the gguf runtime holds them, worked out apart from the plan:
-    kernel-type matrices as stored, Q4_K x 148/144 where repacked (x16, rows in 16-row groups); other tensors and
-    fused groups with a part of another type dense in fp32; a quantized q/k/v's biases twice."""
-    import gguf
-
-    ref = gguf.GGUFReader(path)
+def gguf_runtime_bytes(ref, x16: bool) -> int:
+    """The GGUF's tensor sizes (`ref`: the file opened by gguf.GGUFReader) as the gguf runtime holds them, worked out
+    apart from the plan: kernel-type matrices as stored, Q4_K x 148/144 where repacked (x16, rows in 16-row groups);
+    other tensors and fused groups with a part of another type dense in fp32; a quantized q/k/v's biases twice."""
     by = {t.name: t for t in ref.tensors}
     layers = 1 + max(int(n.split(".")[1]) for n in by if n.startswith("blk."))
     dense, bias_copies = set(), 0
@@ -423,16 +420,19 @@ def gguf_runtime_bytes(path, x16: bool) -> int:
 def test_gguf_runtime_weights_are_the_tensor_sizes_with_x16(tmp_path, tied):
     """--quant gguf: the plan's weights equal the GGUF's tensor sizes with the x16 adjustment, exactly, and
     what `quantize_from_gguf` holds on this CPU."""
+    import gguf
+
     from specdec.models.gguf_convert import config_from_gguf, open_gguf
     from specdec.models.gguf_quantized import quantize_from_gguf
     from specdec.models.transformer import Transformer
 
     path = write_mixed_gguf(tmp_path / "mixed.gguf", tied)
+    ref = gguf.GGUFReader(path)
     for x16 in (True, False):
         p = plan(model=str(path), context=64, x16=x16)
         assert p.target.fmt == Format("fp32", "F32", "gguf", x16)
-        assert p.target.weights == gguf_runtime_bytes(path, x16)
-    assert gguf_runtime_bytes(path, True) > gguf_runtime_bytes(path, False)
+        assert p.target.weights == gguf_runtime_bytes(ref, x16)
+    assert gguf_runtime_bytes(ref, True) > gguf_runtime_bytes(ref, False)
     reader = open_gguf(path)
     with torch.device("meta"):
         model = Transformer(config_from_gguf(reader, path))
@@ -470,14 +470,17 @@ def test_gguf_layers_on_the_gpu_are_planned_dense(tmp_path, tied):
 
 def test_real_pack_gguf_runtime_weights(tmp_path):
     """The same on a real pack's GGUF (the default draft, all four kernel types), when it is cached."""
+    import gguf
+
     from specdec.models import packs
     from specdec.models.gguf_quantized import load_gguf_quantized
 
     path = packs.gguf_path("qwen2.5-coder-0.5b")
     if not path.exists():
         pytest.skip("qwen2.5-coder-0.5b is not pulled")
+    ref = gguf.GGUFReader(path)  # gguf's own reader, apart from specdec's (10 s for this vocabulary: opened once)
     for x16 in (True, False):
-        assert plan(model=str(path), context=64, x16=x16).target.weights == gguf_runtime_bytes(path, x16)
+        assert plan(model=str(path), context=64, x16=x16).target.weights == gguf_runtime_bytes(ref, x16)
     model, _ = load_gguf_quantized(path, torch.float32)
     assert plan(model=str(path), context=64, x16=K.runs_x16()).target.weights == held_bytes(model)
 
