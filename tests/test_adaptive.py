@@ -3,7 +3,14 @@
 import pytest
 
 from specdec.acceptance import PRIOR_ACCEPT, AcceptanceEstimate
-from specdec.engine.adaptive import PROBE_EVERY, RETRY_WASTE, CostModel, choose_draft_len, retry_pace
+from specdec.engine.adaptive import (
+    PROBE_EVERY,
+    RETRY_WASTE,
+    CostModel,
+    choose_draft_len,
+    failed_share,
+    retry_pace,
+)
 
 
 def _cost(draft_per_token, verify_slope=0.01):
@@ -60,9 +67,9 @@ def test_retries_drift_slower_where_a_failed_draft_is_dear():
     cheap, dear = _cost(0.0), CostModel()
     for t, s in ((1, 23.8e-3), (2, 31.8e-3), (3, 35.9e-3), (5, 46.8e-3)):
         dear.observe_verify(t, s)
-        assert retry_pace(dear, rows=t - 1) == 1.0  # a size measured once is a warm-up: retried at the full pace
+        assert retry_pace(failed_share(dear, rows=t - 1)) == 1.0  # measured once: a warm-up, retried at the full pace
         dear.observe_verify(t, s)
-    assert retry_pace(cheap) == 1.0 and retry_pace(dear) < 0.1
+    assert retry_pace(failed_share(cheap)) == 1.0 and retry_pace(failed_share(dear)) < 0.1
 
     def steps_until_drafting(pace: float) -> int:
         acc = AcceptanceEstimate()
@@ -74,7 +81,7 @@ def test_retries_drift_slower_where_a_failed_draft_is_dear():
             steps += 1
         return steps
 
-    assert steps_until_drafting(retry_pace(dear)) > 10 * steps_until_drafting(1.0) > 0
+    assert steps_until_drafting(retry_pace(failed_share(dear))) > 10 * steps_until_drafting(1.0) > 0
 
 
 @pytest.mark.parametrize("second_row", [0.05, 0.34, 0.6])
@@ -88,7 +95,7 @@ def test_retries_of_a_drafter_never_accepted_cost_retry_waste(second_row):
     acc, spent, steps = AcceptanceEstimate([0.0]), 0.0, 5000
     for _ in range(steps):
         k = choose_draft_len(cost, acc, 0, 2)
-        acc.relax(retry_pace(cost), start=k)
+        acc.relax(retry_pace(failed_share(cost)), start=k)
         if k:
             acc.observe(k, 0)
             spent += cost.verify_cost(1 + k) - 1.0

@@ -298,26 +298,25 @@ def failed_share(cost: CostModel, drafter: str = "", batch: int = 1, rows: int |
     return failed / plain_cost(cost, batch)
 
 
-def retry_pace(cost: CostModel, drafter: str = "", batch: int = 1, rows: int | None = None) -> float:
+def retry_pace(failed: float | None) -> float:
     """How fast an undrafted position's acceptance drifts back toward the prior (1: RELAX per step), so that at no
     acceptance at all the retries the drift leads to cost RETRY_WASTE of the time. A failed retry of share f lowers
     the estimate by EMA of itself, from the break-even rate (about f) to (1 - EMA) f, and the drift brings it back
     in EMA f / (RELAX pace (PRIOR_ACCEPT - (1 - EMA) f)) steps: a retry's share of those steps is RETRY_WASTE at the
     pace below, whatever f (where f itself is below RETRY_WASTE, retrying every step costs no more: full pace). At
     the pace of RETRY_WASTE / f, a never-accepted synthetic drafter on the Qwen3-30B-A3B shape drafted 55 single
-    tokens in its first 256-token request (`specdec bench ... --spec-synth-rates 0.0`)."""
-    f = failed_share(cost, drafter, batch, rows)
-    if f is None or f <= RETRY_WASTE:  # unmeasured (a warm-up's), or cheap: retry at the full pace
+    tokens in its first 256-token request (`specdec bench ... --spec-synth-rates 0.0`). `failed`: `failed_share`."""
+    if failed is None or failed <= RETRY_WASTE:  # unmeasured (a warm-up's), or cheap: retry at the full pace
         return 1.0
-    gap = PRIOR_ACCEPT - (1 - EMA) * f
+    gap = PRIOR_ACCEPT - (1 - EMA) * failed
     return 1.0 if gap <= 0 else min(1.0, RETRY_WASTE * EMA / (RELAX * gap))
 
 
-def probe_every(cost: CostModel, drafter: str = "", batch: int = 1, rows: int | None = None) -> float:
-    """Undrafted steps between one-token probes: PROBE_EVERY, or more where a failed probe costs more than
-    PROBE_EVERY / 4 * RETRY_WASTE plain tokens, so probes cost at most a quarter of RETRY_WASTE of the time."""
-    f = failed_share(cost, drafter, batch, rows)
-    return PROBE_EVERY if f is None else max(PROBE_EVERY, 4 * f / RETRY_WASTE)
+def probe_every(failed: float | None) -> float:
+    """Undrafted steps between one-token probes: PROBE_EVERY, or more where a failed probe (`failed`:
+    `failed_share`) costs more than PROBE_EVERY / 4 * RETRY_WASTE plain tokens, so probes cost at most a quarter of
+    RETRY_WASTE of the time."""
+    return PROBE_EVERY if failed is None else max(PROBE_EVERY, 4 * failed / RETRY_WASTE)
 
 
 def plain_cost(cost: CostModel, batch: int = 1) -> float:

@@ -11,6 +11,7 @@ from specdec.engine.adaptive import (
     CostModel,
     choose_draft_len,
     expected_saving,
+    failed_share,
     plain_cost,
     probe_every,
     retry_pace,
@@ -130,13 +131,14 @@ class DraftPlanner:
         """(tokens, stopping path probability, tokens expected) for one part of the sequence's drafter: 0 where
         no draft of it is expected to beat plain decoding on top of the step's rows so far, except a one-token
         probe now and then. A part that stops by itself gets k_max tokens but is expected to draft the best k."""
-        pace = retry_pace(self.cost, part.name, self.batch, self.rows)
+        failed = failed_share(self.cost, part.name, self.batch, self.rows)
+        pace = retry_pace(failed)
         acc = seq.acceptance_of(part.name, self.cost.acceptance(part.name), pace)
         k = choose_draft_len(self.cost, acc, min(self.spec.draft_min, k_max), k_max, part.name, self.batch, self.rows)
         acc.relax(pace, start=k)  # the positions this step does not draft drift back toward the prior
         probe = k == 0
         if probe:  # drafting is not expected to pay: skip it, but now and then draft one token to re-measure
-            if not self.cost.probe_due(part.name, probe_every(self.cost, part.name, self.batch, self.rows)):
+            if not self.cost.probe_due(part.name, probe_every(failed)):
                 return 0, 0.0, 0
             if self.batch > 1 and part.pending_setup(seq) > len(seq.output_ids):
                 return 0, 0.0, 0  # in a batch a probe never pays a catch-up on a new prompt: the batch would wait
