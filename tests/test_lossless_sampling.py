@@ -70,7 +70,7 @@ class MarkovRunner:
 
     def __init__(self, table: torch.Tensor, num_slots: int, context: int = 64, recurrent: bool = False):
         self.table, self.context, self.recurrent = table, context, recurrent  # recurrent: the engine sends chains
-        self.hist = torch.zeros(num_slots, context + 64, dtype=torch.long)  # [slots, positions]
+        self.hist = [[0] * (context + 64) for _ in range(num_slots)]  # [slots][positions]
         self.tree: dict[int, list[int]] = {}
         self.model = SimpleNamespace(config=SimpleNamespace(eos_token_ids=[0], vocab_size=V, num_layers=1))
 
@@ -78,19 +78,18 @@ class MarkovRunner:
     def vocab_size(self) -> int:
         return V
 
-    def _rows(self, slot: int, start: int, tokens: list[int], prev: list[int] | None = None) -> torch.Tensor:
-        before = int(self.hist[slot, start - 1]) if start > 0 else 0
-        prev = [before] + tokens[:-1] if prev is None else prev
-        return self.table[torch.tensor(prev), torch.tensor(tokens)]  # [T, V]
-
     def forward(self, chunks, starts, slots, last_only=False, resume=None, resume_layer=0, settle=True):
-        """Rows from the tokens alone (a resumed forward's rows are the same); with `capture` set (an early-exit
-        draft), `features` of one zero-width row per token, as many as the verify's resume rows."""
-        out = []
+        """Rows from the tokens alone (a resumed forward's rows are the same), all chunks' in one lookup; with
+        `capture` set (an early-exit draft), `features` of one zero-width row per token, as many as the verify's
+        resume rows."""
+        prev, tokens = [], []
         for c, s, slot in zip(chunks, starts, slots):
-            rows = self._rows(slot, s, c)
-            self.hist[slot, s : s + len(c)] = torch.tensor(c)
-            out.append(rows[-1:] if last_only else rows)
+            h = self.hist[slot]
+            prev += [h[s - 1] if s > 0 else 0, *c[:-1]][: len(c)]
+            tokens += c
+            h[s : s + len(c)] = c
+        rows = self.table[torch.tensor(prev), torch.tensor(tokens)].split([len(c) for c in chunks])  # [T, V] each
+        out = [r[-1:] if last_only else r for r in rows]
         if self.capture is not None:
             self.features = [Features(torch.zeros(len(c), 0, 1), torch.zeros(len(c), 1)) for c in chunks]
         return out
@@ -100,15 +99,15 @@ class MarkovRunner:
 
     def verify_tree(self, slot, start, tokens, parents):
         assert not self.recurrent, "a tree sent to a recurrent target"
-        before = int(self.hist[slot, start - 1]) if start > 0 else 0
+        before = self.hist[slot][start - 1] if start > 0 else 0
         prev = [before] + [tokens[p + 1] for p in parents]
-        self.hist[slot, start] = tokens[0]
+        self.hist[slot][start] = tokens[0]
         self.tree[slot] = tokens
-        return self._rows(slot, start, tokens, prev)
+        return self.table[torch.tensor(prev), torch.tensor(tokens)]  # [T, V]
 
     def keep_path(self, slot, start, path):
         for depth, node in enumerate(path, start=1):
-            self.hist[slot, start + depth] = self.tree[slot][node + 1]
+            self.hist[slot][start + depth] = self.tree[slot][node + 1]
 
 
 class TickClock:
