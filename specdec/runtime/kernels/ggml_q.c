@@ -250,7 +250,6 @@ INL int unpack_x16(int type, const uint8_t *P, int t, int8_t *q, float *gs, floa
 
 static int x16_bytes(int type) { return 16 * block_bytes(GQ_X16 + type); }
 
-/* Blocks of one 16-output group (16 rows of the file's layout, rowbytes apart) -> x16 superblocks at dst. */
 /* Output t's values q of one K-quant block into x16 superblock P: value i = 4k + r (k 0-63) is the nibble of
  * byte 64 (k % 32) + 4t + r, low for k < 32, high above; Q6_K's top two bits are bits 2 (k / 16) of byte
  * X6_HB + 64 (k % 16) + 4t + r. Written byte by byte, not value by value: repacking the Qwen3-30B-A3B shape's
@@ -287,34 +286,53 @@ static void repack_nibbles(const uint8_t *qs, uint8_t *P, int t) {
     for (int k = 0; k < 4; k++) memcpy(P + 64 * k + 4 * t, qs + 4 * k, 4);
 }
 
+/* A block's integer values alone (unpack_block without its scales). */
+static void block_values(int type, const uint8_t *blk, int8_t *q) {
+    float gs[16], gm[16];
+    unpack_block(type, blk, q, gs, gm);
+}
+
+/* Output t's Q5_0 values q into P: low nibbles as Q4_1's, the fifth bits one per bit at X5_HB. */
+static void repack_q5_0(const int8_t *q, uint8_t *P, int t) {
+    for (int i = 0; i < 32; i++) {
+        const int k = i / 4, at = 4 * t + i % 4;
+        P[64 * ((i % 16) / 4) + at] |= (uint8_t)(((q[i] + 16) & 0xF) << (i >= 16 ? 4 : 0));
+        P[X5_HB + 8 * k + at / 8] |= (uint8_t)((((q[i] + 16) >> 4) & 1) << (at % 8));
+    }
+}
+
+/* Blocks of one 16-output group (16 rows of the file's layout, rowbytes apart) -> x16 superblocks at dst. */
 static void repack_group(int type, const uint8_t *W, int64_t rowbytes, int64_t nbk, uint8_t *dst) {
-    const int bb = block_bytes(type), sb = x16_bytes(type), be = block_elems(type);
+    const int bb = block_bytes(type), sb = x16_bytes(type);
     for (int64_t b = 0; b < nbk; b++) {
         uint8_t *P = dst + b * sb;
-        memset(P, 0, (size_t)sb);
+        memset(P, 0, (size_t)sb); /* Q5_0's bytes are or-ed together */
         for (int t = 0; t < 16; t++) {
             const uint8_t *blk = W + t * rowbytes + b * bb;
-            int8_t q[256]; /* unpack_block fills a block's values */
-            float gs[16], gm[16];
-            if (type == GQ_Q8_0) repack_q8_0(blk + 2, P, t);
-            else if (type == GQ_Q4_1 || type == GQ_MXFP4) repack_nibbles(blk + (type == GQ_Q4_1 ? 4 : 1), P, t);
-            else unpack_block(type, blk, q, gs, gm);
-            if (type == GQ_Q4_K || type == GQ_Q6_K) repack_kquant(type, q, P, t);
-            else if (type == GQ_Q5_0) for (int i = 0; i < be; i++) {
-                const int k = i / 4, at = 4 * t + i % 4;
-                P[64 * ((i % 16) / 4) + at] |= (uint8_t)(((q[i] + 16) & 0xF) << (i >= 16 ? 4 : 0));
-                P[X5_HB + 8 * k + at / 8] |= (uint8_t)((((q[i] + 16) >> 4) & 1) << (at % 8));
-            }
+            int8_t q[256];
             switch (type) {
-            case GQ_Q8_0: memcpy(P + X8_D + 2 * t, blk, 2); break;
-            case GQ_Q5_0: memcpy(P + X5_D + 2 * t, blk, 2); break;
+            case GQ_Q8_0:
+                repack_q8_0(blk + 2, P, t);
+                memcpy(P + X8_D + 2 * t, blk, 2);
+                break;
+            case GQ_Q5_0:
+                block_values(type, blk, q);
+                repack_q5_0(q, P, t);
+                memcpy(P + X5_D + 2 * t, blk, 2);
+                break;
             case GQ_Q4_1:
+                repack_nibbles(blk + 4, P, t);
                 memcpy(P + X41_D + 2 * t, blk, 2);
                 memcpy(P + X41_M + 2 * t, blk + 2, 2);
                 break;
-            case GQ_MXFP4: P[XM_E + t] = blk[0]; break;
+            case GQ_MXFP4:
+                repack_nibbles(blk + 1, P, t);
+                P[XM_E + t] = blk[0];
+                break;
             case GQ_Q4_K: {
                 uint8_t sc[8], m[8];
+                block_values(type, blk, q);
+                repack_kquant(type, q, P, t);
                 q4k_scales(blk + 4, sc, m);
                 memcpy(P + X4_D + 2 * t, blk, 2);
                 memcpy(P + X4_DMIN + 2 * t, blk + 2, 2);
@@ -324,7 +342,9 @@ static void repack_group(int type, const uint8_t *W, int64_t rowbytes, int64_t n
                 }
                 break;
             }
-            default:
+            default: /* Q6_K */
+                block_values(type, blk, q);
+                repack_kquant(type, q, P, t);
                 for (int g = 0; g < 16; g++) P[X6_SC + 16 * g + t] = blk[192 + g];
                 memcpy(P + X6_D + 2 * t, blk + 208, 2);
             }
