@@ -95,13 +95,16 @@ def test_gguf_tokenizer_is_built_once_per_tokenizer(tiny_gguf, tmp_path, monkeyp
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temp folder left
 
 
-def test_gguf_architecture_from_the_header(tiny_gguf, tmp_path):
+def test_gguf_architecture_from_the_header(tiny_gguf, tmp_path, monkeypatch):
     """The header's first key where llama.cpp's converter writes it, else the reader's answer."""
     import gguf
 
+    from specdec.models import gguf_convert
     from specdec.models.gguf_convert import gguf_architecture
 
-    assert gguf_architecture(tiny_gguf) == "qwen2"
+    with monkeypatch.context() as m:
+        m.setattr(gguf_convert, "open_gguf", lambda p: pytest.fail("opened the whole file"))
+        assert gguf_architecture(tiny_gguf) == "qwen2"
     w = gguf.GGUFWriter(tmp_path / "late.gguf", "llama")
     w.kv_data[0] = {"general.name": gguf.GGUFValue("x", gguf.GGUFValueType.STRING), **w.kv_data[0]}
     w.write_header_to_file()

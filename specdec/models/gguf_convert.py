@@ -103,20 +103,19 @@ def fast_reader_class():
     return FastGGUFReader
 
 
-_STRING = 8  # gguf.GGUFValueType.STRING
-
-
 def gguf_architecture(path: Path) -> str | None:
     """`general.architecture` of a GGUF file read from its header alone, where it is the first key (llama.cpp's
     converter writes it first): opening the whole file parses every vocabulary entry (1.1 s for a 151K one). Other
     files: through the reader."""
+    from gguf import GGUFValueType
+
     with open(path, "rb") as f:
         head = f.read(4096)
     if len(head) >= 24 + 8 and head[:4] == b"GGUF" and struct.unpack_from("<I", head, 4)[0] in (2, 3):
         (klen,) = struct.unpack_from("<Q", head, 24)
-        key = head[32 : 32 + klen]
-        at = 32 + klen
-        if key == b"general.architecture" and len(head) >= at + 12 and struct.unpack_from("<I", head, at)[0] == _STRING:
+        key, at = head[32 : 32 + klen], 32 + klen
+        string = len(head) >= at + 12 and struct.unpack_from("<I", head, at)[0] == GGUFValueType.STRING
+        if key == b"general.architecture" and string:
             (vlen,) = struct.unpack_from("<Q", head, at + 4)
             if len(head) >= at + 12 + vlen:
                 return head[at + 12 : at + 12 + vlen].decode("utf-8", "replace")
