@@ -5,8 +5,9 @@
  * (Gemma 4: times its layer scalar). A mixture of experts (Qwen3-MoE, gpt-oss, Gemma 4): the attention half
  * (gpt-oss: its sinks, its sliding layers' mask), the router (small_ops.c's gq_route), then the experts (gpt-oss:
  * their biases and clamped SwiGLU; Gemma 4: a dense MLP beside them); where the router runs in Python, two calls
- * around it. The same functions in the same order as the layer's Python code (models/transformer.py) runs them one by one, so the two give the
- * same bits; at a few rows the Python between those calls costs more than the arithmetic. Written for specdec.
+ * around it. The same functions in the same order as the layer's Python code (models/transformer.py) runs them
+ * one by one, so the two give the same bits; at a few rows the Python between those calls costs more than the
+ * arithmetic. Written for specdec.
  */
 #include <math.h>
 #include <stdint.h>
