@@ -72,6 +72,20 @@ SHAPES = {  # config.json values of the released models (sizes, attention layout
             rope_local_base_freq=10_000.0,
         ),
     ),
+    "olmo-2-1b": (  # OLMo-2-0425-1B
+        "olmo2",
+        dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            vocab_size=100352,
+            tie_word_embeddings=False,
+            max_position_embeddings=4096,
+            rope_theta=500000.0,
+        ),
+    ),
 }
 
 

@@ -119,8 +119,11 @@ def test_speculative_greedy_equals_plain(family_files, case):
     assert drafted["ngram-simple"] > 0 and drafted["draft"] > 0, (case, drafted)
 
 
-def test_c_layer_takes_qwen3(family_files, monkeypatch):
-    """Qwen3's per-head q/k norms run inside the C decoder layer, the same bits as its Python path."""
+# per-head q/k norms; Granite's multipliers; OLMo 2's norms after attention and the MLP and its q/k norms over all
+# heads; SmolLM3's layers without rotary; Phi-4-mini's partial rotary
+@pytest.mark.parametrize("case", ["qwen3", "granite", "olmo2", "smollm3", "phi4-mini"])
+def test_c_layer_takes_the_recipe(family_files, monkeypatch, case):
+    """The family's layer runs inside the C decoder layer, the same bits as its Python path."""
     from test_layer_kernel import _compare
 
     from specdec.models.gguf_quantized import load_gguf_quantized
@@ -129,7 +132,7 @@ def test_c_layer_takes_qwen3(family_files, monkeypatch):
     need_converter()
     if kernels.library() is None:
         pytest.skip(f"kernel library not built here: {kernels.build_error}")
-    model, _ = load_gguf_quantized(family_files("qwen3").gguf("q8_0"), torch.float32)
+    model, _ = load_gguf_quantized(family_files(case).gguf("q8_0"), torch.float32)
     _compare(model, monkeypatch)
 
 

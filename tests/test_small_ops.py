@@ -27,11 +27,12 @@ def test_rms_norm_matches_torch_and_rows_are_independent():
     assert torch.equal(S.rms_norm(x[1, 3:4], w, 1e-6), out[1, 3:4])
 
 
-def test_rope_matches_apply_rotary_in_place():
+@pytest.mark.parametrize("rd", [32, 16])  # every channel; partial rotary (Phi-4-mini, Qwen3.5): the first half
+def test_rope_matches_apply_rotary_in_place(rd):
     torch.manual_seed(1)
     B, T, H, kvh, hd = 2, 3, 4, 2, 32
     qkv = torch.randn(B, T, (H + 2 * kvh) * hd)
-    cos, sin = torch.randn(B, 1, T, hd), torch.randn(B, 1, T, hd)
+    cos, sin = torch.randn(B, 1, T, rd), torch.randn(B, 1, T, rd)
     q, k, v = qkv.split([H * hd, kvh * hd, kvh * hd], dim=-1)
     ref_q = apply_rotary(q.reshape(B, T, H, hd).transpose(1, 2), cos, sin)
     ref_k = apply_rotary(k.reshape(B, T, kvh, hd).transpose(1, 2), cos, sin)

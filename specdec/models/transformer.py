@@ -69,8 +69,8 @@ class Attention(nn.Module):
                 self.k_norm = RMSNorm(self.kv_size if full else hd, cfg.rms_norm_eps, cfg.norm_offset)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x [B, T, H] -> (q, k, v [B, T, (heads | kv heads) * hd] side by side, per-head q/k norms applied; k, v
-        absent in a layer reading another's K/V), the output gate [B, T, heads * hd] or None."""
+        """x [B, T, H] -> (q, k, v [B, T, (heads | kv heads) * hd] side by side, q/k norms applied; k, v absent in a
+        layer reading another's K/V), the output gate [B, T, heads * hd] or None."""
         c, hd = self.cfg, self.head_dim
         qkv = self.qkv_proj(x)  # [B, T, q + parts * kv]
         gate = None
@@ -80,7 +80,7 @@ class Attention(nn.Module):
             qkv, gate = torch.cat([q.flatten(-2), kv], dim=-1), gate.flatten(-2)
         if self.kv_parts == 1:  # values are the keys' projection (normed apart below)
             qkv = torch.cat([qkv, qkv[..., self.q_size :]], dim=-1)
-        if c.qk_norm != "head" and not c.v_norm:
+        if not c.qk_norm and not c.v_norm:
             return qkv, gate
         q = qkv[..., : self.q_size]
         k, v = qkv[..., self.q_size :].split(self.kv_size, dim=-1) if self.kv_parts else (None, None)
@@ -88,6 +88,8 @@ class Attention(nn.Module):
         if c.qk_norm == "head":  # each head of q and k before rotary, as the C layer (`runtime/layer_kernel.py`)
             q = self.q_norm(heads(q)).flatten(-2)
             k = None if k is None else self.k_norm(heads(k)).flatten(-2)
+        elif c.qk_norm == "full":  # all heads at once, before rotary
+            q, k = self.q_norm(q), None if k is None else self.k_norm(k)
         if c.v_norm and v is not None:
             v = rms(heads(v), c.rms_norm_eps).flatten(-2)
         qkv = torch.cat([t for t in (q, k, v) if t is not None], dim=-1)  # (not in place: heads train through it)
@@ -99,17 +101,13 @@ class Attention(nn.Module):
         qkv, gate = self._project(x)
         cos, sin = batch.rotary(self.sliding)
         heads = c.num_heads + (self.kv_heads if self.kv_parts else 0)
-        roped = self.rope and c.qk_norm != "full" and small_ops.rope_(qkv, heads, hd, cos, sin)
+        roped = self.rope and small_ops.rope_(qkv, heads, hd, cos, sin)
         q = qkv[..., : self.q_size]
-        if c.qk_norm == "full":
-            q = self.q_norm(q)
         q = q.reshape(B, T, c.num_heads, hd).transpose(1, 2)  # [B, heads, T, hd]
         if self.rope and not roped:
             q = apply_rotary(q, cos, sin)
         if self.kv_parts:
             k, v = qkv[..., self.q_size :].split(self.kv_size, dim=-1)
-            if c.qk_norm == "full":
-                k = self.k_norm(k)
             k = k.reshape(B, T, self.kv_heads, hd).transpose(1, 2)  # [B, kv_heads, T, hd]
             v = v.reshape(B, T, self.kv_heads, hd).transpose(1, 2)
             if self.rope and not roped:
@@ -393,21 +391,22 @@ class DecoderLayer(nn.Module):
     def _kernel(self) -> LayerKernel | None:
         """This layer's C form (`runtime.layer_kernel`), described once; None where it cannot run here (a recipe the
         C layer does not take, or weights the kernels do not take)."""
-        if self.linear or self.norms == "post":
+        if self.linear:
             return None
         a, m, get = self.self_attn, self.mlp, lambda name: getattr(self, name, None)  # noqa: E731
-        moe, sandwich, experts = isinstance(m, MoE), self.norms == "sandwich", self._experts()
+        moe, experts = isinstance(m, MoE), self._experts()
+        after = self.norms != "pre"  # norms after attention and the MLP (Gemma's sandwich, OLMo 2)
         parts = {
-            "norm1": self.input_layernorm,
-            "norm2": self.pre_feedforward_layernorm if sandwich else self.post_attention_layernorm,
+            "norm1": get("input_layernorm"),
+            "norm2": get("pre_feedforward_layernorm") if after else self.post_attention_layernorm,
             "qkv": a.qkv_proj,
             "o": a.o_proj,
             "gate_up": None if moe else m.gate_up_proj,
             "down": None if moe else m.down_proj,
             "q_norm": getattr(a, "q_norm", None),
             "k_norm": getattr(a, "k_norm", None),
-            "attn_out_norm": self.post_attention_layernorm if sandwich else None,
-            "mlp_out_norm": self.post_feedforward_layernorm if sandwich else None,
+            "attn_out_norm": self.post_attention_layernorm if after else None,
+            "mlp_out_norm": self.post_feedforward_layernorm if after else None,
             "experts": None if experts is None else experts.experts,
             "sinks": getattr(a, "sinks", None),
             "out_scale": get("layer_scalar"),

@@ -1,7 +1,7 @@
 """A decoder layer in one C call (`kernels/layer.c`) for decode and verification steps: float32 activations on the
 CPU, GGUF weights through the kernels. It runs the same C functions in the same order as the layer's Python code
-(norm, q/k/v + bias, per-head q/k/v norms, rotary, K/V write, attention, o_proj (+ norm) + residual, norm, gate/up,
-SiLU or tanh-GELU * up, down (+ norm) + residual), so the result is the same bits; at a few rows the Python between
+(norm, q/k/v + bias, q/k/v norms, rotary, K/V write, attention, o_proj (+ norm) + residual, norm, gate/up, SiLU or
+tanh-GELU * up, down (+ norm) + residual), so the result is the same bits; at a few rows the Python between
 those calls is a large share of a step (Zen 3: ~0.5 ms of a layer's ~4 ms).
 
 `LayerKernel.of(...)` describes a layer's weights once (None where the layer cannot run here: not GGUF, a recipe it
@@ -95,6 +95,9 @@ class _Layer(ctypes.Structure):
         ("pl_index", i64),
         ("pl_dim", i64),
         ("router", _Router),
+        ("rope_dim", i64),
+        ("qk_full", i64),
+        ("residual_scale", ctypes.c_float),
     ]
 
 
@@ -146,15 +149,15 @@ class LayerParts:
     """A decoder layer's modules as the C layer takes them (norms: `RMSNorm`s; linear layers: GGUF matrices), None
     where the layer has none."""
 
-    norm1: nn.Module  # before attention
-    norm2: nn.Module  # before the MLP
+    norm1: nn.Module | None  # before attention (OLMo 2: none)
+    norm2: nn.Module | None  # before the MLP
     qkv: nn.Module
     o: nn.Module
     gate_up: nn.Module | None = None  # None: experts
     down: nn.Module | None = None
-    q_norm: nn.Module | None = None  # each head of q / k (Qwen3, Gemma 3)
+    q_norm: nn.Module | None = None  # each head of q / k (Qwen3, Gemma 3), or all heads at once (OLMo 2)
     k_norm: nn.Module | None = None
-    attn_out_norm: nn.Module | None = None  # after attention / after the MLP (Gemma's sandwich norms)
+    attn_out_norm: nn.Module | None = None  # after attention / after the MLP (Gemma's sandwich norms, OLMo 2's)
     mlp_out_norm: nn.Module | None = None
     experts: ExpertParts | None = None  # in place of gate_up and down, or (Gemma 4) beside them
     sinks: torch.Tensor | None = None  # [heads] gpt-oss's
@@ -169,18 +172,10 @@ class LayerParts:
 
 
 def _recipe_runs(cfg, layer: int) -> bool:
-    """Whether the C layer takes this layer's recipe: Llama's pre-norms or Gemma's sandwich, SiLU or tanh-GELU, per-head
-    q/k norms or none; not Granite's multipliers, OLMo 2's norms, SmolLM3's rope-less layers, Qwen3.5's gated and
-    linear attention."""
-    return (
-        cfg.norms in ("pre", "sandwich")
-        and cfg.hidden_act in ("silu", "gelu_tanh")
-        and cfg.qk_norm in ("", "head")
-        and cfg.residual_scale == 1.0
-        and not cfg.no_rope_layers
-        and not cfg.attn_gate
-        and not cfg.linear(layer)
-    )
+    """Whether the C layer takes this layer's recipe: any of the norm placements (pre, sandwich, post), SiLU or
+    tanh-GELU, q/k norms per head, over all heads or none, partial or no rotary, a residual scale; not Qwen3.5's gated
+    and linear attention."""
+    return cfg.hidden_act in ("silu", "gelu_tanh") and not cfg.attn_gate and not cfg.linear(layer)
 
 
 def _weight(norm: nn.Module) -> torch.Tensor:
@@ -210,6 +205,7 @@ class LayerKernel:
         path)."""
         kv_heads, hd = cfg.attn_shape(layer)
         sliding, kv_layer = cfg.sliding(layer), cfg.kv_layer(layer)
+        rope_dim = 0 if layer in cfg.no_rope_layers else cfg.rope_dim_of(sliding)
         kv_parts = 0 if kv_layer != layer else 1 if cfg.k_eq_v and not sliding else 2
         mlp = [] if parts.gate_up is None else [parts.gate_up, parts.down]
         beside = [parts.expert_in_norm, parts.expert_out_norm, parts.dense_out_norm]
@@ -221,15 +217,17 @@ class LayerKernel:
         if (
             K.library() is None
             or not _recipe_runs(cfg, layer)
-            or (cfg.qk_norm == "head") != (parts.q_norm is not None)
-            or (cfg.qk_norm == "head" and kv_parts > 0) != (parts.k_norm is not None)
+            or bool(cfg.qk_norm) != (parts.q_norm is not None)
+            or bool(cfg.qk_norm and kv_parts) != (parts.k_norm is not None)
+            or (cfg.norms == "post") != (parts.norm1 is None or parts.norm2 is None)
             or (pl and (parts.experts is not None or cfg.per_layer_dim % 8))
-            or (cfg.norms == "sandwich") != (parts.attn_out_norm is not None and parts.mlp_out_norm is not None)
+            or (cfg.norms != "pre") != (parts.attn_out_norm is not None and parts.mlp_out_norm is not None)
             or (cfg.moe(layer) and cfg.moe_beside_mlp) != all(n is not None for n in beside + mlp)
             or (parts.experts is None and not mlp)
             or any(x is None for x in lins)
             or hd % 16
-            or cfg.rope_dim_of(sliding) != hd
+            or rope_dim % 2
+            or rope_dim > hd
             or any(t.dtype != torch.float32 or not t.is_cpu for t in tensors)
             or any(p.qweight.device.type != "cpu" for ps, _ in lins for p in ps)
             or (parts.experts is not None and not _experts_run(parts.experts))
@@ -255,7 +253,7 @@ class LayerKernel:
             kv_heads,
             hd,
             cfg.mlp_size(layer),
-            parts.norm1.eps,
+            cfg.rms_norm_eps,
             *addr[:7],
             *structs[:4],
             _Moe() if parts.experts is None else _moe(parts.experts, keep),
@@ -271,6 +269,9 @@ class LayerKernel:
             layer,
             cfg.per_layer_dim,
             _router(parts.router, cfg.hidden_size, 0 if parts.experts is None else len(parts.experts.downs), keep),
+            rope_dim,
+            int(cfg.qk_norm == "full"),
+            cfg.residual_scale,
         )
         return cls(spec, keep, kv_layer)
 

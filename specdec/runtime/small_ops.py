@@ -34,13 +34,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
 
 def rope_(qkv: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Rotate the first `heads` heads of each row of qkv [B, T, width] (q's heads then k's) in place by cos, sin
-    [B, 1, T, head_dim]; False (nothing done) where the C path does not apply."""
+    [B, 1, T, R], R <= head_dim (partial rotary: the first R channels of each head); False (nothing done) where the C
+    path does not apply."""
     B, T, width = qkv.shape
-    lib = K.library() if _usable(qkv, cos, sin) and qkv.is_contiguous() and cos.shape[-1] == head_dim else None
+    R = cos.shape[-1]
+    lib = K.library() if _usable(qkv, cos, sin) and qkv.is_contiguous() and R <= head_dim else None
     if lib is None:
         return False
-    c, s = cos.reshape(B * T, head_dim).contiguous(), sin.reshape(B * T, head_dim).contiguous()
-    return lib.gq_rope(qkv.data_ptr(), width, c.data_ptr(), s.data_ptr(), B * T, heads, head_dim) == 0
+    c, s = cos.reshape(B * T, R).contiguous(), sin.reshape(B * T, R).contiguous()
+    return lib.gq_rope(qkv.data_ptr(), width, c.data_ptr(), s.data_ptr(), B * T, heads, head_dim, R) == 0
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:

@@ -170,7 +170,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     ]
     lib.gq_attention.restype = i32
     lib.gq_rmsnorm.argtypes = [p, p, ctypes.c_float, i64, i64, p]
-    lib.gq_rope.argtypes = [p, i64, p, p, i64, i64, i64]
+    lib.gq_rope.argtypes = [p, i64, p, p, i64, i64, i64, i64]
     lib.gq_silu_mul.argtypes = [p, i64, i64, p]
     lib.gq_gelu_mul.argtypes = [p, i64, i64, p]
     lib.gq_swiglu_limit.argtypes = [p, i64, i64, ctypes.c_float, ctypes.c_float, p]

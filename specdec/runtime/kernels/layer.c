@@ -1,8 +1,9 @@
-/* One decoder layer of a Llama / Qwen2 / Qwen3 / Mistral / Gemma model in one call, for decode and verification steps
- * on the CPU (float32 activations, GGUF weights): RMS norm, q/k/v, per-head q/k norms (Qwen3, Gemma 3) and v norms
- * (Gemma 4), rotary, K/V written to the cache, attention (Gemma 2: its scale and soft cap), o_proj (Gemma: normed
- * again) and the residual, RMS norm, gate/up, SiLU or tanh-GELU * up, down (Gemma: normed again) and the residual
- * (Gemma 4: times its layer scalar). A mixture of experts (Qwen3-MoE, gpt-oss, Gemma 4): the attention half
+/* One decoder layer of a Llama / Qwen2 / Qwen3 / Mistral / Gemma / Phi-3 / Granite / OLMo 2 / SmolLM3 model in one
+ * call, for decode and verification steps on the CPU (float32 activations, GGUF weights): RMS norm (OLMo 2: none),
+ * q/k/v, q/k norms per head (Qwen3, Gemma 3) or over all heads (OLMo 2) and v norms (Gemma 4), rotary (Phi-4-mini:
+ * partial; SmolLM3: none in some layers), K/V written to the cache, attention (Gemma 2: its scale and soft cap),
+ * o_proj (Gemma, OLMo 2: normed again) and the residual (Granite: scaled), RMS norm, gate/up, SiLU or tanh-GELU * up,
+ * down (normed again as o_proj) and the residual (Gemma 4: times its layer scalar). A mixture of experts (Qwen3-MoE, gpt-oss, Gemma 4): the attention half
  * (gpt-oss: its sinks, its sliding layers' mask), the router (small_ops.c's gq_route), then the experts (gpt-oss:
  * their biases and clamped SwiGLU; Gemma 4: a dense MLP beside them); where the router runs in Python, two calls
  * around it. The same functions in the same order as the layer's Python code (models/transformer.py) runs them
@@ -17,7 +18,8 @@
 #include "gq_matmul.h"
 
 int gq_rmsnorm(const float *x, const float *w, float eps, int64_t rows, int64_t dim, float *out);
-int gq_rope(float *x, int64_t stride, const float *cos, const float *sin, int64_t rows, int64_t heads, int64_t hd);
+int gq_rope(float *x, int64_t stride, const float *cos, const float *sin, int64_t rows, int64_t heads, int64_t hd,
+            int64_t rd);
 int gq_silu_mul(const float *gu, int64_t rows, int64_t inter, float *out);
 int gq_gelu_mul(const float *gu, int64_t rows, int64_t inter, float *out);
 int gq_swiglu_limit(const float *gu, int64_t rows, int64_t inter, float limit, float alpha, float *out);
@@ -59,9 +61,11 @@ typedef struct { /* the experts' router (gq_route's), or w = NULL: the caller ro
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter;
     float eps;
-    const float *norm1, *norm2;                /* [hidden]: before attention, before the MLP */
-    const float *attn_out_norm, *mlp_out_norm; /* [hidden]: after attention, after the MLP (Gemma), or NULL */
-    const float *q_norm, *k_norm; /* [head_dim]: each head of q / k normed (Qwen3, Gemma 3), or NULL */
+    const float *norm1, *norm2; /* [hidden]: before attention, before the MLP, or NULL (OLMo 2: none before) */
+    const float *attn_out_norm, *mlp_out_norm; /* [hidden]: after attention, after the MLP (Gemma, OLMo 2), or NULL */
+    /* [head_dim]: each head of q / k normed (Qwen3, Gemma 3); qk_full: [heads * head_dim] / [kv_heads * head_dim],
+     * all heads at once (OLMo 2); or NULL */
+    const float *q_norm, *k_norm;
     const float *v_norm;          /* [head_dim] of ones: each head of v normed (Gemma 4), or NULL */
     lin_t qkv, o, gate_up, down;
     moe_t moe;
@@ -81,6 +85,9 @@ typedef struct {
     const float *pl_norm;
     int64_t pl_index, pl_dim;
     router_t router;
+    int64_t rope_dim;     /* channels rotary rotates at the start of each head (< head_dim: partial), 0 = no rotary */
+    int64_t qk_full;      /* 1: q_norm / k_norm over all heads at once */
+    float residual_scale; /* each block's output times it before the residual add (Granite), 0 = 1 */
 } layer_t;
 
 typedef struct {
@@ -117,23 +124,32 @@ static void widen(float *qkv, int64_t rows, int64_t made, int64_t W, int64_t q, 
     }
 }
 
-/* Each row of qkv [rows][W]: its heads of q and k normed by q_norm / k_norm, of v by v_norm, where the layer has
- * them, in place */
+/* Each row of qkv [rows][W]: its heads of q and k normed by q_norm / k_norm (each head, or all at once), of v by
+ * v_norm, where the layer has them, in place */
 static int head_norms(const layer_t *L, float *qkv, int64_t rows, int64_t W) {
-    const int64_t hd = L->head_dim, q = L->heads * hd, kv = L->kv_heads * hd;
+    const int64_t hd = L->head_dim, q = L->heads * hd, kv = L->kv_heads * hd, nd = L->qk_full ? q : hd;
+    const int64_t qn = L->qk_full ? 1 : L->heads, kn = L->qk_full ? 1 : L->kv_heads, kd = L->qk_full ? kv : hd;
     int rc = 0;
     for (int64_t r = 0; rc >= 0 && r < rows && (L->q_norm || L->v_norm); r++) {
         float *row = qkv + r * W;
-        if (L->q_norm) rc = gq_rmsnorm(row, L->q_norm, L->eps, L->heads, hd, row);
-        if (L->q_norm && L->kv_parts && rc >= 0) rc = gq_rmsnorm(row + q, L->k_norm, L->eps, L->kv_heads, hd, row + q);
+        if (L->q_norm) rc = gq_rmsnorm(row, L->q_norm, L->eps, qn, nd, row);
+        if (L->q_norm && L->kv_parts && rc >= 0) rc = gq_rmsnorm(row + q, L->k_norm, L->eps, kn, kd, row + q);
         if (L->v_norm && L->kv_parts && rc >= 0)
             rc = gq_rmsnorm(row + q + kv, L->v_norm, L->eps, L->kv_heads, hd, row + q + kv);
     }
     return rc;
 }
 
+/* out[i] = x[i] + y[i], y times the layer's residual scale first where it has one (Granite; in place on y: the
+ * product stored before the sum, as the Python path's `h * scale` then `x + h`) */
+static void residual(const layer_t *L, const float *x, float *y, float *out, int64_t n) {
+    for (int64_t i = 0; L->residual_scale != 0 && L->residual_scale != 1 && i < n; i++) y[i] = y[i] * L->residual_scale;
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] + y[i];
+}
+
 /* The attention half of a layer: out [B * T][hidden] = x + attention(norm1(x)) (normed by attn_out_norm where the
- * layer has it), its K/V written to the cache, and h = norm2(out), the MLP's input. Returns as gq_decoder_layer. */
+ * layer has it), its K/V written to the cache, and h = norm2(out), the MLP's input (without norms: x and out
+ * themselves). Returns as gq_decoder_layer. */
 int gq_attention_half(const layer_t *L, const step_t *s, const float *x, float *out, float *h, int nthreads,
                       int path) {
     const int64_t rows = s->B * s->T, H = L->hidden, hd = L->head_dim, q = L->heads * hd, kv = L->kv_heads * hd;
@@ -142,13 +158,14 @@ int gq_attention_half(const layer_t *L, const step_t *s, const float *x, float *
     if (!buf) return -3;
     float *qkv = buf, *att = qkv + rows * W;
     const int local = L->sliding && s->cos_local;
-    int rc = gq_rmsnorm(x, L->norm1, L->eps, rows, H, h);
-    if (rc >= 0) rc = linear(&L->qkv, h, rows, H, qkv, nthreads, path);
+    int rc = L->norm1 ? gq_rmsnorm(x, L->norm1, L->eps, rows, H, h) : 0;
+    if (rc >= 0) rc = linear(&L->qkv, L->norm1 ? h : x, rows, H, qkv, nthreads, path);
     if (rc >= 0) widen(qkv, rows, q + L->kv_parts * kv, W, q, kv);
     if (rc >= 0) rc = head_norms(L, qkv, rows, W);
-    if (rc >= 0 &&
-        (rc = gq_rope(qkv, W, local ? s->cos_local : s->cos, local ? s->sin_local : s->sin, rows,
-                      L->heads + (L->kv_parts ? L->kv_heads : 0), hd)) >= 0) {
+    if (rc >= 0 && L->rope_dim)
+        rc = gq_rope(qkv, W, local ? s->cos_local : s->cos, local ? s->sin_local : s->sin, rows,
+                     L->heads + (L->kv_parts ? L->kv_heads : 0), hd, L->rope_dim);
+    if (rc >= 0) {
         for (int64_t b = 0; b < s->B && L->kv_parts; b++)
             for (int64_t t = 0; t < s->T; t++) {
                 const float *row = qkv + (b * s->T + t) * W;
@@ -166,8 +183,9 @@ int gq_attention_half(const layer_t *L, const step_t *s, const float *x, float *
     if (rc >= 0) rc = used = linear(&L->o, att, rows, q, out, nthreads, path);
     if (rc >= 0 && L->attn_out_norm) rc = gq_rmsnorm(out, L->attn_out_norm, L->eps, rows, H, out);
     if (rc >= 0) {
-        for (int64_t i = 0; i < rows * H; i++) out[i] = x[i] + out[i];
-        rc = gq_rmsnorm(out, L->norm2, L->eps, rows, H, h);
+        residual(L, x, out, out, rows * H);
+        if (L->norm2) rc = gq_rmsnorm(out, L->norm2, L->eps, rows, H, h);
+        else memcpy(h, out, sizeof(float) * (size_t)(rows * H));
     }
     free(buf);
     return rc < 0 ? rc : used;
@@ -316,7 +334,7 @@ int gq_moe_experts(const layer_t *L, const float *h, int64_t rows, int64_t k, co
         rc = gq_rmsnorm(acc, L->mlp_out_norm, L->eps, rows, H, acc);
     }
     if (rc >= 0) {
-        for (int64_t i = 0; i < rows * H; i++) out[i] = out[i] + acc[i];
+        residual(L, out, acc, out, rows * H);
         scale_out(L, out, rows * H);
     }
     free(buf);
@@ -372,8 +390,7 @@ int gq_decoder_layer(const layer_t *L, const step_t *s, const float *x, float *o
     int rc = gq_attention_half(L, s, x, out, h, nthreads, path);
     int used = 0;
     if (rc >= 0) rc = used = dense_mlp(L, h, rows, gu, act, y, nthreads, path);
-    if (rc >= 0)
-        for (int64_t i = 0; i < rows * H; i++) out[i] = out[i] + y[i];
+    if (rc >= 0) residual(L, out, y, out, rows * H);
     if (rc >= 0 && L->pl_norm) rc = s->per_layer ? per_layer_input(L, s, out, rows, nthreads, path) : -2;
     if (rc >= 0) scale_out(L, out, rows * H);
     free(buf);

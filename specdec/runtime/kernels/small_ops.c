@@ -39,14 +39,16 @@ INL int rmsnorm(const float *x, const float *w, float eps, int64_t rows, int64_t
     return 0;
 }
 
-/* Rotary embedding in place on `heads` heads of each row: x [rows][stride], the heads at x + r * stride + h * hd;
- * cos, sin [rows][hd]. With half = hd / 2: x'[i] = x[i] cos[i] - x[i + half] sin[i],
- * x'[i + half] = x[i + half] cos[i + half] + x[i] sin[i + half] (the rotate-half form of Llama / Qwen). */
-INL int rope(float *x, int64_t stride, const float *cos, const float *sin, int64_t rows, int64_t heads, int64_t hd) {
-    if (hd < 2 || hd % 2) return -2;
-    const int64_t half = hd / 2;
+/* Rotary embedding in place on the first rd channels of `heads` heads of each row (rd < hd: partial rotary, the
+ * rest passed through): x [rows][stride], the heads at x + r * stride + h * hd; cos, sin [rows][rd]. With
+ * half = rd / 2: x'[i] = x[i] cos[i] - x[i + half] sin[i], x'[i + half] = x[i + half] cos[i + half] + x[i]
+ * sin[i + half] (the rotate-half form of Llama / Qwen). */
+INL int rope(float *x, int64_t stride, const float *cos, const float *sin, int64_t rows, int64_t heads, int64_t hd,
+             int64_t rd) {
+    if (rd < 2 || rd % 2 || rd > hd) return -2;
+    const int64_t half = rd / 2;
     for (int64_t r = 0; r < rows; r++) {
-        const float *c = cos + r * hd, *s = sin + r * hd;
+        const float *c = cos + r * rd, *s = sin + r * rd;
         for (int64_t h = 0; h < heads; h++) {
             float *a = x + r * stride + h * hd, *b = a + half;
             for (int64_t i = 0; i < half; i++) {
@@ -355,8 +357,10 @@ INL int route_rows(const float *x, const float *w, const float *b, const float *
 
 DISPATCH(rmsnorm, (const float *x, const float *w, float eps, int64_t rows, int64_t dim, float *out),
          (x, w, eps, rows, dim, out))
-DISPATCH(rope, (float *x, int64_t stride, const float *cos, const float *sin, int64_t rows, int64_t heads, int64_t hd),
-         (x, stride, cos, sin, rows, heads, hd))
+DISPATCH(rope,
+         (float *x, int64_t stride, const float *cos, const float *sin, int64_t rows, int64_t heads, int64_t hd,
+          int64_t rd),
+         (x, stride, cos, sin, rows, heads, hd, rd))
 DISPATCH(silu_mul, (const float *gu, int64_t rows, int64_t inter, float *out), (gu, rows, inter, out))
 DISPATCH(gelu_mul, (const float *gu, int64_t rows, int64_t inter, float *out), (gu, rows, inter, out))
 DISPATCH(swiglu_limit, (const float *gu, int64_t rows, int64_t inter, float limit, float alpha, float *out),
