@@ -83,24 +83,29 @@ def test_a_row_is_the_same_bits_alone_or_among_drafts():
 
 
 @pytest.mark.parametrize("path", ["scalar", "avx2", "avx512"])
-def test_tiles_give_each_row_its_own_bits(path, monkeypatch):
+@pytest.mark.parametrize("window", [None, 10])
+def test_tiles_give_each_row_its_own_bits(path, window, monkeypatch):
     """A prefill chunk's rows share each key's loads in tiles (their heads in blocks of up to 8 pairs, each row over
-    the prefix of keys it sees): every row is the same bits as alone, beside a tree's branches (keys that are not a
-    prefix of the last row's) and a row that sees no key."""
+    the run of keys it sees, causal or within a sliding window): every row is the same bits as alone, beside a
+    tree's branches (keys that are not one run) and a row that sees no key."""
     need_path(path)
     monkeypatch.setenv("SPECDEC_KERNEL_PATH", path)
     torch.manual_seed(3)
     T, S = 37, 60
-    k, v = _cache(B=1, kvh=2, S=S)
-    q = torch.randn(1, 6, T, 64)  # three query heads a KV head: blocks that span rows
-    mask = (torch.arange(S)[None, :] <= torch.arange(S - T, S)[:, None])[None, None].clone()  # [1, 1, T, S] causal
+    ahead = torch.arange(S - T, S)[:, None] - torch.arange(S)[None, :]  # [T, S] each row's distance to each key
+    mask = ((ahead >= 0) & (ahead < (window or S)))[None, None].clone()  # [1, 1, T, S]
     mask[0, 0, 20, S - T + 18] = False  # a branch: row 20 does not see row 18's key
     mask[0, 0, 30] = False  # a padded row
-    out = _kernel(q, k, v, mask)
-    for t in range(T):
-        alone = _kernel(q[:, :, t : t + 1], k, v, mask[:, :, t : t + 1])
-        assert torch.equal(alone[:, 0], out[:, t]), t
-    assert torch.equal(out[0, 30], torch.zeros_like(out[0, 30]))
+    # three query heads a KV head: blocks that span rows with different heads; one: blocks of 4 or 8 rows, whose
+    # rows see up to 7 keys the block's first row does not
+    for heads, kvh in ((6, 2), (4, 4)):
+        k, v = _cache(B=1, kvh=kvh, S=S)
+        q = torch.randn(1, heads, T, 64)
+        out = _kernel(q, k, v, mask)
+        for t in range(T):
+            alone = _kernel(q[:, :, t : t + 1], k, v, mask[:, :, t : t + 1])
+            assert torch.equal(alone[:, 0], out[:, t]), (heads, t)
+        assert torch.equal(out[0, 30], torch.zeros_like(out[0, 30]))
 
 
 def test_threads_give_the_same_bits():

@@ -2,8 +2,9 @@
  *
  * Each (sequence, query row, head) is computed on its own, keys in cache order: scores q.k * scale, their
  * maximum, exponentials, sum, and the weighted sum of values. For speed, the heads that share a KV head, of up to
- * TILE consecutive query rows, are computed side by side, each key's K and V rows loaded once for them (a causal
- * chunk's rows see nested prefixes of the keys: the keys all of a block's rows see first, then each row's own).
+ * TILE consecutive query rows, are computed side by side, each key's K and V rows loaded once for them (the rows of
+ * a causal chunk, with or without a sliding window, see overlapping runs of the keys: each row's keys before the
+ * ones all of a block's rows see, those, then its keys after, each row's sums in its own keys' order).
  * Nothing in a row's arithmetic depends on how many query rows or how many keys beyond its own are computed in the
  * same call, so a token's attention output is the same bits whether it is decoded alone, verified among drafted
  * tokens or prefilled in a chunk of any size. (torch's fused attention blocks keys and queries by the call's shape,
@@ -44,10 +45,11 @@ typedef struct {
     int64_t rows;         /* query rows of one sequence in a tile (up to TILE) */
 } att_t;
 
-typedef struct { /* one query row's head: its query and output (hd floats each), its keys, the head's index */
+typedef struct { /* one query row's head: its query and output (hd floats each), its keys (a run of the tile's:
+                  * from lo, n of them), the head's index */
     const float *q;
     float *o;
-    int32_t n, head;
+    int32_t lo, n, head;
 } pair_t;
 
 #define TILE 8 /* query rows of one sequence whose heads share each key's loads, at most */

@@ -35,11 +35,11 @@ ATT_T INL float ATT_FN(hsum)(const VF *x) {
     return v[0];
 }
 
-/* The scores sc[h * sp + j] of pairs h < NB (their queries q[h]) for the keys idx[j], j0 <= j < j1: each key's K row
- * loaded once for the NB pairs. Per (pair, key) the arithmetic is fixed: the dot product's 16 lanes each a chain
- * over the head dimension in order, added in hsum's tree, times the scale. */
-ATT_T INL void ATT_FN(scores)(const att_t *a, const int NB, const float *const *q, const float *K, const int32_t *idx,
-                              int32_t j0, int32_t j1, float *sc, int64_t sp) {
+/* The scores of pairs h < NB (their queries q[h]) for the keys idx[j], j0 <= j < j1, at sc[h * sp + j - lo[h]]: each
+ * key's K row loaded once for the NB pairs. Per (pair, key) the arithmetic is fixed: the dot product's 16 lanes each a
+ * chain over the head dimension in order, added in hsum's tree, times the scale. */
+ATT_T INL void ATT_FN(scores)(const att_t *a, const int NB, const float *const *q, const int32_t *lo, const float *K,
+                              const int32_t *idx, int32_t j0, int32_t j1, float *sc, int64_t sp) {
     const int64_t hd = a->hd, nc = hd / 16;
     for (int32_t j = j0; j < j1; j++) {
         const float *kr = K + (int64_t)idx[j] * hd;
@@ -53,27 +53,35 @@ ATT_T INL void ATT_FN(scores)(const att_t *a, const int NB, const float *const *
                 const VF kc = ATT_FN(ld)(kr + 16 * c + AW * u);
                 UNROLL for (int h = 0; h < NB; h++) acc[h][u] += ATT_FN(ld)(q[h] + 16 * c + AW * u) * kc;
             }
-        UNROLL for (int h = 0; h < NB; h++) sc[h * sp + j] = ATT_FN(hsum)(acc[h]) * a->scale;
+        UNROLL for (int h = 0; h < NB; h++) sc[h * sp + j - lo[h]] = ATT_FN(hsum)(acc[h]) * a->scale;
     }
 }
 
 /* The (query row, head) pairs pr[0..NB) (NB a constant: their accumulators stay in registers) of one sequence and
- * KV head over the keys idx[0..pr[h].n): pair h sees the first pr[h].n of them (rows of a causal chunk see nested
- * prefixes), the keys all see loaded once for every pair. Per pair the arithmetic is fixed, whichever pairs share
- * the block: its scores (scores() above); softmax over its keys in order; the weighted sum of values in two partial
- * sums (key j into sum j % 2) added at the end. sc: NB x sp floats. */
+ * KV head: pair h sees the run of keys idx[lo, hi) (lo = pr[h].lo, hi = lo + pr[h].n; the rows of a causal chunk,
+ * with or without a sliding window, see overlapping runs), and the keys all pairs see, [L, H), are loaded once for
+ * every pair. Per pair the arithmetic is fixed, whichever pairs share the block: its scores (scores() above), stored
+ * from its own first key; softmax over its keys in order; the weighted sum of values in two partial sums, keys in
+ * order, alternate keys into each (a key at an even place in idx into the first), added at the end (which sum holds
+ * a pair's first key does not matter: the two are added in either order to the same bits). sc: NB x sp floats. */
 ATT_T INL void ATT_FN(block)(const att_t *a, const pair_t *pr, const int NB, const float *K, const float *V,
                              const int32_t *idx, float *sc, int64_t sp) {
     const int64_t hd = a->hd, nc = hd / 16;
     const float *q[NBMAX];
-    int32_t nmin = pr[0].n;
+    int32_t lo[NBMAX], L = pr[0].lo, H = pr[0].lo + pr[0].n;
     UNROLL for (int h = 0; h < NB; h++) {
         q[h] = pr[h].q;
-        nmin = pr[h].n < nmin ? pr[h].n : nmin;
+        lo[h] = pr[h].lo;
+        L = lo[h] > L ? lo[h] : L;
+        H = lo[h] + pr[h].n < H ? lo[h] + pr[h].n : H;
     }
-    ATT_FN(scores)(a, NB, q, K, idx, 0, nmin, sc, sp);
-    for (int h = 0; h < NB; h++) /* each pair's keys beyond the shared ones */
-        ATT_FN(scores)(a, 1, q + h, K, idx, nmin, pr[h].n, sc + h * sp, sp);
+    H = H > L ? H : L;                                          /* [L, H): the keys every pair sees, maybe none */
+    ATT_FN(scores)(a, NB, q, lo, K, idx, L, H, sc, sp);
+    for (int h = 0; h < NB; h++) { /* each pair's keys before and after the shared ones */
+        const int32_t hi = lo[h] + pr[h].n, before = L < hi ? L : hi;
+        ATT_FN(scores)(a, 1, q + h, lo + h, K, idx, lo[h], before, sc + h * sp, sp);
+        ATT_FN(scores)(a, 1, q + h, lo + h, K, idx, H > before ? H : before, hi, sc + h * sp, sp);
+    }
     if (a->softcap > 0)
         for (int h = 0; h < NB; h++)
             for (int32_t j = 0; j < pr[h].n; j++) sc[h * sp + j] = tanhf(sc[h * sp + j] / a->softcap) * a->softcap;
@@ -97,61 +105,87 @@ ATT_T INL void ATT_FN(block)(const att_t *a, const pair_t *pr, const int NB, con
             sum += ATT_FN(exp_neg)(zero + (a->sinks[pr[h].head] - mx))[0];
         inv[h] = 1.0f / sum;
     }
-    /* 16 output dims (a key's cache line) at a time, PB pairs at a time: PB x 2 x NV sums in registers; the keys all
-     * pairs see first, then each pair's own, in the same two sums */
+    /* 16 output dims (a key's cache line) at a time, PB pairs at a time: PB x 2 x NV sums in registers; each pair's
+     * keys before the shared ones, the shared ones for all (two at a time from an even place), then its keys after */
     const int PB = AW == 16 || NB < 2 ? NB : 2;
+#define ATT_KEY(h, r, j) /* key j into pair h's sum r (j's parity) */                                               \
+    do {                                                                                                           \
+        UNROLL for (int u = 0; u < NV; u++) p[h][r][u] +=                                                          \
+            sc[(g + h) * sp + (j) - lo[g + h]] * ATT_FN(ld)(vc + (int64_t)idx[j] * hd + AW * u);                   \
+    } while (0)
+#define ATT_RUN(h, j0, j1) /* keys [j0, j1) into pair h's sums, two at a time from an even place (no branch on a */ \
+    do {                   /* key's parity: GCC would hoist the product out of both arms and not fuse it) */       \
+        int32_t j_ = (j0);                                                                                         \
+        if (j_ < (j1) && j_ & 1) {                                                                                 \
+            ATT_KEY(h, 1, j_);                                                                                     \
+            j_++;                                                                                                  \
+        }                                                                                                          \
+        for (; j_ + 2 <= (j1); j_ += 2) {                                                                          \
+            ATT_KEY(h, 0, j_);                                                                                     \
+            ATT_KEY(h, 1, j_ + 1);                                                                                 \
+        }                                                                                                          \
+        if (j_ < (j1)) ATT_KEY(h, 0, j_);                                                                          \
+    } while (0)
     for (int64_t c = 0; c < nc; c++) {
         const float *vc = V + 16 * c;
         for (int g = 0; g < NB; g += PB) {
             VF p[NBMAX][2][NV];
             UNROLL for (int h = 0; h < PB; h++) UNROLL for (int u = 0; u < NV; u++) p[h][0][u] = p[h][1][u] = zero;
-            const float *w = sc + g * sp;
-            int32_t j = 0;
-            for (; j + 2 <= nmin; j += 2)
+            UNROLL for (int h = 0; h < PB; h++) {
+                const int32_t hi = lo[g + h] + pr[g + h].n, before = L < hi ? L : hi;
+                ATT_RUN(h, lo[g + h], before);
+            }
+            int32_t j = L;
+            if (j < H && j & 1) {
+                UNROLL for (int h = 0; h < PB; h++) ATT_KEY(h, 1, j);
+                j++;
+            }
+            for (; j + 2 <= H; j += 2)
                 UNROLL for (int r = 0; r < 2; r++) UNROLL for (int u = 0; u < NV; u++) {
                     const VF v = ATT_FN(ld)(vc + (int64_t)idx[j + r] * hd + AW * u);
-                    UNROLL for (int h = 0; h < PB; h++) p[h][r][u] += w[h * sp + j + r] * v;
+                    UNROLL for (int h = 0; h < PB; h++) p[h][r][u] += sc[(g + h) * sp + j + r - lo[g + h]] * v;
                 }
+            if (j < H) UNROLL for (int h = 0; h < PB; h++) ATT_KEY(h, 0, j);
             UNROLL for (int h = 0; h < PB; h++) {
-                const int32_t n = pr[g + h].n;
-                int32_t i = j;
-                for (; i + 2 <= n; i += 2)
-                    UNROLL for (int r = 0; r < 2; r++) UNROLL for (int u = 0; u < NV; u++)
-                        p[h][r][u] += w[h * sp + i + r] * ATT_FN(ld)(vc + (int64_t)idx[i + r] * hd + AW * u);
-                if (i < n)
-                    UNROLL for (int u = 0; u < NV; u++)
-                        p[h][0][u] += w[h * sp + i] * ATT_FN(ld)(vc + (int64_t)idx[i] * hd + AW * u);
+                const int32_t hi = lo[g + h] + pr[g + h].n, before = L < hi ? L : hi;
+                ATT_RUN(h, H > before ? H : before, hi);
             }
             UNROLL for (int h = 0; h < PB; h++) UNROLL for (int u = 0; u < NV; u++)
                 *(VF *)(void *)(pr[g + h].o + 16 * c + AW * u) = (p[h][0][u] + p[h][1][u]) * inv[g + h];
         }
     }
+#undef ATT_KEY
+#undef ATT_RUN
 }
 
-/* Rows t0..t0+rt-1 of sequence b, the query heads of KV head g: their (row, head) pairs in blocks of 4 (then 2, 1),
- * over the last row's visible keys (idx), each row over the prefix of them it sees. Where a row sees no key, or keys
- * other than such a prefix (a tree's branches), each row is a tile of its own. sc: scratch of 4 x sp floats, idx: of
- * S ints. */
+/* Rows t0..t0+rt-1 of sequence b, the query heads of KV head g: their (row, head) pairs in blocks of up to NBMAX,
+ * over the keys any of the rows sees (idx), each row over the run of them it sees. Where a row sees no key, or keys
+ * that are not one run of those (a tree's branches), each row is a tile of its own. sc: scratch of NBMAX x sp
+ * floats, idx: of S ints. */
 ATT_T static void ATT_FN(tile)(const att_t *a, int64_t b, int64_t t0, int64_t rt, int64_t g, float *sc, int32_t *idx) {
     const int64_t G = a->H / a->kvh, sp = (a->S + 15) / 16 * 16;
     const int64_t at = (a->slots ? a->slots[b] : b) * a->sb + g * a->sh;
     const float *K = a->k + at, *V = a->v + at;
-    const uint8_t *m = a->mask ? a->mask + (b * a->T + t0 + rt - 1) * a->S : NULL;
-    int32_t n = 0, seen[TILE]; /* rt <= TILE */
-    for (int64_t s = 0; s < a->S; s++)
-        if (!m || m[s]) idx[n++] = (int32_t)s;
-    for (int64_t r = 0; r < rt; r++) { /* seen[r]: how many of idx row t0 + r sees, -1: none, or not a prefix */
-        const uint8_t *mr = a->mask ? a->mask + (b * a->T + t0 + r) * a->S : NULL;
-        int32_t k = 0;
-        for (int64_t s = 0; s < a->S && k >= 0; s++)
-            if (!mr || mr[s]) k = k < n && idx[k] == s ? k + 1 : -1;
-        seen[r] = k > 0 ? k : -1;
-        if (seen[r] < 0 && rt > 1) {
+    const uint8_t *m = a->mask ? a->mask + (b * a->T + t0) * a->S : NULL; /* the tile's rows [rt][S] */
+    int32_t n = 0, first[TILE], count[TILE];
+    for (int64_t s = 0; s < a->S; s++) {
+        int seen = !m;
+        for (int64_t r = 0; r < rt && !seen; r++) seen = m[r * a->S + s];
+        if (seen) idx[n++] = (int32_t)s;
+    }
+    for (int64_t r = 0; r < rt; r++) { /* row t0 + r sees idx[first, first + count), or count < 0 */
+        first[r] = count[r] = 0;
+        for (int32_t j = 0; j < n && count[r] >= 0; j++)
+            if (!m || m[r * a->S + idx[j]]) {
+                if (count[r] == 0) first[r] = j;
+                count[r] = first[r] + count[r] == j ? count[r] + 1 : -1;
+            }
+        if (count[r] <= 0 && rt > 1) {
             for (int64_t t = t0; t < t0 + rt; t++) ATT_FN(tile)(a, b, t, 1, g, sc, idx);
             return;
         }
     }
-    if (seen[0] < 0) { /* one row that sees no key (a padded row) */
+    if (count[0] <= 0) { /* one row that sees no key (a padded row) */
         for (int64_t h = g * G; h < (g + 1) * G; h++)
             memset(a->out + ((b * a->T + t0) * a->H + h) * a->hd, 0, sizeof(float) * (size_t)a->hd);
         return;
@@ -162,7 +196,7 @@ ATT_T static void ATT_FN(tile)(const att_t *a, int64_t b, int64_t t0, int64_t rt
         for (int k = 0; k < NB; k++, i++) {
             const int64_t r = i / G, h = g * G + i % G, row = b * a->T + t0 + r;
             pr[k] = (pair_t){a->q + b * a->qsb + h * a->qsh + (t0 + r) * a->qst, a->out + (row * a->H + h) * a->hd,
-                             seen[r], (int32_t)h};
+                             first[r], count[r], (int32_t)h};
         }
         if (NB == 8) ATT_FN(block)(a, pr, NBMAX, K, V, idx, sc, sp);
         else if (NB == 4) ATT_FN(block)(a, pr, 4, K, V, idx, sc, sp);
