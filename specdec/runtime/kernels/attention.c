@@ -10,7 +10,8 @@
  * tokens or prefilled in a chunk of any size. (torch's fused attention blocks keys and queries by the call's shape,
  * and with int8-quantized activations downstream those last-bit differences grew to logit differences of 0.2
  * between plain and speculative decoding.) Tiles of rows: a causal 512-row chunk at Qwen3-0.6B's heads (16 over 8
- * KV heads, head_dim 128) took 6.6 ms at 2 threads, 16.6 ms one row at a time, 12.6 ms in torch's SDPA (Zen 5).
+ * KV heads, head_dim 128) took 6.6 ms at 2 threads, 16.6 ms before (one row at a time, each thread a contiguous
+ * half of the rows, whose later half sees 3/4 of the keys), 12.6 ms in torch's SDPA (Zen 5).
  *
  * Arithmetic is stated over 16 lanes (attention_body.h): dot products keep 16 partial sums over the head
  * dimension (a multiple of 16) and add them in a fixed tree, the exponential is a polynomial (Cephes expf

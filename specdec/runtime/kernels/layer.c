@@ -3,12 +3,12 @@
  * q/k/v, q/k norms per head (Qwen3, Gemma 3) or over all heads (OLMo 2) and v norms (Gemma 4), rotary (Phi-4-mini:
  * partial; SmolLM3: none in some layers), K/V written to the cache, attention (Gemma 2: its scale and soft cap),
  * o_proj (Gemma, OLMo 2: normed again) and the residual (Granite: scaled), RMS norm, gate/up, SiLU or tanh-GELU * up,
- * down (normed again as o_proj) and the residual (Gemma 4: times its layer scalar). A mixture of experts (Qwen3-MoE, gpt-oss, Gemma 4): the attention half
- * (gpt-oss: its sinks, its sliding layers' mask), the router (small_ops.c's gq_route), then the experts (gpt-oss:
- * their biases and clamped SwiGLU; Gemma 4: a dense MLP beside them); where the router runs in Python, two calls
- * around it. The same functions in the same order as the layer's Python code (models/transformer.py) runs them
- * one by one, so the two give the same bits; at a few rows the Python between those calls costs more than the
- * arithmetic. Written for specdec.
+ * down (normed again as o_proj) and the residual (Gemma 4: times its layer scalar). A mixture of experts (Qwen3-MoE,
+ * gpt-oss, Gemma 4): the attention half (gpt-oss: its sinks, its sliding layers' mask), the router (small_ops.c's
+ * gq_route), then the experts (gpt-oss: their biases and clamped SwiGLU; Gemma 4: a dense MLP beside them); where
+ * the router runs in Python, two calls around it. The same functions in the same order as the layer's Python code
+ * (models/transformer.py) runs them one by one, so the two give the same bits; at a few rows the Python between
+ * those calls costs more than the arithmetic. Written for specdec.
  */
 #include <math.h>
 #include <stdint.h>
@@ -143,7 +143,9 @@ static int head_norms(const layer_t *L, float *qkv, int64_t rows, int64_t W) {
 /* out[i] = x[i] + y[i], y times the layer's residual scale first where it has one (Granite; in place on y: the
  * product stored before the sum, as the Python path's `h * scale` then `x + h`) */
 static void residual(const layer_t *L, const float *x, float *y, float *out, int64_t n) {
-    for (int64_t i = 0; L->residual_scale != 0 && L->residual_scale != 1 && i < n; i++) y[i] = y[i] * L->residual_scale;
+    const float scale = L->residual_scale;
+    if (scale != 0 && scale != 1)
+        for (int64_t i = 0; i < n; i++) y[i] = y[i] * scale;
     for (int64_t i = 0; i < n; i++) out[i] = x[i] + y[i];
 }
 
