@@ -198,7 +198,7 @@ def main() -> None:
     if a.paths:
         paths = a.paths.split(",")
     else:
-        order = ["avx512", "avx512bw", "avx2", "scalar"]
+        order = ["amx", "avx512", "avx512bw", "avx2", "scalar"]
         paths = order[order.index(best) :] if best in order else []
         paths = [p for p in paths if p != "scalar"] or paths  # scalar is slow; ask for it with --paths
     rng = np.random.default_rng(0)

@@ -2,6 +2,7 @@
 (a hit: only the question after it is prefilled), through `LLM.generate` as a server request runs it.
 
     python scripts/prefill_cache.py -m qwen2.5-coder-1.5b --tokens 800 --runs 5 --out prefill.json
+    python scripts/prefill_cache.py --fast-prefill ...   # the opt-in prefill arithmetic (`--fast-prefill`) instead
 
 The prompt is a document of --tokens tokens (numbered facts) and then a question; a miss asks with the cache
 emptied, a hit asks another question after the same document. Prints and writes the per-run prefill seconds, their
@@ -16,6 +17,7 @@ import statistics
 from pathlib import Path
 
 import specdec
+from specdec.runtime import kernels
 
 
 def document(llm: specdec.LLM, tokens: int) -> str:
@@ -30,9 +32,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=800, help="document tokens (the shared prefix)")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--fast-prefill", action="store_true", help="the opt-in fast prefill arithmetic")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
-    llm = specdec.LLM(args.model, spec_type="none", cache_mb=512, threads=args.threads, progress=False)
+    llm = specdec.LLM(
+        args.model, spec_type="none", cache_mb=512, threads=args.threads, fast_prefill=args.fast_prefill, progress=False
+    )
     doc = document(llm, args.tokens)
     miss, hit, same = [], [], []
     for i in range(args.runs + 1):  # the first round warms up
@@ -50,6 +55,8 @@ def main() -> None:
         "model": args.model,
         "prompt_tokens": len(llm.encode(doc)),
         "threads": args.threads,
+        "fast_prefill": args.fast_prefill,
+        "kernels": kernels.describe(),
         "miss_s": [round(x, 4) for x in miss],
         "hit_s": [round(x, 4) for x in hit],
         "miss_median_s": round(statistics.median(miss), 4),

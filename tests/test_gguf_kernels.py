@@ -60,8 +60,8 @@ def random_blocks(qtype: int, out: int, inp: int, rng) -> np.ndarray:
 
 
 def x16_paths() -> list[str]:
-    """The x16 kernels this CPU runs: AVX2; AVX-512 without VNNI ('avx512bw') and with it, where it has them."""
-    return [p for p in ("avx2", "avx512bw", "avx512") if K.PATHS[p] <= K.PATHS[K.best_path()]]
+    """The x16 kernels this CPU runs: AVX2; AVX-512 without VNNI ('avx512bw'), with it, with AMX, where it has them."""
+    return [p for p in ("avx2", "avx512bw", "avx512", "amx") if K.PATHS[p] <= K.PATHS[K.best_path()]]
 
 
 def int8_rows(x: np.ndarray, group: int) -> np.ndarray:
@@ -106,7 +106,7 @@ def test_dequantize_matches_gguf(name, lib):
     assert np.array_equal(lin.dequantize(torch.float32, slice(5, 20)).numpy(), ref[5:20])
 
 
-@pytest.mark.parametrize("path", ["scalar", "avx2", "avx512bw", "avx512"])
+@pytest.mark.parametrize("path", ["scalar", "avx2", "avx512bw", "avx512", "amx"])
 @pytest.mark.parametrize("name", list(K.TYPES))
 def test_kernel_matches_reference(name, path, lib):
     need_path(path)
@@ -135,14 +135,14 @@ def test_paths_agree_and_best_path_is_used(lib):
     blocks = random_blocks(K.Q4_K, 64, 1536, rng)
     lin = GGUFLinear.from_blocks(blocks, "Q4_K", (64, 1536))
     x = torch.randn(9, 1536)
-    ys = {p: lin._kernel(x, K.PATHS[p]) for p in ("scalar", "avx2", "avx512bw", "avx512")}
+    ys = {p: lin._kernel(x, K.PATHS[p]) for p in ("scalar", "avx2", "avx512bw", "avx512", "amx")}
     for p, y in ys.items():
         assert torch.allclose(y, ys["scalar"], rtol=1e-4, atol=1e-4 * float(ys["scalar"].abs().max())), p
     lin._kernel(x, K.requested_path())  # as a forward asks: the best path, or the one SPECDEC_KERNEL_PATH caps it at
     assert lin.last_path == K.best_path()
 
 
-@pytest.mark.parametrize("path", ["scalar", "avx2", "avx512bw", "avx512"])
+@pytest.mark.parametrize("path", ["scalar", "avx2", "avx512bw", "avx512", "amx"])
 def test_parts_in_one_call_equal_each_part(path, lib, monkeypatch):
     """A fused projection of mixed block types (q/k/v with v in Q6_K): one kernel call for all parts gives each
     part's own result, side by side, bias included, at 1 to 600 rows."""

@@ -9,7 +9,7 @@ written under a temp name and renamed into place (concurrent builders are harmle
 compiler, or if the build fails, `library()` returns None after one warning and callers fall back
 to dequantize + torch matmul.
 
-Env: SPECDEC_KERNELS=off disables the library; SPECDEC_KERNEL_PATH=scalar|avx2|avx512bw|avx512 caps the
+Env: SPECDEC_KERNELS=off disables the library; SPECDEC_KERNEL_PATH=scalar|avx2|avx512bw|avx512|amx caps the
 instruction set the kernels use (a path the CPU lacks is lowered to the best one it has).
 """
 
@@ -31,10 +31,12 @@ from specdec.paths import home
 
 SOURCES = [Path(__file__).with_name(f) for f in ("ggml_q.c", "attention.c", "small_ops.c", "layer.c")]
 HEADERS = [
-    Path(__file__).with_name(f) for f in ("gq_matmul.h", "x16_kernels.h", "x16_avx2.h", "attention_body.h", "vec_exp.h")
+    Path(__file__).with_name(f)
+    for f in ("gq_matmul.h", "x16_kernels.h", "x16_avx2.h", "x16_amx.h", "attention_body.h", "vec_exp.h")
 ]  # included: part of the hash
 CFLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno"]
-PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512bw": 3, "avx512": 4}  # avx512bw: AVX-512 without VNNI
+# avx512bw: AVX-512 without VNNI; amx: AVX-512 VNNI and AMX-INT8 tiles for calls of many rows (the same bits as avx512)
+PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512bw": 3, "avx512": 4, "amx": 5}
 PATH_NAMES = {v: k for k, v in PATHS.items()}
 
 # GGML type ids the kernels take
@@ -270,8 +272,8 @@ def kernels_take(rows: int) -> bool:
 
 
 def best_path() -> str:
-    """The instruction set the kernels use on this CPU ('avx512' (with VNNI), 'avx512bw' (without), 'avx2', 'scalar'),
-    or 'none' without the library."""
+    """The instruction set the kernels use on this CPU ('amx' (AVX-512 VNNI with AMX tiles), 'avx512' (with VNNI),
+    'avx512bw' (without), 'avx2', 'scalar'), or 'none' without the library."""
     lib = library()
     if lib is None:
         return "none"
@@ -281,7 +283,7 @@ def best_path() -> str:
 
 
 def describe() -> str:
-    """What the GGUF kernels run on here, for stats and reports: 'kernel path avx512|avx512bw|avx2|scalar', or
+    """What the GGUF kernels run on here, for stats and reports: 'kernel path amx|avx512|avx512bw|avx2|scalar', or
     'no kernels (WHY): dequantize + matmul'."""
     path = best_path()
     if path == "none":
@@ -291,4 +293,4 @@ def describe() -> str:
 
 def runs_x16() -> bool:
     """Whether the kernels here run the x16 layout (AVX2 or AVX-512; not the scalar path)."""
-    return best_path() in ("avx512", "avx512bw", "avx2")
+    return best_path() in ("amx", "avx512", "avx512bw", "avx2")

@@ -68,8 +68,8 @@ enum { XM_E = 256, XM_BYTES = 272 };
 static const int8_t MX_KV[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 static const int8_t MX_LUT[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 /* PATH_AVX512BW: AVX-512 F/BW/VL/DQ without VNNI (the x16 kernels with vpmaddubsw + vpmaddwd; the file's layout on the
- * AVX2 row kernels); PATH_AVX512: with VNNI */
-enum { PATH_AUTO = 0, PATH_SCALAR = 1, PATH_AVX2 = 2, PATH_AVX512BW = 3, PATH_AVX512 = 4 };
+ * AVX2 row kernels); PATH_AVX512: with VNNI; PATH_AMX: with VNNI and AMX-INT8 (x16 calls of many rows: x16_amx.h) */
+enum { PATH_AUTO = 0, PATH_SCALAR = 1, PATH_AVX2 = 2, PATH_AVX512BW = 3, PATH_AVX512 = 4, PATH_AMX = 5 };
 #define RT 64 /* rows per tile: accumulators of one output for RT rows stay in L1 */
 
 static int block_elems(int type) { return (type & ~GQ_X16) == GQ_Q4_K || (type & ~GQ_X16) == GQ_Q6_K ? 256 : 32; }
@@ -888,6 +888,10 @@ T512 INL __m512i v5_dot(__m512i acc, const __m512i *w, const int32_t *a, int K, 
 #define X16_DOT v5_dot_vnni
 #define X16_SIGNED_Q8 0
 #include "x16_kernels.h"
+#if defined(__linux__) && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#define GQ_AMX 1
+#include "x16_amx.h"
+#endif
 #define X16_T T512 /* AVX-512 without VNNI */
 #define X16_FN(name) kx16_bw_##name
 #define V(op) v5_##op
@@ -919,14 +923,31 @@ int gq_best_path(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-        __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-        return __builtin_cpu_supports("avx512vnni") ? PATH_AVX512 : PATH_AVX512BW;
+        __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+        if (!__builtin_cpu_supports("avx512vnni")) return PATH_AVX512BW;
+#ifdef GQ_AMX
+        if (amx_usable()) return PATH_AMX;
+#endif
+        return PATH_AVX512;
+    }
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
         return PATH_AVX2;
 #endif
     return PATH_SCALAR;
 }
 
+
+#ifdef GQ_X86
+typedef void (*x16_kernel_t)(int, const uint8_t *, const act_t *, int64_t, int, float *, int64_t, int64_t, int64_t, int);
+/* The x16 kernel with VNNI for a call of nr rows of `type`: AMX where it pays (x16_amx.h), the same bits */
+static x16_kernel_t x16_kernel_512(int path, int type, int nr) {
+#ifdef GQ_AMX
+    if (path == PATH_AMX && nr >= AMX_ROWS && type != GQ_X16 + GQ_Q6_K) return kx16_amx_run;
+#endif
+    (void)path, (void)type, (void)nr;
+    return kx16_vnni_matmul;
+}
+#endif
 
 #define MAXPARTS 64
 #define ROW_GROUP 128 /* rows through every task at a time: a group's activations (x 2048 bytes) stay in L2 */
@@ -942,7 +963,7 @@ static void gq_task(int type, const uint8_t *W, int64_t rb, const act_t *A, int6
     /* the file's layout has AVX-512 kernels with VNNI only, and none for Q4_1: the AVX2 row kernel serves the rest;
      * MXFP4 has the scalar kernel there (its outputs a multiple of 16, the loader repacks it to x16) */
     if (type == GQ_MXFP4) path = PATH_SCALAR;
-    const int p512 = path == PATH_AVX512 && (type & ~GQ_X16) != GQ_Q4_1;
+    const int p512 = path >= PATH_AVX512 && (type & ~GQ_X16) != GQ_Q4_1;
 #ifdef GQ_X86
     if (type & GQ_X16) {
         /* Few rows: each group of 16 outputs from its first chunk to its last, so a thread reads its stretch of the
@@ -954,7 +975,7 @@ static void gq_task(int type, const uint8_t *W, int64_t rb, const act_t *A, int6
             const int64_t b1 = b0 + kc < nbk ? b0 + kc : nbk;
             for (int64_t r0 = g0; r0 < g1; r0 += RT) {
                 const int nr = (int)(g1 - r0 < RT ? g1 - r0 : RT);
-                (path == PATH_AVX512 ? kx16_vnni_matmul : path == PATH_AVX512BW ? kx16_bw_matmul : kx16_avx2_matmul)(
+                (path >= PATH_AVX512 ? x16_kernel_512(path, type, nr) : path == PATH_AVX512BW ? kx16_bw_matmul : kx16_avx2_matmul)(
                     type, W + o * rb, A, r0, nr, yp + r0 * ystride + o, ystride, b0, b1, b0 > 0);
             }
         }
