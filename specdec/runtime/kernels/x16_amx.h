@@ -3,7 +3,8 @@
  * saturation) gives the same int32 sums as vpdpbusd, and the float steps after them are x16_kernels.h's, in the
  * same order: every row gets the bits of the VNNI kernel, at any row count, so which of the two serves a call does
  * not change a result (tests/test_gguf_kernels.py). What changes is speed at many rows: one tile instruction does
- * 16 rows x 16 outputs x 32 inputs (an 800-token prefill of the 1.5B target's Q4_K_M file: 1.05x, below).
+ * 16 rows x 16 outputs x 32 inputs: the kernels' time below; an 800-token prefill of the 1.5B target's Q4_K_M file,
+ * both paths alternated in one process, took avx512/amx 1.05x and 0.94-1.05x (medians and pairs: within noise).
  *
  * Tiles (amx_config): sums, activations and a group's quants (8 lines of 16 outputs x 4 inputs: the x16 layout's
  * lines as they are), for 16 rows of a call and its last rows. Linux asks each process to request the tile state
