@@ -4,7 +4,7 @@
  * same order: every row gets the bits of the VNNI kernel, at any row count, so which of the two serves a call does
  * not change a result (tests/test_gguf_kernels.py). What changes is speed at many rows: one tile instruction does
  * 16 rows x 16 outputs x 32 inputs: the kernels' time below; an 800-token prefill of the 1.5B target's Q4_K_M file,
- * both paths alternated in one process, took avx512/amx 1.05x and 0.94-1.05x (medians and pairs: within noise).
+ * both paths alternated in one process (5 pairs), took avx512/amx 1.02x by medians, 1.17x pairwise.
  *
  * Tiles (amx_config): sums, activations and a group's quants (8 lines of 16 outputs x 4 inputs: the x16 layout's
  * lines as they are), for 16 rows of a call and its last rows. Linux asks each process to request the tile state
@@ -18,9 +18,10 @@
 #define T512A __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")))
 /* Calls of fewer rows, and Q6_K (16-input groups: as many float steps per group as Q4_K's 32-input ones, and half
  * the dot), keep the VNNI kernel, with the same bits. Time with AMX over VNNI (python scripts/bench_kernels.py
- * --paths amx,avx512, 1536x8960 and 8960x1536, 2 threads, Intel Xeon with AMX, 4 tables): Q6_K 1.1-1.5x; Q4_K
- * 1.04-1.12x at 16 rows, 0.94-0.99x at 64, 0.82-0.89x at 128 and 512; Q8_0 and Q5_0 0.8-1.2x at 16 rows, 0.67-0.85x
- * at 64, 0.59-0.75x at 512. The float steps after the dots, the same as VNNI's, bound it. */
+ * --paths amx,avx512, 1536x8960 and 8960x1536, 2 threads, Intel Xeon with AMX): Q6_K 1.1-1.5x; Q4_K 1.04-1.12x at 16
+ * rows; with the activations in tiles (act_t.t), Q4_K 0.81-0.89x at 64 rows, 0.76-0.86x at 128 and 512, Q8_0 and
+ * Q5_0 0.67-0.77x at 128, 0.52-0.71x at 512. The tile sequence is most of it (scripts/ab_kernels.py with the tile
+ * dots or the float steps left out: 2/3 and 2/5 of the time), the tile stores a quarter. */
 #define AMX_ROWS 32
 
 typedef struct {
@@ -50,18 +51,20 @@ T512A static void amx_config(int nr) {
 }
 
 /* isum[x][r] (16 outputs) = the integer dots of two groups' quants (lines, group x at lines + 8 x: 8 lines, line i's
- * dword t = inputs 4i .. 4i + 3 of output t) with rows [0, nr) of a[x] (rows `in` bytes apart, 32 bytes each). The
- * groups take two sets of tiles (0-2, 5-7), so one group's dots overlap the other's loads. */
+ * dword t = inputs 4i .. 4i + 3 of output t) with rows [0, nr) of a[x] (32 bytes each, rows `stride` bytes apart,
+ * tiles of 16 rows `in` x 16 bytes apart: amx_rows). The groups take two sets of tiles (0-2, 5-7), so one group's
+ * dots overlap the other's loads. */
 /* sums in tile C = rows of src (tile T, `in` bytes apart) . the quants in tile B, stored at dst (tile numbers are
  * constants of the instructions) */
 #define AMX_DOT(C, T, B, src, dst)                                                                                     \
     do {                                                                                                               \
         _tile_zero(C);                                                                                                 \
-        _tile_loadd(T, src, in);                                                                                       \
+        _tile_loadd(T, src, stride);                                                                                   \
         _tile_dpbsud(C, T, B);                                                                                         \
         _tile_stored(C, dst, 64);                                                                                      \
     } while (0)
-T512A INL void amx_dots(const __m512i *lines, const int8_t *const *a, int64_t in, int nr, int32_t (*isum)[RT][16]) {
+T512A INL void amx_dots(const __m512i *lines, const int8_t *const *a, int64_t in, int64_t stride, int nr,
+                        int32_t (*isum)[RT][16]) {
     _tile_loadd(2, lines, 64);
     _tile_loadd(7, lines + 8, 64);
     int r = 0;
@@ -75,6 +78,11 @@ T512A INL void amx_dots(const __m512i *lines, const int8_t *const *a, int64_t in
     }
 }
 #undef AMX_DOT
+
+/* Where amx_dots finds input group g (32 inputs) of row r0 (a multiple of 16): in A's tiles, else in its rows */
+T512A INL const int8_t *amx_rows(const act_t *A, int64_t r0, int64_t g) {
+    return A->t ? A->t + r0 * A->in + 512 * g : A->q + r0 * A->in + 32 * g;
+}
 
 /* y[r] (16 outputs, rows ystride apart) = acc[r], or += where accum */
 T512A INL void amx_store(const __m512 *acc, int nr, float *y, int64_t ystride, int accum) {
@@ -94,7 +102,6 @@ T512A static void kx16_amx_kquant(int type, const uint8_t *W, const act_t *A, in
     for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = b0; b < b1; b++) {
         const uint8_t *P = W + b * X4_BYTES;
-        const int8_t *ab = A->q + r0 * in + b * 256;
         __m512 dv, mv;
         kx16_vnni_kq_dm(0, P, &dv, &mv);
         for (int r = 0; r < nr; r++) bacc[r] = _mm512_setzero_ps();
@@ -104,8 +111,8 @@ T512A static void kx16_amx_kquant(int type, const uint8_t *W, const act_t *A, in
                 __m512i w[2][8], lines[16];
                 kx16_vnni_kq_step(0, P, step + 1, g[n], w);
                 for (int i = 0; i < 8; i++) lines[i] = w[0][i], lines[8 + i] = w[1][i];
-                const int8_t *a[2] = {ab + 32 * g[n][0], ab + 32 * g[n][1]};
-                amx_dots(lines, a, in, nr, isum[n]);
+                const int8_t *a[2] = {amx_rows(A, r0, 8 * b + g[n][0]), amx_rows(A, r0, 8 * b + g[n][1])};
+                amx_dots(lines, a, in, A->t ? 32 : in, nr, isum[n]);
             }
             if (step < 0) continue;
             const int c = step & 1;
@@ -140,8 +147,8 @@ T512A static void kx16_amx_b32(int type, const uint8_t *W, const act_t *A, int64
             const int64_t b2 = b + 3 < b1 ? b + 3 : b + 2; /* an odd count: the last block twice, its copy unused */
             kx16_vnni_b32_block(type, W + (b + 2) * sb, lines, neg, &dv[n][0], &ov[n][0]);
             kx16_vnni_b32_block(type, W + b2 * sb, lines + 8, neg, &dv[n][1], &ov[n][1]);
-            const int8_t *a[2] = {A->q + r0 * in + (b + 2) * 32, A->q + r0 * in + b2 * 32};
-            amx_dots(lines, a, in, nr, isum[n]);
+            const int8_t *a[2] = {amx_rows(A, r0, b + 2), amx_rows(A, r0, b2)};
+            amx_dots(lines, a, in, A->t ? 32 : in, nr, isum[n]);
         }
         if (b < b0) continue;
         const int c = ((b - b0) / 2) & 1, nb = b + 1 < b1 ? 2 : 1;
