@@ -50,11 +50,7 @@ T512A static void amx_config(int nr) {
     _tile_loadconfig(&c);
 }
 
-/* isum[x][r] (16 outputs) = the integer dots of two groups' quants (lines, group x at lines + 8 x: 8 lines, line i's
- * dword t = inputs 4i .. 4i + 3 of output t) with rows [0, nr) of a[x] (32 bytes each, rows `stride` bytes apart,
- * tiles of 16 rows `in` x 16 bytes apart: amx_rows). The groups take two sets of tiles (0-2, 5-7), so one group's
- * dots overlap the other's loads. */
-/* sums in tile C = rows of src (tile T, `in` bytes apart) . the quants in tile B, stored at dst (tile numbers are
+/* sums in tile C = rows of src (tile T, `stride` bytes apart) . the quants in tile B, stored at dst (tile numbers are
  * constants of the instructions) */
 #define AMX_DOT(C, T, B, src, dst)                                                                                     \
     do {                                                                                                               \
@@ -63,6 +59,10 @@ T512A static void amx_config(int nr) {
         _tile_dpbsud(C, T, B);                                                                                         \
         _tile_stored(C, dst, 64);                                                                                      \
     } while (0)
+/* isum[x][r] (16 outputs) = the integer dots of two groups' quants (lines, group x at lines + 8 x: 8 lines, line i's
+ * dword t = inputs 4i .. 4i + 3 of output t) with rows [0, nr) of a[x] (32 bytes each, rows `stride` bytes apart,
+ * tiles of 16 rows `in` x 16 bytes apart: amx_rows). The groups take two sets of tiles (0-2, 5-7), so one group's
+ * dots overlap the other's loads. */
 T512A INL void amx_dots(const __m512i *lines, const int8_t *const *a, int64_t in, int64_t stride, int nr,
                         int32_t (*isum)[RT][16]) {
     _tile_loadd(2, lines, 64);
