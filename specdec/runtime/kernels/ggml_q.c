@@ -941,13 +941,14 @@ int gq_best_path(void) {
 
 #ifdef GQ_X86
 typedef void (*x16_kernel_t)(int, const uint8_t *, const act_t *, int64_t, int, float *, int64_t, int64_t, int64_t, int);
-/* The x16 kernel with VNNI for a call of nr rows of `type`: AMX where it pays (x16_amx.h), the same bits */
-static x16_kernel_t x16_kernel_512(int path, int type, int nr) {
+/* The x16 kernel of `path` for a call of nr rows of `type`: on the AMX path, AMX where it pays (x16_amx.h: not Q6_K,
+ * from AMX_ROWS rows), else VNNI, with the same bits */
+static x16_kernel_t x16_kernel(int path, int type, int nr) {
 #ifdef GQ_AMX
     if (path == PATH_AMX && nr >= AMX_ROWS && type != GQ_X16 + GQ_Q6_K) return kx16_amx_run;
 #endif
-    (void)path, (void)type, (void)nr;
-    return kx16_vnni_matmul;
+    (void)type, (void)nr;
+    return path >= PATH_AVX512 ? kx16_vnni_matmul : path == PATH_AVX512BW ? kx16_bw_matmul : kx16_avx2_matmul;
 }
 #endif
 
@@ -977,8 +978,7 @@ static void gq_task(int type, const uint8_t *W, int64_t rb, const act_t *A, int6
             const int64_t b1 = b0 + kc < nbk ? b0 + kc : nbk;
             for (int64_t r0 = g0; r0 < g1; r0 += RT) {
                 const int nr = (int)(g1 - r0 < RT ? g1 - r0 : RT);
-                (path >= PATH_AVX512 ? x16_kernel_512(path, type, nr) : path == PATH_AVX512BW ? kx16_bw_matmul : kx16_avx2_matmul)(
-                    type, W + o * rb, A, r0, nr, yp + r0 * ystride + o, ystride, b0, b1, b0 > 0);
+                x16_kernel(path, type, nr)(type, W + o * rb, A, r0, nr, yp + r0 * ystride + o, ystride, b0, b1, b0 > 0);
             }
         }
         return;
@@ -1042,7 +1042,7 @@ static int job_acts(int n, const gq_job_t *J, int64_t in, int path, act_t *acts,
         const int with_p = S == 16 && path == PATH_AVX2; /* only the AVX2 x16 kernel reads it */
         A->p = with_p ? (int32_t *)malloc(sizeof(int32_t) * (size_t)(rows * (in / 16)) + 64) : NULL;
 #ifdef GQ_AMX
-        const int with_t = path == PATH_AMX && rows >= AMX_ROWS && in % 32 == 0;
+        const int with_t = path == PATH_AMX && rows >= AMX_ROWS && S == 32; /* S 16: Q6_K, which AMX does not take */
 #else
         const int with_t = 0;
 #endif
